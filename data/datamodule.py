@@ -1,0 +1,116 @@
+"""The DataModule: prompts -> (self-distilled) token ids + assistant-only loss masks -> padded batches."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import datasets
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from data.prompts import load_conversations
+from data.selfdistill import build_selfdistill, build_sharegpt, check_has_targets
+from models.errors import UserError
+from models.verifier import Verifier
+
+MODES = ("selfdistill", "sharegpt")
+
+
+def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of examples into (B, T) tensors; padding has attention 0 and loss 0."""
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(r["input_ids"])
+        attention[i, :n] = 1
+        loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
+    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+class DistillDataModule(L.LightningDataModule):
+    """Training data for a drafter of `verifier`.
+
+    Args:
+        mode: `selfdistill` (the verifier answers the prompts) or `sharegpt` (train on the conversations as given).
+        source: `builtin` (its train split), a prompt/conversation file, or a saved `datasets` directory.
+        limit: use the first `limit` conversations.
+        min_shift: the smallest target offset the drafter learns (2 for Medusa head 1), to check there is something
+            to learn after masking.
+    """
+
+    def __init__(
+        self,
+        verifier: Verifier,
+        cache_dir: str,
+        mode: str = "selfdistill",
+        source: str = "builtin",
+        limit: int | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        gen_batch_size: int = 32,
+        max_length: int = 1024,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        num_workers: int = 0,
+        min_shift: int = 2,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise UserError(f"data.mode={mode!r} is not one of {MODES}.")
+        self.verifier = verifier
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.mode, self.source, self.limit = mode, source, limit
+        self.max_new_tokens, self.temperature, self.gen_batch_size = max_new_tokens, temperature, gen_batch_size
+        self.max_length, self.batch_size, self.val_fraction = max_length, batch_size, val_fraction
+        self.seed, self.num_workers, self.min_shift = seed, num_workers, min_shift
+        self.train_set: datasets.Dataset | None = None
+        self.val_set: datasets.Dataset | None = None
+
+    def build(self) -> datasets.Dataset:
+        """The full tokenised dataset (generated and cached on first use for self-distillation)."""
+        convs = load_conversations(self.source, split="train", limit=self.limit)
+        if self.mode == "sharegpt":
+            return build_sharegpt(self.verifier, convs, self.max_length)
+        return build_selfdistill(
+            self.verifier, convs, self.cache_dir, self.max_new_tokens, self.temperature,
+            self.gen_batch_size, self.seed, self.max_length,
+        )
+
+    def prepare_data(self) -> None:
+        if self.mode == "selfdistill":
+            self.build()  # rank 0 generates and caches; setup() on every rank reads the cache
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        ds = self.build()
+        check_has_targets(ds, self.min_shift, self.source)
+        if len(ds) < 2:
+            raise UserError(f"data from {self.source!r} has {len(ds)} conversation(s); need at least 2 for a "
+                            f"train/val split.")
+        n_val = max(1, round(len(ds) * self.val_fraction))
+        split = ds.train_test_split(test_size=n_val, seed=self.seed)
+        self.train_set, self.val_set = split["train"], split["test"]
+        n_tokens = sum(sum(m) for m in self.train_set["loss_mask"])
+        print(f"[data] {len(self.train_set)} train / {len(self.val_set)} val conversations, "
+              f"{n_tokens} assistant tokens to learn from")
+
+    def _loader(self, ds: datasets.Dataset, shuffle: bool) -> DataLoader:
+        pad = self.verifier.tokenizer.pad_token_id
+        return DataLoader(
+            ds.with_format("python"), batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+            collate_fn=partial(collate, pad_id=pad),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)

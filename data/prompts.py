@@ -1,0 +1,123 @@
+"""Prompt sources: the built-in set, MT-bench / Spec-Bench `question.jsonl`, ShareGPT JSON/JSONL, plain JSONL with a
+`prompt` field, and a local `datasets` dataset saved with `save_to_disk`.
+
+Each source becomes a list of `Conversation`s: an id, a category, and a list of chat messages. A prompt-only source
+has user turns only (self-distillation fills in the answers); ShareGPT keeps its assistant turns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models.errors import UserError
+
+BUILTIN_PATH = Path(__file__).parent / "prompts" / "builtin.jsonl"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "bard": "assistant", "bing": "assistant", "system": "system"}
+
+
+@dataclass
+class Conversation:
+    id: str
+    category: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def user_turns(self) -> list[str]:
+        return [m["content"] for m in self.messages if m["role"] == "user"]
+
+
+def _read_json_records(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise UserError(f"prompt file {str(path)!r} is empty. Give a file with at least one prompt.")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"prompt file {str(path)!r} is not valid JSON: {e}.") from e
+        if not isinstance(data, list):
+            raise UserError(f"prompt file {str(path)!r}: expected a JSON list of records, got {type(data).__name__}.")
+        return data
+    records = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise UserError(f"prompt file {str(path)!r}, line {lineno}: not valid JSON ({e}). Fix or remove that line.") from e
+    return records
+
+
+def _from_record(rec: Any, index: int, where: str) -> Conversation:
+    """One record in any supported form -> Conversation."""
+    if not isinstance(rec, dict):
+        raise UserError(f"{where}, record {index}: expected a JSON object, got {type(rec).__name__}.")
+    rid = str(rec.get("question_id", rec.get("id", rec.get("task_id", index))))
+    category = str(rec.get("category", "default"))
+    if "turns" in rec:  # MT-bench / Spec-Bench question.jsonl
+        turns = rec["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise UserError(f"{where}, record {index}: `turns` must be a non-empty list of non-empty strings.")
+        return Conversation(rid, category, [{"role": "user", "content": t} for t in turns])
+    if "conversations" in rec:  # ShareGPT
+        msgs = []
+        for turn in rec["conversations"]:
+            role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
+            if role is None:
+                raise UserError(f"{where}, record {index}: unknown ShareGPT speaker {turn.get('from')!r}; "
+                                f"expected one of {sorted(SHAREGPT_ROLES)}.")
+            msgs.append({"role": role, "content": str(turn.get("value", ""))})
+        if not any(m["role"] == "user" for m in msgs):
+            raise UserError(f"{where}, record {index}: the conversation has no human turn.")
+        return Conversation(rid, category, msgs)
+    if "messages" in rec:  # OpenAI-style chat records
+        return Conversation(rid, category, [{"role": m["role"], "content": m["content"]} for m in rec["messages"]])
+    for key in ("prompt", "instruction", "question"):
+        if key in rec and isinstance(rec[key], str) and rec[key].strip():
+            return Conversation(rid, category, [{"role": "user", "content": rec[key]}])
+    raise UserError(
+        f"{where}, record {index}: no prompt found (keys: {sorted(rec)}). Expected `turns` (MT-bench question.jsonl), "
+        f"`conversations` (ShareGPT), `messages`, or a `prompt` string."
+    )
+
+
+def load_conversations(source: str, split: str | None = "train", limit: int | None = None) -> list[Conversation]:
+    """Read a prompt source.
+
+    Args:
+        source: `builtin`, a `.jsonl`/`.json` file, or a directory written by `datasets.Dataset.save_to_disk`.
+        split: for the built-in set, `train` or `eval` (the fixed evaluation split never used for training),
+            or None for both. Ignored for other sources.
+        limit: keep the first `limit` conversations.
+    """
+    if source == "builtin":
+        records = _read_json_records(BUILTIN_PATH)
+        if split is not None:
+            records = [r for r in records if r.get("split") == split]
+        where = f"built-in prompt set ({split})"
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise UserError(f"prompt source {source!r} does not exist. Use `builtin`, a .jsonl/.json file, or a "
+                            f"`datasets` directory saved with save_to_disk.")
+        if path.is_dir():
+            import datasets
+
+            try:
+                records = list(datasets.load_from_disk(str(path)))
+            except FileNotFoundError as e:
+                raise UserError(f"{source!r} is a directory but not a saved `datasets` dataset ({e}).") from e
+        else:
+            records = _read_json_records(path)
+        where = f"prompt file {source!r}"
+    convs = [_from_record(rec, i, where) for i, rec in enumerate(records)]
+    if limit is not None:
+        convs = convs[:limit]
+    if not convs:
+        raise UserError(f"{where} holds no prompts. Give a source with at least one prompt.")
+    return convs

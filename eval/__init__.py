@@ -1,0 +1,1 @@
+"""How drafters are used: drafters, tree buffers, KV cache, acceptance rules, the decode loop, the harness."""

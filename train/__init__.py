@@ -1,0 +1,1 @@
+"""How drafters learn: LightningModules, callbacks, export to the on-disk formats."""

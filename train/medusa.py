@@ -1,0 +1,149 @@
+"""MedusaModule: trains Medusa heads on the frozen verifier's last hidden states.
+
+Loss = sum_k decay^(k-1) * CE(head k logits at t, token t+k+1), over positions whose target is an assistant token.
+Logged per head: loss, top-1 and top-5 accuracy; the full top-1..top-10 table of the last validation is written into
+the export, where tree construction at decode time reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.errors import NonFiniteLossError
+from models.medusa import MedusaHeads, medusa_targets, save_medusa_export
+from models.verifier import Verifier
+
+TOPK = 10  # accuracies recorded for tree construction: top-1 .. top-10 per head
+
+
+class MedusaModule(L.LightningModule):
+    """Args:
+        verifier: the frozen M_q, held by reference (never in checkpoints or hyperparameters).
+        num_heads: K, the number of heads (head k predicts token t+k+1).
+        num_layers: residual blocks per head.
+        share_lm_head: reuse the verifier's frozen lm_head (default; cheap on CPU) or give each head its own
+            projection initialised from it.
+        optimizer: partial torch optimizer (`_partial_: true`).
+        scheduler: partial LR schedule taking (optimizer, num_warmup_steps, num_training_steps), or None.
+        decay: head k's loss weight is decay^(k-1), as in the Medusa reference.
+        warmup_ratio: fraction of the optimisation steps spent in linear warmup.
+    """
+
+    def __init__(
+        self,
+        verifier: Verifier,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        decay: float = 0.8,
+        warmup_ratio: float = 0.05,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        share_lm_head: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["verifier"], logger=False)
+        self.verifier = verifier
+        self.heads = MedusaHeads(
+            verifier.hidden_size, verifier.vocab_size, num_heads, num_layers, share_lm_head,
+            lm_head_init=None if share_lm_head else verifier.lm_head.weight.detach().float(),
+        )
+        self.topk_accuracy: list[list[float]] | None = None
+        self._val_hits: Tensor | None = None
+        self._tick: float | None = None
+
+    # -- the shared step -------------------------------------------------------------------------------------------
+    def model_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
+        """Returns (loss, per-head losses, per-head top-1..top-10 hit counts (K, TOPK), per-head counts (K,))."""
+        if self.verifier.device != self.device:
+            self.verifier.to(self.device)
+        hidden = self.verifier.hidden_states(batch["input_ids"], batch["attention_mask"])  # (B, T, D), no grad
+        lm_head = self.verifier.lm_head
+        K = self.heads.num_heads
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        head_losses, hits, counts = [], [], []
+        for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], K)):
+            tgt = targets[valid]  # (N,)
+            logits = self.heads.head_logits(hidden[valid], k, lm_head).float()  # (N, V): only assistant targets
+            ce = F.cross_entropy(logits, tgt) if tgt.numel() else logits.sum() * 0.0
+            loss = loss + self.hparams.decay**k * ce
+            head_losses.append(ce.detach())
+            with torch.no_grad():
+                top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices  # (N, TOPK)
+                hit_at = (top == tgt[:, None]).float().sum(0).cumsum(0)  # hits within top-1..top-TOPK
+                hits.append(hit_at)
+                counts.append(torch.tensor(float(tgt.numel()), device=self.device))
+        return loss, head_losses, torch.stack(hits), torch.stack(counts)
+
+    def _log_heads(self, stage: str, head_losses: list[Tensor], hits: Tensor, counts: Tensor, bsz: int) -> None:
+        for k, ce in enumerate(head_losses):
+            self.log(f"{stage}/head{k + 1}_loss", ce, batch_size=bsz)
+            if stage == "train":
+                self.log(f"train/head{k + 1}_top1", hits[k, 0] / counts[k].clamp(min=1), batch_size=bsz)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, head_losses, hits, counts = self.model_step(batch)
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"training loss is {loss.item()} at step {self.global_step}. Lower model.optimizer.lr (now "
+                f"{self.optimizers().param_groups[0]['lr']:.3g}), use trainer.precision=32-true, or resume from the "
+                f"last good checkpoint with ckpt_path=last."
+            )
+        bsz = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=bsz)
+        self._log_heads("train", head_losses, hits, counts, bsz)
+        return loss
+
+    def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._tick = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
+        tokens = batch["attention_mask"].sum().item()
+        self.log("train/tokens_per_s", tokens / (time.perf_counter() - self._tick), batch_size=1)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, head_losses, hits, counts = self.model_step(batch)
+        bsz = batch["input_ids"].shape[0]
+        self.log("val/loss", loss, prog_bar=True, batch_size=bsz, sync_dist=True)
+        self._log_heads("val", head_losses, hits, counts, bsz)
+        if self._val_hits is None:
+            self._val_hits, self._val_counts = hits.new_zeros(hits.shape), counts.new_zeros(counts.shape)
+        self._val_hits += hits
+        self._val_counts += counts
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_hits is None:
+            return
+        hits = self.trainer.strategy.reduce(self._val_hits, reduce_op="sum")
+        counts = self.trainer.strategy.reduce(self._val_counts, reduce_op="sum")
+        acc = hits / counts.clamp(min=1)[:, None]  # (K, TOPK): acc[k, i] = P(target in head k+1's top-(i+1))
+        for k in range(acc.shape[0]):
+            self.log(f"val/head{k + 1}_top1", acc[k, 0])
+            self.log(f"val/head{k + 1}_top5", acc[k, min(4, acc.shape[1] - 1)])
+        if not self.trainer.sanity_checking:
+            self.topk_accuracy = acc.tolist()
+        self._val_hits = None
+
+    # -- optimisation ----------------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        opt = self.hparams.optimizer(params=[p for p in self.heads.parameters() if p.requires_grad])
+        if self.hparams.scheduler is None:
+            return opt
+        total = int(self.trainer.estimated_stepping_batches)
+        sched = self.hparams.scheduler(
+            opt, num_warmup_steps=int(self.hparams.warmup_ratio * total), num_training_steps=max(total, 1)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- export ----------------------------------------------------------------------------------------------------
+    def export(self, path: str | Path) -> Path:
+        """Write the heads in vLLM's Medusa layout, with the verifier fingerprint and per-head top-k accuracies."""
+        extra = {"medusa_topk_accuracy": self.topk_accuracy, "trained_steps": int(self.global_step)}
+        return save_medusa_export(self.heads, self.verifier, path, extra)
