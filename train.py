@@ -46,6 +46,10 @@ def run(cfg: DictConfig) -> Path:
     if logger:
         logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "verifier_fingerprint": verifier.fingerprint})
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    if trainer.checkpoint_callback is not None and not trainer.fast_dev_run:
+        # ModelCheckpoint saves every N steps; also keep the final state, so `ckpt_path=last` with a larger
+        # max_epochs / max_steps continues from where this run ended.
+        trainer.save_checkpoint(Path(cfg.output_dir) / "checkpoints" / "last.ckpt")
     if logger and hasattr(logger, "experiment") and hasattr(logger.experiment, "finish"):
         logger.experiment.finish()
     return Path(cfg.callbacks.export.dirpath)

@@ -35,8 +35,9 @@ class ResidualBlock(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=True) for _ in range(num_layers))
         self.act = nn.SiLU()
-        for layer in self.layers:
-            nn.init.zeros_(layer.weight)  # identity at start: the head begins as the verifier's own head
+        for layer in self.layers:  # x + SiLU(0) = x: a fresh head begins exactly as the verifier's own head
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self.layers:

@@ -49,8 +49,10 @@ class MedusaModule(L.LightningModule):
         share_lm_head: bool = True,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["verifier"], logger=False)
+        # Plain values only: checkpoints must load with torch.load(weights_only=True) when resuming.
+        self.save_hyperparameters(ignore=["verifier", "optimizer", "scheduler"], logger=False)
         self.verifier = verifier
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.heads = MedusaHeads(
             verifier.hidden_size, verifier.vocab_size, num_heads, num_layers, share_lm_head,
             lm_head_init=None if share_lm_head else verifier.lm_head.weight.detach().float(),
@@ -92,9 +94,8 @@ class MedusaModule(L.LightningModule):
         loss, head_losses, hits, counts = self.model_step(batch)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
-                f"training loss is {loss.item()} at step {self.global_step}. Lower model.optimizer.lr (now "
-                f"{self.optimizers().param_groups[0]['lr']:.3g}), use trainer.precision=32-true, or resume from the "
-                f"last good checkpoint with ckpt_path=last."
+                f"training loss is {loss.item()} at step {self.global_step}. Lower model.optimizer.lr, use "
+                f"trainer.precision=32-true, or resume from the last good checkpoint with ckpt_path=last."
             )
         bsz = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bsz)
@@ -133,11 +134,11 @@ class MedusaModule(L.LightningModule):
 
     # -- optimisation ----------------------------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
-        opt = self.hparams.optimizer(params=[p for p in self.heads.parameters() if p.requires_grad])
-        if self.hparams.scheduler is None:
+        opt = self.optimizer_factory(params=[p for p in self.heads.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
             return opt
         total = int(self.trainer.estimated_stepping_batches)
-        sched = self.hparams.scheduler(
+        sched = self.scheduler_factory(
             opt, num_warmup_steps=int(self.hparams.warmup_ratio * total), num_training_steps=max(total, 1)
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

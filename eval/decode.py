@@ -1,0 +1,187 @@
+"""The decode loops: plain greedy (our baseline, one token per verifier forward) and speculative decoding.
+
+Both share the cache code in eval.kv, so their difference is the drafting alone. Speculative decoding costs one
+verifier forward per round: the outputs at the last accepted node (its logits choose the next root, its hidden
+state feeds the drafter) come out of the tree forward itself, never from an extra forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from eval import kv
+from eval.accept import greedy_accept, mean_accept_length, per_position_acceptance
+from eval.drafters import Drafter
+from eval.tree import Tree, TreeBuffers, tree_buffers
+from models.errors import UserError
+from models.verifier import Verifier
+
+
+@dataclass
+class DecodeResult:
+    """tokens: (B, n) new tokens, cut at max_new_tokens and after the first EOS.
+    num_forwards: verifier forwards, the prefill included.
+    accept_lengths: (R, B) draft tokens accepted in each round, bonus excluded, as verified (the last round may
+        accept more than the cut keeps).
+    times: seconds spent in verify (verifier forwards), draft, accept, commit (KV gather), and total.
+    """
+
+    tokens: Tensor
+    num_forwards: int
+    accept_lengths: Tensor
+    max_depth: int = 0
+    times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verifier forward over the decoding rounds, bonus included (the prefill is not a round)."""
+        return mean_accept_length(self.accept_lengths)
+
+    @property
+    def alpha(self) -> Tensor:
+        """alpha_k, k = 1..max_depth: fraction of rounds whose k-th draft was accepted. (max_depth,)"""
+        return per_position_acceptance(self.accept_lengths, self.max_depth)
+
+
+class _Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.sync()  # kernels are asynchronous on a GPU: without a sync the time lands in the wrong bucket
+        start = time.perf_counter()
+        yield
+        self.sync()
+        self.totals[name] += time.perf_counter() - start
+
+
+class _Output:
+    """New tokens so far, cut exactly at max_new_tokens and right after an EOS."""
+
+    def __init__(self, max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> None:
+        self.tokens: list[int] = []
+        self.budget = max_new_tokens
+        self.eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+        self.done = max_new_tokens == 0
+
+    def extend(self, new: Tensor) -> None:
+        for token in new.flatten().tolist():
+            if self.done:
+                return
+            self.tokens.append(token)
+            self.done = len(self.tokens) >= self.budget or token in self.eos
+
+
+def _check_inputs(verifier: Verifier, input_ids: Tensor, max_new_tokens: int, tree_nodes: int) -> None:
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise UserError(f"input_ids must be (batch, length) with length >= 1; got shape {tuple(input_ids.shape)}.")
+    if input_ids.shape[0] != 1:
+        raise UserError(f"Decoding runs one sequence at a time for now; got batch size {input_ids.shape[0]}. Loop over rows.")
+    if max_new_tokens < 0:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be >= 0.")
+    kv.check_model(verifier.model, input_ids.shape[1] + max_new_tokens + tree_nodes)
+
+
+def _result(input_ids: Tensor, out: _Output, forwards: int, lengths: list[Tensor], depth: int, timer: _Timer,
+            start: float) -> DecodeResult:
+    times = {f"{k}_s": v for k, v in timer.totals.items()} | {"total_s": time.perf_counter() - start}
+    return DecodeResult(
+        tokens=torch.tensor([out.tokens], dtype=input_ids.dtype, device=input_ids.device),  # (1, n)
+        num_forwards=forwards,
+        accept_lengths=torch.stack(lengths) if lengths else torch.zeros(0, 1, dtype=torch.long),  # (R, B)
+        max_depth=depth,
+        times=times,
+    )
+
+
+@torch.no_grad()
+def greedy_decode(
+    verifier: Verifier, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None
+) -> DecodeResult:
+    """Plain greedy decoding, one verifier forward per token, through the same cache code as speculative_decode."""
+    _check_inputs(verifier, input_ids, max_new_tokens, 1)
+    start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
+    cache, forwards, lengths = kv.new_cache(), 0, []
+    token = input_ids
+    while not out.done:
+        # 1. One forward over the new token (the whole prompt the first time); 2. its argmax is the next token.
+        with timer("verify"):
+            step = kv.forward(verifier.model, cache, token)
+        forwards += 1
+        token = step.logits[:, -1:].argmax(dim=-1)  # (B, 1)
+        if forwards > 1:
+            lengths.append(torch.zeros(token.shape[0], dtype=torch.long, device=token.device))
+        out.extend(token)
+    return _result(input_ids, out, forwards, lengths, 0, timer, start)
+
+
+@torch.no_grad()
+def speculative_decode(
+    verifier: Verifier,
+    drafter: Drafter,
+    tree: Tree,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> DecodeResult:
+    """Greedy speculative decoding with any drafter over a chain or tree: token for token the output of plain
+    greedy decoding with the verifier, in fewer verifier forwards when the drafts are good."""
+    _check_inputs(verifier, input_ids, max_new_tokens, tree.num_nodes)
+    start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
+    model, cache, lengths = verifier.model, kv.new_cache(), []
+    buffers: dict[Tree, TreeBuffers] = {}
+
+    # 1. Prefill: one forward over the prompt. Its last logits give the first root; its hidden states feed the drafter.
+    with timer("verify"):
+        step = kv.forward(model, cache, input_ids)
+    forwards = 1
+    root = step.logits[:, -1].argmax(dim=-1)  # (B,)
+    hidden, logits = step.hidden, step.logits[:, -1]  # (B, T, D), (B, V)
+    sequence = torch.cat([input_ids, root[:, None]], dim=1)  # (B, T+1); the root is not in the cache yet
+    out.extend(root)
+
+    while not out.done:
+        # 2. Draft: the drafter fills the tree under the root from the verifier's latest outputs.
+        with timer("draft"):
+            draft = drafter.propose(sequence, hidden, logits, tree)
+        if draft.tree not in buffers:
+            buffers[draft.tree] = tree_buffers(draft.tree, device=input_ids.device)
+        buf = buffers[draft.tree]
+        prefix_len = kv.cache_length(cache)
+
+        # 3. Verify: one forward over all nodes, each seeing the cached prefix and its own ancestors.
+        with timer("verify"):
+            step = kv.forward(model, cache, draft.tokens, buf.positions, buf.mask)  # logits (B, N, V)
+        forwards += 1
+
+        # 4. Accept the longest path that matches the verifier's argmax; the verifier adds one token after it.
+        with timer("accept"):
+            acc = greedy_accept(buf.retrieve, draft.tokens, step.logits)
+            num = int(acc.num_accepted[0])
+            nodes = buf.retrieve[acc.path, : num + 1]  # (B, 1+A): root, then the accepted drafts
+            lengths.append(acc.num_accepted)
+
+        # 5. Commit: the cache keeps the root and the accepted drafts, contiguous after the prefix.
+        with timer("commit"):
+            kv.commit(cache, prefix_len, nodes)
+
+        # 6. Emit the accepted drafts and the verifier's next token, which becomes the next root.
+        new = torch.cat([draft.tokens[:, nodes[0, 1:]], acc.next_token[:, None]], dim=1)  # (B, A+1)
+        sequence = torch.cat([sequence, new], dim=1)
+        out.extend(new)
+
+        # 7. Reuse this forward's outputs at the accepted nodes for the next round, and tell the drafter.
+        hidden = step.hidden[:, nodes[0]]  # (B, 1+A, D)
+        logits = step.logits[:, acc.last_node[0]]  # (B, V)
+        drafter.accepted(acc.num_accepted, nodes)
+
+    return _result(input_ids, out, forwards, lengths, tree.max_depth, timer, start)

@@ -1,0 +1,59 @@
+"""Every option of every config group composes and resolves; bad keys are refused with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from conftest import ROOT, compose_train
+
+# Options that need a value the user must give.
+REQUIRED = {"verifier=hf": ["verifier.path=some/model"], "data=sharegpt": ["data.source=conv.json"]}
+
+
+def group_options() -> list[str]:
+    """`group=option` for every yaml file under conf/<group>/ (recursively)."""
+    out = []
+    for path in sorted((ROOT / "conf").rglob("*.yaml")):
+        rel = path.relative_to(ROOT / "conf")
+        if len(rel.parts) > 1:
+            out.append(f"{'/'.join(rel.parts[:-1])}={rel.stem}")
+    return out
+
+
+def test_every_group_has_options():
+    groups = {o.split("=")[0] for o in group_options()}
+    assert {"verifier", "data", "model", "trainer", "logger", "experiment"} <= groups
+
+
+@pytest.mark.parametrize("override", group_options())
+def test_compose_every_option(override, tmp_path):
+    cfg = compose_train([override, *REQUIRED.get(override, [])], tmp_path)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("verifier", "data", "model", "trainer", "callbacks", "seed"):
+        assert key in resolved
+    assert resolved["model"]["_target_"] == "train.medusa.MedusaModule"
+
+
+def test_experiments_pin_names(tmp_path):
+    assert compose_train(["experiment=smoke"], tmp_path).name == "smoke"
+    assert compose_train(["experiment=cpu_full"], tmp_path).name == "cpu_full"
+    assert compose_train([], tmp_path).name == "medusa-smollm2"
+
+
+def test_unknown_key_is_refused(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="decya"):
+        compose_train(["model.decya=0.5"], tmp_path)
+
+
+def test_unknown_key_on_the_command_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "train.py", "model.decya=0.5", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "model.decya" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,129 @@
+"""Training end to end on the tiny verifier (in-process), the real command line, resume, W&B files, NaN handling."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, compose_train
+from models.errors import NonFiniteLossError
+from models.medusa import load_medusa_export
+
+TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
+        "data.val_fraction=0.25"]
+
+
+def _metrics(output_dir: Path) -> list[dict[str, str]]:
+    rows = []
+    for path in sorted((output_dir / "csv").glob("version_*/metrics.csv")):
+        with open(path) as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def _series(rows: list[dict[str, str]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r.get(key)]
+
+
+def test_fast_dev_run_exports_loadable_heads(train_script, tmp_path, tiny):
+    cfg = compose_train([*TINY, "model=medusa", "logger=csv", "+trainer.fast_dev_run=true"], tmp_path)
+    export = train_script.run(cfg)
+    heads, lm_head, config = load_medusa_export(export, tiny)
+    assert heads.num_heads == 4 and config["verifier_fingerprint"] == tiny.fingerprint
+
+
+def test_loss_goes_down_when_overfitting(train_script, tmp_path):
+    cfg = compose_train([*TINY, "logger=csv", "trainer.max_epochs=12", "trainer.log_every_n_steps=1",
+                         "model.optimizer.lr=3e-2", "model.warmup_ratio=0.0", "data.val_fraction=0.1"], tmp_path)
+    export = train_script.run(cfg)
+    losses = _series(_metrics(tmp_path), "train/loss")
+    assert len(losses) >= 20
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.7 * first, (first, last)
+    # Validation accuracies per head were logged and written into the export for tree construction.
+    config = json.loads((export / "config.json").read_text())
+    table = config["medusa_topk_accuracy"]
+    assert len(table) == 4 and all(len(row) == 10 and row == sorted(row) for row in table)
+
+
+def test_resume_from_last_checkpoint(train_script, tmp_path):
+    common = [*TINY, "logger=csv", "trainer.log_every_n_steps=1", "callbacks.checkpoint.every_n_train_steps=2",
+              "trainer.max_epochs=20"]
+    train_script.run(compose_train([*common, "trainer.max_steps=4"], tmp_path))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 4
+    state = torch.load(last, weights_only=False)["state_dict"]
+    assert all(k.startswith("heads.") for k in state)  # the frozen verifier is never in a checkpoint
+    train_script.run(compose_train([*common, "trainer.max_steps=7", "ckpt_path=last"], tmp_path))
+    assert torch.load(last, weights_only=False)["global_step"] == 7
+    resumed_steps = [int(r["step"]) for r in _metrics(tmp_path) if r.get("train/loss")]
+    assert sorted(resumed_steps) == list(range(7))  # steps 0-3 from the first run, 4-6 resumed, none repeated
+
+
+def test_resume_without_a_checkpoint_is_refused(train_script, tmp_path):
+    from models.errors import UserError
+
+    with pytest.raises(UserError, match="ckpt_path=last: no checkpoint"):
+        train_script.run(compose_train([*TINY, "ckpt_path=last"], tmp_path))
+
+
+def test_nan_loss_stops_with_a_message(tiny):
+    from hydra.utils import instantiate
+
+    from data.datamodule import collate
+
+    cfg = compose_train(["verifier=tiny"])
+    module = instantiate(cfg.model, verifier=tiny)
+    with torch.no_grad():
+        module.heads.blocks[0].layers[0].bias.fill_(float("nan"))
+    ids = list(range(100, 120))
+    batch = collate([{"input_ids": ids, "loss_mask": [0] * 5 + [1] * 15}], pad_id=0)
+    with pytest.raises(NonFiniteLossError, match="model.optimizer.lr"):
+        module.training_step(batch, 0)
+
+
+def test_wandb_offline_run_holds_the_metrics(train_script, tmp_path):
+    cfg = compose_train([*TINY, "logger=wandb", "logger.mode=offline", "trainer.max_steps=3",
+                         "trainer.log_every_n_steps=1"], tmp_path)
+    train_script.run(cfg)
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    proc = subprocess.run(["wandb", "leet", "inspect", "--json", str(run_file)], capture_output=True, text=True,
+                          timeout=120)
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    history = [r["history"]["item"] for r in records if r.get("type") == "history"]
+    logged = set().union(*history)
+    assert {"train/loss", "train/head1_loss", "train/head1_top1", "train/tokens_per_s", "lr-AdamW",
+            "val/loss", "val/head1_top1", "val/head4_top5"} <= logged
+    assert sum("train/loss" in h for h in history) == 3
+    config_keys = json.dumps([r for r in records if r.get("type") in ("config", "run")])
+    assert "verifier_fingerprint" in config_keys
+
+
+def _train_cli(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_missing_verifier_path_on_the_command_line(tmp_path):
+    proc = _train_cli(["verifier=hf", "verifier.path=/nonexistent/llama"], tmp_path)
+    assert proc.returncode == 2
+    assert "error: verifier.path='/nonexistent/llama'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_smoke_experiment_on_the_default_verifier(tmp_path, smollm2):
+    """The recipe test: the real command line, the real default verifier, the export printed last."""
+    proc = _train_cli(["experiment=smoke", "logger=csv"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == f"export: {tmp_path / 'export'}"
+    heads, _, config = load_medusa_export(tmp_path / "export", smollm2)
+    assert config["trained_steps"] == 8 and heads.hidden_size == 576
+    losses = _series(_metrics(tmp_path), "train/loss")
+    assert len(losses) == 8 and all(l == l for l in losses)
