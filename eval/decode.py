@@ -85,14 +85,17 @@ def _check_inputs(verifier: Verifier, input_ids: Tensor, max_new_tokens: int, tr
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise UserError(f"input_ids must be (batch, length) with length >= 1; got shape {tuple(input_ids.shape)}.")
     if input_ids.shape[0] != 1:
-        raise UserError(f"Decoding runs one sequence at a time for now; got batch size {input_ids.shape[0]}. Loop over rows.")
+        raise UserError(
+            f"Decoding runs one sequence at a time for now; got batch size {input_ids.shape[0]}. Loop over the rows."
+        )
     if max_new_tokens < 0:
         raise UserError(f"max_new_tokens={max_new_tokens} must be >= 0.")
     kv.check_model(verifier.model, input_ids.shape[1] + max_new_tokens + tree_nodes)
 
 
-def _result(input_ids: Tensor, out: _Output, forwards: int, lengths: list[Tensor], depth: int, timer: _Timer,
-            start: float) -> DecodeResult:
+def _result(
+    input_ids: Tensor, out: _Output, forwards: int, lengths: list[Tensor], depth: int, timer: _Timer, start: float
+) -> DecodeResult:
     times = {f"{k}_s": v for k, v in timer.totals.items()} | {"total_s": time.perf_counter() - start}
     return DecodeResult(
         tokens=torch.tensor([out.tokens], dtype=input_ids.dtype, device=input_ids.device),  # (1, n)
@@ -139,6 +142,8 @@ def speculative_decode(
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     model, cache, lengths = verifier.model, kv.new_cache(), []
     buffers: dict[Tree, TreeBuffers] = {}
+    if out.done:
+        return _result(input_ids, out, 0, lengths, tree.max_depth, timer, start)
 
     # 1. Prefill: one forward over the prompt. Its last logits give the first root; its hidden states feed the drafter.
     with timer("verify"):

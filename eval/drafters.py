@@ -126,7 +126,9 @@ def _make_medusa(
     with_probs: bool = False,
 ) -> MedusaDrafter:
     if (checkpoint is None) == (heads is None):
-        raise UserError("make_drafter('medusa', ...) needs exactly one of checkpoint=<export dir> or heads=<MedusaHeads>.")
+        raise UserError(
+            "make_drafter('medusa', ...) needs exactly one of checkpoint=<export dir> or heads=<MedusaHeads>."
+        )
     config: dict[str, Any] = {}
     if checkpoint is not None:
         heads, _, config = load_medusa_export(checkpoint, verifier)

@@ -35,9 +35,13 @@ class Tree:
         seen: set[tuple[int, int]] = set()
         for i, (parent, rank) in enumerate(zip(self.parents[1:], self.ranks[1:]), start=1):
             if not 0 <= parent < i or rank < 0:
-                raise UserError(f"Tree node {i} has parent {parent} and rank {rank}: parents must come first, ranks >= 0.")
+                raise UserError(
+                    f"Tree node {i} has parent {parent} and rank {rank}: parents must come first, ranks be >= 0."
+                )
             if (parent, rank) in seen:
-                raise UserError(f"Tree node {i} repeats rank {rank} under parent {parent}: siblings need distinct ranks.")
+                raise UserError(
+                    f"Tree node {i} repeats rank {rank} under parent {parent}: siblings need distinct ranks."
+                )
             seen.add((parent, rank))
 
     @property
@@ -87,7 +91,7 @@ class TreeBuffers:
 
 
 def chain(n: int) -> Tree:
-    """A root and `n` draft tokens in a line, each the top-1 candidate (what a draft model or EAGLE-1 chain proposes)."""
+    """A root and `n` draft tokens in a line, each the top-1 candidate (what a draft model or EAGLE-1 proposes)."""
     if n < 0:
         raise UserError(f"chain(n={n}): the number of draft tokens must be >= 0.")
     return Tree(parents=tuple(range(-1, n)), ranks=(-1,) + (0,) * n)
@@ -121,7 +125,8 @@ def _rank_probs(topk_accuracy: Sequence[Sequence[float]]) -> list[list[float]]:
     """P(rank r of head k is the right token) from cumulative top-k accuracies: acc[k][r] - acc[k][r-1]."""
     if not topk_accuracy or any(not row for row in topk_accuracy):
         raise UserError(
-            f"topk_accuracy must be one non-empty list of cumulative top-1..top-R accuracies per head; got {topk_accuracy!r}."
+            f"topk_accuracy must hold, per head, a non-empty list of cumulative top-1..top-R accuracies; "
+            f"got {topk_accuracy!r}."
         )
     out = []
     for k, row in enumerate(topk_accuracy):

@@ -1,0 +1,254 @@
+"""Greedy speculative decoding is exact: token for token our plain greedy and Hugging Face `generate`, for chains
+and trees, with bad drafts and with good ones, on two tiny verifiers (Llama and Qwen3, fp32).
+
+The tiny random verifiers get large random layer weights so that their continuations depend on the whole context
+(`build_tiny` as is repeats one token forever, which would hide a wrong cache). The good drafter is an oracle that
+knows the verifier's continuation and hides each right token at a random rank, so accepted paths run through every
+branch of a tree and the KV commit has to gather scattered nodes; the negative controls break the commit and the
+mask and must change the output.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from eval import decode, kv
+from eval.decode import greedy_decode, speculative_decode
+from eval.drafters import Draft, Drafter, MedusaDrafter, make_drafter
+from eval.tree import Tree, TreeBuffers, auto_tree, chain, from_medusa_choices
+from models.errors import UserError
+from models.medusa import MedusaHeads, save_medusa_export
+from models.verifier import Verifier, build_tiny, fingerprint, freeze
+
+PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]
+MAX_NEW = 40
+SPARSE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]
+ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
+TREES = {"chain": chain(4), "sparse": from_medusa_choices(SPARSE), "auto": auto_tree(ACCURACY, 12)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Small matmuls on this 2-core box are much faster on one thread (thread wake-ups dominate).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu")
+
+
+def _varied_llama(base: Verifier) -> Verifier:
+    v = build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu", seed=1)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in v.model.model.layers.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return v
+
+
+def _tiny_qwen3(base: Verifier) -> Verifier:
+    tok = base.tokenizer
+    config = Qwen3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, initializer_range=0.2,
+        max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        model = freeze(Qwen3ForCausalLM(config))
+    return Verifier(model, tok, "tiny-qwen3", "tiny-qwen3", fingerprint(model))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def verifier(request, base):
+    return {"llama": _varied_llama, "qwen3": _tiny_qwen3}[request.param](base)
+
+
+def _hf_generate(verifier: Verifier, ids: torch.Tensor, max_new: int, eos: int) -> list[int]:
+    out = verifier.model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(verifier):
+    """Per prompt: (input_ids, HF greedy continuation of MAX_NEW + 8 tokens, so the oracle can draft past the end)."""
+    eos = verifier.tokenizer.eos_token_id
+    refs = []
+    for prompt in PROMPTS:
+        ids = verifier.tokenizer(prompt, return_tensors="pt").input_ids
+        ref = _hf_generate(verifier, ids, MAX_NEW + 8, eos)
+        assert len(ref) == MAX_NEW + 8 and eos not in ref  # no early EOS: the EOS test picks its own
+        refs.append((ids, ref))
+    return refs
+
+
+class OracleDrafter:
+    """A test drafter that knows the verifier's greedy continuation. Per depth it puts the right token under the
+    right parent, at rank 0 or a random rank, or leaves it out with probability `miss`; every other node gets a
+    random token."""
+
+    def __init__(self, verifier: Verifier, prompt_len: int, reference: list[int], miss: float = 0.2, seed: int = 0):
+        self.lm_head, self.vocab = verifier.lm_head, verifier.vocab_size
+        self.prompt_len, self.reference, self.miss = prompt_len, reference, miss
+        self.rng = random.Random(seed)
+        self.scattered = False  # did an accepted path skip over tree nodes (a real gather in the commit)?
+
+    def propose(self, input_ids, hidden, logits, tree: Tree) -> Draft:
+        root = input_ids[0, -1].item()
+        # The loop must hand over the verifier's outputs at the token before the root: those chose the root.
+        assert logits.argmax(-1).item() == root
+        assert self.lm_head(hidden[:, -1]).argmax(-1).item() == root
+        truth = self.reference[input_ids.shape[1] - self.prompt_len :]  # what the verifier says after the root
+        tokens = [root] + [self.rng.randrange(self.vocab) for _ in range(tree.num_nodes - 1)]
+        node = 0
+        for depth in range(1, min(tree.max_depth, len(truth)) + 1):
+            children = [i for i, p in enumerate(tree.parents) if p == node]
+            if not children or self.rng.random() < self.miss:
+                break
+            # Mostly the first child, as a real drafter's best guess; sometimes any, so paths run through every branch.
+            node = children[0] if self.rng.random() < 0.5 else self.rng.choice(children)
+            tokens[node] = truth[depth - 1]
+        return Draft(tree=tree, tokens=torch.tensor([tokens]))
+
+    def accepted(self, num_accepted, nodes) -> None:
+        self.scattered |= not torch.equal(nodes[0], torch.arange(nodes.shape[1]))
+
+
+def _bad_medusa(verifier: Verifier, seed: int = 0) -> MedusaDrafter:
+    heads = MedusaHeads(verifier.hidden_size, verifier.vocab_size, num_heads=4, num_layers=1)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)  # far from the verifier's head: drafts mostly wrong
+    return make_drafter("medusa", verifier, heads=heads)
+
+
+def test_plain_greedy_matches_hf_generate(verifier, references):
+    for ids, ref in references:
+        result = greedy_decode(verifier, ids, MAX_NEW, verifier.tokenizer.eos_token_id)
+        assert result.tokens[0].tolist() == ref[:MAX_NEW]
+        assert result.num_forwards == MAX_NEW and result.tau == 1.0
+
+
+@pytest.mark.parametrize("tree_name", list(TREES))
+def test_bad_medusa_drafts_still_give_exact_output(verifier, references, tree_name):
+    drafter = _bad_medusa(verifier)
+    assert isinstance(drafter, Drafter)
+    for ids, ref in references:
+        result = speculative_decode(verifier, drafter, TREES[tree_name], ids, MAX_NEW, verifier.tokenizer.eos_token_id)
+        assert result.tokens[0].tolist() == ref[:MAX_NEW]
+        assert result.num_forwards == 1 + len(result.accept_lengths)
+        assert 1.0 <= result.tau < 1.5  # mostly rejected
+
+
+@pytest.mark.parametrize("tree_name", list(TREES))
+def test_good_drafts_are_accepted_and_output_stays_exact(verifier, references, tree_name):
+    taus, scattered = [], False
+    for seed, (ids, ref) in enumerate(references):
+        drafter = OracleDrafter(verifier, ids.shape[1], ref, seed=seed)
+        assert isinstance(drafter, Drafter)
+        result = speculative_decode(verifier, drafter, TREES[tree_name], ids, MAX_NEW, verifier.tokenizer.eos_token_id)
+        assert result.tokens[0].tolist() == ref[:MAX_NEW]
+        assert result.num_forwards <= 3 * MAX_NEW // 4
+        emitted = 1 + int((result.accept_lengths + 1).sum())  # prefill token + per round accepted + bonus
+        assert emitted >= MAX_NEW and emitted - MAX_NEW <= TREES[tree_name].max_depth
+        assert result.alpha.shape == (4,) and result.alpha[0] >= result.alpha[-1]
+        taus.append(result.tau)
+        scattered |= drafter.scattered
+    assert min(taus) > 1.5 and sum(taus) / len(taus) > 2.0, taus
+    assert scattered == (tree_name != "chain")  # trees must have accepted paths off their first nodes
+
+
+def test_eos_stops_right_after_it(verifier, references):
+    ids, ref = references[0]
+    eos = ref[15]
+    cut = ref[: ref.index(eos) + 1]
+    assert _hf_generate(verifier, ids, MAX_NEW, eos) == cut
+    assert greedy_decode(verifier, ids, MAX_NEW, eos).tokens[0].tolist() == cut
+    for tree in TREES.values():
+        oracle = OracleDrafter(verifier, ids.shape[1], ref)
+        assert speculative_decode(verifier, oracle, tree, ids, MAX_NEW, eos).tokens[0].tolist() == cut
+        medusa = _bad_medusa(verifier)
+        assert speculative_decode(verifier, medusa, tree, ids, MAX_NEW, [eos, 0]).tokens[0].tolist() == cut
+
+
+@pytest.mark.parametrize("max_new", [0, 1, 2, 7, 11])
+def test_max_new_tokens_is_cut_exactly(base, max_new):
+    verifier = _varied_llama(base)
+    ids = verifier.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    ref = greedy_decode(verifier, ids, 20).tokens[0].tolist()
+    for tree in (TREES["sparse"], chain(4)):
+        oracle = OracleDrafter(verifier, ids.shape[1], ref, miss=0.0)
+        result = speculative_decode(verifier, oracle, tree, ids, max_new)
+        assert result.tokens[0].tolist() == ref[:max_new]
+    # A chain always right: the prefill gives 1 token, each round 5; no forward once max_new is reached.
+    assert result.num_forwards == (0 if max_new == 0 else 1 + -(-(max_new - 1) // 5))
+
+
+def test_medusa_heads_that_draft_well_on_a_repeating_verifier(base):
+    # Fresh Medusa heads are the verifier's own head (zero-initialised blocks); the plain tiny verifier repeats its
+    # token, so every draft is right and each round emits depth + 1 tokens.
+    heads = MedusaHeads(base.hidden_size, base.vocab_size, num_heads=4)
+    drafter = make_drafter("medusa", base, heads=heads)
+    ids = base.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
+    ref = _hf_generate(base, ids, MAX_NEW, base.tokenizer.eos_token_id)
+    result = speculative_decode(base, drafter, chain(4), ids, MAX_NEW, base.tokenizer.eos_token_id)
+    assert result.tokens[0].tolist() == ref
+    assert result.tau == 5.0 and result.num_forwards == 1 + 8  # 1 + 8 rounds of 5 covers 40 tokens
+    assert result.alpha.tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert set(result.times) >= {"verify_s", "draft_s", "commit_s", "total_s"}
+
+
+def test_factory_loads_an_export_and_its_accuracy(base, tmp_path):
+    heads = MedusaHeads(base.hidden_size, base.vocab_size, num_heads=3)
+    save_medusa_export(heads, base, tmp_path / "export", {"medusa_topk_accuracy": ACCURACY[:3]})
+    drafter = make_drafter("medusa", base, checkpoint=tmp_path / "export", with_probs=True)
+    tree = auto_tree(drafter.topk_accuracy, 6)
+    ids = base.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    hidden = base.hidden_states(ids)
+    draft = drafter.propose(ids, hidden, base.lm_head(hidden[:, -1]), tree)
+    assert draft.tokens.shape == (1, 7) and draft.p.shape == (1, 7, base.vocab_size)
+    with pytest.raises(UserError, match="3 heads"):
+        drafter.propose(ids, hidden, base.lm_head(hidden[:, -1]), chain(4))
+    with pytest.raises(UserError, match="not known"):
+        make_drafter("lookahead", base)
+
+
+# Negative controls: the tests above must notice a wrong commit or a wrong mask.
+
+
+def test_negative_control_wrong_commit_changes_the_output(verifier, references, monkeypatch):
+    def first_nodes(cache, prefix_len, keep):  # keeps as many entries as accepted, but the wrong ones
+        kv_commit(cache, prefix_len, torch.arange(keep.shape[1])[None])
+
+    kv_commit = kv.commit
+    monkeypatch.setattr(decode.kv, "commit", first_nodes)
+    ids, ref = references[0]
+    result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref), TREES["sparse"], ids, MAX_NEW)
+    assert result.tokens[0].tolist() != ref[:MAX_NEW]
+
+
+def test_negative_control_causal_mask_changes_the_output(verifier, references, monkeypatch):
+    def causal_buffers(tree, device=None):  # a chain's mask on a tree: siblings see each other
+        buf = tree_buffers(tree, device)
+        return TreeBuffers(mask=torch.ones_like(buf.mask).tril(), positions=buf.positions, retrieve=buf.retrieve)
+
+    tree_buffers = decode.tree_buffers
+    monkeypatch.setattr(decode, "tree_buffers", causal_buffers)
+    ids, ref = references[0]
+    result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref), TREES["sparse"], ids, MAX_NEW)
+    assert result.tokens[0].tolist() != ref[:MAX_NEW]
