@@ -109,3 +109,13 @@ def test_export_is_atomic(tiny, tmp_path):
         save_medusa_export(heads, tiny, tmp_path / "export", {"bad": object()})  # not JSON-serialisable
     assert (tmp_path / "export" / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_atomic_dir_leaves_nothing_behind_on_failure(tmp_path):
+    from models.io import atomic_dir
+
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_dir(tmp_path / "cache") as tmp:
+            (tmp / "part.arrow").write_text("half")
+            raise KeyboardInterrupt  # a Ctrl-C in the middle of a data build
+    assert list(tmp_path.iterdir()) == []

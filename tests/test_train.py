@@ -127,3 +127,25 @@ def test_smoke_experiment_on_the_default_verifier(tmp_path, smollm2):
     assert config["trained_steps"] == 8 and heads.hidden_size == 576
     losses = _series(_metrics(tmp_path), "train/loss")
     assert len(losses) == 8 and all(l == l for l in losses)
+
+
+def test_killed_training_resumes_with_ckpt_path_last(tmp_path):
+    """SIGKILL a real training process once it has checkpointed, then rerun with ckpt_path=last."""
+    import signal
+    import time
+
+    args = [*TINY, "logger=csv", "trainer.max_epochs=1000", "callbacks.checkpoint.every_n_train_steps=3"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args, "trainer.max_steps=100000", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (last.is_file() and torch.load(last, weights_only=False)["global_step"] >= 6):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = torch.load(last, weights_only=False)["global_step"]  # the file is whole: Lightning saves atomically
+    assert killed_at >= 6 and killed_at % 3 == 0
+    done = _train_cli([*args, f"trainer.max_steps={killed_at + 2}", "ckpt_path=last"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert torch.load(last, weights_only=False)["global_step"] == killed_at + 2
+    assert (tmp_path / "export" / "config.json").is_file()

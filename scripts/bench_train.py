@@ -1,0 +1,103 @@
+"""Training-side throughput, measured side by side in one process.
+
+    python scripts/bench_train.py                      # default verifier, 16 prompts, 64 new tokens
+    python scripts/bench_train.py --prompts 32 --new-tokens 128 --steps 8
+
+1. Self-distillation: our batched generation vs one-prompt-at-a-time `model.generate` (tokens/s, same prompts).
+2. Training: Medusa forward + backward + optimizer step in fp32 vs bf16 autocast (tokens/s, same batches).
+Prints ratios; nothing here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.chat import prompt_ids  # noqa: E402
+from data.datamodule import collate  # noqa: E402
+from data.prompts import load_conversations  # noqa: E402
+from data.selfdistill import generate_answers  # noqa: E402
+from models.verifier import build_tiny, load_smollm2  # noqa: E402
+from train.medusa import MedusaModule  # noqa: E402
+
+
+def bench_generation(verifier, prompts: list[list[int]], new_tokens: int, batch_size: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    answers = generate_answers(verifier, prompts, new_tokens, 0.0, batch_size, seed=0, desc="batched")
+    batched_s = time.perf_counter() - t0
+    batched_tokens = sum(len(a) for a in answers)
+    t0 = time.perf_counter()
+    single_tokens = 0
+    for p in prompts:
+        out = verifier.model.generate(torch.tensor([p], device=verifier.device), max_new_tokens=new_tokens,
+                                      do_sample=False, top_k=None, top_p=None,
+                                      pad_token_id=verifier.tokenizer.pad_token_id)
+        single_tokens += out.shape[1] - len(p)
+    single_s = time.perf_counter() - t0
+    return {"batched_tok_s": batched_tokens / batched_s, "single_tok_s": single_tokens / single_s}
+
+
+def bench_training(verifier, batches: list[dict[str, torch.Tensor]], steps: int, bf16: bool) -> float:
+    module = MedusaModule(verifier, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    opt = module.configure_optimizers()
+    tokens, elapsed = 0, 0.0
+    for step in range(steps + 1):  # step 0 warms up and is not timed
+        batch = batches[step % len(batches)]
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = module.model_step(batch)[0]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step:
+            elapsed += time.perf_counter() - t0
+            tokens += int(batch["attention_mask"].sum())
+    return tokens / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--verifier", choices=["smollm2", "tiny"], default="smollm2")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+
+    load = load_smollm2 if args.verifier == "smollm2" else build_tiny
+    convs = load_conversations("builtin", split="train", limit=args.prompts)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        verifier = load(cache_dir=args.cache_dir, dtype=dtype, device="cpu")
+        prompts = [prompt_ids(verifier.tokenizer, c.messages) for c in convs]
+        gen = bench_generation(verifier, prompts, args.new_tokens, args.batch_size)
+        rows.append((f"self-distillation, verifier {dtype}", gen["batched_tok_s"], gen["single_tok_s"]))
+        if dtype == "float32":
+            answers = generate_answers(verifier, prompts, args.new_tokens, 0.0, args.batch_size, 0, desc="data")
+            examples = [{"input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a)} for p, a in zip(prompts, answers)]
+            pad = verifier.tokenizer.pad_token_id
+            batches = [collate(examples[i : i + 8], pad) for i in range(0, len(examples), 8)]
+            fp32 = bench_training(verifier, batches, args.steps, bf16=False)
+    verifier = load(cache_dir=args.cache_dir, dtype="bfloat16", device="cpu")
+    bf16 = bench_training(verifier, batches, args.steps, bf16=True)
+
+    print(f"\nverifier={args.verifier} prompts={args.prompts} new_tokens={args.new_tokens} torch={torch.__version__} "
+          f"threads={torch.get_num_threads()}")
+    print(f"{'self-distillation':<36}{'batched tok/s':>15}{'one-by-one tok/s':>18}{'ratio':>8}")
+    for name, batched, single in rows:
+        print(f"{name:<36}{batched:>15.1f}{single:>18.1f}{batched / single:>7.2f}x")
+    print(f"{'training (Medusa, 4 heads)':<36}{'fp32 tok/s':>15}{'bf16 tok/s':>18}{'ratio':>8}")
+    print(f"{'verifier fwd + heads fwd/bwd':<36}{fp32:>15.1f}{bf16:>18.1f}{bf16 / fp32:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
