@@ -215,6 +215,7 @@ def build_tiny(
     hidden_size: int = 64,
     num_heads: int = 4,
     seed: int = 0,
+    initializer_range: float = 0.02,
 ) -> Verifier:
     """A random `num_layers`-layer Llama with the default verifier's tokenizer and chat template, for tests."""
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint(cache_dir))
@@ -231,8 +232,12 @@ def build_tiny(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         architectures=["LlamaForCausalLM"],
+        initializer_range=initializer_range,  # larger: peakier next-token distributions, for tests that need them
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(_resolve_dtype(dtype))
-    return _finish(model.to(_resolve_device(device)), tokenizer, f"tiny-llama-{num_layers}x{hidden_size}-seed{seed}", "tiny")
+    name = f"tiny-llama-{num_layers}x{hidden_size}-seed{seed}"
+    if initializer_range != 0.02:
+        name += f"-std{initializer_range}"
+    return _finish(model.to(_resolve_device(device)), tokenizer, name, "tiny")

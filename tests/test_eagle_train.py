@@ -1,0 +1,130 @@
+"""EAGLE-1 / EAGLE-3 training: input/target shifts, the training-time-test mask, the draft vocabulary, export layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import compose_train
+from models.eagle import build_eagle, load_eagle_export, save_eagle_export
+from models.errors import UserError
+from train.eagle import draft_vocab_from_counts, step_inputs, unroll_mask
+
+TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
+        "data.val_fraction=0.25", "model.draft_vocab_size=256"]
+
+
+def test_step_inputs_and_targets_are_shifted():
+    ids = torch.arange(100, 107)[None]  # x_0..x_6
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1]])  # assistant tokens from x_2
+    tok0, valid0 = step_inputs(ids, mask, 0)
+    assert tok0.tolist() == [[101, 102, 103, 104, 105, 106]]  # step 0 at t reads x_{t+1}
+    assert valid0.tolist() == [[True, True, True, True, True, False]]  # and predicts x_{t+2}
+    tok2, valid2 = step_inputs(ids, mask, 2)
+    assert tok2.tolist() == [[103, 104, 105, 106, 0, 0]]  # step 2 at t reads x_{t+3}
+    assert valid2.tolist() == [[True, True, True, False, False, False]]  # and predicts x_{t+4}
+
+
+def test_training_time_test_mask():
+    valid = torch.tensor([[True, True, True]])
+    m0 = unroll_mask(valid, 0)[0, 0].int().tolist()
+    assert m0 == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    m2 = unroll_mask(valid, 2)[0, 0].int()
+    # Step 2 at t sees step-0 keys s <= t, then its own position in steps 1 and 2.
+    assert m2.tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0],
+                           [1, 1, 0, 0, 1, 0, 0, 1, 0],
+                           [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+    padded = unroll_mask(torch.tensor([[True, True, False]]), 1)[0, 0].int()
+    assert padded[2, :3].tolist() == [1, 1, 0]  # padding keys are never attended
+
+
+def test_draft_vocab_round_trip(tiny):
+    net = build_eagle("eagle3", tiny, draft_vocab_size=5)
+    counts = torch.zeros(tiny.vocab_size)
+    counts[[7, 3, 900, 42, 11, 5]] = torch.tensor([50.0, 40, 30, 20, 10, 1])
+    top, coverage = draft_vocab_from_counts(counts, 5)
+    assert coverage == pytest.approx(150 / 151)
+    net.set_draft_vocab(top)
+    assert net.draft_to_target(torch.arange(5)).tolist() == [3, 7, 11, 42, 900]
+    assert net.t2d.sum() == 5 and net.t2d[[3, 7, 11, 42, 900]].all()
+    assert (net.d2t == torch.tensor([3, 7, 11, 42, 900]) - torch.arange(5)).all()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_export_round_trip_and_layout(tiny, tmp_path, kind):
+    net = build_eagle(kind, tiny, draft_vocab_size=64)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(std=0.02)
+    if kind == "eagle3":
+        net.set_draft_vocab(torch.randperm(tiny.vocab_size)[:64])
+    save_eagle_export(net, tiny, tmp_path / kind)
+    cfg = json.loads((tmp_path / kind / "config.json").read_text())
+    tensors = load_file(str(tmp_path / kind / "model.safetensors"))
+    h, hd, kvh, inter = 64, 16, 2, 256
+    if kind == "eagle":
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+        assert tensors["fc.weight"].shape == (h, 2 * h)
+        assert tensors["layers.0.self_attn.q_proj.weight"].shape == (4 * hd, h)
+        assert "layers.0.input_layernorm.weight" not in tensors  # EAGLE-1 layer 0 has no input norm
+        prefix = "layers.0."
+    else:
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 64
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]  # tiny has 2 layers
+        assert tensors["fc.weight"].shape == (h, 3 * h)
+        assert tensors["midlayer.self_attn.q_proj.weight"].shape == (4 * hd, 2 * h)  # cat(embeds, hidden) in
+        assert tensors["norm.weight"].shape == (h,) and tensors["lm_head.weight"].shape == (64, h)
+        assert tensors["d2t"].shape == (64,) and tensors["t2d"].shape == (tiny.vocab_size,)
+        assert tensors["t2d"].dtype == torch.bool
+        prefix = "midlayer."
+    assert tensors[prefix + "self_attn.k_proj.weight"].shape == (kvh * hd, tensors[prefix + "self_attn.k_proj.weight"].shape[1])
+    assert tensors[prefix + "mlp.gate_proj.weight"].shape == (inter, h)
+    assert cfg["verifier_fingerprint"] == tiny.fingerprint
+    loaded, _ = load_eagle_export(tmp_path / kind, tiny, kind)
+    for name, tensor in net.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_bad_eagle_exports(tiny, tmp_path):
+    save_eagle_export(build_eagle("eagle", tiny), tiny, tmp_path / "e1")
+    with pytest.raises(UserError, match="EAGLE-1 export .* given as EAGLE-3"):
+        load_eagle_export(tmp_path / "e1", tiny, "eagle3")
+    save_eagle_export(build_eagle("eagle3", tiny, draft_vocab_size=32), tiny, tmp_path / "e3")
+    with pytest.raises(UserError, match="EAGLE-3 export .* given as EAGLE-1"):
+        load_eagle_export(tmp_path / "e3", tiny, "eagle")
+    weights = tmp_path / "e3" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["t2d"] = tensors["t2d"][:1000]  # a draft vocabulary made for a smaller vocabulary
+    save_file(tensors, str(weights))
+    with pytest.raises(UserError, match="does not fit"):
+        load_eagle_export(tmp_path / "e3", tiny)
+    with pytest.raises(UserError, match="out of range"):
+        build_eagle("eagle3", tiny, aux_layer_ids=[0, 1, 9])
+
+
+@pytest.mark.parametrize("model", ["eagle", "eagle3"])
+def test_fast_dev_run(train_script, tmp_path, tiny, model):
+    cfg = compose_train([*TINY, f"model={model}", "logger=csv", "+trainer.fast_dev_run=true"], tmp_path)
+    export = train_script.run(cfg)
+    net, config = load_eagle_export(export, tiny, model)
+    assert net.kind == model and config["trained_steps"] == 1
+
+
+def test_eagle3_learns_and_logs_step_accuracies(train_script, tmp_path):
+    # A tiny verifier with peaked next-token distributions, so there is something to learn beyond q's entropy.
+    cfg = compose_train([*TINY, "+verifier.initializer_range=0.3", "model=eagle3", "logger=csv",
+                         "trainer.max_epochs=8", "trainer.log_every_n_steps=1",
+                         "model.optimizer.lr=1e-2", "model.ttt_steps=3", "model.val_steps=4"], tmp_path)
+    export = train_script.run(cfg)
+    config = json.loads((export / "config.json").read_text())
+    assert len(config["val_step_top1"]) == 4 and 1.0 <= config["estimated_tau"] <= 5.0
+    assert 0 < config["draft_vocab_coverage"] <= 1
+    import csv
+
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").glob("version_*/metrics.csv")))))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert sum(losses[-3:]) < 0.7 * sum(losses[:3]), losses
+    assert any(r.get("val/step3_top1") for r in rows) and any(r.get("val/estimated_tau") for r in rows)

@@ -1,0 +1,221 @@
+"""EagleModule: trains an EAGLE-1 or EAGLE-3 drafter on the frozen verifier's features.
+
+Alignment (t = 0..T-2): step 0 at position t reads (token x_{t+1}, feature F_t) and its output predicts x_{t+2}, i.e.
+matches q at position t+1. Step j > 0 (training-time test, EAGLE-3) reads (x_{t+j+1}, its own step j-1 output at t)
+at rotary position t+j and predicts x_{t+j+2}; its query attends the step-0 keys at positions <= t plus the keys
+its own earlier steps made at t, exactly what it sees when drafting a chain at decode time.
+
+Losses, on positions whose target is an assistant token:
+- EAGLE-1: smooth L1 between the predicted feature and M_q's next feature (weight `feature_weight`) plus the
+  cross-entropy of the draft distribution against q (weight `ce_weight`); uniform noise on the input features.
+- EAGLE-3: per unrolled step j, weight step_decay^j, cross-entropy against q restricted to the draft vocabulary
+  (positions whose q-argmax lies outside it are skipped, as in the reference).
+Validation also unrolls `val_steps` steps to log `val/step{i}_top1` and an estimated tau: the acceptance length a
+chain of the drafter's top-1 would get against M_q's argmax, plus the bonus token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.eagle import NAMES, build_eagle, save_eagle_export
+from models.errors import NonFiniteLossError
+from models.verifier import Verifier
+
+
+def unroll_mask(valid_keys: Tensor, step: int) -> Tensor:
+    """Boolean attention mask of unrolled step `step` over [step-0 keys, step-1 keys, ..., step-`step` keys].
+
+    valid_keys: (B, n) non-padding positions. Query t sees step-0 keys s <= t and, for each later step, only the key
+    at its own position t. Returns (B, 1, n, (step + 1) * n).
+    """
+    bsz, n = valid_keys.shape
+    causal = torch.ones(n, n, dtype=torch.bool, device=valid_keys.device).tril()  # (n, n)
+    causal = causal[None] & valid_keys[:, None, :]  # (B, n, n)
+    eye = torch.eye(n, dtype=torch.bool, device=valid_keys.device)[None].expand(bsz, n, n)
+    return torch.cat([causal] + [eye] * step, dim=-1)[:, None]
+
+
+def step_inputs(input_ids: Tensor, loss_mask: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    """Unrolled step `step`'s input tokens and target validity at positions t = 0..T-2.
+
+    tokens[b, t] = x_{t+step+1} (0 past the end); valid[b, t] = x_{t+step+2} exists and is an assistant token.
+    The target distribution is q at position t+step+1. Returns two (B, T-1) tensors.
+    """
+    n = input_ids.shape[1] - 1
+    tokens = F.pad(input_ids[:, 1 + step :], (0, step), value=0)[:, :n]
+    valid = F.pad(loss_mask[:, 2 + step :].bool(), (0, 2 + step), value=False)[:, :n]
+    return tokens, valid
+
+
+def draft_vocab_from_counts(counts: Tensor, size: int) -> tuple[Tensor, float]:
+    """The `size` most frequent target tokens and the share of training tokens they cover."""
+    top = counts.topk(size).indices
+    return top, float(counts[top].sum() / counts.sum().clamp(min=1))
+
+
+class EagleModule(L.LightningModule):
+    """Args:
+        verifier: the frozen M_q, held by reference (never in checkpoints).
+        kind: `eagle` (EAGLE-1) or `eagle3` (EAGLE-3).
+        ttt_steps: unrolled training steps (EAGLE-3 default 7; EAGLE-1 trains on step 0 only).
+        val_steps: steps unrolled in validation for per-step accuracy and the tau estimate.
+        draft_vocab_size: EAGLE-3's reduced vocabulary, the most frequent target tokens of the training data.
+        aux_layer_ids: EAGLE-3 feature layers (inputs of those layers); default [2, L//2, L-3].
+    """
+
+    def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., Any] | None = None, kind: str = "eagle", ttt_steps: int = 1,
+                 val_steps: int = 5, step_decay: float = 0.8, feature_weight: float = 1.0, ce_weight: float = 0.1,
+                 noise: float = 0.2, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
+                 warmup_ratio: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["verifier", "optimizer", "scheduler"], logger=False)
+        self.verifier = verifier
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.net = build_eagle(kind, verifier, draft_vocab_size, list(aux_layer_ids) if aux_layer_ids else None)
+        self.draft_vocab_coverage: float | None = None
+        self._val: dict[str, Tensor] = {}
+        self.val_summary: dict[str, Any] = {}
+        self._tick = 0.0
+
+    # -- draft vocabulary (EAGLE-3) --------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.net.kind != "eagle3" or stage != "fit":
+            return
+        counts = torch.zeros(self.net.vocab_size, dtype=torch.float64)
+        for row in self.trainer.datamodule.train_set.with_format("python"):
+            ids = torch.tensor(row["input_ids"])
+            counts += torch.bincount(ids[torch.tensor(row["loss_mask"]).bool()], minlength=self.net.vocab_size)
+        top, self.draft_vocab_coverage = draft_vocab_from_counts(counts, self.net.draft_vocab_size)
+        self.net.set_draft_vocab(top)
+        print(f"[eagle3] draft vocabulary: {self.net.draft_vocab_size} tokens cover "
+              f"{100 * self.draft_vocab_coverage:.1f}% of the training targets")
+
+    # -- the shared step -------------------------------------------------------------------------------------------
+    def model_step(self, batch: dict[str, Tensor], steps: int, train: bool) -> dict[str, Any]:
+        """Unroll `steps` drafter steps over a batch. Returns per-step losses, correct/valid masks and counts."""
+        if self.verifier.device != self.device:
+            self.verifier.to(self.device)
+        ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
+        bsz, seqlen = ids.shape
+        n = seqlen - 1
+        with torch.no_grad():
+            out = self.verifier.model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True,
+                                                    use_cache=False)
+        final = out.hidden_states[-1]  # (B, T, D): M_q's lm_head input
+        feats = self.net.features(out.hidden_states)[:, :n]  # (B, n, D): F_t
+        if train and self.net.kind == "eagle" and self.hparams.noise > 0:
+            feats = feats + (torch.rand_like(feats) - 0.5) * self.hparams.noise
+        embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
+        positions = torch.arange(n, device=ids.device)[None].expand(bsz, n)
+        valid_keys = attn[:, :n].bool()
+        hidden, past_k, past_v = feats, None, None
+        losses, correct, valid_at = [], [], []
+        for j in range(steps):
+            # 1. This step's inputs: the true next tokens x_{t+j+1} and the previous step's output.
+            tok, valid = step_inputs(ids, loss_mask, j)  # (B, n) each
+            with torch.no_grad():
+                emb = embed(tok)
+            mask = unroll_mask(valid_keys, j)
+            out_h, k, v = self.net.step(hidden, emb, positions + j, mask, past_k, past_v)
+            past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
+            past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+            # 2. Targets: q at position t+j+1 (predicting x_{t+j+2}), where x_{t+j+2} is an assistant token.
+            bi, ti = valid.nonzero(as_tuple=True)
+            with torch.no_grad():
+                q_logits = lm_head(final[bi, ti + j + 1]).float()  # (N, V)
+                q_arg = q_logits.argmax(-1)  # (N,) M_q's greedy token
+            p_logits = self.net.logits(out_h[bi, ti], lm_head).float()  # (N, V or V_draft)
+            in_vocab = torch.ones_like(q_arg, dtype=torch.bool)
+            if self.net.kind == "eagle3":
+                q_logits = q_logits[:, self.net.t2d]  # q restricted to the draft vocabulary
+                in_vocab = self.net.t2d[q_arg]  # skip targets the draft vocabulary cannot express
+            ce = -(q_logits.softmax(-1) * p_logits.log_softmax(-1)).sum(-1)  # (N,)
+            ce = (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
+            step_loss = ce
+            if self.net.kind == "eagle":
+                reg = F.smooth_l1_loss(out_h[bi, ti].float(), final[bi, ti + j + 1].float()) if bi.numel() else ce * 0
+                step_loss = self.hparams.feature_weight * reg + self.hparams.ce_weight * ce
+            losses.append(step_loss if bi.numel() else p_logits.sum() * 0.0)
+            hit = torch.zeros_like(valid)
+            hit[bi, ti] = self.net.draft_to_target(p_logits.argmax(-1)) == q_arg
+            correct.append(hit)
+            valid_at.append(valid)
+            hidden = out_h
+        return {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at)}  # (S, B, n)
+
+    def _loss(self, losses: list[Tensor]) -> Tensor:
+        steps = self.hparams.ttt_steps
+        return sum(self.hparams.step_decay**j * l for j, l in enumerate(losses[:steps]))
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        res = self.model_step(batch, self.hparams.ttt_steps, train=True)
+        loss = self._loss(res["losses"])
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"training loss is {loss.item()} at step {self.global_step}. Lower model.optimizer.lr, use "
+                f"trainer.precision=32-true, or resume from the last good checkpoint with ckpt_path=last.")
+        bsz = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=bsz)
+        for j, l in enumerate(res["losses"]):
+            self.log(f"train/step{j}_loss", l, batch_size=bsz)
+        c, v = res["correct"], res["valid"]
+        self.log("train/step0_top1", c[0].sum() / v[0].sum().clamp(min=1), batch_size=bsz)
+        return loss
+
+    def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._tick = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.log("train/tokens_per_s", batch["attention_mask"].sum().item() / (time.perf_counter() - self._tick),
+                 batch_size=1)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        steps = max(self.hparams.ttt_steps, self.hparams.val_steps)
+        res = self.model_step(batch, steps, train=False)
+        self.log("val/loss", self._loss(res["losses"]), prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        c, v = res["correct"], res["valid"]  # (S, B, n)
+        # Chain acceptance from each position whose first target is valid: leading run of correct steps.
+        run = (c & v).long().cumprod(dim=0).sum(dim=0)  # (B, n)
+        start = v[0]
+        stats = {"hits": c.flatten(1).sum(1).float(), "counts": v.flatten(1).sum(1).float(),
+                 "accept": run[start].sum().float(), "starts": start.sum().float()}
+        for key, val in stats.items():
+            self._val[key] = self._val.get(key, 0) + val
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._val:
+            return
+        agg = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val.items()}
+        self._val = {}
+        acc = agg["hits"] / agg["counts"].clamp(min=1)
+        for j, a in enumerate(acc):
+            self.log(f"val/step{j}_top1", a)
+        tau = 1 + agg["accept"] / agg["starts"].clamp(min=1)
+        self.log("val/estimated_tau", tau, prog_bar=True)
+        if not self.trainer.sanity_checking:
+            self.val_summary = {"val_step_top1": acc.tolist(), "estimated_tau": float(tau)}
+
+    # -- optimisation and export -----------------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        opt = self.optimizer_factory(params=[p for p in self.net.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
+            return opt
+        total = int(self.trainer.estimated_stepping_batches)
+        sched = self.scheduler_factory(opt, num_warmup_steps=int(self.hparams.warmup_ratio * total),
+                                       num_training_steps=max(total, 1))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def export(self, path: str | Path) -> Path:
+        extra = {**self.val_summary, "trained_steps": int(self.global_step), "drafter": NAMES[self.net.kind],
+                 "draft_vocab_coverage": self.draft_vocab_coverage}
+        return save_eagle_export(self.net, self.verifier, path, extra)
