@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from data.hidden_cache import build_hidden_cache, load_hidden
 from data.prompts import load_conversations
 from data.selfdistill import build_selfdistill, build_sharegpt, check_has_targets
 from models.errors import UserError
@@ -19,8 +20,11 @@ from models.verifier import Verifier
 MODES = ("selfdistill", "sharegpt")
 
 
-def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a list of examples into (B, T) tensors; padding has attention 0 and loss 0."""
+def collate(rows: list[dict[str, Any]], pad_id: int, hidden_path: Path | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad a list of examples into (B, T) tensors; padding has attention 0 and loss 0.
+
+    With `hidden_path` (offline mode) the cached verifier hidden states come along as `hidden` (B, L, T, D).
+    """
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -30,7 +34,14 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
         input_ids[i, :n] = torch.as_tensor(r["input_ids"])
         attention[i, :n] = 1
         loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
-    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+    batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+    if hidden_path is not None:
+        states = [load_hidden(hidden_path, r["row"]) for r in rows]  # (L, T_i, D) each
+        hidden = states[0].new_zeros((len(rows), states[0].shape[0], width, states[0].shape[2]))
+        for i, h in enumerate(states):
+            hidden[i, :, : h.shape[1]] = h
+        batch["hidden"] = hidden
+    return batch
 
 
 class DistillDataModule(L.LightningDataModule):
@@ -42,6 +53,8 @@ class DistillDataModule(L.LightningDataModule):
         limit: use the first `limit` conversations.
         min_shift: the smallest target offset the drafter learns (2 for Medusa head 1), to check there is something
             to learn after masking.
+        cache_hidden_states: offline mode: compute the verifier hidden states of `feature_layers` (set by train.py
+            from the model) once, cache them on disk, and train from the cache instead of running the verifier.
     """
 
     def __init__(
@@ -60,6 +73,7 @@ class DistillDataModule(L.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         min_shift: int = 2,
+        cache_hidden_states: bool = False,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -70,6 +84,9 @@ class DistillDataModule(L.LightningDataModule):
         self.max_new_tokens, self.temperature, self.gen_batch_size = max_new_tokens, temperature, gen_batch_size
         self.max_length, self.batch_size, self.val_fraction = max_length, batch_size, val_fraction
         self.seed, self.num_workers, self.min_shift = seed, num_workers, min_shift
+        self.cache_hidden_states = cache_hidden_states
+        self.feature_layers: list[int] = [-1]
+        self.hidden_path: Path | None = None
         self.train_set: datasets.Dataset | None = None
         self.val_set: datasets.Dataset | None = None
 
@@ -84,8 +101,11 @@ class DistillDataModule(L.LightningDataModule):
         )
 
     def prepare_data(self) -> None:
-        if self.mode == "selfdistill":
-            self.build()  # rank 0 generates and caches; setup() on every rank reads the cache
+        # Rank 0 generates and caches; setup() on every rank reads the caches.
+        if self.mode == "selfdistill" or self.cache_hidden_states:
+            ds = self.build()
+            if self.cache_hidden_states:
+                build_hidden_cache(self.verifier, ds, self.feature_layers, self.cache_dir)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -95,6 +115,9 @@ class DistillDataModule(L.LightningDataModule):
         if len(ds) < 2:
             raise UserError(f"data from {self.source!r} has {len(ds)} conversation(s); need at least 2 for a "
                             f"train/val split.")
+        if self.cache_hidden_states:
+            self.hidden_path = build_hidden_cache(self.verifier, ds, self.feature_layers, self.cache_dir)
+            ds = ds.add_column("row", list(range(len(ds))))
         n_val = max(1, round(len(ds) * self.val_fraction))
         split = ds.train_test_split(test_size=n_val, seed=self.seed)
         self.train_set, self.val_set = split["train"], split["test"]
@@ -106,7 +129,7 @@ class DistillDataModule(L.LightningDataModule):
         pad = self.verifier.tokenizer.pad_token_id
         return DataLoader(
             ds.with_format("python"), batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-            collate_fn=partial(collate, pad_id=pad),
+            collate_fn=partial(collate, pad_id=pad, hidden_path=self.hidden_path),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -107,8 +108,9 @@ class EagleDrafterNet(nn.Module):
         """Map draft-vocabulary ids to verifier ids (identity for EAGLE-1)."""
         return draft_ids if self.kind == "eagle" else draft_ids + self.d2t[draft_ids]
 
-    def features(self, hidden_states: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
-        """The drafter's input features from M_q's `output_hidden_states` (embeddings first, final-normed last).
+    def features(self, hidden_states: Sequence[Tensor] | Mapping[int, Tensor]) -> Tensor:
+        """The drafter's input features from M_q's hidden states, indexed like HF `output_hidden_states`
+        (0 = embeddings, i = input of layer i, -1 = final-normed): the tuple itself, or a {layer id: tensor} dict.
         (B, T, D)"""
         if self.kind == "eagle":
             return hidden_states[-1]

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from data.hidden_cache import gather_layers
 from models.eagle import NAMES, build_eagle, save_eagle_export
 from models.errors import NonFiniteLossError
 from models.verifier import Verifier
@@ -87,6 +88,11 @@ class EagleModule(L.LightningModule):
         self.val_summary: dict[str, Any] = {}
         self._tick = 0.0
 
+    @property
+    def feature_layers(self) -> list[int]:
+        """Verifier hidden states this drafter trains from (ids into HF output_hidden_states; -1 = final)."""
+        return [*self.net.aux_layer_ids, -1]
+
     # -- draft vocabulary (EAGLE-3) --------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         if self.net.kind != "eagle3" or stage != "fit":
@@ -108,11 +114,9 @@ class EagleModule(L.LightningModule):
         ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
         bsz, seqlen = ids.shape
         n = seqlen - 1
-        with torch.no_grad():
-            out = self.verifier.model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True,
-                                                    use_cache=False)
-        final = out.hidden_states[-1]  # (B, T, D): M_q's lm_head input
-        feats = self.net.features(out.hidden_states)[:, :n]  # (B, n, D): F_t
+        states = gather_layers(batch, self.feature_layers, self.verifier, self.feature_layers)
+        final = states[-1]  # (B, T, D): M_q's lm_head input
+        feats = self.net.features(states)[:, :n]  # (B, n, D): F_t
         if train and self.net.kind == "eagle" and self.hparams.noise > 0:
             feats = feats + (torch.rand_like(feats) - 0.5) * self.hparams.noise
         embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head

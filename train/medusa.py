@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from data.hidden_cache import gather_layers
 from models.errors import NonFiniteLossError
 from models.medusa import MedusaHeads, medusa_targets, save_medusa_export
 from models.verifier import Verifier
@@ -61,12 +62,14 @@ class MedusaModule(L.LightningModule):
         self._val_hits: Tensor | None = None
         self._tick: float | None = None
 
+    feature_layers = [-1]  # Medusa reads the verifier's final-normed hidden state (the lm_head input)
+
     # -- the shared step -------------------------------------------------------------------------------------------
     def model_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
         """Returns (loss, per-head losses, per-head top-1..top-10 hit counts (K, TOPK), per-head counts (K,))."""
         if self.verifier.device != self.device:
             self.verifier.to(self.device)
-        hidden = self.verifier.hidden_states(batch["input_ids"], batch["attention_mask"])  # (B, T, D), no grad
+        hidden = gather_layers(batch, self.feature_layers, self.verifier, [-1])[-1]  # (B, T, D), no grad
         lm_head = self.verifier.lm_head
         K = self.heads.num_heads
         loss = hidden.new_zeros((), dtype=torch.float32)

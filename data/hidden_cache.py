@@ -1,0 +1,72 @@
+"""Offline mode: the frozen verifier's hidden states computed once and cached on disk, as EAGLE's offline mode does.
+
+Training then reads them instead of running the verifier every epoch. One safetensors file per sequence holds the
+requested layers as a (L, T, D) bfloat16 tensor; layer ids index HF `output_hidden_states` (0 = embeddings, i = the
+input of layer i, -1 = the final-normed last hidden state). The cache is keyed by the verifier fingerprint, the
+dataset and the layers, written atomically, and its disk size is printed before it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import datasets
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from models.io import atomic_dir
+from models.verifier import Verifier
+
+DTYPE = torch.bfloat16
+
+
+def hidden_cache_dir(verifier: Verifier, ds: datasets.Dataset, layers: list[int], cache_dir: str | Path) -> Path:
+    key = json.dumps({"verifier": verifier.fingerprint, "data": ds._fingerprint, "layers": layers}, sort_keys=True)
+    return Path(cache_dir).expanduser() / "hidden" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[int], cache_dir: str | Path,
+                       batch_size: int = 8) -> Path:
+    """Compute and store the hidden states of `layers` for every row of `ds` (once); returns the cache directory."""
+    path = hidden_cache_dir(verifier, ds, layers, cache_dir)
+    if (path / "done.json").is_file():
+        return path
+    n_tokens = sum(len(ids) for ids in ds["input_ids"])
+    size = n_tokens * len(layers) * verifier.hidden_size * torch.finfo(DTYPE).bits // 8
+    print(f"[data] caching verifier hidden states of layers {layers} for {len(ds)} sequences ({n_tokens} tokens): "
+          f"{size / 2**30:.2f} GiB in {path}")
+    decoder = verifier.model.get_decoder()
+    with atomic_dir(path) as tmp:
+        for start in tqdm(range(0, len(ds), batch_size), desc="caching hidden states", unit="batch"):
+            rows = ds[start : start + batch_size]["input_ids"]
+            for offset, ids in enumerate(rows):  # one sequence at a time: no padding to store or strip
+                out = decoder(input_ids=torch.tensor([ids], device=verifier.device), output_hidden_states=True,
+                              use_cache=False)
+                stacked = torch.stack([out.hidden_states[i][0] for i in layers])  # (L, T, D)
+                save_file({"hidden": stacked.to("cpu", DTYPE).contiguous()}, str(tmp / f"{start + offset}.safetensors"))
+        (tmp / "done.json").write_text(json.dumps({"layers": layers, "sequences": len(ds), "tokens": n_tokens}))
+    return path
+
+
+def load_hidden(path: Path, row: int) -> Tensor:
+    """The cached (L, T, D) hidden states of dataset row `row`."""
+    return load_file(str(path / f"{row}.safetensors"))["hidden"]
+
+
+def gather_layers(batch: dict[str, Tensor], layers: list[int], verifier: Verifier, wanted: list[int]) -> dict[int, Tensor]:
+    """The hidden states `wanted` (layer ids), from the batch's cache when it has them, else one verifier forward.
+
+    Returns {layer id: (B, T, D)}; -1 is the final-normed hidden state (the lm_head input).
+    """
+    if "hidden" in batch:
+        index = {layer: i for i, layer in enumerate(layers)}
+        return {w: batch["hidden"][:, index[w]].to(verifier.dtype) for w in wanted}
+    with torch.no_grad():
+        out = verifier.model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                           output_hidden_states=True, use_cache=False)
+    return {w: out.hidden_states[w] for w in wanted}
