@@ -110,3 +110,10 @@ def test_no_assistant_tokens_is_refused(tiny, tmp_path):
     ds = build_selfdistill(tiny, convs, tmp_path, max_new_tokens=4, max_length=20)  # prompts alone exceed 20 tokens
     with pytest.raises(UserError, match="no assistant tokens"):
         check_has_targets(ds, 2, "builtin")
+
+
+def test_humaneval_is_not_a_training_source(tiny, tmp_path):
+    from data.datamodule import DistillDataModule
+
+    with pytest.raises(UserError, match="HumanEval is kept for evaluation"):
+        DistillDataModule(tiny, str(tmp_path), source="humaneval")
