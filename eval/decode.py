@@ -142,15 +142,17 @@ def speculative_decode(
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     model, cache, lengths = verifier.model, kv.new_cache(), []
     buffers: dict[Tree, TreeBuffers] = {}
+    # Which verifier hidden states the drafter reads (EAGLE-3: three layers); None = the last layer. Same forwards.
+    layers = getattr(drafter, "feature_layers", None)
     if out.done:
         return _result(input_ids, out, 0, lengths, tree.max_depth, timer, start)
 
     # 1. Prefill: one forward over the prompt. Its last logits give the first root; its hidden states feed the drafter.
     with timer("verify"):
-        step = kv.forward(model, cache, input_ids)
+        step = kv.forward(model, cache, input_ids, hidden_layers=layers)
     forwards = 1
     root = step.logits[:, -1].argmax(dim=-1)  # (B,)
-    hidden, logits = step.hidden, step.logits[:, -1]  # (B, T, D), (B, V)
+    hidden, logits = step.hidden, step.logits[:, -1]  # (B, T, D) or (B, T, K*D) with feature_layers, (B, V)
     sequence = torch.cat([input_ids, root[:, None]], dim=1)  # (B, T+1); the root is not in the cache yet
     out.extend(root)
 
@@ -165,7 +167,7 @@ def speculative_decode(
 
         # 3. Verify: one forward over all nodes, each seeing the cached prefix and its own ancestors.
         with timer("verify"):
-            step = kv.forward(model, cache, draft.tokens, buf.positions, buf.mask)  # logits (B, N, V)
+            step = kv.forward(model, cache, draft.tokens, buf.positions, buf.mask, layers)  # logits (B, N, V)
         forwards += 1
 
         # 4. Accept the longest path that matches the verifier's argmax; the verifier adds one token after it.

@@ -46,7 +46,9 @@ class Drafter(Protocol):
 
         input_ids: (B, T) every token so far; input_ids[:, -1] is the root.
         hidden: (B, S, D) M_q's last-layer hidden states (lm_head inputs) at the S positions it just committed;
-            hidden[:, -1] is at the token before the root.
+            hidden[:, -1] is at the token before the root. A drafter with a `feature_layers` attribute (indices
+            into HF's `hidden_states`; None = the last layer) gets those layers concatenated instead, (B, S, K*D),
+            from the same verifier forward (EAGLE-3 reads three).
         logits: (B, V) M_q's logits there, i.e. the distribution the root was chosen from.
         """
         ...
@@ -138,12 +140,26 @@ def _make_medusa(
     return MedusaDrafter(heads, lm_head=lm_head, with_probs=with_probs, config=config)
 
 
-DRAFTERS = {"medusa": _make_medusa}
+def _make_eagle(verifier: Verifier, **kwargs: Any) -> Drafter:
+    from eval.eagle import make_eagle  # eval.eagle imports this module for Draft
+
+    return make_eagle("eagle", verifier, **kwargs)
+
+
+def _make_eagle3(verifier: Verifier, **kwargs: Any) -> Drafter:
+    from eval.eagle import make_eagle
+
+    return make_eagle("eagle3", verifier, **kwargs)
+
+
+DRAFTERS = {"medusa": _make_medusa, "eagle": _make_eagle, "eagle3": _make_eagle3}
 
 
 def make_drafter(kind: str, verifier: Verifier, **kwargs: Any) -> Drafter:
     """Build a drafter by name for `verifier`; kwargs go to that drafter's builder
-    (medusa: checkpoint=<export dir> or heads=<MedusaHeads>, with_probs=False)."""
+    (medusa: checkpoint=<export dir> or heads=<MedusaHeads>, with_probs=False;
+    eagle / eagle3: checkpoint=<export dir> or net=<EagleDrafterNet>, topk, depth, total_tokens, with_probs;
+    see eval.eagle.make_eagle)."""
     if kind not in DRAFTERS:
         raise UserError(f"drafter={kind!r} is not known; choose one of {sorted(DRAFTERS)}.")
     return DRAFTERS[kind](verifier, **kwargs)

@@ -15,6 +15,7 @@ which both accept. Flash-attention kernels take no custom mask, hence the check 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,8 @@ CUSTOM_MASK_ATTENTION = ("sdpa", "eager")
 @dataclass
 class ForwardOutput:
     """Verifier outputs for the tokens just fed: logits (B, T, V) and last-layer hidden states after the final norm,
-    i.e. the input of lm_head (B, T, D)."""
+    i.e. the input of lm_head (B, T, D) -- or, when `forward` was asked for `hidden_layers`, those entries of HF's
+    `hidden_states` concatenated on the last dimension (B, T, len(hidden_layers) * D)."""
 
     logits: Tensor
     hidden: Tensor
@@ -87,12 +89,16 @@ def forward(
     input_ids: Tensor,
     position_offsets: Tensor | None = None,
     tree_mask: Tensor | None = None,
+    hidden_layers: Sequence[int] | None = None,
 ) -> ForwardOutput:
     """Run the verifier over `input_ids` (B, T) after the cached prefix, appending their keys/values to `cache`.
 
     Without `tree_mask` the tokens are a plain continuation (causal, positions prefix_len + 0..T-1): the prefill
     and one-token decoding. With `tree_mask` (T, T) and `position_offsets` (T,) they are tree nodes at positions
     prefix_len + depth, each seeing the prefix, its ancestors and itself.
+
+    `hidden_layers` picks which of HF's `hidden_states` come back (0 = embeddings, i = input of layer i, -1 = after
+    the final norm), concatenated (EAGLE-3 reads three layers); None gives the last one alone. Same forward either way.
     """
     bsz, t = input_ids.shape
     prefix_len = cache_length(cache)
@@ -111,7 +117,10 @@ def forward(
         **{_cache_kwarg(model): cache},
     )
     # The last entry of hidden_states is taken after the final norm (the lm_head input) in HF decoders.
-    return ForwardOutput(logits=out.logits, hidden=out.hidden_states[-1])
+    if hidden_layers is None:
+        return ForwardOutput(logits=out.logits, hidden=out.hidden_states[-1])
+    hidden = torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1)  # (B, T, len(layers) * D)
+    return ForwardOutput(logits=out.logits, hidden=hidden)
 
 
 def commit(cache: DynamicCache, prefix_len: int, keep: Tensor) -> None:
