@@ -29,6 +29,10 @@ from train.medusa import MedusaModule  # noqa: E402
 
 
 def bench_generation(verifier, prompts: list[list[int]], new_tokens: int, batch_size: int) -> dict[str, float]:
+    # Warm up both paths first (kernel selection, allocator): the first calls are not what we compare.
+    generate_answers(verifier, prompts[:batch_size], 4, 0.0, batch_size, seed=0, desc="warm-up")
+    verifier.model.generate(torch.tensor([prompts[0]], device=verifier.device), max_new_tokens=4, do_sample=False,
+                            top_k=None, top_p=None, pad_token_id=verifier.tokenizer.pad_token_id)
     t0 = time.perf_counter()
     answers = generate_answers(verifier, prompts, new_tokens, 0.0, batch_size, seed=0, desc="batched")
     batched_s = time.perf_counter() - t0
