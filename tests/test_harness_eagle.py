@@ -1,0 +1,39 @@
+"""`python -m eval` with EAGLE exports: the drafter family is read from the export; chain and dynamic trees decode
+exactly; trees that belong to the other family are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.eagle import build_eagle, save_eagle_export
+from models.errors import UserError
+from test_harness import FAST, run_eval
+
+
+@pytest.fixture(scope="module")
+def eagle_exports(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle_exports")
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for kind in ("eagle", "eagle3"):
+        net = build_eagle(kind, tiny, draft_vocab_size=256)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        out[kind] = save_eagle_export(net, tiny, root / kind)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("tree, method", [("tree=chain", "chain-5"), ("tree=dynamic", "dynamic-24")])
+def test_eagle_exports_decode_exactly(eagle_exports, tmp_path, kind, tree, method):
+    report, profile = run_eval([f"checkpoint={eagle_exports[kind]}", "num_prompts=2", tree, *FAST], tmp_path)
+    assert report["method"] == f"{kind}/{method}"
+    assert report["greedy_match"] == 1.0 and report["tau"] >= 1.0
+    assert len(report["accept_rate_per_position"]) == 5
+
+
+def test_medusa_trees_are_refused_for_eagle(eagle_exports, tmp_path):
+    with pytest.raises(UserError, match="does not apply to an EAGLE export"):
+        run_eval([f"checkpoint={eagle_exports['eagle']}", "tree=medusa_choices", *FAST], tmp_path)
