@@ -15,12 +15,15 @@ from conftest import ROOT, compose_train
 REQUIRED = {"verifier=hf": ["verifier.path=some/model"], "data=sharegpt": ["data.source=conv.json"]}
 
 
-def group_options() -> list[str]:
-    """`group=option` for every yaml file under conf/<group>/ (recursively)."""
+EVAL_GROUPS = {"tree"}  # groups of conf/eval.yaml; every other group belongs to conf/train.yaml
+
+
+def group_options(eval_groups: bool = False) -> list[str]:
+    """`group=option` for every yaml file under conf/<group>/ (recursively), of train.yaml's or eval.yaml's groups."""
     out = []
     for path in sorted((ROOT / "conf").rglob("*.yaml")):
         rel = path.relative_to(ROOT / "conf")
-        if len(rel.parts) > 1:
+        if len(rel.parts) > 1 and (rel.parts[0] in EVAL_GROUPS) == eval_groups:
             out.append(f"{'/'.join(rel.parts[:-1])}={rel.stem}")
     return out
 
@@ -37,6 +40,19 @@ def test_compose_every_option(override, tmp_path):
     for key in ("verifier", "data", "model", "trainer", "callbacks", "seed"):
         assert key in resolved
     assert resolved["model"]["_target_"] in {"train.medusa.MedusaModule", "train.eagle.EagleModule"}
+
+
+@pytest.mark.parametrize("override", group_options(eval_groups=True))
+def test_compose_every_eval_option(override):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[override, "checkpoint=some/export", "output_dir=out"])
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["tree"]["kind"] == override.split("=")[1]
+    assert {"checkpoint", "prompts", "num_prompts", "max_new_tokens", "dtype", "threads"} <= set(resolved)
 
 
 def test_experiments_pin_names(tmp_path):
