@@ -17,7 +17,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from models.errors import UserError
+from models.errors import UserError, user_error
 
 
 def resolve_ckpt(cfg: DictConfig) -> str | None:
@@ -54,15 +54,6 @@ def run(cfg: DictConfig) -> Path:
     if logger and hasattr(logger, "experiment") and hasattr(logger.experiment, "finish"):
         logger.experiment.finish()
     return Path(cfg.callbacks.export.dirpath)
-
-
-def user_error(exc: BaseException) -> UserError | None:
-    """The UserError behind `exc`, if any (Hydra wraps errors raised inside instantiate)."""
-    while exc is not None:
-        if isinstance(exc, UserError):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -15,16 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from eval.harness import evaluate
-from models.errors import UserError
-
-
-def user_error(exc: BaseException | None) -> UserError | None:
-    """The UserError behind `exc`, if any (Hydra wraps errors raised inside instantiate)."""
-    while exc is not None:
-        if isinstance(exc, UserError):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+from models.errors import user_error
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")

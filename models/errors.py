@@ -15,3 +15,12 @@ class VerifierMismatchError(UserError):
 
 class NonFiniteLossError(UserError):
     """Training produced a NaN or infinite loss; the message says which settings to change."""
+
+
+def user_error(exc: BaseException | None) -> UserError | None:
+    """The UserError behind `exc`, if any: entry points print it alone (Hydra wraps errors raised in instantiate)."""
+    while exc is not None:
+        if isinstance(exc, UserError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None

@@ -34,6 +34,33 @@ def smollm2(cache_dir):
     return load_smollm2(cache_dir=cache_dir, dtype="float32", device="cpu")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small matmuls on this 2-core box are much faster on one thread (thread wake-ups dominate)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def varied_llama(seed: int = 1):
+    """A tiny verifier with large random layer weights: unlike the plain tiny one, it does not repeat one token,
+    so its greedy output exercises the cache and the masks."""
+    import torch
+
+    from models.verifier import build_tiny
+
+    v = build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu", seed=seed)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in v.model.model.layers.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return v
+
+
 @pytest.fixture(scope="session")
 def train_script():
     """train.py loaded as a module (the `train/` package shadows it for a plain import)."""

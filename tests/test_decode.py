@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from conftest import varied_llama
 from eval import decode, kv
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Draft, Drafter, MedusaDrafter, make_drafter
@@ -32,13 +33,7 @@ ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 
 TREES = {"chain": chain(4), "sparse": from_medusa_choices(SPARSE), "auto": auto_tree(ACCURACY, 12)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small matmuls on this 2-core box are much faster on one thread (thread wake-ups dominate).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +42,7 @@ def base():
 
 
 def _varied_llama(base: Verifier) -> Verifier:
-    v = build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu", seed=1)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in v.model.model.layers.parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return v
+    return varied_llama()
 
 
 def _tiny_qwen3(base: Verifier) -> Verifier:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import varied_llama
 from eval import kv
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Drafter, make_drafter
@@ -32,12 +33,7 @@ TREES = {"chain": chain(4), "dynamic": budget_tree()}  # the default budget: dep
 TOL = 1e-3  # on log-probabilities: fp32 noise is ~1e-5, an off-by-one alignment moves them by > 0.1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # small matmuls on this 2-core box are faster on one thread
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +43,7 @@ def base() -> Verifier:
 
 @pytest.fixture(scope="module")
 def varied() -> Verifier:
-    v = build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu", seed=1)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in v.model.model.layers.parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return v
+    return varied_llama()
 
 
 def random_net(kind: str, verifier: Verifier, seed: int = 0) -> EagleDrafterNet:

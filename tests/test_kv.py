@@ -15,13 +15,7 @@ from models.errors import UserError
 from models.verifier import build_tiny
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small matmuls on this 2-core box are much faster on one thread (thread wake-ups dominate).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
