@@ -196,7 +196,7 @@ def test_smoke_export_on_the_default_verifier_end_to_end(tmp_path):
                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert train.returncode == 0, train.stderr[-3000:]
     proc = _cli([f"checkpoint={tmp_path / 'run' / 'export'}", "prompts=builtin", "num_prompts=2", "max_new_tokens=16",
-                 "wandb.mode=disabled"], tmp_path)
+                 "threads=1", "wandb.mode=disabled"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert list(report) == list(REPORT_KEYS) and report["verifier"] == "smollm2"
