@@ -105,9 +105,15 @@ class MedusaDrafter:
         depth, rank, topk = self._layout(tree, input_ids.device)
         param = next(self.heads.parameters(), None)  # heads may train in fp32 next to a bf16 verifier
         h = hidden[:, -1] if param is None else hidden[:, -1].to(param.dtype)  # (B, D)
-        head_logits = torch.stack(
-            [self.heads.head_logits(h, k, self.lm_head) for k in range(tree.max_depth)], dim=1
-        )  # (B, K, V)
+        if self.heads.share_lm_head:
+            # One projection over all heads' features: a single (K, D) x (D, V) matmul costs less than half of K
+            # separate matvecs through the 49k-vocabulary head on a CPU.
+            feats = torch.stack([self.heads.head_features(h, k) for k in range(tree.max_depth)], dim=1)  # (B, K, D)
+            head_logits = self.lm_head(feats.to(self.lm_head.weight.dtype))  # (B, K, V)
+        else:
+            head_logits = torch.stack(
+                [self.heads.head_logits(h, k, self.lm_head) for k in range(tree.max_depth)], dim=1
+            )  # (B, K, V)
         top = head_logits.topk(topk, dim=-1).indices  # (B, K, R)
         drafts = top[:, depth - 1, rank]  # (B, N-1): node i takes rank[i] of head depth[i]-1
         tokens = torch.cat([root, drafts.to(root.dtype)], dim=1)  # (B, N)
