@@ -149,3 +149,29 @@ def test_offline_hidden_state_cache_matches_online(tiny, tmp_path, capsys):
     fresh = module.model_step(online, 3, train=False)["losses"]
     for a, b in zip(cached, fresh):  # the cache stores bf16; the online path runs fp32
         assert torch.allclose(a, b, rtol=2e-2), (a, b)
+
+
+def test_eagle3_targets_once_per_batch_match_each_step(tiny):
+    """EAGLE-3 computes q once per batch and every unrolled step reads it shifted: each (step, position) the loss
+    uses must get exactly M_q's distribution at t+j+1, restricted to the draft vocabulary."""
+    from train.eagle import EagleModule
+
+    torch.manual_seed(0)
+    module = EagleModule(tiny, optimizer=torch.optim.AdamW, kind="eagle3", ttt_steps=3, draft_vocab_size=64)
+    module.net.set_draft_vocab(torch.randperm(tiny.lm_head.weight.shape[0])[:64])
+    ids = torch.randint(5, 200, (2, 12))
+    loss_mask = torch.tensor([[0] * 4 + [1] * 8, [0] * 6 + [1] * 5 + [0]]).bool()
+    with torch.no_grad():
+        final = tiny.model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    targets = module.draft_vocab_targets(final, loss_mask)
+    checked = 0
+    for j in range(3):
+        _, valid = step_inputs(ids, loss_mask, j)
+        for b, t in valid.nonzero().tolist():
+            row = int(targets["row"][b, t + j + 1])
+            assert row >= 0
+            logits = tiny.lm_head(final[b, t + j + 1]).float()
+            assert int(targets["arg"][row]) == int(logits.argmax())
+            assert torch.allclose(targets["q"][row], logits[module.net.t2d].softmax(-1), atol=1e-6)
+            checked += 1
+    assert checked == 3 * (8 + 5)  # every step: 8 targets in row 0, 5 in row 1

@@ -63,6 +63,18 @@ def draft_vocab_from_counts(counts: Tensor, size: int) -> tuple[Tensor, float]:
     return top, float(counts[top].sum() / counts.sum().clamp(min=1))
 
 
+def target_rank(p_logits: Tensor, target: Tensor, t2d: Tensor | None = None) -> Tensor:
+    """Rank of each target (a verifier id) in the draft logits: 0 if it is the draft's top-1. With `t2d` (EAGLE-3)
+    the logits are over the draft vocabulary; a target outside it gets the verifier's vocabulary size. (N, V) -> (N,)"""
+    if t2d is not None:
+        full = p_logits.new_full((p_logits.shape[0], t2d.numel()), float("-inf"))
+        full[:, t2d] = p_logits  # draft ids are the t2d-selected target ids in ascending order
+        p_logits = full
+    at = p_logits.gather(1, target[:, None])  # (N, 1)
+    rank = (p_logits > at).sum(-1)
+    return torch.where(at[:, 0] == float("-inf"), torch.full_like(rank, p_logits.shape[-1]), rank)
+
+
 class EagleModule(L.LightningModule):
     """Args:
         verifier: the frozen M_q, held by reference (never in checkpoints).
@@ -122,8 +134,9 @@ class EagleModule(L.LightningModule):
         embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
         positions = torch.arange(n, device=ids.device)[None].expand(bsz, n)
         valid_keys = attn[:, :n].bool()
+        targets = self.draft_vocab_targets(final, loss_mask) if self.net.kind == "eagle3" else None
         hidden, past_k, past_v = feats, None, None
-        losses, correct, valid_at = [], [], []
+        losses, correct, valid_at, ranks = [], [], [], []
         for j in range(steps):
             # 1. This step's inputs: the true next tokens x_{t+j+1} and the previous step's output.
             tok, valid = step_inputs(ids, loss_mask, j)  # (B, n) each
@@ -136,14 +149,17 @@ class EagleModule(L.LightningModule):
             # 2. Targets: q at position t+j+1 (predicting x_{t+j+2}), where x_{t+j+2} is an assistant token.
             bi, ti = valid.nonzero(as_tuple=True)
             with torch.no_grad():
-                q_logits = lm_head(final[bi, ti + j + 1]).float()  # (N, V)
-                q_arg = q_logits.argmax(-1)  # (N,) M_q's greedy token
+                if targets is None:  # EAGLE-1: q over the full vocabulary, at this step's positions only
+                    q_logits = lm_head(final[bi, ti + j + 1]).float()  # (N, V)
+                    q_arg, q = q_logits.argmax(-1), q_logits.softmax(-1)  # (N,) M_q's greedy token; (N, V)
+                else:
+                    rows = targets["row"][bi, ti + j + 1]
+                    q_arg, q = targets["arg"][rows], targets["q"][rows]  # (N,), (N, V_draft)
             p_logits = self.net.logits(out_h[bi, ti], lm_head).float()  # (N, V or V_draft)
             in_vocab = torch.ones_like(q_arg, dtype=torch.bool)
             if self.net.kind == "eagle3":
-                q_logits = q_logits[:, self.net.t2d]  # q restricted to the draft vocabulary
                 in_vocab = self.net.t2d[q_arg]  # skip targets the draft vocabulary cannot express
-            ce = -(q_logits.softmax(-1) * p_logits.log_softmax(-1)).sum(-1)  # (N,)
+            ce = -(q * p_logits.log_softmax(-1)).sum(-1)  # (N,)
             ce = (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
             step_loss = ce
             if self.net.kind == "eagle":
@@ -153,9 +169,26 @@ class EagleModule(L.LightningModule):
             hit = torch.zeros_like(valid)
             hit[bi, ti] = self.net.draft_to_target(p_logits.argmax(-1)) == q_arg
             correct.append(hit)
+            rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
+            rank[bi, ti] = target_rank(p_logits.detach(), q_arg, None if self.net.kind == "eagle" else self.net.t2d)
+            ranks.append(rank)
             valid_at.append(valid)
             hidden = out_h
-        return {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at)}  # (S, B, n)
+        # (S, B, n) each; rank: 0 = M_q's argmax is the draft's top-1, vocab_size = invalid or outside the vocabulary
+        return {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at),
+                "rank": torch.stack(ranks)}
+
+    @torch.no_grad()
+    def draft_vocab_targets(self, final: Tensor, loss_mask: Tensor) -> dict[str, Tensor]:
+        """EAGLE-3's targets, once per batch (every unrolled step reads the same positions, shifted): at each position
+        s whose next token is an assistant token, M_q's argmax (a verifier id) and q restricted to the draft
+        vocabulary. Returns row (B, T) -> index into arg (M,) and q (M, V_draft); -1 where there is no target."""
+        sel = F.pad(loss_mask[:, 1:], (0, 1), value=False)  # (B, T): x_{s+1} is an assistant token
+        qb, qs = sel.nonzero(as_tuple=True)
+        row = torch.full(sel.shape, -1, dtype=torch.long, device=sel.device)
+        row[qb, qs] = torch.arange(qb.numel(), device=sel.device)
+        q_logits = self.verifier.lm_head(final[qb, qs]).float()  # (M, V)
+        return {"row": row, "arg": q_logits.argmax(-1), "q": q_logits[:, self.net.t2d].softmax(-1)}
 
     def _loss(self, losses: list[Tensor]) -> Tensor:
         steps = self.hparams.ttt_steps

@@ -1,0 +1,124 @@
+"""Why does one drafter beat another? Teacher-forced accuracy tables of exported drafters on the same held-out text.
+
+    python scripts/drafter_accuracy.py outputs/medusa-smollm2/export outputs/eagle-smollm2/export \
+        outputs/eagle3-smollm2/export --num-prompts 20 --max-new-tokens 128
+
+The verifier answers the built-in eval prompts greedily (fp32, cached like self-distillation data); every drafter is
+then scored on the same answers, with the verifier's features, in one teacher-forced pass per batch:
+
+depth-1 top-k coverage, chain accuracy per depth, and the chain's tau over positions and over simulated decode
+rounds (eval/offline.py says what each means). EAGLE is unrolled by its training module's own validation step.
+
+Results are printed and written as JSON next to the first export (drafter_accuracy.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data.datamodule import collate  # noqa: E402
+from data.hidden_cache import gather_layers  # noqa: E402
+from data.prompts import load_conversations  # noqa: E402
+from data.selfdistill import build_selfdistill  # noqa: E402
+from eval.harness import load_verifier, select_prompts  # noqa: E402
+from eval.offline import TOPK, acceptance_tables  # noqa: E402
+from models.eagle import export_kind, load_eagle_export  # noqa: E402
+from models.medusa import load_medusa_export, medusa_targets, read_export_config  # noqa: E402
+from models.verifier import Verifier  # noqa: E402
+from train.eagle import EagleModule, target_rank  # noqa: E402
+
+
+def medusa_ranks(heads: Any, verifier: Verifier, batch: dict[str, Tensor], depth: int) -> tuple[Tensor, Tensor]:
+    """(D, B, T) ranks of x_{t+d+1} under head d and (D, B, T) validity."""
+    hidden = gather_layers(batch, [-1], verifier, [-1])[-1]  # (B, T, D)
+    ranks, valids = [], []
+    for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)):
+        if k >= depth:
+            break
+        rank = torch.full(valid.shape, verifier.lm_head.weight.shape[0], dtype=torch.long)
+        rank[valid] = target_rank(heads.head_logits(hidden[valid], k, verifier.lm_head).float(), targets[valid])
+        ranks.append(rank)
+        valids.append(valid)
+    return torch.stack(ranks), torch.stack(valids)
+
+
+def eagle_module(export: Path, kind: str, verifier: Verifier) -> EagleModule:
+    """The training module around an exported net, so scoring unrolls exactly as validation does (train/eagle.py)."""
+    net, _ = load_eagle_export(export, verifier, kind)
+    module = EagleModule(verifier, optimizer=torch.optim.AdamW, kind=kind, aux_layer_ids=net.aux_layer_ids or None,
+                         draft_vocab_size=net.draft_vocab_size if kind == "eagle3" else None)
+    module.net = net.eval()
+    return module
+
+
+def eagle_ranks(module: EagleModule, verifier: Verifier, batch: dict[str, Tensor], depth: int
+                ) -> tuple[Tensor, Tensor]:
+    """The same for an EAGLE drafter, unrolled `depth` steps."""
+    res = module.model_step(batch, depth, train=False)
+    n = batch["input_ids"].shape[1] - 1
+    pad = lambda x, v: torch.cat([x, x.new_full((*x.shape[:2], 1), v)], dim=2)  # (D, B, n) -> (D, B, T)
+    return pad(res["rank"], verifier.lm_head.weight.shape[0]), pad(res["valid"], False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("exports", nargs="+")
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache-dir", default="~/.cache/specdraft")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    exports = [Path(e).expanduser() for e in args.exports]
+    verifier = load_verifier(read_export_config(exports[0])["verifier_path"], "float32", "cpu", args.cache_dir)
+    convs = select_prompts(load_conversations("builtin", split="eval"), args.num_prompts)
+    ds = build_selfdistill(verifier, convs, args.cache_dir, max_new_tokens=args.max_new_tokens, batch_size=16)
+    rows = list(ds.with_format("python"))
+    results = {}
+    for export in exports:
+        config = read_export_config(export)
+        kind = "medusa" if config.get("model_type") == "medusa" else export_kind(config)
+        drafter = (load_medusa_export(export, verifier)[0] if kind == "medusa"
+                   else eagle_module(export, kind, verifier))
+        ranks, valids, masks = [], [], []
+        for i in range(0, len(rows), 8):
+            batch = collate(rows[i : i + 8], verifier.tokenizer.pad_token_id or 0)
+            with torch.no_grad():
+                r, v = (medusa_ranks(drafter, verifier, batch, args.depth) if kind == "medusa"
+                        else eagle_ranks(drafter, verifier, batch, args.depth))
+            ranks += list(r.unbind(1))
+            valids += list(v.unbind(1))
+            masks += list(batch["loss_mask"].unbind(0))
+        width = max(m.shape[0] for m in masks)
+        fit = lambda xs, fill: torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=fill)
+                                            for x in xs], dim=-2)
+        res = acceptance_tables(fit(ranks, verifier.lm_head.weight.shape[0]), fit(valids, False), fit(masks, 0))
+        results[f"{export.parent.name} ({kind})"] = res
+    table = Table(title=f"teacher-forced accuracy on {len(rows)} held-out answers ({args.max_new_tokens} tokens)")
+    for col in ["drafter", *(f"d1 top-{k}" for k in TOPK), "chain d1..", "tau (positions)", "tau (rounds)"]:
+        table.add_column(col)
+    for name, r in results.items():
+        table.add_row(name, *(f"{r['depth1_topk'][k]:.3f}" for k in TOPK),
+                      " ".join(f"{a:.2f}" for a in r["chain_conditional"]), f"{r['tau_positions']:.3f}",
+                      f"{r['tau_rounds']:.3f}")
+    Console(width=200).print(table)
+    out = exports[0].parent / "drafter_accuracy.json"
+    out.write_text(json.dumps(results, indent=2))
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Teacher-forced acceptance tables (eval/offline.py) and draft ranks (train/eagle.py) on hand-built numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.offline import acceptance_tables, chain_rounds
+from train.eagle import target_rank
+
+
+def test_target_rank_full_and_draft_vocabulary():
+    p = torch.tensor([[3.0, 1.0, 2.0], [0.0, 5.0, 1.0]])
+    assert target_rank(p, torch.tensor([2, 1])).tolist() == [1, 0]
+    # EAGLE-3: logits over a draft vocabulary {0, 2, 3} of a 4-token verifier vocabulary.
+    t2d = torch.tensor([True, False, True, True])
+    p3 = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])  # target 0 -> 1.0, 2 -> 3.0, 3 -> 2.0
+    assert target_rank(p3, torch.tensor([3, 1]), t2d).tolist() == [1, 4]  # id 1 is outside: the vocabulary size
+
+
+def test_acceptance_tables_hand_built():
+    # One answer x_2..x_5 after a 2-token prompt; depth 1 at t predicts x_{t+2}, depth 2 x_{t+3}.
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    valid = torch.tensor([[[True, True, True, True, False, False]], [[True, True, True, False, False, False]]])
+    big = 99
+    rank = torch.tensor([[[0, 0, 5, 0, big, big]], [[0, 0, 0, big, big, big]]])
+    out = acceptance_tables(rank, valid, loss_mask, topk=(1, 4, 8))
+    assert out["depth1_topk"] == {1: 0.75, 4: 0.75, 8: 1.0}
+    # Depth 2 at t=2 is right but depth 1 there is not, so the chain does not count it.
+    assert out["chain_conditional"] == pytest.approx([0.75, 2 / 3])
+    assert out["tau_positions"] == pytest.approx(1 + (2 + 2 + 0 + 1) / 4)
+    # The first round roots at x_2 (features end at t=1), accepts 2 drafts + M_q's token: x_3..x_5, done.
+    assert out["tau_rounds"] == 3.0
+    assert out["positions"] == 4
+
+
+def test_chain_rounds_step_over_accepted_runs():
+    lead = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+    assert chain_rounds(lead, 1, 9) == (7, 7)  # nothing accepted: one token a round
+    lead = torch.tensor([0, 3, 0, 0, 0, 1, 0, 0, 0, 0])
+    # t=1 accepts 3 (4 tokens, to t=5), t=5 accepts 1 (2 tokens, to t=7), t=7 emits x_9 alone.
+    assert chain_rounds(lead, 1, 9) == (7, 3)
+
+
+def test_acceptance_tables_refuse_empty_answers():
+    with pytest.raises(ValueError, match="empty"):
+        acceptance_tables(torch.zeros(1, 1, 4, dtype=torch.long), torch.zeros(1, 1, 4, dtype=torch.bool),
+                          torch.zeros(1, 4, dtype=torch.long))
