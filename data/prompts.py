@@ -10,6 +10,8 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +104,24 @@ def _from_record(rec: Any, index: int, where: str) -> Conversation:
     )
 
 
+def select_prompts(convs: Sequence[Conversation], num: int | None) -> list[Conversation]:
+    """The first `num` conversations taken round-robin over categories (files are often sorted by category, and a
+    short run should still see every one); order within a category is kept."""
+    if num is None or num >= len(convs):
+        return list(convs)
+    if num <= 0:
+        raise UserError(f"num_prompts={num} must be >= 1 (or null for every prompt).")
+    by_cat: dict[str, list[Conversation]] = defaultdict(list)
+    for c in convs:
+        by_cat[c.category].append(c)
+    queues, out = list(by_cat.values()), []
+    while len(out) < num:
+        for q in queues:
+            if q and len(out) < num:
+                out.append(q.pop(0))
+    return out
+
+
 def load_conversations(source: str, split: str | None = "train", limit: int | None = None) -> list[Conversation]:
     """Read a prompt source.
 
@@ -110,7 +130,8 @@ def load_conversations(source: str, split: str | None = "train", limit: int | No
             `datasets.Dataset.save_to_disk`.
         split: for the built-in set, `train` or `eval` (the fixed evaluation split never used for training),
             or None for both. Ignored for other sources.
-        limit: keep the first `limit` conversations.
+        limit: keep `limit` conversations, taken round-robin over categories (`select_prompts`), so a subset of a
+            file sorted by category (the built-in set, MT-bench) still covers every category.
     """
     if source == "builtin":
         records = _read_json_records(BUILTIN_PATH)
@@ -136,7 +157,7 @@ def load_conversations(source: str, split: str | None = "train", limit: int | No
         where = f"prompt file {source!r}"
     convs = [_from_record(rec, i, where) for i, rec in enumerate(records)]
     if limit is not None:
-        convs = convs[:limit]
+        convs = select_prompts(convs, limit)
     if not convs:
         raise UserError(f"{where} holds no prompts. Give a source with at least one prompt.")
     return convs

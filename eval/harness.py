@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from data.chat import prompt_ids
-from data.prompts import Conversation, load_conversations
+from data.prompts import Conversation, load_conversations, select_prompts  # noqa: F401 (select_prompts: public here too)
 from eval.decode import DecodeResult, greedy_decode, speculative_decode
 from eval.drafters import Drafter, make_drafter
 from eval.eagle import DEFAULT_DEPTH, budget_tree
@@ -86,24 +85,6 @@ def build_tree(tree_cfg: DictConfig | dict[str, Any], drafter: Drafter, kind: st
 def describe_tree(tree: Tree, kind: str) -> str:
     """A short name for reports, e.g. `auto-16` (16 draft nodes), `chain-4`."""
     return f"{kind}-{tree.num_drafts}"
-
-
-def select_prompts(convs: Sequence[Conversation], num: int | None) -> list[Conversation]:
-    """The first `num` conversations taken round-robin over categories (files are often sorted by category, and a
-    short run should still see every one); order within a category is kept."""
-    if num is None or num >= len(convs):
-        return list(convs)
-    if num <= 0:
-        raise UserError(f"num_prompts={num} must be >= 1 (or null for every prompt).")
-    by_cat: dict[str, list[Conversation]] = defaultdict(list)
-    for c in convs:
-        by_cat[c.category].append(c)
-    queues, out = list(by_cat.values()), []
-    while len(out) < num:
-        for q in queues:
-            if q and len(out) < num:
-                out.append(q.pop(0))
-    return out
 
 
 def check_length(verifier: Verifier, ids: list[int], max_new_tokens: int, where: str) -> None:

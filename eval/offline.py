@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
 TOPK = (1, 2, 4, 8, 16)
@@ -24,11 +23,12 @@ TOPK = (1, 2, 4, 8, 16)
 def chain_rounds(lead: Tensor, first: int, last: int) -> tuple[int, int]:
     """Simulate chain decoding over one answer. lead[t]: drafts a chain rooted after position t would get accepted;
     the first round's features end at `first` (the last prompt position; the prefill already gave x_{first+1});
-    `last` is the answer's final position. A round at t emits x_{t+2}.. Returns (tokens emitted, rounds)."""
+    `last` is the answer's final position. A round at t emits x_{t+2}.. Returns (tokens emitted, rounds); their ratio
+    is tau as `eval.decode.DecodeResult.tau` counts it."""
     tokens = rounds = 0
     t = first
     while t + 1 < last:
-        step = min(int(lead[t]) + 1, last - 1 - t)  # accepted drafts + M_q's own token, within the answer
+        step = int(lead[t]) + 1  # accepted drafts + M_q's own token (lead only counts targets inside the answer)
         tokens, rounds, t = tokens + step, rounds + 1, t + step
     return tokens, rounds
 

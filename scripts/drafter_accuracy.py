@@ -67,7 +67,6 @@ def eagle_ranks(module: EagleModule, verifier: Verifier, batch: dict[str, Tensor
                 ) -> tuple[Tensor, Tensor]:
     """The same for an EAGLE drafter, unrolled `depth` steps."""
     res = module.model_step(batch, depth, train=False)
-    n = batch["input_ids"].shape[1] - 1
     pad = lambda x, v: torch.cat([x, x.new_full((*x.shape[:2], 1), v)], dim=2)  # (D, B, n) -> (D, B, T)
     return pad(res["rank"], verifier.lm_head.weight.shape[0]), pad(res["valid"], False)
 
@@ -79,11 +78,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="the verifier's dtype (answers and features); training uses "
+                    "bfloat16, decoding float32")
     ap.add_argument("--cache-dir", default="~/.cache/specdraft")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     exports = [Path(e).expanduser() for e in args.exports]
-    verifier = load_verifier(read_export_config(exports[0])["verifier_path"], "float32", "cpu", args.cache_dir)
+    verifier = load_verifier(read_export_config(exports[0])["verifier_path"], args.dtype, "cpu", args.cache_dir)
     convs = select_prompts(load_conversations("builtin", split="eval"), args.num_prompts)
     ds = build_selfdistill(verifier, convs, args.cache_dir, max_new_tokens=args.max_new_tokens, batch_size=16)
     rows = list(ds.with_format("python"))
@@ -96,7 +97,8 @@ def main() -> None:
         ranks, valids, masks = [], [], []
         for i in range(0, len(rows), 8):
             batch = collate(rows[i : i + 8], verifier.tokenizer.pad_token_id or 0)
-            with torch.no_grad():
+            autocast = torch.autocast("cpu", torch.bfloat16, enabled=args.dtype == "bfloat16")  # as bf16-mixed
+            with torch.no_grad(), autocast:
                 r, v = (medusa_ranks(drafter, verifier, batch, args.depth) if kind == "medusa"
                         else eagle_ranks(drafter, verifier, batch, args.depth))
             ranks += list(r.unbind(1))
@@ -107,7 +109,8 @@ def main() -> None:
                                             for x in xs], dim=-2)
         res = acceptance_tables(fit(ranks, verifier.lm_head.weight.shape[0]), fit(valids, False), fit(masks, 0))
         results[f"{export.parent.name} ({kind})"] = res
-    table = Table(title=f"teacher-forced accuracy on {len(rows)} held-out answers ({args.max_new_tokens} tokens)")
+    table = Table(title=f"teacher-forced accuracy on {len(rows)} held-out answers ({args.max_new_tokens} tokens, "
+                  f"verifier {args.dtype})")
     for col in ["drafter", *(f"d1 top-{k}" for k in TOPK), "chain d1..", "tau (positions)", "tau (rounds)"]:
         table.add_column(col)
     for name, r in results.items():
@@ -115,7 +118,7 @@ def main() -> None:
                       " ".join(f"{a:.2f}" for a in r["chain_conditional"]), f"{r['tau_positions']:.3f}",
                       f"{r['tau_rounds']:.3f}")
     Console(width=200).print(table)
-    out = exports[0].parent / "drafter_accuracy.json"
+    out = exports[0].parent / f"drafter_accuracy-{args.dtype}.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"written: {out}")
 

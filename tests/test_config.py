@@ -57,7 +57,9 @@ def test_compose_every_eval_option(override):
 
 def test_experiments_pin_names(tmp_path):
     assert compose_train(["experiment=smoke"], tmp_path).name == "smoke"
-    assert compose_train(["experiment=cpu_full"], tmp_path).name == "cpu_full"
+    # one directory per drafter, so the recipe's Medusa and EAGLE runs do not resume each other's checkpoints
+    assert compose_train(["experiment=cpu_full"], tmp_path).name == "medusa-cpu_full-smollm2"
+    assert compose_train(["model=eagle3", "experiment=cpu_full"], tmp_path).name == "eagle3-cpu_full-smollm2"
     assert compose_train([], tmp_path).name == "medusa-smollm2"
 
 

@@ -117,3 +117,11 @@ def test_humaneval_is_not_a_training_source(tiny, tmp_path):
 
     with pytest.raises(UserError, match="HumanEval is kept for evaluation"):
         DistillDataModule(tiny, str(tmp_path), source="humaneval")
+
+
+def test_limit_takes_every_category():
+    """The built-in set is stored sorted by category: `limit` must not train on the first few categories only."""
+    from collections import Counter
+
+    counts = Counter(c.category for c in load_conversations("builtin", split="train", limit=200))
+    assert len(counts) == 10 and set(counts.values()) == {20}
