@@ -33,15 +33,19 @@ def chain_rounds(lead: Tensor, first: int, last: int) -> tuple[int, int]:
     return tokens, rounds
 
 
-def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tuple[int, ...] = TOPK) -> dict[str, Any]:
-    """Tables from ranks (D, B, T), their validity (D, B, T) and the answers' loss mask (B, T)."""
+def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tuple[int, ...] = TOPK,
+                      confidence: Tensor | None = None) -> dict[str, Any]:
+    """Tables from ranks (D, B, T), their validity (D, B, T) and the answers' loss mask (B, T). With `confidence`
+    (D, B, T), the draft's top-1 probability, also its mean where the chain reaches depth d, beside
+    `chain_conditional`: a calibrated drafter has the two equal (EAGLE-2's dynamic tree trusts these probabilities)."""
     v0 = valid[0]
     if not v0.any():
         raise ValueError("no position has a depth-1 target: the answers are empty.")
     hit = (rank == 0) & valid  # (D, B, T)
     run = hit.long().cumprod(dim=0)  # (D, B, T): depths 1..d+1 all right
     cond = [float(run[0][v0].float().mean())]
-    cond += [float(run[d][v0].sum() / run[d - 1][v0].sum().clamp(min=1)) for d in range(1, rank.shape[0])]
+    reach = [v0] + [run[d - 1].bool() & valid[d] for d in range(1, rank.shape[0])]  # the chain got to depth d+1
+    cond += [float(run[d][reach[d]].sum() / reach[d].sum().clamp(min=1)) for d in range(1, rank.shape[0])]
     lead = run.sum(0)  # (B, T)
     tokens = rounds = 0
     for b in range(rank.shape[1]):
@@ -49,7 +53,11 @@ def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tupl
         if answer.numel():
             n_tok, n_rounds = chain_rounds(lead[b], int(answer[0]) - 1, int(answer[-1]))
             tokens, rounds = tokens + n_tok, rounds + n_rounds
-    return {
+    extra = {}
+    if confidence is not None:
+        extra["chain_confidence"] = [float(confidence[d][r].float().mean()) if r.any() else float("nan")
+                                     for d, r in enumerate(reach)]
+    return extra | {
         "depth1_topk": {k: float(((rank[0] < k) & v0).sum() / v0.sum()) for k in topk},
         "chain_conditional": cond,
         "tau_positions": float(1 + lead[v0].float().mean()),

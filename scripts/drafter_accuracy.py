@@ -40,18 +40,22 @@ from models.verifier import Verifier  # noqa: E402
 from train.eagle import EagleModule, target_rank  # noqa: E402
 
 
-def medusa_ranks(heads: Any, verifier: Verifier, batch: dict[str, Tensor], depth: int) -> tuple[Tensor, Tensor]:
-    """(D, B, T) ranks of x_{t+d+1} under head d and (D, B, T) validity."""
+def medusa_ranks(heads: Any, verifier: Verifier, batch: dict[str, Tensor], depth: int) -> tuple[Tensor, ...]:
+    """(D, B, T) ranks of x_{t+d+1} under head d, validity, and the head's top-1 probability."""
     hidden = gather_layers(batch, [-1], verifier, [-1])[-1]  # (B, T, D)
-    ranks, valids = [], []
+    ranks, valids, confs = [], [], []
     for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)):
         if k >= depth:
             break
+        logits = heads.head_logits(hidden[valid], k, verifier.lm_head).float()  # (N, V)
         rank = torch.full(valid.shape, verifier.lm_head.weight.shape[0], dtype=torch.long)
-        rank[valid] = target_rank(heads.head_logits(hidden[valid], k, verifier.lm_head).float(), targets[valid])
+        rank[valid] = target_rank(logits, targets[valid])
+        conf = torch.zeros(valid.shape)
+        conf[valid] = logits.softmax(-1).amax(-1)
         ranks.append(rank)
         valids.append(valid)
-    return torch.stack(ranks), torch.stack(valids)
+        confs.append(conf)
+    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
 
 
 def eagle_module(export: Path, kind: str, verifier: Verifier) -> EagleModule:
@@ -64,11 +68,12 @@ def eagle_module(export: Path, kind: str, verifier: Verifier) -> EagleModule:
 
 
 def eagle_ranks(module: EagleModule, verifier: Verifier, batch: dict[str, Tensor], depth: int
-                ) -> tuple[Tensor, Tensor]:
+                ) -> tuple[Tensor, ...]:
     """The same for an EAGLE drafter, unrolled `depth` steps."""
     res = module.model_step(batch, depth, train=False)
     pad = lambda x, v: torch.cat([x, x.new_full((*x.shape[:2], 1), v)], dim=2)  # (D, B, n) -> (D, B, T)
-    return pad(res["rank"], verifier.lm_head.weight.shape[0]), pad(res["valid"], False)
+    return (pad(res["rank"], verifier.lm_head.weight.shape[0]), pad(res["valid"], False),
+            pad(res["confidence"].float(), 0.0))
 
 
 def main() -> None:
@@ -94,28 +99,32 @@ def main() -> None:
         kind = "medusa" if config.get("model_type") == "medusa" else export_kind(config)
         drafter = (load_medusa_export(export, verifier)[0] if kind == "medusa"
                    else eagle_module(export, kind, verifier))
-        ranks, valids, masks = [], [], []
+        ranks, valids, confs, masks = [], [], [], []
         for i in range(0, len(rows), 8):
             batch = collate(rows[i : i + 8], verifier.tokenizer.pad_token_id or 0)
             autocast = torch.autocast("cpu", torch.bfloat16, enabled=args.dtype == "bfloat16")  # as bf16-mixed
             with torch.no_grad(), autocast:
-                r, v = (medusa_ranks(drafter, verifier, batch, args.depth) if kind == "medusa"
-                        else eagle_ranks(drafter, verifier, batch, args.depth))
+                r, v, c = (medusa_ranks(drafter, verifier, batch, args.depth) if kind == "medusa"
+                           else eagle_ranks(drafter, verifier, batch, args.depth))
             ranks += list(r.unbind(1))
             valids += list(v.unbind(1))
+            confs += list(c.unbind(1))
             masks += list(batch["loss_mask"].unbind(0))
         width = max(m.shape[0] for m in masks)
         fit = lambda xs, fill: torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=fill)
                                             for x in xs], dim=-2)
-        res = acceptance_tables(fit(ranks, verifier.lm_head.weight.shape[0]), fit(valids, False), fit(masks, 0))
+        res = acceptance_tables(fit(ranks, verifier.lm_head.weight.shape[0]), fit(valids, False), fit(masks, 0),
+                                confidence=fit(confs, 0.0))
         results[f"{export.parent.name} ({kind})"] = res
     table = Table(title=f"teacher-forced accuracy on {len(rows)} held-out answers ({args.max_new_tokens} tokens, "
                   f"verifier {args.dtype})")
-    for col in ["drafter", *(f"d1 top-{k}" for k in TOPK), "chain d1..", "tau (positions)", "tau (rounds)"]:
+    for col in ["drafter", *(f"d1 top-{k}" for k in TOPK), "chain d1..", "confidence d1..", "tau (positions)",
+                "tau (rounds)"]:
         table.add_column(col)
     for name, r in results.items():
         table.add_row(name, *(f"{r['depth1_topk'][k]:.3f}" for k in TOPK),
-                      " ".join(f"{a:.2f}" for a in r["chain_conditional"]), f"{r['tau_positions']:.3f}",
+                      " ".join(f"{a:.2f}" for a in r["chain_conditional"]),
+                      " ".join(f"{a:.2f}" for a in r["chain_confidence"]), f"{r['tau_positions']:.3f}",
                       f"{r['tau_rounds']:.3f}")
     Console(width=200).print(table)
     out = exports[0].parent / f"drafter_accuracy-{args.dtype}.json"

@@ -175,3 +175,30 @@ def test_eagle3_targets_once_per_batch_match_each_step(tiny):
             assert torch.allclose(targets["q"][row], logits[module.net.t2d].softmax(-1), atol=1e-6)
             checked += 1
     assert checked == 3 * (8 + 5)  # every step: 8 targets in row 0, 5 in row 1
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_validation_ranks_agree_with_top1_hits(tiny, kind):
+    """The ranks and confidences validation returns (read by scripts/drafter_accuracy.py): rank 0 exactly where the
+    draft's top-1 is M_q's argmax, the vocabulary size where there is no target, a probability in (0, 1]."""
+    from train.eagle import EagleModule
+
+    torch.manual_seed(0)
+    module = EagleModule(tiny, optimizer=torch.optim.AdamW, kind=kind, draft_vocab_size=64 if kind == "eagle3" else None)
+    if kind == "eagle3":
+        module.net.set_draft_vocab(torch.arange(64))  # the ids the batch uses, so some targets are in it
+    ids = torch.randint(0, 64, (2, 10))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "loss_mask": torch.tensor([[0] * 3 + [1] * 7, [0] * 5 + [1] * 5])}
+    with torch.no_grad():
+        res = module.model_step(batch, 3, train=False)
+    rank, valid, correct, conf = res["rank"], res["valid"], res["correct"], res["confidence"]
+    assert torch.equal((rank == 0) & valid, correct & valid)
+    vocab = tiny.lm_head.weight.shape[0]
+    assert (rank[~valid] == vocab).all()
+    if kind == "eagle":  # every target has a rank in the full vocabulary
+        assert (rank[valid] < vocab).all()
+    else:  # a target outside the 64-token draft vocabulary gets the vocabulary size, the others a rank below 64
+        assert ((rank[valid] < 64) | (rank[valid] == vocab)).all()
+    assert ((conf[valid] > 0) & (conf[valid] <= 1)).all()
+    assert "confidence" not in module.model_step(batch, 1, train=True)  # training skips the extra softmax

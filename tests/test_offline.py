@@ -24,10 +24,13 @@ def test_acceptance_tables_hand_built():
     valid = torch.tensor([[[True, True, True, True, False, False]], [[True, True, True, False, False, False]]])
     big = 99
     rank = torch.tensor([[[0, 0, 5, 0, big, big]], [[0, 0, 0, big, big, big]]])
-    out = acceptance_tables(rank, valid, loss_mask, topk=(1, 4, 8))
+    conf = torch.tensor([[[0.5, 0.7, 0.1, 0.9, 0.0, 0.0]], [[0.2, 0.4, 0.8, 0.0, 0.0, 0.0]]])
+    out = acceptance_tables(rank, valid, loss_mask, topk=(1, 4, 8), confidence=conf)
     assert out["depth1_topk"] == {1: 0.75, 4: 0.75, 8: 1.0}
-    # Depth 2 at t=2 is right but depth 1 there is not, so the chain does not count it.
-    assert out["chain_conditional"] == pytest.approx([0.75, 2 / 3])
+    # Depth 2 at t=2 is right but depth 1 there is not, so the chain does not count it; at t=3 depth 1 is right but
+    # depth 2 has no target (x_6 is past the answer): the chain reaches depth 2 at t=0 and t=1 only.
+    assert out["chain_conditional"] == pytest.approx([0.75, 1.0])
+    assert out["chain_confidence"] == pytest.approx([(0.5 + 0.7 + 0.1 + 0.9) / 4, (0.2 + 0.4) / 2])
     assert out["tau_positions"] == pytest.approx(1 + (2 + 2 + 0 + 1) / 4)
     # The first round roots at x_2 (features end at t=1), accepts 2 drafts + M_q's token: x_3..x_5, done.
     assert out["tau_rounds"] == 3.0

@@ -136,7 +136,7 @@ class EagleModule(L.LightningModule):
         valid_keys = attn[:, :n].bool()
         targets = self.draft_vocab_targets(final, loss_mask) if self.net.kind == "eagle3" else None
         hidden, past_k, past_v = feats, None, None
-        losses, correct, valid_at, ranks = [], [], [], []
+        losses, correct, valid_at, ranks, confs = [], [], [], [], []
         for j in range(steps):
             # 1. This step's inputs: the true next tokens x_{t+j+1} and the previous step's output.
             tok, valid = step_inputs(ids, loss_mask, j)  # (B, n) each
@@ -172,11 +172,17 @@ class EagleModule(L.LightningModule):
             rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
             rank[bi, ti] = target_rank(p_logits.detach(), q_arg, None if self.net.kind == "eagle" else self.net.t2d)
             ranks.append(rank)
+            if not train:  # the draft's confidence in its top-1, to compare with how often it is right
+                conf = torch.zeros(valid.shape, device=valid.device)
+                conf[bi, ti] = p_logits.detach().softmax(-1).amax(-1)
+                confs.append(conf)
             valid_at.append(valid)
             hidden = out_h
         # (S, B, n) each; rank: 0 = M_q's argmax is the draft's top-1, vocab_size = invalid or outside the vocabulary
-        return {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at),
-                "rank": torch.stack(ranks)}
+        # confidence (validation only): the draft's top-1 probability
+        out = {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at),
+               "rank": torch.stack(ranks)}
+        return out | ({"confidence": torch.stack(confs)} if confs else {})
 
     @torch.no_grad()
     def draft_vocab_targets(self, final: Tensor, loss_mask: Tensor) -> dict[str, Tensor]:
