@@ -15,9 +15,13 @@ dynamic tree of the same depth and node count (`budget_tree` builds one): from t
 of the `topk` best frontier nodes by cumulative log-probability, one batched drafter forward per depth, then keep
 the `total_tokens` best of all drafted nodes (a child never beats its parent, so the kept set is a tree).
 
-Defaults for this CPU (2 cores, torch on 1 thread, SmolLM2-135M fp32 verifier, 200-token prefix): depth 5, topk 8,
-total_tokens 24. Measured with eval.kv.forward, a verifier forward over 1 / 6 / 25 / 33 / 65 nodes costs 59 / ~105 /
-163 / 185 / 290 ms: one token is bound by streaming the weights, and past a few nodes each one adds ~3 ms, about 5%
+Defaults for this CPU (2 cores, torch on 1 thread, SmolLM2-135M fp32 verifier, 200-token prefix): depth 5, topk 16,
+total_tokens 24. topk 16 rather than EAGLE-2's 10: drafters trained on a CPU budget get ~0.3 of their top-1 right, so
+the best small tree is wide at depth 1 (the 16 best candidates hold M_q's token 65-71% of the time, the 8 best
+59-60%), and topk caps that width. Measured with the cpu_full exports on 10 eval prompts, 16-node trees: EAGLE-1 tau
+1.68 at topk 8, 1.84 at 16; EAGLE-3 1.78 at both, and 1.84 at both with 24 nodes; tokens/s equal within 2%.
+Measured with eval.kv.forward, a verifier forward over 1 / 6 / 25 / 33 / 65 nodes costs 59 / ~105 / 163 / 185 /
+290 ms: one token is bound by streaming the weights, and past a few nodes each one adds ~3 ms, about 5%
 of a plain greedy step. A round drafting a depth-5 tree costs 33 ms with EAGLE-3 (8k draft vocabulary) and ~110 ms
 with EAGLE-1 (its full 49k-vocabulary lm_head per depth dominates; topk 4 saves only ~10%), 21 / 63 ms for a
 5-chain. So 24 nodes cost 2.8x a greedy step to verify and 32 would add ~10% more per round for tail nodes whose
@@ -39,7 +43,7 @@ from models.errors import UserError
 from models.verifier import Verifier
 
 DEFAULT_DEPTH = 5
-DEFAULT_TOPK = 8
+DEFAULT_TOPK = 16
 DEFAULT_TOTAL_TOKENS = 24
 
 

@@ -29,7 +29,7 @@ from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts  # noqa: F401 (select_prompts: public here too)
 from eval.decode import DecodeResult, greedy_decode, speculative_decode
 from eval.drafters import Drafter, make_drafter
-from eval.eagle import DEFAULT_DEPTH, budget_tree
+from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, budget_tree
 from eval.report import Sample, write_outputs
 from eval.tree import Tree, auto_tree, chain, from_medusa_choices
 from models.errors import UserError, VerifierMismatchError
@@ -233,7 +233,7 @@ def setup(cfg: DictConfig) -> Setup:
     if kind is None:
         raise UserError(f"checkpoint={str(export)!r} is neither a Medusa nor an EAGLE export "
                         f"(architectures={config.get('architectures')}).")
-    extra = {"topk": int(cfg.tree.get("topk") or 8)} if kind != "medusa" else {}
+    extra = {"topk": int(cfg.tree.get("topk") or DEFAULT_TOPK)} if kind != "medusa" else {}
     try:
         drafter = make_drafter(kind, verifier, checkpoint=export, **extra)
     except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
