@@ -9,7 +9,6 @@ compose -> instantiate verifier, data, model, logger, callbacks, trainer -> fit 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -17,7 +16,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from models.errors import UserError, user_error
+from models.errors import UserError, exit_on_user_error
 
 
 def resolve_ckpt(cfg: DictConfig) -> str | None:
@@ -58,14 +57,7 @@ def run(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    try:
-        export = run(cfg)
-    except Exception as exc:
-        err = user_error(exc)
-        if err is None:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    export = exit_on_user_error(lambda: run(cfg))
     print(f"export: {export}")
 
 

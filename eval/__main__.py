@@ -9,25 +9,17 @@ Writes <output_dir>/report.json, profile.json and PNG plots, prints a table, log
 
 from __future__ import annotations
 
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from eval.harness import evaluate
-from models.errors import user_error
+from models.errors import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    try:
-        evaluate(cfg)
-    except Exception as exc:
-        err = user_error(exc)
-        if err is None:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_user_error(lambda: evaluate(cfg))
 
 
 if __name__ == "__main__":

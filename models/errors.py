@@ -1,8 +1,16 @@
 """Errors a user can act on.
 
 Every exception here carries a message that says what was wrong, the value seen, and what to do.
-Entry points (train.py, python -m eval) print the message alone instead of a traceback.
+Entry points (train.py, python -m eval) print the message alone instead of a traceback (`exit_on_user_error`).
 """
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class UserError(Exception):
@@ -24,3 +32,16 @@ def user_error(exc: BaseException | None) -> UserError | None:
             return exc
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def exit_on_user_error(fn: Callable[[], T]) -> T:
+    """Run an entry point's body: a user error prints `error: <message>` to stderr and exits with status 2;
+    anything else propagates with its traceback."""
+    try:
+        return fn()
+    except Exception as exc:
+        err = user_error(exc)
+        if err is None:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
