@@ -110,7 +110,8 @@ def select_prompts(convs: Sequence[Conversation], num: int | None) -> list[Conve
     if num is None or num >= len(convs):
         return list(convs)
     if num <= 0:
-        raise UserError(f"num_prompts={num} must be >= 1 (or null for every prompt).")
+        raise UserError(f"asked for {num} prompts: give at least 1 (num_prompts= in eval, data.limit= in training), "
+                        f"or null for every prompt.")
     by_cat: dict[str, list[Conversation]] = defaultdict(list)
     for c in convs:
         by_cat[c.category].append(c)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from data.chat import prompt_ids
-from data.prompts import Conversation, load_conversations, select_prompts  # noqa: F401 (select_prompts: public here too)
+from data.prompts import Conversation, load_conversations, select_prompts
 from eval.decode import DecodeResult, greedy_decode, speculative_decode
 from eval.drafters import Drafter, make_drafter
 from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, budget_tree

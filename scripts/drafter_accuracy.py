@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from data.datamodule import collate  # noqa: E402
 from data.hidden_cache import gather_layers  # noqa: E402
-from data.prompts import load_conversations  # noqa: E402
+from data.prompts import load_conversations, select_prompts  # noqa: E402
 from data.selfdistill import build_selfdistill  # noqa: E402
-from eval.harness import load_verifier, select_prompts  # noqa: E402
+from eval.harness import load_verifier  # noqa: E402
 from eval.offline import TOPK, acceptance_tables  # noqa: E402
 from models.eagle import export_kind, load_eagle_export  # noqa: E402
 from models.medusa import load_medusa_export, medusa_targets, read_export_config  # noqa: E402

@@ -125,3 +125,8 @@ def test_limit_takes_every_category():
 
     counts = Counter(c.category for c in load_conversations("builtin", split="train", limit=200))
     assert len(counts) == 10 and set(counts.values()) == {20}
+
+
+def test_limit_below_one_is_refused():
+    with pytest.raises(UserError, match="at least 1"):
+        load_conversations("builtin", split="train", limit=0)

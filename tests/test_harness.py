@@ -16,7 +16,8 @@ import torch
 
 from conftest import ROOT
 from data.prompts import Conversation, load_conversations
-from eval.harness import evaluate, select_prompts
+from data.prompts import select_prompts
+from eval.harness import evaluate
 from eval.report import REPORT_KEYS
 from models.medusa import MedusaHeads, save_medusa_export
 
