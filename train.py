@@ -39,7 +39,7 @@ def run(cfg: DictConfig) -> Path:
     verifier = instantiate(cfg.verifier)
     datamodule = instantiate(cfg.data, verifier=verifier)
     model = instantiate(cfg.model, verifier=verifier)
-    datamodule.feature_layers = model.feature_layers  # which hidden states offline mode caches
+    datamodule.hidden_layers = model.hidden_layers  # which hidden states offline mode caches
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)

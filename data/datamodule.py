@@ -53,7 +53,7 @@ class DistillDataModule(L.LightningDataModule):
         limit: use the first `limit` conversations.
         min_shift: the smallest target offset the drafter learns (2 for Medusa head 1), to check there is something
             to learn after masking.
-        cache_hidden_states: offline mode: compute the verifier hidden states of `feature_layers` (set by train.py
+        cache_hidden_states: offline mode: compute the verifier hidden states of `hidden_layers` (set by train.py
             from the model) once, cache them on disk, and train from the cache instead of running the verifier.
     """
 
@@ -88,7 +88,7 @@ class DistillDataModule(L.LightningDataModule):
         self.max_length, self.batch_size, self.val_fraction = max_length, batch_size, val_fraction
         self.seed, self.num_workers, self.min_shift = seed, num_workers, min_shift
         self.cache_hidden_states = cache_hidden_states
-        self.feature_layers: list[int] = [-1]
+        self.hidden_layers: list[int] = [-1]
         self.hidden_path: Path | None = None
         self.train_set: datasets.Dataset | None = None
         self.val_set: datasets.Dataset | None = None
@@ -108,7 +108,7 @@ class DistillDataModule(L.LightningDataModule):
         if self.mode == "selfdistill" or self.cache_hidden_states:
             ds = self.build()
             if self.cache_hidden_states:
-                build_hidden_cache(self.verifier, ds, self.feature_layers, self.cache_dir)
+                build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -119,7 +119,7 @@ class DistillDataModule(L.LightningDataModule):
             raise UserError(f"data from {self.source!r} has {len(ds)} conversation(s); need at least 2 for a "
                             f"train/val split.")
         if self.cache_hidden_states:
-            self.hidden_path = build_hidden_cache(self.verifier, ds, self.feature_layers, self.cache_dir)
+            self.hidden_path = build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir)
             ds = ds.add_column("row", list(range(len(ds))))
         n_val = max(1, round(len(ds) * self.val_fraction))
         split = ds.train_test_split(test_size=n_val, seed=self.seed)

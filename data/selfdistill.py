@@ -137,7 +137,7 @@ def build_selfdistill(
     ds = datasets.Dataset.from_dict(rows, features=FEATURES)
     with atomic_dir(path) as tmp:
         ds.save_to_disk(str(tmp))
-        (tmp / "settings.json").write_text(json.dumps({"verifier": verifier.path, **settings, "num": len(convs)}))
+        (tmp / "settings.json").write_text(json.dumps({"verifier": verifier.source, **settings, "num": len(convs)}))
     return datasets.load_from_disk(str(path))
 
 

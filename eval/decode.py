@@ -131,35 +131,33 @@ def greedy_decode(
 def speculative_decode(
     verifier: Verifier,
     drafter: Drafter,
-    tree: Tree,
     input_ids: Tensor,
     max_new_tokens: int,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> DecodeResult:
-    """Greedy speculative decoding with any drafter over a chain or tree: token for token the output of plain
-    greedy decoding with the verifier, in fewer verifier forwards when the drafts are good."""
-    _check_inputs(verifier, input_ids, max_new_tokens, tree.num_nodes)
+    """Greedy speculative decoding with any drafter, over the chain or tree it proposes: token for token the output
+    of plain greedy decoding with the verifier, in fewer verifier forwards when the drafts are good."""
+    _check_inputs(verifier, input_ids, max_new_tokens, drafter.max_nodes)
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     model, cache, lengths = verifier.model, kv.new_cache(), []
     buffers: dict[Tree, TreeBuffers] = {}
-    # Which verifier hidden states the drafter reads (EAGLE-3: three layers); None = the last layer. Same forwards.
-    layers = getattr(drafter, "feature_layers", None)
+    layers = drafter.feature_layers  # the verifier hidden states the drafter reads (EAGLE-3: three layers)
     if out.done:
-        return _result(input_ids, out, 0, lengths, tree.max_depth, timer, start)
+        return _result(input_ids, out, 0, lengths, drafter.max_depth, timer, start)
 
     # 1. Prefill: one forward over the prompt. Its last logits give the first root; its hidden states feed the drafter.
     with timer("verify"):
         step = kv.forward(model, cache, input_ids, hidden_layers=layers)
     forwards = 1
     root = step.logits[:, -1].argmax(dim=-1)  # (B,)
-    hidden, logits = step.hidden, step.logits[:, -1]  # (B, T, D) or (B, T, K*D) with feature_layers, (B, V)
+    hidden = step.hidden  # (B, T, len(layers) * D)
     sequence = torch.cat([input_ids, root[:, None]], dim=1)  # (B, T+1); the root is not in the cache yet
     out.extend(root)
 
     while not out.done:
         # 2. Draft: the drafter fills the tree under the root from the verifier's latest outputs.
         with timer("draft"):
-            draft = drafter.propose(sequence, hidden, logits, tree)
+            draft = drafter.propose(sequence, hidden)
         if draft.tree not in buffers:
             buffers[draft.tree] = tree_buffers(draft.tree, device=input_ids.device)
         buf = buffers[draft.tree]
@@ -187,8 +185,7 @@ def speculative_decode(
         out.extend(new)
 
         # 7. Reuse this forward's outputs at the accepted nodes for the next round, and tell the drafter.
-        hidden = step.hidden[:, nodes[0]]  # (B, 1+A, D)
-        logits = step.logits[:, acc.last_node[0]]  # (B, V)
+        hidden = step.hidden[:, nodes[0]]  # (B, 1+A, len(layers) * D)
         drafter.accepted(acc.num_accepted, nodes)
 
-    return _result(input_ids, out, forwards, lengths, tree.max_depth, timer, start)
+    return _result(input_ids, out, forwards, lengths, drafter.max_depth, timer, start)

@@ -1,11 +1,11 @@
 """Drafters: one protocol, one factory. The decode loop never asks which drafter it holds.
 
 Each round the loop hands a drafter M_p what the verifier M_q just produced: all tokens so far, whose last one is
-the root of the next tree (chosen by the acceptance rule, not yet in M_q's cache), M_q's hidden states at the
-positions it just committed (the prompt after prefill, the accepted path after a round), and M_q's logits at the
-last of them. The drafter fills the tree's nodes with tokens and, where it has them, its probabilities p.
-After verification it is told how many drafts were accepted, and on which nodes, so that a drafter with its own
-KV cache (EAGLE, a draft model) can roll it back.
+the root of the next tree (chosen by the acceptance rule, not yet in M_q's cache), and M_q's hidden states at the
+positions it just committed (the prompt after prefill, the accepted path after a round), of the layers the drafter
+declared in `feature_layers`. The drafter owns the shape of what it proposes (its tree policy, eval.tree) and fills
+that tree with tokens. After verification it is told how many drafts were accepted, and on which nodes, so that a
+drafter with its own KV cache (EAGLE, a draft model) can roll it back.
 """
 
 from __future__ import annotations
@@ -17,39 +17,47 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from eval.tree import Tree, tree_buffers
+from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy, auto_tree, chain, describe, tree_buffers
+from models.eagle import EAGLE_NETS, NAMES
 from models.errors import UserError
-from models.medusa import MedusaHeads, load_medusa_export
+from models.export import load_export
+from models.medusa import MedusaHeads
 from models.verifier import Verifier
 
 
 @dataclass
 class Draft:
-    """One round's proposal.
-
-    tree: the structure the tokens fill (a drafter may return a pruned or grown tree).
-    tokens: (B, N) token per node; node 0 is the root.
-    p: (B, N, V) or None; row i is the draft distribution node i was taken from (row 0, the root, is unused).
-    """
+    """One round's proposal: the tree it fills (fixed, or grown this round) and a token per node, (B, N);
+    node 0 is the root."""
 
     tree: Tree
     tokens: Tensor
-    p: Tensor | None = None
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What every drafter implements (Medusa, EAGLE, a draft model, prompt lookup, ...)."""
+    """What every drafter implements (Medusa, EAGLE, a draft model, prompt lookup, ...).
 
-    def propose(self, input_ids: Tensor, hidden: Tensor, logits: Tensor, tree: Tree) -> Draft:
-        """Fill `tree` for the next round.
+    feature_layers: the M_q hidden states it reads, as indices into HF's `hidden_states` (-1: the final-normed last
+        layer, the lm_head input); the loop hands them concatenated on the last dimension, from the same forward.
+    max_nodes / max_depth: the most nodes (root included) and levels a round's tree can have; the loop sizes the
+        verifier's cache and the acceptance statistics on them.
+    """
+
+    feature_layers: tuple[int, ...]
+    max_nodes: int
+    max_depth: int
+
+    def describe(self) -> dict[str, Any]:
+        """The tree policy as report.json records it (what was really drafted)."""
+        ...
+
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        """Fill this round's tree.
 
         input_ids: (B, T) every token so far; input_ids[:, -1] is the root.
-        hidden: (B, S, D) M_q's last-layer hidden states (lm_head inputs) at the S positions it just committed;
-            hidden[:, -1] is at the token before the root. A drafter with a `feature_layers` attribute (indices
-            into HF's `hidden_states`; None = the last layer) gets those layers concatenated instead, (B, S, K*D),
-            from the same verifier forward (EAGLE-3 reads three).
-        logits: (B, V) M_q's logits there, i.e. the distribution the root was chosen from.
+        hidden: (B, S, len(feature_layers) * D) M_q's hidden states at the S positions it just committed;
+            hidden[:, -1] is at the token before the root.
         """
         ...
 
@@ -62,110 +70,90 @@ class Drafter(Protocol):
 class MedusaDrafter:
     """Medusa (Cai et al., 2024): head k (0-based) reads M_q's hidden state at the token before the root and
     predicts the token k+1 places after the root; its rank-r token fills every tree node at depth k+1 with rank r.
+    The tree is fixed: the same shape every round."""
 
-    Medusa drafts are independent per depth, so p for a node at depth d is head d-1's softmax, whatever its parent.
-    """
+    feature_layers = (-1,)
 
-    def __init__(
-        self,
-        heads: MedusaHeads,
-        lm_head: nn.Module | None = None,
-        with_probs: bool = False,
-        config: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: nn.Module | None = None, policy: str = "tree") -> None:
+        if tree.max_depth > heads.num_heads:
+            raise UserError(
+                f"The tree is {tree.max_depth} drafts deep but the Medusa export has {heads.num_heads} heads; "
+                f"use a tree of depth <= {heads.num_heads} (tree=chain, or fewer medusa_choices)."
+            )
         self.heads = heads.eval().requires_grad_(False)
-        self.lm_head = lm_head
-        self.with_probs = with_probs
-        self.config = config or {}
-        self._depth_rank: dict[Tree, tuple[Tensor, Tensor, int]] = {}
+        self.tree, self.lm_head, self.policy = tree, lm_head, policy
+        self.max_nodes, self.max_depth = tree.num_nodes, tree.max_depth
+        device = next(heads.parameters(), torch.empty(0)).device
+        self._depth = tree_buffers(tree).positions[1:].to(device)  # (N-1,) depth of each draft node
+        self._rank = torch.tensor(tree.ranks[1:], dtype=torch.long, device=device)  # (N-1,)
+        self._topk = max(tree.ranks[1:], default=-1) + 1
 
-    @property
-    def topk_accuracy(self) -> list[list[float]] | None:
-        """Per-head cumulative top-1..top-R accuracy recorded at export (the input of eval.tree.auto_tree)."""
-        return self.config.get("medusa_topk_accuracy")
-
-    def _layout(self, tree: Tree, device: torch.device) -> tuple[Tensor, Tensor, int]:
-        if tree not in self._depth_rank:
-            if tree.max_depth > self.heads.num_heads:
-                raise UserError(
-                    f"The tree is {tree.max_depth} drafts deep but the Medusa export has {self.heads.num_heads} heads; "
-                    f"use a tree of depth <= {self.heads.num_heads} (chain({self.heads.num_heads}) or fewer choices)."
-                )
-            depth = tree_buffers(tree).positions[1:].to(device)
-            rank = torch.tensor(tree.ranks[1:], dtype=torch.long, device=device)
-            topk = max(tree.ranks[1:], default=-1) + 1
-            self._depth_rank[tree] = (depth, rank, topk)
-        return self._depth_rank[tree]
+    def describe(self) -> dict[str, Any]:
+        return {"policy": self.policy, **describe(self.tree)}
 
     @torch.no_grad()
-    def propose(self, input_ids: Tensor, hidden: Tensor, logits: Tensor, tree: Tree) -> Draft:
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
         root = input_ids[:, -1:]  # (B, 1)
-        if tree.num_drafts == 0:
-            return Draft(tree=tree, tokens=root)
-        depth, rank, topk = self._layout(tree, input_ids.device)
+        if self.tree.num_drafts == 0:
+            return Draft(tree=self.tree, tokens=root)
         param = next(self.heads.parameters(), None)  # heads may train in fp32 next to a bf16 verifier
         h = hidden[:, -1] if param is None else hidden[:, -1].to(param.dtype)  # (B, D)
+        depth = self.tree.max_depth
         if self.heads.share_lm_head:
             # One projection over all heads' features: a single (K, D) x (D, V) matmul costs less than half of K
             # separate matvecs through the 49k-vocabulary head on a CPU.
-            feats = torch.stack([self.heads.head_features(h, k) for k in range(tree.max_depth)], dim=1)  # (B, K, D)
+            feats = torch.stack([self.heads.head_features(h, k) for k in range(depth)], dim=1)  # (B, K, D)
             head_logits = self.lm_head(feats.to(self.lm_head.weight.dtype))  # (B, K, V)
         else:
-            head_logits = torch.stack(
-                [self.heads.head_logits(h, k, self.lm_head) for k in range(tree.max_depth)], dim=1
-            )  # (B, K, V)
-        top = head_logits.topk(topk, dim=-1).indices  # (B, K, R)
-        drafts = top[:, depth - 1, rank]  # (B, N-1): node i takes rank[i] of head depth[i]-1
-        tokens = torch.cat([root, drafts.to(root.dtype)], dim=1)  # (B, N)
-        p = None
-        if self.with_probs:
-            probs = head_logits.float().softmax(dim=-1)  # (B, K, V)
-            p = torch.cat([torch.zeros_like(probs[:, :1]), probs[:, depth - 1]], dim=1)  # (B, N, V)
-        return Draft(tree=tree, tokens=tokens, p=p)
+            head_logits = torch.stack([self.heads.head_logits(h, k) for k in range(depth)], dim=1)  # (B, K, V)
+        top = head_logits.topk(self._topk, dim=-1).indices  # (B, K, R)
+        drafts = top[:, self._depth - 1, self._rank]  # (B, N-1): node i takes rank[i] of head depth[i]-1
+        return Draft(tree=self.tree, tokens=torch.cat([root, drafts.to(root.dtype)], dim=1))  # (B, N)
 
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         pass  # Medusa heads keep no state between rounds
 
 
-def _make_medusa(
-    verifier: Verifier,
-    checkpoint: str | Path | None = None,
-    heads: MedusaHeads | None = None,
-    with_probs: bool = False,
-) -> MedusaDrafter:
-    if (checkpoint is None) == (heads is None):
-        raise UserError(
-            "make_drafter('medusa', ...) needs exactly one of checkpoint=<export dir> or heads=<MedusaHeads>."
-        )
+def medusa_tree(policy: TreePolicy, heads: MedusaHeads, topk_accuracy: list[list[float]] | None) -> tuple[Tree, str]:
+    """The fixed tree a Medusa drafter proposes under `policy`, and the policy's name."""
+    if isinstance(policy, Tree):
+        return policy, "tree"
+    if isinstance(policy, Chain):
+        return chain(heads.num_heads if policy.depth is None else policy.depth), "chain"
+    if isinstance(policy, AutoTree):
+        if not topk_accuracy:
+            raise UserError("tree=auto needs the per-head top-k accuracies the export records "
+                            "(medusa_topk_accuracy), and this export has none. Use tree=chain or "
+                            "tree=medusa_choices, or re-export.")
+        return auto_tree(topk_accuracy[: heads.num_heads], policy.size), "auto"
+    raise UserError(f"tree={type(policy).__name__} does not fit a Medusa drafter, whose tree is the same every round; "
+                    f"use tree=chain, tree=auto or tree=medusa_choices.")
+
+
+def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpoint: str | Path | None = None,
+                 net: nn.Module | None = None) -> Drafter:
+    """A drafter for `verifier` proposing trees under the policy `tree`, from an export (checkpoint=<dir>; `kind`
+    None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it)."""
+    if (checkpoint is None) == (net is None):
+        raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
+    if kind is not None and kind not in DRAFTER_KINDS:
+        raise UserError(f"drafter={kind!r} is not known; choose one of {sorted(DRAFTER_KINDS)}.")
     config: dict[str, Any] = {}
     if checkpoint is not None:
-        heads, _, config = load_medusa_export(checkpoint, verifier)
-    # A shared head is the verifier's own lm_head: the export's copy is the same weights (fingerprint-checked).
-    lm_head = verifier.lm_head if heads.share_lm_head else None
-    heads.to(verifier.device)
-    return MedusaDrafter(heads, lm_head=lm_head, with_probs=with_probs, config=config)
+        export = load_export(checkpoint, verifier, kind)
+        kind, net, config = export.kind, export.net, export.config
+    elif kind is None or not isinstance(net, MedusaHeads if kind == "medusa" else EAGLE_NETS[kind]):
+        found = "medusa" if isinstance(net, MedusaHeads) else getattr(net, "kind", type(net).__name__)
+        raise UserError(f"net is a {NAMES.get(found, found)} drafter but was given as {NAMES.get(kind, kind)}; use "
+                        f"make_drafter({found!r}, ...).")
+    net = net.to(verifier.device)
+    if kind == "medusa":
+        shape, name = medusa_tree(tree, net, config.get("medusa_topk_accuracy"))
+        # A shared head is the verifier's own lm_head: the export's copy is the same weights (fingerprint-checked).
+        return MedusaDrafter(net, shape, lm_head=verifier.lm_head if net.share_lm_head else None, policy=name)
+    from eval.eagle import EagleDrafter  # eval.eagle imports this module for Draft
+
+    return EagleDrafter(net, verifier, tree)
 
 
-def _make_eagle(verifier: Verifier, **kwargs: Any) -> Drafter:
-    from eval.eagle import make_eagle  # eval.eagle imports this module for Draft
-
-    return make_eagle("eagle", verifier, **kwargs)
-
-
-def _make_eagle3(verifier: Verifier, **kwargs: Any) -> Drafter:
-    from eval.eagle import make_eagle
-
-    return make_eagle("eagle3", verifier, **kwargs)
-
-
-DRAFTERS = {"medusa": _make_medusa, "eagle": _make_eagle, "eagle3": _make_eagle3}
-
-
-def make_drafter(kind: str, verifier: Verifier, **kwargs: Any) -> Drafter:
-    """Build a drafter by name for `verifier`; kwargs go to that drafter's builder
-    (medusa: checkpoint=<export dir> or heads=<MedusaHeads>, with_probs=False;
-    eagle / eagle3: checkpoint=<export dir> or net=<EagleDrafterNet>, topk, depth, total_tokens, with_probs;
-    see eval.eagle.make_eagle)."""
-    if kind not in DRAFTERS:
-        raise UserError(f"drafter={kind!r} is not known; choose one of {sorted(DRAFTERS)}.")
-    return DRAFTERS[kind](verifier, **kwargs)
+DRAFTER_KINDS = ("medusa", *EAGLE_NETS)

@@ -12,7 +12,6 @@ run. `evaluate(cfg)` is the whole command.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,64 +27,13 @@ from transformers import GenerationConfig
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
 from eval.decode import DecodeResult, greedy_decode, speculative_decode
+from hydra.utils import instantiate
+
 from eval.drafters import Drafter, make_drafter
-from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, budget_tree
 from eval.report import Sample, write_outputs
-from eval.tree import Tree, auto_tree, chain, from_medusa_choices
 from models.errors import UserError, VerifierMismatchError
-from models.eagle import export_kind
-from models.medusa import read_export_config
-from models.verifier import Verifier, build_tiny, load_hf, load_smollm2
-
-TINY_PATH = re.compile(r"tiny-llama-(\d+)x(\d+)-seed(\d+)")
-
-
-def load_verifier(path: str, dtype: str = "float32", device: str = "auto", cache_dir: str | None = None) -> Verifier:
-    """The verifier named by an export's `verifier_path`: `smollm2`, `tiny-llama-<L>x<D>-seed<S>`, else any HF
-    causal LM (Hub id or local directory)."""
-    if path == "smollm2":
-        return load_smollm2(cache_dir=cache_dir, dtype=dtype, device=device)
-    if m := TINY_PATH.fullmatch(path):
-        layers, hidden, seed = map(int, m.groups())
-        return build_tiny(cache_dir, dtype, device, num_layers=layers, hidden_size=hidden, seed=seed)
-    return load_hf(path, dtype=dtype, device=device)
-
-
-def build_tree(tree_cfg: DictConfig | dict[str, Any], drafter: Drafter, kind: str) -> Tree:
-    """The draft tree from the `tree` config group.
-
-    Medusa: chain (depth null = every head), auto (`size` nodes grown from the export's top-k accuracies), or
-    medusa_choices (Medusa notation). EAGLE: chain (depth null = 5), or auto / dynamic: an EAGLE-2 dynamic tree of
-    at most `size` draft nodes and `depth` levels, rebuilt every round from the drafter's own scores.
-    """
-    tree_kind = tree_cfg.get("kind")
-    depth = tree_cfg.get("depth")
-    if kind == "medusa":
-        num_heads = drafter.heads.num_heads
-        if tree_kind == "chain":
-            return chain(num_heads if depth is None else int(depth))
-        if tree_kind == "auto":
-            accuracy = getattr(drafter, "topk_accuracy", None)
-            if not accuracy:
-                raise UserError("tree=auto needs the per-head top-k accuracies the export records "
-                                "(medusa_topk_accuracy), and this export has none. Use tree=chain or "
-                                "tree=medusa_choices, or re-export.")
-            return auto_tree(accuracy, int(tree_cfg["size"]))
-        if tree_kind == "medusa_choices":
-            return from_medusa_choices(list(tree_cfg["choices"]))
-        raise UserError(f"tree={tree_kind!r} does not apply to a Medusa export; use chain, auto or medusa_choices.")
-    if tree_kind == "chain":
-        return chain(DEFAULT_DEPTH if depth is None else int(depth))
-    if tree_kind in ("auto", "dynamic"):
-        return budget_tree(DEFAULT_DEPTH if depth is None else int(depth), int(tree_cfg.get("size") or 24))
-    raise UserError(f"tree={tree_kind!r} does not apply to an EAGLE export; use tree=chain or tree=dynamic "
-                    f"(tree=auto means the same dynamic tree).")
-
-
-def describe_tree(tree: Tree, kind: str) -> str:
-    """A short name for reports, e.g. `auto-16` (16 draft nodes), `chain-4`."""
-    return f"{kind}-{tree.num_drafts}"
-
+from models.export import export_kind, export_verifier, read_config
+from models.verifier import Verifier, load_verifier
 
 def check_length(verifier: Verifier, ids: list[int], max_new_tokens: int, where: str) -> None:
     """Refuse a prompt that does not leave room for max_new_tokens in the verifier's context window."""
@@ -102,8 +50,8 @@ class Runner:
     """Decodes one prompt with every method and times each (wall clock around the whole call, so that our loops and
     HF's are measured the same way)."""
 
-    def __init__(self, verifier: Verifier, drafter: Drafter, tree: Tree, max_new_tokens: int, lookup: int) -> None:
-        self.verifier, self.drafter, self.tree, self.max_new = verifier, drafter, tree, max_new_tokens
+    def __init__(self, verifier: Verifier, drafter: Drafter, max_new_tokens: int, lookup: int) -> None:
+        self.verifier, self.drafter, self.max_new = verifier, drafter, max_new_tokens
         gen_eos = verifier.model.generation_config.eos_token_id
         eos = {verifier.tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.eos = sorted(e for e in eos if e is not None)
@@ -131,7 +79,7 @@ class Runner:
         v, n = self.verifier, self.max_new
         calls = {
             "baseline": lambda: greedy_decode(v, x, n, self.eos),
-            "speculative": lambda: speculative_decode(v, self.drafter, self.tree, x, n, self.eos),
+            "speculative": lambda: speculative_decode(v, self.drafter, x, n, self.eos),
             "hf_generate": lambda: self._hf(x, self.hf_config),
             "hf_prompt_lookup": lambda: self._hf(x, self.lookup_config),
         }
@@ -207,39 +155,40 @@ def _interleave(history: list[dict[str, str]], answers: list[dict[str, str]]) ->
 
 @dataclass
 class Setup:
-    """What a run decodes with: the verifier, the drafter, the tree and the prompts."""
+    """What a run decodes with: the verifier, the drafter (which owns its tree) and the prompts."""
 
     verifier: Verifier
     drafter: Drafter
-    tree: Tree
     method: str
     convs: list[Conversation]
 
 
 def setup(cfg: DictConfig) -> Setup:
     """Load prompts first (a bad prompt file fails in a second), then the verifier the export names, then the
-    drafter (which refuses an export made for another verifier), then the tree."""
+    drafter with its tree policy (it refuses an export made for another verifier, or a tree it cannot draft)."""
     if OmegaConf.is_missing(cfg, "checkpoint"):
         raise UserError("checkpoint=<export dir> is required: the `export/` directory train.py printed, e.g. "
                         "python -m eval checkpoint=outputs/medusa-smollm2/export.")
     convs = select_prompts(load_conversations(str(cfg.prompts), split="eval"), cfg.num_prompts)
     export = Path(str(cfg.checkpoint)).expanduser()
-    config = read_export_config(export)
-    path = cfg.verifier_path or config.get("verifier_path")
-    if not path:
-        raise UserError(f"checkpoint={str(export)!r} names no verifier_path; pass verifier_path=<the verifier>.")
-    verifier = load_verifier(str(path), str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
-    kind = "medusa" if config.get("model_type") == "medusa" else export_kind(config)
+    config = read_config(export)
+    source = cfg.verifier_path or export_verifier(config)
+    if OmegaConf.is_config(source):  # verifier_path={loader: tiny, seed: 1} on the command line
+        source = OmegaConf.to_container(source, resolve=True)
+    if not source:
+        raise UserError(f"checkpoint={str(export)!r} names no verifier; pass verifier_path=<the verifier>.")
+    kind = export_kind(config)
     if kind is None:
         raise UserError(f"checkpoint={str(export)!r} is neither a Medusa nor an EAGLE export "
                         f"(architectures={config.get('architectures')}).")
-    extra = {"topk": int(cfg.tree.get("topk") or DEFAULT_TOPK)} if kind != "medusa" else {}
+    verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
+    policy = instantiate(cfg.tree, _convert_="all")
     try:
-        drafter = make_drafter(kind, verifier, checkpoint=export, **extra)
+        drafter = make_drafter(kind, verifier, policy, checkpoint=export)
     except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
         raise VerifierMismatchError(str(e).replace("verifier.path=", "verifier_path=")) from None
-    tree = build_tree(cfg.tree, drafter, kind)
-    return Setup(verifier, drafter, tree, f"{kind}/{describe_tree(tree, str(cfg.tree.kind))}", convs)
+    method = f"{kind}/{drafter.describe()['policy']}-{drafter.max_nodes - 1}"
+    return Setup(verifier, drafter, method, convs)
 
 
 def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
@@ -253,14 +202,12 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     torch.manual_seed(int(cfg.seed))
     try:
         run = setup(cfg)
-        runner = Runner(run.verifier, run.drafter, run.tree, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens))
+        runner = Runner(run.verifier, run.drafter, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens))
         samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
-    meta = {"method": run.method, "verifier": run.verifier.path, "checkpoint": str(cfg.checkpoint)}
+    meta = {"method": run.method, "verifier": run.verifier.name, "checkpoint": str(cfg.checkpoint)}
     setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
-               "multi_turn": bool(cfg.multi_turn),
-               "tree": {"kind": str(cfg.tree.kind), "num_nodes": run.tree.num_nodes, "max_depth": run.tree.max_depth,
-                        "medusa_choices": [list(c) for c in run.tree.to_medusa_choices()]}}
-    return write_outputs(samples, meta, setting, run.tree.max_depth, Path(str(cfg.output_dir)), cfg.wandb)
+               "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}
+    return write_outputs(samples, meta, setting, run.drafter.max_depth, Path(str(cfg.output_dir)), cfg.wandb)

@@ -8,7 +8,6 @@ as they cost. tau and alpha_k pool every speculative round of every prompt (see 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.table import Table
 from torch import Tensor
 
 from eval.accept import mean_accept_length, per_position_acceptance
+from models.wandb_mode import wandb_mode
 
 METHODS = ("baseline", "speculative", "hf_generate", "hf_prompt_lookup")
 REPORT_KEYS = (
@@ -201,15 +201,6 @@ def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def wandb_mode(mode: str | None) -> str:
-    """`mode` if given, then $WANDB_MODE, then online with W&B credentials, else offline (as training logs)."""
-    if mode or os.environ.get("WANDB_MODE"):
-        return str(mode or os.environ["WANDB_MODE"])
-    from train.loggers import wandb_configured  # one rule for train and eval; imported only when it decides
-
-    return "online" if wandb_configured() else "offline"
 
 
 def log_wandb(

@@ -7,6 +7,10 @@ drafter that conditions on the path (EAGLE) the rank-th most likely child of its
 
 Medusa notation (`medusa_choices`): a node is the tuple of ranks along its path from the root, e.g. (0, 1) is the
 second-best token of head 1 under the best token of head 0. The root is the empty tuple and is never listed.
+
+Tree policies (`conf/tree/*.yaml`, instantiated by Hydra and handed to the drafter factory) say what shape a drafter
+proposes: a fixed `Tree` (e.g. `from_medusa_choices`), a `Chain`, an `AutoTree` node budget, or an EAGLE-2
+`DynamicTree`. The drafter turns its policy into the tree of each round; one it cannot draft is refused there.
 """
 
 from __future__ import annotations
@@ -74,6 +78,54 @@ class Tree:
 
     def to_medusa_choices(self) -> list[tuple[int, ...]]:
         return list(self.paths[1:])
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A chain of `depth` top-1 drafts; None: the drafter's own depth (every Medusa head, EAGLE's default depth)."""
+
+    depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.depth is not None and self.depth < 0:
+            raise UserError(f"tree.depth={self.depth} must be >= 0 (or null for the drafter's own depth).")
+
+
+@dataclass(frozen=True)
+class AutoTree:
+    """The `size` draft nodes of highest expected acceptance by the drafter's own estimates: Medusa grows a fixed
+    tree from its export's per-head top-k accuracies (`auto_tree`); EAGLE grows an EAGLE-2 dynamic tree of at most
+    `size` nodes each round from its scores (default depth and topk). `size=0` drafts nothing: plain decoding."""
+
+    size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            raise UserError(f"tree.size={self.size} must be >= 0 (0 drafts nothing).")
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic tree (Li et al., 2024b), rebuilt every round: expand the `topk` best children of the `topk`
+    best frontier nodes by cumulative log-probability for `depth` levels, keep the `size` best draft nodes."""
+
+    size: int = 24
+    depth: int = 5
+    topk: int = 16
+
+    def __post_init__(self) -> None:
+        if self.size < 0 or self.depth < 1 or self.topk < 1:
+            raise UserError(f"tree=dynamic needs size >= 0, depth >= 1 and topk >= 1; got size={self.size}, "
+                            f"depth={self.depth}, topk={self.topk}.")
+
+
+TreePolicy = Tree | Chain | AutoTree | DynamicTree
+
+
+def describe(tree: Tree) -> dict[str, object]:
+    """A fixed tree as report.json records it."""
+    return {"num_nodes": tree.num_nodes, "max_depth": tree.max_depth,
+            "medusa_choices": [list(c) for c in tree.to_medusa_choices()]}
 
 
 @dataclass(frozen=True)

@@ -10,26 +10,23 @@ EAGLE-3 (`kind="eagle3"`): the feature is fc(cat(low, mid, high)) over three M_q
 
 Both reuse M_q's token embedding (and, for EAGLE-1, its lm_head) by reference: frozen and never stored here.
 Tensor names follow the layouts vLLM and SGLang load (`fc.weight`, `layers.0.*` / `midlayer.*`, `norm.weight`,
-`lm_head.weight`, `d2t`, `t2d`).
+`lm_head.weight`, `d2t`, `t2d`); models/export.py writes and reads them. `unroll` is the training-time unroll,
+shared by training (train/eagle.py) and offline scoring (scripts/drafter_accuracy.py).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.eagle_layers import DraftDecoderLayer, RMSNorm
 from models.errors import UserError
-from models.io import atomic_dir
-from models.medusa import CONFIG_NAME, WEIGHTS_NAME, _read_weights, read_export_config
-from models.verifier import Verifier, check_fingerprint
+from models.verifier import Verifier
 
-KINDS = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
 NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
 
 
@@ -57,45 +54,121 @@ def layer_config(verifier: Verifier) -> dict[str, Any]:
     }
 
 
-class EagleDrafterNet(nn.Module):
-    """The trainable part of an EAGLE-1 or EAGLE-3 drafter."""
+class _EagleNet(nn.Module):
+    """What EAGLE-1 and EAGLE-3 share: the verifier's shapes, one draft decoder layer, the drafter interface
+    (`feature_layers`, `features`, `step`, `logits`, `draft_to_target`). Subclasses build their own input and head."""
 
-    def __init__(self, kind: str, hidden_size: int, intermediate_size: int, num_attention_heads: int,
-                 num_key_value_heads: int, head_dim: int, rope_theta: float, rms_norm_eps: float, vocab_size: int,
-                 num_verifier_layers: int, attention_bias: bool = False, draft_vocab_size: int | None = None,
-                 aux_layer_ids: list[int] | None = None) -> None:
+    kind: str
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_attention_heads: int, num_key_value_heads: int,
+                 head_dim: int, rope_theta: float, rms_norm_eps: float, vocab_size: int, num_verifier_layers: int,
+                 attention_bias: bool = False) -> None:
         super().__init__()
-        if kind not in KINDS:
-            raise UserError(f"EAGLE kind {kind!r} is not one of {sorted(KINDS)}.")
-        self.kind, self.hidden_size, self.vocab_size = kind, hidden_size, vocab_size
-        self.num_verifier_layers = num_verifier_layers
-        layer_args = (hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, rope_theta,
-                      rms_norm_eps)
-        if kind == "eagle":
-            self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-            self.layers = nn.ModuleList([DraftDecoderLayer(*layer_args, two_inputs=False, attention_bias=attention_bias)])
-            self.aux_layer_ids: list[int] = []
-            self.draft_vocab_size = vocab_size
-        else:
-            self.aux_layer_ids = list(aux_layer_ids or default_aux_layers(num_verifier_layers))
-            check_aux_layers(self.aux_layer_ids, num_verifier_layers)
-            self.draft_vocab_size = min(int(draft_vocab_size or vocab_size), vocab_size)
-            self.fc = nn.Linear(len(self.aux_layer_ids) * hidden_size, hidden_size, bias=False)
-            self.midlayer = DraftDecoderLayer(*layer_args, two_inputs=True, attention_bias=attention_bias)
-            self.norm = RMSNorm(hidden_size, rms_norm_eps)
-            self.lm_head = nn.Linear(hidden_size, self.draft_vocab_size, bias=False)
-            # Identity mapping until set_draft_vocab is called with the training data's most frequent tokens.
-            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
-            t2d = torch.zeros(vocab_size, dtype=torch.bool)
-            t2d[: self.draft_vocab_size] = True
-            self.register_buffer("t2d", t2d)
+        self.hidden_size, self.vocab_size, self.num_verifier_layers = hidden_size, vocab_size, num_verifier_layers
+        self._layer_args = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                                num_heads=num_attention_heads, num_kv_heads=num_key_value_heads, head_dim=head_dim,
+                                rope_theta=rope_theta, eps=rms_norm_eps, attention_bias=attention_bias)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The M_q hidden states the drafter reads, as indices into HF's `hidden_states` (-1: the final-normed last
+        layer, i.e. the lm_head input); `features` takes them in this order."""
+        raise NotImplementedError
 
     @property
     def layer(self) -> DraftDecoderLayer:
-        return self.layers[0] if self.kind == "eagle" else self.midlayer
+        raise NotImplementedError
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Map draft-vocabulary ids to verifier ids."""
+        return draft_ids
+
+    def target_rank(self, p_logits: Tensor, target: Tensor) -> Tensor:
+        """Rank of each verifier-id target under draft logits (see `target_rank`). (N, V_draft) -> (N,)"""
+        return target_rank(p_logits, target)
+
+    def features(self, hidden_states: Sequence[Tensor] | Mapping[int, Tensor]) -> Tensor:
+        """The drafter's input features F_t from M_q's hidden states, indexed like HF `output_hidden_states`
+        (0 = embeddings, i = input of layer i, -1 = final-normed): the tuple itself, or a {layer id: tensor} dict.
+        (B, T, D)"""
+        raise NotImplementedError
+
+    def step(self, hidden: Tensor, embeds: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None = None,
+             past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """One drafter forward. hidden: features (step 0) or the previous step's output (B, T, D); embeds: M_q's
+        embedding of the next tokens (B, T, D). Returns (output (B, T, D), this call's k, v)."""
+        raise NotImplementedError
+
+    def logits(self, out: Tensor, verifier_lm_head: nn.Module | None = None) -> Tensor:
+        """Draft logits from the layer's output. (B, T, D) -> (B, T, V_draft)"""
+        raise NotImplementedError
+
+
+class Eagle1Net(_EagleNet):
+    """EAGLE-1: fc(cat(embed(x_{t+1}), f_t)) -> the layer without its input norm -> predicted f_{t+1}; M_q's own
+    lm_head makes the draft logits over the full vocabulary."""
+
+    kind = "eagle"
+
+    def __init__(self, **shape: Any) -> None:
+        super().__init__(**shape)
+        self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=False)
+        self.layers = nn.ModuleList([DraftDecoderLayer(**self._layer_args, two_inputs=False)])
+        self.draft_vocab_size = self.vocab_size
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return (-1,)
+
+    @property
+    def layer(self) -> DraftDecoderLayer:
+        return self.layers[0]
+
+    def features(self, hidden_states: Sequence[Tensor] | Mapping[int, Tensor]) -> Tensor:
+        return hidden_states[-1]
+
+    def step(self, hidden: Tensor, embeds: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None = None,
+             past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        dtype = self.fc.weight.dtype
+        x = self.fc(torch.cat([embeds.to(dtype), hidden.to(dtype)], dim=-1))  # (B, T, D)
+        return self.layer(x, None, positions, mask, past_k, past_v)
+
+    def logits(self, out: Tensor, verifier_lm_head: nn.Module | None = None) -> Tensor:
+        return verifier_lm_head(out.to(verifier_lm_head.weight.dtype))
+
+
+class Eagle3Net(_EagleNet):
+    """EAGLE-3: F_t = fc(cat(low, mid, high)) over three M_q layers; the layer reads cat(norm(embed), norm(hidden))
+    and its own norm and head draft over a reduced vocabulary (`d2t`: draft id -> target id offset, `t2d`: mask)."""
+
+    kind = "eagle3"
+
+    def __init__(self, draft_vocab_size: int | None = None, aux_layer_ids: Sequence[int] | None = None,
+                 **shape: Any) -> None:
+        super().__init__(**shape)
+        self.aux_layer_ids = list(aux_layer_ids or default_aux_layers(self.num_verifier_layers))
+        check_aux_layers(self.aux_layer_ids, self.num_verifier_layers)
+        self.draft_vocab_size = min(int(draft_vocab_size or self.vocab_size), self.vocab_size)
+        self.fc = nn.Linear(len(self.aux_layer_ids) * self.hidden_size, self.hidden_size, bias=False)
+        self.midlayer = DraftDecoderLayer(**self._layer_args, two_inputs=True)
+        self.norm = RMSNorm(self.hidden_size, self._layer_args["eps"])
+        self.lm_head = nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
+        # Identity mapping until set_draft_vocab is called with the training data's most frequent tokens.
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(self.vocab_size, dtype=torch.bool)
+        t2d[: self.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.aux_layer_ids)
+
+    @property
+    def layer(self) -> DraftDecoderLayer:
+        return self.midlayer
 
     def set_draft_vocab(self, target_ids: Tensor) -> None:
-        """EAGLE-3: the draft vocabulary is `target_ids` (sorted ascending inside), stored as d2t offsets + t2d mask."""
+        """The draft vocabulary is `target_ids` (sorted ascending inside), stored as d2t offsets + t2d mask."""
         ids = torch.sort(target_ids.to(torch.long).flatten()).values
         if ids.numel() != self.draft_vocab_size or ids.max() >= self.vocab_size or ids.unique().numel() != ids.numel():
             raise UserError(f"the draft vocabulary must be {self.draft_vocab_size} distinct ids below the verifier's "
@@ -105,33 +178,25 @@ class EagleDrafterNet(nn.Module):
         self.t2d[ids] = True
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        """Map draft-vocabulary ids to verifier ids (identity for EAGLE-1)."""
-        return draft_ids if self.kind == "eagle" else draft_ids + self.d2t[draft_ids]
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_rank(self, p_logits: Tensor, target: Tensor) -> Tensor:
+        return target_rank(p_logits, target, self.t2d)
 
     def features(self, hidden_states: Sequence[Tensor] | Mapping[int, Tensor]) -> Tensor:
-        """The drafter's input features from M_q's hidden states, indexed like HF `output_hidden_states`
-        (0 = embeddings, i = input of layer i, -1 = final-normed): the tuple itself, or a {layer id: tensor} dict.
-        (B, T, D)"""
-        if self.kind == "eagle":
-            return hidden_states[-1]
         return self.fc(torch.cat([hidden_states[i] for i in self.aux_layer_ids], dim=-1).to(self.fc.weight.dtype))
 
     def step(self, hidden: Tensor, embeds: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None = None,
              past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """One drafter forward. hidden: features (step 0) or the previous step's output (B, T, D); embeds: M_q's
-        embedding of the next tokens (B, T, D). Returns (output (B, T, D), this call's k, v)."""
         dtype = self.fc.weight.dtype
-        hidden, embeds = hidden.to(dtype), embeds.to(dtype)
-        if self.kind == "eagle":
-            x = self.fc(torch.cat([embeds, hidden], dim=-1))  # (B, T, D)
-            return self.layer(x, None, positions, mask, past_k, past_v)
-        return self.layer(hidden, embeds, positions, mask, past_k, past_v)
+        return self.layer(hidden.to(dtype), embeds.to(dtype), positions, mask, past_k, past_v)
 
     def logits(self, out: Tensor, verifier_lm_head: nn.Module | None = None) -> Tensor:
-        """Draft logits over the draft vocabulary (EAGLE-3) or the full vocabulary through M_q's head (EAGLE-1)."""
-        if self.kind == "eagle":
-            return verifier_lm_head(out.to(verifier_lm_head.weight.dtype))
         return self.lm_head(self.norm(out))
+
+
+EagleNet = Eagle1Net | Eagle3Net
+EAGLE_NETS: dict[str, type[_EagleNet]] = {"eagle": Eagle1Net, "eagle3": Eagle3Net}
 
 
 def check_aux_layers(layer_ids: list[int], num_layers: int) -> None:
@@ -142,80 +207,73 @@ def check_aux_layers(layer_ids: list[int], num_layers: int) -> None:
 
 
 def build_eagle(kind: str, verifier: Verifier, draft_vocab_size: int | None = None,
-                aux_layer_ids: list[int] | None = None) -> EagleDrafterNet:
-    return EagleDrafterNet(kind, **layer_config(verifier), draft_vocab_size=draft_vocab_size,
-                           aux_layer_ids=aux_layer_ids)
+                aux_layer_ids: Sequence[int] | None = None) -> EagleNet:
+    """A fresh EAGLE-1 (`kind="eagle"`) or EAGLE-3 (`"eagle3"`) drafter shaped like `verifier`'s layers."""
+    if kind not in EAGLE_NETS:
+        raise UserError(f"EAGLE kind {kind!r} is not one of {sorted(EAGLE_NETS)}.")
+    if kind == "eagle":
+        return Eagle1Net(**layer_config(verifier))
+    return Eagle3Net(draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, **layer_config(verifier))
 
 
-def save_eagle_export(net: EagleDrafterNet, verifier: Verifier, path: str | Path,
-                      extra: dict[str, Any] | None = None) -> Path:
-    """Write config.json + model.safetensors in the EAGLE layout vLLM / SGLang read, atomically."""
-    from safetensors.torch import save_file
+# -- the training-time unroll (EAGLE-3's "training-time test"), shared by training and offline scoring ---------------
 
-    lc = layer_config(verifier)
-    config = {
-        "architectures": [KINDS[net.kind]],
-        "model_type": "llama",
-        "hidden_size": lc["hidden_size"],
-        "intermediate_size": lc["intermediate_size"],
-        "num_attention_heads": lc["num_attention_heads"],
-        "num_key_value_heads": lc["num_key_value_heads"],
-        "head_dim": lc["head_dim"],
-        "num_hidden_layers": 1,
-        "rms_norm_eps": lc["rms_norm_eps"],
-        "rope_theta": lc["rope_theta"],
-        "attention_bias": lc["attention_bias"],
-        "hidden_act": "silu",
-        "vocab_size": lc["vocab_size"],
-        "max_position_embeddings": int(getattr(verifier.config, "max_position_embeddings", 2048)),
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "eagle_kind": net.kind,
-        "verifier_num_hidden_layers": lc["num_verifier_layers"],
-        "verifier_path": verifier.path,
-        "verifier_fingerprint": verifier.fingerprint,
-        **(extra or {}),
-    }
-    if net.kind == "eagle3":
-        config["draft_vocab_size"] = net.draft_vocab_size
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": net.aux_layer_ids, "use_aux_hidden_state": True}
-    tensors = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
-    with atomic_dir(path) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2))
-    return Path(path)
+def unroll_mask(valid_keys: Tensor, step: int) -> Tensor:
+    """Boolean attention mask of unrolled step `step` over [step-0 keys, step-1 keys, ..., step-`step` keys].
+
+    valid_keys: (B, n) non-padding positions. Query t sees step-0 keys s <= t and, for each later step, only the key
+    at its own position t. Returns (B, 1, n, (step + 1) * n).
+    """
+    bsz, n = valid_keys.shape
+    causal = torch.ones(n, n, dtype=torch.bool, device=valid_keys.device).tril()  # (n, n)
+    causal = causal[None] & valid_keys[:, None, :]  # (B, n, n)
+    eye = torch.eye(n, dtype=torch.bool, device=valid_keys.device)[None].expand(bsz, n, n)
+    return torch.cat([causal] + [eye] * step, dim=-1)[:, None]
 
 
-def export_kind(config: dict[str, Any]) -> str | None:
-    arch = (config.get("architectures") or [""])[0]
-    return {v: k for k, v in KINDS.items()}.get(arch) or config.get("eagle_kind")
+def step_inputs(input_ids: Tensor, loss_mask: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    """Unrolled step `step`'s input tokens and target validity at positions t = 0..T-2.
+
+    tokens[b, t] = x_{t+step+1} (0 past the end); valid[b, t] = x_{t+step+2} exists and is an assistant token.
+    The target distribution is q at position t+step+1. Returns two (B, T-1) tensors.
+    """
+    n = input_ids.shape[1] - 1
+    tokens = F.pad(input_ids[:, 1 + step :], (0, step), value=0)[:, :n]
+    valid = F.pad(loss_mask[:, 2 + step :].bool(), (0, 2 + step), value=False)[:, :n]
+    return tokens, valid
 
 
-def load_eagle_export(path: str | Path, verifier: Verifier, kind: str | None = None) -> tuple[EagleDrafterNet, dict]:
-    """Rebuild an EAGLE drafter from an export, checking its kind, verifier, layer ids and draft vocabulary."""
-    path = Path(path).expanduser()
-    config = read_export_config(path)
-    found = export_kind(config)
-    if found is None:
-        raise UserError(f"checkpoint={str(path)!r} is not an EAGLE export (architectures="
-                        f"{config.get('architectures')}, model_type={config.get('model_type')!r}).")
-    if kind is not None and found != kind:
-        raise UserError(f"checkpoint={str(path)!r} is an {NAMES[found]} export ({KINDS[found]}) but was given as "
-                        f"{NAMES[kind]}. Use drafter={found} for it, or pass an {NAMES[kind]} export.")
-    check_fingerprint(config.get("verifier_fingerprint", {}), verifier, f"{NAMES[found]} export {str(path)!r}")
-    lc = layer_config(verifier)
-    aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if found == "eagle3":
-        check_aux_layers(list(aux or []), lc["num_verifier_layers"])
-    tensors = _read_weights(path)
-    if found == "eagle3":
-        t2d, d2t = tensors.get("t2d"), tensors.get("d2t")
-        if t2d is None or d2t is None or t2d.numel() != lc["vocab_size"] or int((d2t + torch.arange(d2t.numel())).max()) >= lc["vocab_size"]:
-            raise UserError(f"{path / WEIGHTS_NAME}: the draft vocabulary (d2t/t2d) does not fit the verifier's "
-                            f"vocabulary of {lc['vocab_size']} tokens. Retrain the drafter for this verifier.")
-    net = EagleDrafterNet(found, **lc, draft_vocab_size=config.get("draft_vocab_size"), aux_layer_ids=aux)
-    try:
-        net.load_state_dict(tensors, strict=True)
-    except RuntimeError as e:
-        raise UserError(f"{path / WEIGHTS_NAME} does not match its config.json: {str(e).splitlines()[0]}") from e
-    return net.eval().requires_grad_(False), config
+def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor,
+           embed: nn.Module, steps: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Unroll the drafter `steps` times over a batch, teacher-forced on the true tokens.
+
+    Step 0 at position t reads (x_{t+1}, F_t) and predicts x_{t+2}; step j > 0 reads (x_{t+j+1}, its own step j-1
+    output at t) at rotary position t+j and predicts x_{t+j+2}, attending the step-0 keys at positions <= t plus the
+    keys its own earlier steps made at t: what it sees when drafting a chain at decode time.
+    feats: (B, n, D) F_t for t = 0..n-1, n = T-1. Yields per step (output (B, n, D), valid (B, n)).
+    """
+    bsz, n = feats.shape[:2]
+    positions = torch.arange(n, device=input_ids.device)[None].expand(bsz, n)
+    valid_keys = attention_mask[:, :n].bool()
+    hidden, past_k, past_v = feats, None, None
+    for j in range(steps):
+        tok, valid = step_inputs(input_ids, loss_mask, j)  # (B, n) each
+        with torch.no_grad():
+            emb = embed(tok)
+        out, k, v = net.step(hidden, emb, positions + j, unroll_mask(valid_keys, j), past_k, past_v)
+        past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
+        past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+        yield out, valid
+        hidden = out
+
+
+def target_rank(p_logits: Tensor, target: Tensor, t2d: Tensor | None = None) -> Tensor:
+    """Rank of each target (a verifier id) in the draft logits: 0 if it is the draft's top-1. With `t2d` (EAGLE-3)
+    the logits are over the draft vocabulary; a target outside it gets the verifier's vocabulary size. (N, V) -> (N,)"""
+    if t2d is not None:
+        full = p_logits.new_full((p_logits.shape[0], t2d.numel()), float("-inf"))
+        full[:, t2d] = p_logits  # draft ids are the t2d-selected target ids in ascending order
+        p_logits = full
+    at = p_logits.gather(1, target[:, None])  # (N, 1)
+    rank = (p_logits > at).sum(-1)
+    return torch.where(at[:, 0] == float("-inf"), torch.full_like(rank, p_logits.shape[-1]), rank)

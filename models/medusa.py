@@ -5,26 +5,13 @@ t+k+1; the verifier's own head predicts t+1. Each head is `num_layers` residual 
 zero-initialised so that a fresh head starts as the verifier's own head, then a vocabulary projection.
 
 Module and tensor names follow vLLM's Medusa layout (`blocks.{h}.layers.{l}.weight|bias`, `lm_heads.{h}.weight` or
-one shared `lm_head.weight` with `original_lm_head: true`), so `state_dict()` is the export.
+one shared `lm_head.weight` with `original_lm_head: true`), so `state_dict()` is the export (models/export.py).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-
-from models.errors import UserError
-from models.io import atomic_dir
-from models.verifier import Verifier, check_fingerprint
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 
 
 class ResidualBlock(nn.Module):
@@ -103,83 +90,3 @@ def medusa_targets(input_ids: Tensor, loss_mask: Tensor, num_heads: int) -> list
             valid[:, : seqlen - shift] = loss_mask[:, shift:].bool()
         out.append((targets, valid))
     return out
-
-
-def save_medusa_export(
-    heads: MedusaHeads, verifier: Verifier, path: str | Path, extra: dict[str, Any] | None = None
-) -> Path:
-    """Write `config.json` + `model.safetensors` in vLLM's Medusa layout, atomically. Returns the directory."""
-    tensors = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
-    if heads.share_lm_head:
-        # vLLM reads one `lm_head.weight` and shares it across heads when `original_lm_head` is set.
-        tensors["lm_head.weight"] = verifier.lm_head.weight.detach().cpu().contiguous()
-    config = {
-        "model_type": "medusa",
-        "architectures": ["MedusaModel"],
-        "num_heads": heads.num_heads,
-        "num_hidden_layers": heads.num_layers,
-        "hidden_size": heads.hidden_size,
-        "vocab_size": heads.vocab_size,
-        "truncated_vocab_size": heads.vocab_size,
-        "medusa_fc_bias": True,
-        "original_lm_head": heads.share_lm_head,
-        "verifier_path": verifier.path,
-        "verifier_fingerprint": verifier.fingerprint,
-        **(extra or {}),
-    }
-    with atomic_dir(path) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2))
-    return Path(path)
-
-
-def read_export_config(path: str | Path) -> dict[str, Any]:
-    """Read and sanity-check an export's config.json, with a clear error for a missing or corrupt one."""
-    path = Path(path).expanduser()
-    cfg_file = path / CONFIG_NAME
-    if not cfg_file.is_file():
-        raise UserError(f"checkpoint={str(path)!r}: no {CONFIG_NAME} there. Pass the `export/` directory train.py printed.")
-    try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_file} is not valid JSON ({e}); re-export the checkpoint.") from e
-
-
-def _read_weights(path: Path) -> dict[str, Tensor]:
-    weights = path / WEIGHTS_NAME
-    if not weights.is_file():
-        raise UserError(f"checkpoint={str(path)!r}: {WEIGHTS_NAME} is missing. Re-export it (train.py writes it on fit end).")
-    try:
-        return load_file(str(weights))
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{weights} is corrupt or truncated ({e}); re-export the checkpoint.") from e
-
-
-def load_medusa_export(path: str | Path, verifier: Verifier) -> tuple[MedusaHeads, Tensor | None, dict[str, Any]]:
-    """Rebuild Medusa heads from an export, refusing one made for another verifier.
-
-    Returns (heads, shared lm_head weight or None, config). The shared weight is the export's own copy.
-    """
-    path = Path(path).expanduser()
-    config = read_export_config(path)
-    if config.get("model_type") != "medusa":
-        raise UserError(
-            f"checkpoint={str(path)!r} has model_type={config.get('model_type')!r}, not 'medusa'. "
-            f"Use the drafter type that matches the export."
-        )
-    check_fingerprint(config.get("verifier_fingerprint", {}), verifier, f"Medusa export {str(path)!r}")
-    tensors = _read_weights(path)
-    shared = bool(config.get("original_lm_head", False))
-    heads = MedusaHeads(
-        hidden_size=config["hidden_size"],
-        vocab_size=config["vocab_size"],
-        num_heads=config["num_heads"],
-        num_layers=config["num_hidden_layers"],
-        share_lm_head=shared,
-    )
-    lm_head = tensors.pop("lm_head.weight", None) if shared else None
-    try:
-        heads.load_state_dict(tensors, strict=True)
-    except RuntimeError as e:
-        raise UserError(f"{path / WEIGHTS_NAME} does not match its config.json: {str(e).splitlines()[0]}") from e
-    return heads.eval().requires_grad_(False), lm_head, config

@@ -40,15 +40,20 @@ class Verifier:
     """A frozen causal LM with its tokenizer and identity.
 
     A plain class on purpose: Hydra would turn a dataclass passed to `instantiate(..., verifier=v)` into a config.
+
+    source: how to load it again, `{"loader": <key of LOADERS>, **arguments}`; exports store it, so that
+        `load_verifier(source)` rebuilds this verifier (the fingerprint then checks that it did).
+    name: a display name for logs and reports.
     """
 
     def __init__(
-        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str, name: str, fingerprint: dict[str, Any]
+        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, source: dict[str, Any], name: str,
+        fingerprint: dict[str, Any],
     ) -> None:
-        self.model, self.tokenizer, self.path, self.name, self.fingerprint = model, tokenizer, path, name, fingerprint
+        self.model, self.tokenizer, self.source, self.name, self.fingerprint = model, tokenizer, source, name, fingerprint
 
     def __repr__(self) -> str:
-        return f"Verifier(path={self.path!r}, fingerprint={self.fingerprint})"
+        return f"Verifier(name={self.name!r}, source={self.source}, fingerprint={self.fingerprint})"
 
     @property
     def config(self) -> Any:
@@ -119,7 +124,7 @@ def check_fingerprint(expected: dict[str, Any], verifier: Verifier, what: str) -
     if diff:
         details = ", ".join(f"{k}: {a!r} (checkpoint) vs {b!r} (verifier)" for k, (a, b) in diff.items())
         raise VerifierMismatchError(
-            f"{what} was trained for a different verifier than {verifier.path!r}: {details}. "
+            f"{what} was trained for a different verifier than {verifier.name!r}: {details}. "
             f"Pass the verifier it was trained on (verifier.path=...), or retrain the drafter for this verifier."
         )
 
@@ -136,11 +141,11 @@ def _resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def _finish(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str, name: str) -> Verifier:
+def _finish(model: nn.Module, tokenizer: PreTrainedTokenizerBase, source: dict[str, Any], name: str) -> Verifier:
     freeze(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return Verifier(model=model, tokenizer=tokenizer, path=path, name=name, fingerprint=fingerprint(model))
+    return Verifier(model=model, tokenizer=tokenizer, source=source, name=name, fingerprint=fingerprint(model))
 
 
 def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: str = "auto") -> Verifier:
@@ -162,7 +167,7 @@ def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: 
             f"verifier.path={path!r} could not be loaded as a causal LM ({type(e).__name__}: {str(e).splitlines()[0]}). "
             f"Give a local checkpoint directory or a Hub id this machine can reach; the default is verifier=smollm2."
         ) from e
-    return _finish(model.to(_resolve_device(device)), tokenizer, path, name or Path(path).name)
+    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "hf", "path": path}, name or Path(path).name)
 
 
 def smollm2_gguf_path() -> Path:
@@ -204,7 +209,7 @@ def load_smollm2(
     ckpt = ensure_smollm2_checkpoint(cache_dir, gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=_resolve_dtype(dtype))
-    return _finish(model.to(_resolve_device(device)), tokenizer, "smollm2", "SmolLM2-135M-Instruct")
+    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "smollm2"}, "SmolLM2-135M-Instruct")
 
 
 def build_tiny(
@@ -216,8 +221,12 @@ def build_tiny(
     num_heads: int = 4,
     seed: int = 0,
     initializer_range: float = 0.02,
+    layer_std: float | None = None,
 ) -> Verifier:
-    """A random `num_layers`-layer Llama with the default verifier's tokenizer and chat template, for tests."""
+    """A random `num_layers`-layer Llama with the default verifier's tokenizer and chat template, for tests.
+
+    layer_std: redraw the decoder layers' weight matrices from N(0, layer_std^2) (generator seeded 0): with 0.3 the
+    model's greedy output varies instead of repeating one token, so it exercises caches and masks."""
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint(cache_dir))
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -236,8 +245,41 @@ def build_tiny(
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(_resolve_dtype(dtype))
+        model = LlamaForCausalLM(config)
+    if layer_std is not None:
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.model.layers.parameters():
+                if p.ndim == 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) * layer_std)
+    source = {"loader": "tiny", "num_layers": num_layers, "hidden_size": hidden_size, "num_heads": num_heads,
+              "seed": seed, "initializer_range": initializer_range, "layer_std": layer_std}
     name = f"tiny-llama-{num_layers}x{hidden_size}-seed{seed}"
-    if initializer_range != 0.02:
-        name += f"-std{initializer_range}"
-    return _finish(model.to(_resolve_device(device)), tokenizer, name, "tiny")
+    model = model.to(device=_resolve_device(device), dtype=_resolve_dtype(dtype))
+    return _finish(model, tokenizer, source, name)
+
+
+LOADERS = {"smollm2": load_smollm2, "hf": load_hf, "tiny": build_tiny}
+
+
+def verifier_source(value: str | dict[str, Any]) -> dict[str, Any]:
+    """A verifier description from the command line or an export: a dict as stored (`{"loader": ..., ...}`), or a
+    string: `smollm2`, else a Hugging Face Hub id or local checkpoint directory."""
+    if isinstance(value, dict):
+        if value.get("loader") not in LOADERS:
+            raise UserError(f"verifier description {value!r} names no known loader; expected one of {sorted(LOADERS)}.")
+        return dict(value)
+    if not isinstance(value, str) or not value:
+        raise UserError(f"verifier {value!r} is not a verifier description: give `smollm2`, a Hub id or a local "
+                        f"checkpoint directory.")
+    return {"loader": "smollm2"} if value == "smollm2" else {"loader": "hf", "path": value}
+
+
+def load_verifier(source: str | dict[str, Any], dtype: str = "float32", device: str = "auto",
+                  cache_dir: str | None = None) -> Verifier:
+    """Load the verifier a description names (see `verifier_source`) in `dtype` on `device`."""
+    spec = verifier_source(source)
+    args = {k: v for k, v in spec.items() if k != "loader"}
+    if spec["loader"] == "hf":
+        return load_hf(dtype=dtype, device=device, **args)
+    return LOADERS[spec["loader"]](cache_dir=cache_dir, dtype=dtype, device=device, **args)

@@ -7,7 +7,8 @@ The verifier answers the built-in eval prompts greedily (fp32, cached like self-
 then scored on the same answers, with the verifier's features, in one teacher-forced pass per batch:
 
 depth-1 top-k coverage, chain accuracy per depth, and the chain's tau over positions and over simulated decode
-rounds (eval/offline.py says what each means). EAGLE is unrolled by its training module's own validation step.
+rounds (eval/offline.py says what each means). EAGLE is unrolled by the same function training uses
+(models.eagle.unroll).
 
 Results are printed and written as JSON next to the first export (drafter_accuracy.json).
 """
@@ -32,48 +33,58 @@ from data.datamodule import collate  # noqa: E402
 from data.hidden_cache import gather_layers  # noqa: E402
 from data.prompts import load_conversations, select_prompts  # noqa: E402
 from data.selfdistill import build_selfdistill  # noqa: E402
-from eval.harness import load_verifier  # noqa: E402
 from eval.offline import TOPK, acceptance_tables  # noqa: E402
-from models.eagle import export_kind, load_eagle_export  # noqa: E402
-from models.medusa import load_medusa_export, medusa_targets, read_export_config  # noqa: E402
-from models.verifier import Verifier  # noqa: E402
-from train.eagle import EagleModule, target_rank  # noqa: E402
+from models.eagle import EagleNet, target_rank, unroll  # noqa: E402
+from models.export import export_verifier, load_export, read_config  # noqa: E402
+from models.medusa import medusa_targets  # noqa: E402
+from models.verifier import Verifier, load_verifier  # noqa: E402
+
+
+def _rank_rows(logits: Tensor, targets: Tensor, valid: Tensor, vocab: int, rank_of) -> tuple[Tensor, Tensor]:
+    """(B, T) ranks of `targets` where `valid` (vocab elsewhere), and the draft's top-1 probability there."""
+    rank = torch.full(valid.shape, vocab, dtype=torch.long)
+    rank[valid] = rank_of(logits, targets)
+    conf = torch.zeros(valid.shape)
+    conf[valid] = logits.softmax(-1).amax(-1)
+    return rank, conf
 
 
 def medusa_ranks(heads: Any, verifier: Verifier, batch: dict[str, Tensor], depth: int) -> tuple[Tensor, ...]:
     """(D, B, T) ranks of x_{t+d+1} under head d, validity, and the head's top-1 probability."""
     hidden = gather_layers(batch, [-1], verifier, [-1])[-1]  # (B, T, D)
+    vocab = verifier.vocab_size
     ranks, valids, confs = [], [], []
     for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)):
         if k >= depth:
             break
         logits = heads.head_logits(hidden[valid], k, verifier.lm_head).float()  # (N, V)
-        rank = torch.full(valid.shape, verifier.lm_head.weight.shape[0], dtype=torch.long)
-        rank[valid] = target_rank(logits, targets[valid])
-        conf = torch.zeros(valid.shape)
-        conf[valid] = logits.softmax(-1).amax(-1)
+        rank, conf = _rank_rows(logits, targets[valid], valid, vocab, target_rank)
         ranks.append(rank)
         valids.append(valid)
         confs.append(conf)
     return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
 
 
-def eagle_module(export: Path, kind: str, verifier: Verifier) -> EagleModule:
-    """The training module around an exported net, so scoring unrolls exactly as validation does (train/eagle.py)."""
-    net, _ = load_eagle_export(export, verifier, kind)
-    module = EagleModule(verifier, optimizer=torch.optim.AdamW, kind=kind, aux_layer_ids=net.aux_layer_ids or None,
-                         draft_vocab_size=net.draft_vocab_size if kind == "eagle3" else None)
-    module.net = net.eval()
-    return module
-
-
-def eagle_ranks(module: EagleModule, verifier: Verifier, batch: dict[str, Tensor], depth: int
-                ) -> tuple[Tensor, ...]:
-    """The same for an EAGLE drafter, unrolled `depth` steps."""
-    res = module.model_step(batch, depth, train=False)
-    pad = lambda x, v: torch.cat([x, x.new_full((*x.shape[:2], 1), v)], dim=2)  # (D, B, n) -> (D, B, T)
-    return (pad(res["rank"], verifier.lm_head.weight.shape[0]), pad(res["valid"], False),
-            pad(res["confidence"].float(), 0.0))
+def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], depth: int) -> tuple[Tensor, ...]:
+    """The same for an EAGLE drafter, unrolled `depth` steps exactly as in training; the target of step j at
+    position t is M_q's argmax at t+j+1."""
+    layers = list(dict.fromkeys([*net.feature_layers, -1]))
+    states = gather_layers(batch, layers, verifier, layers)
+    ids, n = batch["input_ids"], batch["input_ids"].shape[1] - 1
+    q_arg = verifier.lm_head(states[-1]).argmax(-1)  # (B, T): M_q's greedy token after each position
+    embed, vocab = verifier.model.get_input_embeddings(), verifier.vocab_size
+    ranks, valids, confs = [], [], []
+    steps = unroll(net, net.features(states)[:, :n], ids, batch["attention_mask"], batch["loss_mask"].bool(), embed,
+                   depth)
+    for j, (out, valid) in enumerate(steps):
+        bi, ti = valid.nonzero(as_tuple=True)
+        logits = net.logits(out[bi, ti], verifier.lm_head).float()  # (N, V_draft)
+        rank, conf = _rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
+        pad = lambda x, v: torch.cat([x, x.new_full((x.shape[0], 1), v)], dim=1)  # (B, n) -> (B, T)
+        ranks.append(pad(rank, vocab))
+        valids.append(pad(valid, False))
+        confs.append(pad(conf, 0.0))
+    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
 
 
 def main() -> None:
@@ -89,16 +100,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     exports = [Path(e).expanduser() for e in args.exports]
-    verifier = load_verifier(read_export_config(exports[0])["verifier_path"], args.dtype, "cpu", args.cache_dir)
+    verifier = load_verifier(export_verifier(read_config(exports[0])), args.dtype, "cpu", args.cache_dir)
     convs = select_prompts(load_conversations("builtin", split="eval"), args.num_prompts)
     ds = build_selfdistill(verifier, convs, args.cache_dir, max_new_tokens=args.max_new_tokens, batch_size=16)
     rows = list(ds.with_format("python"))
     results = {}
     for export in exports:
-        config = read_export_config(export)
-        kind = "medusa" if config.get("model_type") == "medusa" else export_kind(config)
-        drafter = (load_medusa_export(export, verifier)[0] if kind == "medusa"
-                   else eagle_module(export, kind, verifier))
+        loaded = load_export(export, verifier)
+        kind, drafter = loaded.kind, loaded.net
         ranks, valids, confs, masks = [], [], [], []
         for i in range(0, len(rows), 8):
             batch = collate(rows[i : i + 8], verifier.tokenizer.pad_token_id or 0)

@@ -48,17 +48,10 @@ def one_thread():
 def varied_llama(seed: int = 1):
     """A tiny verifier with large random layer weights: unlike the plain tiny one, it does not repeat one token,
     so its greedy output exercises the cache and the masks."""
-    import torch
-
     from models.verifier import build_tiny
 
-    v = build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu", seed=seed)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in v.model.model.layers.parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return v
+    return build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu", seed=seed,
+                      layer_std=0.3)
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,8 @@ def test_compose_every_eval_option(override):
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose(config_name="eval", overrides=[override, "checkpoint=some/export", "output_dir=out"])
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert resolved["tree"]["kind"] == override.split("=")[1]
+    policy = {"chain": "Chain", "auto": "AutoTree", "dynamic": "DynamicTree", "medusa_choices": "from_medusa_choices"}
+    assert resolved["tree"]["_target_"].rsplit(".", 1)[1] == policy[override.split("=")[1]]
     assert {"checkpoint", "prompts", "num_prompts", "max_new_tokens", "dtype", "threads"} <= set(resolved)
 
 

@@ -21,9 +21,10 @@ from conftest import varied_llama
 from eval import decode, kv
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Draft, Drafter, MedusaDrafter, make_drafter
-from eval.tree import Tree, TreeBuffers, auto_tree, chain, from_medusa_choices
+from eval.tree import AutoTree, Tree, TreeBuffers, auto_tree, chain, from_medusa_choices
 from models.errors import UserError
-from models.medusa import MedusaHeads, save_medusa_export
+from models.export import save_export
+from models.medusa import MedusaHeads
 from models.verifier import Verifier, build_tiny, fingerprint, freeze
 
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]
@@ -56,7 +57,7 @@ def _tiny_qwen3(base: Verifier) -> Verifier:
     with torch.random.fork_rng():
         torch.manual_seed(1)
         model = freeze(Qwen3ForCausalLM(config))
-    return Verifier(model, tok, "tiny-qwen3", "tiny-qwen3", fingerprint(model))
+    return Verifier(model, tok, {"loader": "hf", "path": "tiny-qwen3"}, "tiny-qwen3", fingerprint(model))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -90,16 +91,23 @@ class OracleDrafter:
     right parent, at rank 0 or a random rank, or leaves it out with probability `miss`; every other node gets a
     random token."""
 
-    def __init__(self, verifier: Verifier, prompt_len: int, reference: list[int], miss: float = 0.2, seed: int = 0):
+    feature_layers = (-1,)
+
+    def __init__(self, verifier: Verifier, prompt_len: int, reference: list[int], tree: Tree, miss: float = 0.2,
+                 seed: int = 0):
+        self.tree, self.max_nodes, self.max_depth = tree, tree.num_nodes, tree.max_depth
         self.lm_head, self.vocab = verifier.lm_head, verifier.vocab_size
         self.prompt_len, self.reference, self.miss = prompt_len, reference, miss
         self.rng = random.Random(seed)
         self.scattered = False  # did an accepted path skip over tree nodes (a real gather in the commit)?
 
-    def propose(self, input_ids, hidden, logits, tree: Tree) -> Draft:
+    def describe(self) -> dict:
+        return {"policy": "oracle"}
+
+    def propose(self, input_ids, hidden) -> Draft:
+        tree = self.tree
         root = input_ids[0, -1].item()
         # The loop must hand over the verifier's outputs at the token before the root: those chose the root.
-        assert logits.argmax(-1).item() == root
         assert self.lm_head(hidden[:, -1]).argmax(-1).item() == root
         truth = self.reference[input_ids.shape[1] - self.prompt_len :]  # what the verifier says after the root
         tokens = [root] + [self.rng.randrange(self.vocab) for _ in range(tree.num_nodes - 1)]
@@ -117,13 +125,13 @@ class OracleDrafter:
         self.scattered |= not torch.equal(nodes[0], torch.arange(nodes.shape[1]))
 
 
-def _bad_medusa(verifier: Verifier, seed: int = 0) -> MedusaDrafter:
+def _bad_medusa(verifier: Verifier, tree: Tree, seed: int = 0) -> MedusaDrafter:
     heads = MedusaHeads(verifier.hidden_size, verifier.vocab_size, num_heads=4, num_layers=1)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)  # far from the verifier's head: drafts mostly wrong
-    return make_drafter("medusa", verifier, heads=heads)
+    return make_drafter("medusa", verifier, tree, net=heads)
 
 
 def test_plain_greedy_matches_hf_generate(verifier, references):
@@ -135,10 +143,10 @@ def test_plain_greedy_matches_hf_generate(verifier, references):
 
 @pytest.mark.parametrize("tree_name", list(TREES))
 def test_bad_medusa_drafts_still_give_exact_output(verifier, references, tree_name):
-    drafter = _bad_medusa(verifier)
+    drafter = _bad_medusa(verifier, TREES[tree_name])
     assert isinstance(drafter, Drafter)
     for ids, ref in references:
-        result = speculative_decode(verifier, drafter, TREES[tree_name], ids, MAX_NEW, verifier.tokenizer.eos_token_id)
+        result = speculative_decode(verifier, drafter, ids, MAX_NEW, verifier.tokenizer.eos_token_id)
         assert result.tokens[0].tolist() == ref[:MAX_NEW]
         assert result.num_forwards == 1 + len(result.accept_lengths)
         assert 1.0 <= result.tau < 1.5  # mostly rejected
@@ -148,9 +156,9 @@ def test_bad_medusa_drafts_still_give_exact_output(verifier, references, tree_na
 def test_good_drafts_are_accepted_and_output_stays_exact(verifier, references, tree_name):
     taus, scattered = [], False
     for seed, (ids, ref) in enumerate(references):
-        drafter = OracleDrafter(verifier, ids.shape[1], ref, seed=seed)
+        drafter = OracleDrafter(verifier, ids.shape[1], ref, TREES[tree_name], seed=seed)
         assert isinstance(drafter, Drafter)
-        result = speculative_decode(verifier, drafter, TREES[tree_name], ids, MAX_NEW, verifier.tokenizer.eos_token_id)
+        result = speculative_decode(verifier, drafter, ids, MAX_NEW, verifier.tokenizer.eos_token_id)
         assert result.tokens[0].tolist() == ref[:MAX_NEW]
         assert result.num_forwards <= 3 * MAX_NEW // 4
         emitted = 1 + int((result.accept_lengths + 1).sum())  # prefill token + per round accepted + bonus
@@ -169,10 +177,10 @@ def test_eos_stops_right_after_it(verifier, references):
     assert _hf_generate(verifier, ids, MAX_NEW, eos) == cut
     assert greedy_decode(verifier, ids, MAX_NEW, eos).tokens[0].tolist() == cut
     for tree in TREES.values():
-        oracle = OracleDrafter(verifier, ids.shape[1], ref)
-        assert speculative_decode(verifier, oracle, tree, ids, MAX_NEW, eos).tokens[0].tolist() == cut
-        medusa = _bad_medusa(verifier)
-        assert speculative_decode(verifier, medusa, tree, ids, MAX_NEW, [eos, 0]).tokens[0].tolist() == cut
+        oracle = OracleDrafter(verifier, ids.shape[1], ref, tree)
+        assert speculative_decode(verifier, oracle, ids, MAX_NEW, eos).tokens[0].tolist() == cut
+        medusa = _bad_medusa(verifier, tree)
+        assert speculative_decode(verifier, medusa, ids, MAX_NEW, [eos, 0]).tokens[0].tolist() == cut
 
 
 @pytest.mark.parametrize("max_new", [0, 1, 2, 7, 11])
@@ -181,8 +189,8 @@ def test_max_new_tokens_is_cut_exactly(base, max_new):
     ids = verifier.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     ref = greedy_decode(verifier, ids, 20).tokens[0].tolist()
     for tree in (TREES["sparse"], chain(4)):
-        oracle = OracleDrafter(verifier, ids.shape[1], ref, miss=0.0)
-        result = speculative_decode(verifier, oracle, tree, ids, max_new)
+        oracle = OracleDrafter(verifier, ids.shape[1], ref, tree, miss=0.0)
+        result = speculative_decode(verifier, oracle, ids, max_new)
         assert result.tokens[0].tolist() == ref[:max_new]
     # A chain always right: the prefill gives 1 token, each round 5; no forward once max_new is reached.
     assert result.num_forwards == (0 if max_new == 0 else 1 + -(-(max_new - 1) // 5))
@@ -192,10 +200,10 @@ def test_medusa_heads_that_draft_well_on_a_repeating_verifier(base):
     # Fresh Medusa heads are the verifier's own head (zero-initialised blocks); the plain tiny verifier repeats its
     # token, so every draft is right and each round emits depth + 1 tokens.
     heads = MedusaHeads(base.hidden_size, base.vocab_size, num_heads=4)
-    drafter = make_drafter("medusa", base, heads=heads)
+    drafter = make_drafter("medusa", base, chain(4), net=heads)
     ids = base.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
     ref = _hf_generate(base, ids, MAX_NEW, base.tokenizer.eos_token_id)
-    result = speculative_decode(base, drafter, chain(4), ids, MAX_NEW, base.tokenizer.eos_token_id)
+    result = speculative_decode(base, drafter, ids, MAX_NEW, base.tokenizer.eos_token_id)
     assert result.tokens[0].tolist() == ref
     assert result.tau == 5.0 and result.num_forwards == 1 + 8  # 1 + 8 rounds of 5 covers 40 tokens
     assert result.alpha.tolist() == [1.0, 1.0, 1.0, 1.0]
@@ -204,17 +212,17 @@ def test_medusa_heads_that_draft_well_on_a_repeating_verifier(base):
 
 def test_factory_loads_an_export_and_its_accuracy(base, tmp_path):
     heads = MedusaHeads(base.hidden_size, base.vocab_size, num_heads=3)
-    save_medusa_export(heads, base, tmp_path / "export", {"medusa_topk_accuracy": ACCURACY[:3]})
-    drafter = make_drafter("medusa", base, checkpoint=tmp_path / "export", with_probs=True)
-    tree = auto_tree(drafter.topk_accuracy, 6)
+    save_export(heads, base, tmp_path / "export", {"medusa_topk_accuracy": ACCURACY[:3]})
+    drafter = make_drafter("medusa", base, AutoTree(6), checkpoint=tmp_path / "export")
+    assert drafter.tree == auto_tree(ACCURACY[:3], 6)  # grown from the export's own accuracy table
     ids = base.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     hidden = base.hidden_states(ids)
-    draft = drafter.propose(ids, hidden, base.lm_head(hidden[:, -1]), tree)
-    assert draft.tokens.shape == (1, 7) and draft.p.shape == (1, 7, base.vocab_size)
+    draft = drafter.propose(ids, hidden)
+    assert draft.tokens.shape == (1, 7)
     with pytest.raises(UserError, match="3 heads"):
-        drafter.propose(ids, hidden, base.lm_head(hidden[:, -1]), chain(4))
+        make_drafter("medusa", base, chain(4), checkpoint=tmp_path / "export")
     with pytest.raises(UserError, match="not known"):
-        make_drafter("lookahead", base)
+        make_drafter("lookahead", base, chain(4), net=heads)
 
 
 # Negative controls: the tests above must notice a wrong commit or a wrong mask.
@@ -227,7 +235,7 @@ def test_negative_control_wrong_commit_changes_the_output(verifier, references, 
     kv_commit = kv.commit
     monkeypatch.setattr(decode.kv, "commit", first_nodes)
     ids, ref = references[0]
-    result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref), TREES["sparse"], ids, MAX_NEW)
+    result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref, TREES["sparse"]), ids, MAX_NEW)
     assert result.tokens[0].tolist() != ref[:MAX_NEW]
 
 
@@ -239,5 +247,5 @@ def test_negative_control_causal_mask_changes_the_output(verifier, references, m
     tree_buffers = decode.tree_buffers
     monkeypatch.setattr(decode, "tree_buffers", causal_buffers)
     ids, ref = references[0]
-    result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref), TREES["sparse"], ids, MAX_NEW)
+    result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref, TREES["sparse"]), ids, MAX_NEW)
     assert result.tokens[0].tolist() != ref[:MAX_NEW]

@@ -19,17 +19,17 @@ from conftest import varied_llama
 from eval import kv
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Drafter, make_drafter
-from eval.eagle import EagleDrafter, budget_tree
-from eval.tree import chain
-from models.eagle import EagleDrafterNet, build_eagle, save_eagle_export
+from eval.eagle import EagleDrafter
+from eval.tree import Chain, DynamicTree
+from models.eagle import EagleNet, build_eagle, unroll_mask
 from models.errors import UserError
+from models.export import save_export
 from models.verifier import Verifier, build_tiny
-from train.eagle import unroll_mask
 
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]
 MAX_NEW = 40
 KINDS = ["eagle", "eagle3"]
-TREES = {"chain": chain(4), "dynamic": budget_tree()}  # the default budget: depth 5, 24 nodes
+TREES = {"chain": Chain(4), "dynamic": DynamicTree()}  # the default dynamic tree: depth 5, 24 nodes, topk 16
 TOL = 1e-3  # on log-probabilities: fp32 noise is ~1e-5, an off-by-one alignment moves them by > 0.1
 
 
@@ -46,7 +46,7 @@ def varied() -> Verifier:
     return varied_llama()
 
 
-def random_net(kind: str, verifier: Verifier, seed: int = 0) -> EagleDrafterNet:
+def random_net(kind: str, verifier: Verifier, seed: int = 0) -> EagleNet:
     """A drafter with random weights (EAGLE-3: a random 4096-token draft vocabulary), scaled so that its logits
     spread over tens of nats (larger ones underflow exp into denormals, which are slow on a CPU)."""
     net = build_eagle(kind, verifier, draft_vocab_size=4096 if kind == "eagle3" else None)
@@ -60,7 +60,7 @@ def random_net(kind: str, verifier: Verifier, seed: int = 0) -> EagleDrafterNet:
     return net
 
 
-def identity_net(kind: str, verifier: Verifier, vocab: list[int]) -> EagleDrafterNet:
+def identity_net(kind: str, verifier: Verifier, vocab: list[int]) -> EagleNet:
     """A drafter whose output is its input feature F_t, so it drafts M_q's token after position t at every depth,
     with logits scaled up 1000x so that it is confident (the tiny verifier's own distribution is nearly flat).
     EAGLE-3 reads the final normed layer and drafts over `vocab` (padded with other ids) through M_q's head rows."""
@@ -99,17 +99,17 @@ def references(varied):
 @pytest.mark.parametrize("tree_name", list(TREES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_random_eagle_drafts_give_exact_greedy_output(varied, references, kind, tree_name):
-    drafter = make_drafter(kind, varied, net=random_net(kind, varied))
+    drafter = make_drafter(kind, varied, TREES[tree_name], net=random_net(kind, varied))
     assert isinstance(drafter, Drafter)
     for ids, ref in references:
-        result = speculative_decode(varied, drafter, TREES[tree_name], ids, MAX_NEW)
+        result = speculative_decode(varied, drafter, ids, MAX_NEW)
         assert result.tokens[0].tolist() == ref
         assert result.num_forwards == 1 + len(result.accept_lengths)
 
 
-def unrolled_logp(net: EagleDrafterNet, verifier: Verifier, ids: torch.Tensor, t: int, steps: int,
+def unrolled_logp(net: EagleNet, verifier: Verifier, ids: torch.Tensor, t: int, steps: int,
                   shift: int = 0) -> torch.Tensor:
-    """The training-time unroll (train/eagle.py) over `ids` (1, L): draft log-probabilities at position t for steps
+    """The training-time unroll (models.eagle.unroll, written out) over `ids` (1, L): draft log-probabilities at position t for steps
     0..steps-1, i.e. for x_{t+2} .. x_{t+steps+1}. `shift` pairs x_{t+1} with F_{t-shift} (a negative control).
     Returns (steps, V_draft)."""
     hs = verifier.model(ids, output_hidden_states=True).hidden_states
@@ -128,69 +128,75 @@ def unrolled_logp(net: EagleDrafterNet, verifier: Verifier, ids: torch.Tensor, t
     return torch.stack(probs)
 
 
-def draft_logp(net: EagleDrafterNet, p: torch.Tensor) -> torch.Tensor:
-    """The drafter's p (over M_q's vocabulary) as log-probabilities over its own vocabulary."""
-    return (p[..., net.t2d] if net.kind == "eagle3" else p).log()
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@torch.no_grad()
-def test_drafts_match_the_training_unroll_across_rounds(varied, kind):
-    net = random_net(kind, varied, seed=3)
-    drafter = EagleDrafter(net, varied, topk=3, with_probs=True)
-    ids = varied.tokenizer(PROMPTS[2], return_tensors="pt").input_ids  # (1, T)
-    # 1. Round one (after the prefill), a chain: node j+1's p is the unroll's step j at the position before the root.
-    step = kv.forward(varied.model, kv.new_cache(), ids, hidden_layers=drafter.feature_layers)
-    seq = torch.cat([ids, step.logits[:, -1:].argmax(-1)], dim=1)  # (1, T+1): the root appended
-    draft = drafter.propose(seq, step.hidden, step.logits[:, -1], chain(3))
-    assert draft.tree == chain(3) and drafter.cache_length == ids.shape[1]
-    ext = torch.cat([seq, draft.tokens[:, 1:]], dim=1)
-    ref = unrolled_logp(net, varied, ext, ids.shape[1] - 1, 3)
-    assert torch.allclose(draft_logp(net, draft.p[0, 1:]), ref, atol=TOL)
-    assert draft.tokens[0, 1:].tolist() == net.draft_to_target(ref.argmax(-1)).tolist()
-    wrong = unrolled_logp(net, varied, ext, ids.shape[1] - 1, 3, shift=1)  # off by one: must differ
-    assert not torch.allclose(draft_logp(net, draft.p[0, 1:]), wrong, atol=100 * TOL)
-
-    # 2. Two drafts accepted, a new root: the drafter gets M_q's features at the 3 positions just committed.
-    drafter.accepted(torch.tensor([2]), torch.tensor([[0, 1, 2]]))
-    seq2 = torch.cat([ext[:, : seq.shape[1] + 2], torch.tensor([[1234]])], dim=1)
-    full = kv.forward(varied.model, kv.new_cache(), seq2[:, :-1], hidden_layers=drafter.feature_layers)
-    # topk 3, depth 3: 3 + 9 + 9 candidates, all kept, so that the deepest nodes (under 3 parents, each with its own
-    # ancestors, in one drafter forward) show whether the tree mask keeps the branches apart.
-    draft = drafter.propose(seq2, full.hidden[:, -3:], full.logits[:, -1], budget_tree(3, 21))
-    assert drafter.cache_length == seq2.shape[1] - 1
+def check_nodes(net: EagleNet, verifier: Verifier, seq: torch.Tensor, draft, t: int) -> None:
+    """Every node of a drafted tree is its parent's rank-th child under the training unroll along its own path (the
+    tree mask is the unroll's mask), at position t, the token before the root."""
     tree = draft.tree
-    assert tree.num_drafts == 21 and tree.max_depth == 3 and tree.depths.count(3) == 9
-
-    # 3. Every node of the dynamic tree: p equals the unroll along its own path (tree mask = the unroll's mask).
     for node in range(1, tree.num_nodes):
         path, i = [], node
         while i > 0:
             path.append(i)
             i = tree.parents[i]
         path = path[::-1]
-        ext = torch.cat([seq2, draft.tokens[:, path]], dim=1)
-        ref = unrolled_logp(net, varied, ext, seq2.shape[1] - 2, len(path))
-        assert torch.allclose(draft_logp(net, draft.p[0, path]), ref, atol=TOL), (node, path)
-        # The node's token is its parent's rank-th child.
-        logp = ref[-1]  # (V_draft,)
+        ext = torch.cat([seq, draft.tokens[:, path]], dim=1)
+        logp = unrolled_logp(net, verifier, ext, t, len(path))[-1]  # (V_draft,) the parent's children
         token = draft.tokens[0, node] if net.kind == "eagle" else net.t2d[: draft.tokens[0, node]].sum()
-        assert abs(logp[token] - logp.topk(tree.ranks[node] + 1).values[-1]) < 1e-3, (node, tree.ranks[node])
+        assert abs(logp[token] - logp.topk(tree.ranks[node] + 1).values[-1]) < TOL, (node, tree.ranks[node])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_drafts_match_the_training_unroll_across_rounds(varied, kind):
+    net = random_net(kind, varied, seed=3)
+    # topk 3, depth 3: 3 + 9 + 9 candidates, all kept, so that the deepest nodes (under 3 parents, each with its own
+    # ancestors, in one drafter forward) show whether the tree mask keeps the branches apart.
+    drafter = EagleDrafter(net, varied, DynamicTree(size=21, depth=3, topk=3))
+    ids = varied.tokenizer(PROMPTS[2], return_tensors="pt").input_ids  # (1, T)
+    # 1. Round one (after the prefill): every node follows the unroll at the position before the root.
+    step = kv.forward(varied.model, kv.new_cache(), ids, hidden_layers=drafter.feature_layers)
+    seq = torch.cat([ids, step.logits[:, -1:].argmax(-1)], dim=1)  # (1, T+1): the root appended
+    draft = drafter.propose(seq, step.hidden)
+    tree = draft.tree
+    assert tree.num_drafts == 21 and tree.max_depth == 3 and tree.depths.count(3) == 9
+    assert drafter.cache_length == ids.shape[1]
+    check_nodes(net, varied, seq, draft, ids.shape[1] - 1)
+    best, node = [], 0  # the all-rank-0 path: the chain of top-1 drafts
+    for _ in range(3):
+        node = next(i for i in range(1, tree.num_nodes) if tree.parents[i] == node and tree.ranks[i] == 0)
+        best.append(node)
+    chain_ids = draft.tokens[0, best]
+    ext = torch.cat([seq, chain_ids[None]], dim=1)
+    ref = unrolled_logp(net, varied, ext, ids.shape[1] - 1, 3)
+    assert chain_ids.tolist() == net.draft_to_target(ref.argmax(-1)).tolist()
+    wrong = unrolled_logp(net, varied, ext, ids.shape[1] - 1, 3, shift=1)  # off by one: must differ
+    assert chain_ids.tolist() != net.draft_to_target(wrong.argmax(-1)).tolist()
+
+    # 2. Two drafts accepted, a new root: the drafter gets M_q's features at the 3 positions just committed.
+    drafter.accepted(torch.tensor([2]), torch.tensor([[0, 1, 2]]))
+    seq2 = torch.cat([ext[:, : seq.shape[1] + 2], torch.tensor([[1234]])], dim=1)
+    full = kv.forward(varied.model, kv.new_cache(), seq2[:, :-1], hidden_layers=drafter.feature_layers)
+    draft = drafter.propose(seq2, full.hidden[:, -3:])
+    assert drafter.cache_length == seq2.shape[1] - 1
+    assert draft.tree.num_drafts == 21 and draft.tree.max_depth == 3 and draft.tree.depths.count(3) == 9
+
+    # 3. Every node of the new dynamic tree follows the unroll along its own path.
+    check_nodes(net, varied, seq2, draft, seq2.shape[1] - 2)
 
     # 4. Out of step (a round skipped) is refused with a message, not a silent misalignment.
     with pytest.raises(UserError, match="out of step"):
-        drafter.propose(seq2, full.hidden[:, -1:], full.logits[:, -1], chain(2))
+        drafter.propose(seq2, full.hidden[:, -1:])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_good_drafts_are_accepted_and_the_cache_follows(base, kind):
     ids = base.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
     ref = hf_greedy(base, ids, MAX_NEW)
-    drafter = make_drafter(kind, base, net=identity_net(kind, base, sorted(set(ref))))
-    for tree, tau in ((chain(4), 5.0), (budget_tree(5, 24), 6.0)):
-        result = speculative_decode(base, drafter, tree, ids, MAX_NEW)
+    net = identity_net(kind, base, sorted(set(ref)))
+    for tree, tau in ((Chain(4), 5.0), (DynamicTree(size=24, depth=5), 6.0)):
+        drafter = make_drafter(kind, base, tree, net=net)
+        result = speculative_decode(base, drafter, ids, MAX_NEW)
         assert result.tokens[0].tolist() == ref
-        assert result.tau == tau and result.alpha.tolist() == [1.0] * tree.max_depth  # every draft accepted
+        assert result.tau == tau and result.alpha.tolist() == [1.0] * drafter.max_depth  # every draft accepted
         # The drafter's cache covers every position M_q had committed when the last round was drafted.
         before_last = 1 + int((result.accept_lengths[:-1] + 1).sum())  # tokens emitted before the last round
         assert drafter.cache_length == ids.shape[1] + before_last - 1
@@ -199,18 +205,18 @@ def test_good_drafts_are_accepted_and_the_cache_follows(base, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_round_trip_and_kind_mismatch(varied, tmp_path, kind):
     net = random_net(kind, varied, seed=5)
-    path = save_eagle_export(net, varied, tmp_path / kind)
-    loaded = make_drafter(kind, varied, checkpoint=path)
-    fresh = make_drafter(kind, varied, net=net)
+    path = save_export(net, varied, tmp_path / kind)
+    loaded = make_drafter(kind, varied, DynamicTree(), checkpoint=path)
+    fresh = make_drafter(kind, varied, DynamicTree(), net=net)
     ids = varied.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
-    a = speculative_decode(varied, loaded, budget_tree(), ids, 12)
-    b = speculative_decode(varied, fresh, budget_tree(), ids, 12)
+    a = speculative_decode(varied, loaded, ids, 12)
+    b = speculative_decode(varied, fresh, ids, 12)
     assert a.tokens.tolist() == b.tokens.tolist() and a.accept_lengths.tolist() == b.accept_lengths.tolist()
     other = {"eagle": "eagle3", "eagle3": "eagle"}[kind]
     names = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
     with pytest.raises(UserError, match=f"is an {names[kind]} export"):
-        make_drafter(other, varied, checkpoint=path)
+        make_drafter(other, varied, DynamicTree(), checkpoint=path)
     with pytest.raises(UserError, match=f"given as {names[other]}"):
-        make_drafter(other, varied, net=net)
+        make_drafter(other, varied, DynamicTree(), net=net)
     with pytest.raises(UserError, match="exactly one of"):
-        make_drafter(kind, varied)
+        make_drafter(kind, varied, DynamicTree())

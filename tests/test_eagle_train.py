@@ -9,9 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import compose_train
-from models.eagle import build_eagle, load_eagle_export, save_eagle_export
+from models.eagle import build_eagle, step_inputs, unroll_mask
+from models.export import load_export, save_export
 from models.errors import UserError
-from train.eagle import draft_vocab_from_counts, step_inputs, unroll_mask
+from train.eagle import draft_vocab_from_counts
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
         "data.val_fraction=0.25", "model.draft_vocab_size=256"]
@@ -61,7 +62,7 @@ def test_export_round_trip_and_layout(tiny, tmp_path, kind):
             p.normal_(std=0.02)
     if kind == "eagle3":
         net.set_draft_vocab(torch.randperm(tiny.vocab_size)[:64])
-    save_eagle_export(net, tiny, tmp_path / kind)
+    save_export(net, tiny, tmp_path / kind)
     cfg = json.loads((tmp_path / kind / "config.json").read_text())
     tensors = load_file(str(tmp_path / kind / "model.safetensors"))
     h, hd, kvh, inter = 64, 16, 2, 256
@@ -83,24 +84,26 @@ def test_export_round_trip_and_layout(tiny, tmp_path, kind):
     assert tensors[prefix + "self_attn.k_proj.weight"].shape == (kvh * hd, tensors[prefix + "self_attn.k_proj.weight"].shape[1])
     assert tensors[prefix + "mlp.gate_proj.weight"].shape == (inter, h)
     assert cfg["verifier_fingerprint"] == tiny.fingerprint
-    loaded, _ = load_eagle_export(tmp_path / kind, tiny, kind)
+    loaded = load_export(tmp_path / kind, tiny, kind)
+
+    loaded = loaded.net
     for name, tensor in net.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
 def test_bad_eagle_exports(tiny, tmp_path):
-    save_eagle_export(build_eagle("eagle", tiny), tiny, tmp_path / "e1")
+    save_export(build_eagle("eagle", tiny), tiny, tmp_path / "e1")
     with pytest.raises(UserError, match="EAGLE-1 export .* given as EAGLE-3"):
-        load_eagle_export(tmp_path / "e1", tiny, "eagle3")
-    save_eagle_export(build_eagle("eagle3", tiny, draft_vocab_size=32), tiny, tmp_path / "e3")
+        load_export(tmp_path / "e1", tiny, "eagle3")
+    save_export(build_eagle("eagle3", tiny, draft_vocab_size=32), tiny, tmp_path / "e3")
     with pytest.raises(UserError, match="EAGLE-3 export .* given as EAGLE-1"):
-        load_eagle_export(tmp_path / "e3", tiny, "eagle")
+        load_export(tmp_path / "e3", tiny, "eagle")
     weights = tmp_path / "e3" / "model.safetensors"
     tensors = load_file(str(weights))
     tensors["t2d"] = tensors["t2d"][:1000]  # a draft vocabulary made for a smaller vocabulary
     save_file(tensors, str(weights))
     with pytest.raises(UserError, match="does not fit"):
-        load_eagle_export(tmp_path / "e3", tiny)
+        load_export(tmp_path / "e3", tiny)
     with pytest.raises(UserError, match="out of range"):
         build_eagle("eagle3", tiny, aux_layer_ids=[0, 1, 9])
 
@@ -109,7 +112,9 @@ def test_bad_eagle_exports(tiny, tmp_path):
 def test_fast_dev_run(train_script, tmp_path, tiny, model):
     cfg = compose_train([*TINY, f"model={model}", "logger=csv", "+trainer.fast_dev_run=true"], tmp_path)
     export = train_script.run(cfg)
-    net, config = load_eagle_export(export, tiny, model)
+    loaded = load_export(export, tiny, model)
+
+    net, config = loaded.net, loaded.config
     assert net.kind == model and config["trained_steps"] == 1
 
 
@@ -136,13 +141,13 @@ def test_offline_hidden_state_cache_matches_online(tiny, tmp_path, capsys):
     cfg = compose_train([*TINY, "model=eagle3", "data.cache_hidden_states=true", f"cache_dir={tmp_path}"], tmp_path)
     module = instantiate(cfg.model, verifier=tiny)
     dm = instantiate(cfg.data, verifier=tiny)
-    dm.feature_layers = module.feature_layers
+    dm.hidden_layers = module.hidden_layers
     dm.prepare_data()
     dm.setup("fit")
     assert "GiB in" in capsys.readouterr().out  # the disk size is announced before caching
     assert len(list(dm.hidden_path.glob("*.safetensors"))) == 12
     batch = next(iter(dm.train_dataloader()))
-    assert batch["hidden"].shape[:3] == (4, len(module.feature_layers), batch["input_ids"].shape[1])
+    assert batch["hidden"].shape[:3] == (4, len(module.hidden_layers), batch["input_ids"].shape[1])
     torch.manual_seed(0)
     cached = module.model_step(batch, 3, train=False)["losses"]
     online = {k: v for k, v in batch.items() if k != "hidden"}

@@ -19,7 +19,8 @@ from data.prompts import Conversation, load_conversations
 from data.prompts import select_prompts
 from eval.harness import evaluate
 from eval.report import REPORT_KEYS
-from models.medusa import MedusaHeads, save_medusa_export
+from models.export import save_export
+from models.medusa import MedusaHeads
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
 METRIC_KEYS = set(REPORT_KEYS) - {"method", "verifier", "checkpoint", "by_category"}
@@ -38,8 +39,8 @@ def exports(tiny, tmp_path_factory) -> dict[str, Path]:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     fresh = MedusaHeads(tiny.hidden_size, tiny.vocab_size, num_heads=4)
     extra = {"medusa_topk_accuracy": ACCURACY}
-    return {"random": save_medusa_export(random_heads, tiny, root / "random", extra),
-            "fresh": save_medusa_export(fresh, tiny, root / "fresh", extra)}
+    return {"random": save_export(random_heads, tiny, root / "random", extra),
+            "fresh": save_export(fresh, tiny, root / "fresh", extra)}
 
 
 @pytest.fixture(scope="module")
@@ -160,10 +161,11 @@ def _write(path: Path, text: str) -> Path:
 
 
 BAD_INPUTS = {
-    "mismatched verifier": (lambda e, d: [f"checkpoint={e}", "verifier_path=tiny-llama-2x64-seed1"],
+    "mismatched verifier": (lambda e, d: [f"checkpoint={e}", "verifier_path={loader: tiny, seed: 1}"],
                             "different verifier"),
     "missing weights": (lambda e, d: [f"checkpoint={_strip(e, d, delete=True)}"], "model.safetensors is missing"),
     "corrupt weights": (lambda e, d: [f"checkpoint={_strip(e, d, delete=False)}"], "corrupt"),
+    "EAGLE tree for Medusa": (lambda e, d: [f"checkpoint={e}", "tree=dynamic"], "does not fit a Medusa drafter"),
     "empty prompt file": (lambda e, d: [f"checkpoint={e}", f"prompts={_write(d / 'empty.jsonl', '')}"], "is empty"),
     "over-long prompt": (lambda e, d: [f"checkpoint={e}", "prompts=" + str(_write(
         d / "long.jsonl", json.dumps({"prompt": "word " * 2500}) + "\n"))], "context window of 2048"),
@@ -200,5 +202,5 @@ def test_smoke_export_on_the_default_verifier_end_to_end(tmp_path):
                  "threads=1", "wandb.mode=disabled"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert list(report) == list(REPORT_KEYS) and report["verifier"] == "smollm2"
+    assert list(report) == list(REPORT_KEYS) and report["verifier"] == "SmolLM2-135M-Instruct"
     assert report["greedy_match"] == 1.0 and report["tau"] >= 1.0 and report["new_tokens"] > 0

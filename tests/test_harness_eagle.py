@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.eagle import build_eagle, save_eagle_export
+from models.eagle import build_eagle
+from models.export import save_export
 from models.errors import UserError
 from test_harness import FAST, run_eval
 
@@ -21,7 +22,7 @@ def eagle_exports(tiny, tmp_path_factory):
         with torch.no_grad():
             for p in net.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        out[kind] = save_eagle_export(net, tiny, root / kind)
+        out[kind] = save_export(net, tiny, root / kind)
     return out
 
 
@@ -35,5 +36,17 @@ def test_eagle_exports_decode_exactly(eagle_exports, tmp_path, kind, tree, metho
 
 
 def test_medusa_trees_are_refused_for_eagle(eagle_exports, tmp_path):
-    with pytest.raises(UserError, match="does not apply to an EAGLE export"):
+    with pytest.raises(UserError, match="does not fit an EAGLE drafter"):
         run_eval([f"checkpoint={eagle_exports['eagle']}", "tree=medusa_choices", *FAST], tmp_path)
+
+
+def test_tree_size_zero_is_plain_decoding_and_the_report_records_the_real_tree(eagle_exports, tmp_path):
+    report, profile = run_eval([f"checkpoint={eagle_exports['eagle3']}", "num_prompts=1", "tree=auto", "tree.size=0",
+                                *FAST], tmp_path)
+    assert report["method"] == "eagle3/auto-0" and report["tau"] == 1.0 and report["greedy_match"] == 1.0
+    assert profile["tree"] == {"policy": "auto", "dynamic": True, "size": 0, "depth": 0, "topk": 16, "max_nodes": 1}
+    report, profile = run_eval([f"checkpoint={eagle_exports['eagle']}", "num_prompts=1", "tree=dynamic",
+                                "tree.size=12", "tree.depth=3", "tree.topk=4", *FAST], tmp_path)
+    assert profile["tree"] == {"policy": "dynamic", "dynamic": True, "size": 12, "depth": 3, "topk": 4,
+                               "max_nodes": 13}
+    assert "medusa_choices" not in profile["tree"] and len(report["accept_rate_per_position"]) == 3

@@ -9,8 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from models.errors import UserError, VerifierMismatchError
-from models.medusa import MedusaHeads, load_medusa_export, medusa_targets, save_medusa_export
+from models.export import load_export, save_export
+from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import build_tiny
+
+
+def _load(path, verifier):
+    loaded = load_export(path, verifier, "medusa")
+    return loaded.net, loaded.lm_head, loaded.config
 
 
 def test_targets_are_shifted_per_head():
@@ -51,8 +57,8 @@ def _randomised(heads: MedusaHeads) -> MedusaHeads:
 @pytest.mark.parametrize("share", [True, False])
 def test_export_round_trip_is_bit_exact(tiny, tmp_path, share):
     heads = _randomised(MedusaHeads(tiny.hidden_size, tiny.vocab_size, 4, 1, share_lm_head=share))
-    save_medusa_export(heads, tiny, tmp_path / "export", {"medusa_topk_accuracy": [[0.5] * 10] * 4})
-    loaded, lm_head, config = load_medusa_export(tmp_path / "export", tiny)
+    save_export(heads, tiny, tmp_path / "export", {"medusa_topk_accuracy": [[0.5] * 10] * 4})
+    loaded, lm_head, config = _load(tmp_path / "export", tiny)
     for name, tensor in heads.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     if share:
@@ -64,7 +70,7 @@ def test_export_round_trip_is_bit_exact(tiny, tmp_path, share):
 
 def test_export_layout_is_vllms(tiny, tmp_path):
     heads = MedusaHeads(tiny.hidden_size, tiny.vocab_size, num_heads=2, num_layers=2, share_lm_head=True)
-    save_medusa_export(heads, tiny, tmp_path / "shared")
+    save_export(heads, tiny, tmp_path / "shared")
     cfg = json.loads((tmp_path / "shared" / "config.json").read_text())
     assert cfg["model_type"] == "medusa" and cfg["architectures"] == ["MedusaModel"]
     assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (2, 2, 64, 49152)
@@ -74,39 +80,39 @@ def test_export_layout_is_vllms(tiny, tmp_path):
     assert names == {f"blocks.{h}.layers.{l}.{p}" for h in range(2) for l in range(2) for p in ("weight", "bias")} | {
         "lm_head.weight"}
     own = MedusaHeads(tiny.hidden_size, tiny.vocab_size, num_heads=2, num_layers=1, share_lm_head=False)
-    save_medusa_export(own, tiny, tmp_path / "own")
+    save_export(own, tiny, tmp_path / "own")
     names = set(load_file(str(tmp_path / "own" / "model.safetensors")))
     assert {"lm_heads.0.weight", "lm_heads.1.weight"} <= names and "lm_head.weight" not in names
 
 
 def test_mismatched_verifier_is_refused(tiny, tmp_path, cache_dir):
-    save_medusa_export(MedusaHeads(tiny.hidden_size, tiny.vocab_size), tiny, tmp_path / "export")
+    save_export(MedusaHeads(tiny.hidden_size, tiny.vocab_size), tiny, tmp_path / "export")
     other = build_tiny(cache_dir=cache_dir, seed=1)
     with pytest.raises(VerifierMismatchError, match="lm_head_sha256") as err:
-        load_medusa_export(tmp_path / "export", other)
-    assert "different verifier" in str(err.value) and other.path in str(err.value)
+        load_export(tmp_path / "export", other)
+    assert "different verifier" in str(err.value) and other.name in str(err.value)
 
 
 def test_missing_and_corrupt_files(tiny, tmp_path):
     with pytest.raises(UserError, match="no config.json"):
-        load_medusa_export(tmp_path / "nowhere", tiny)
-    path = save_medusa_export(MedusaHeads(tiny.hidden_size, tiny.vocab_size), tiny, tmp_path / "export")
+        load_export(tmp_path / "nowhere", tiny)
+    path = save_export(MedusaHeads(tiny.hidden_size, tiny.vocab_size), tiny, tmp_path / "export")
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(UserError, match="corrupt"):
-        load_medusa_export(path, tiny)
+        load_export(path, tiny)
     weights.unlink()
     with pytest.raises(UserError, match="missing"):
-        load_medusa_export(path, tiny)
+        load_export(path, tiny)
 
 
 def test_export_is_atomic(tiny, tmp_path):
     """A failure while writing leaves the previous export intact and no half-written directory."""
     heads = MedusaHeads(tiny.hidden_size, tiny.vocab_size)
-    save_medusa_export(heads, tiny, tmp_path / "export")
+    save_export(heads, tiny, tmp_path / "export")
     before = (tmp_path / "export" / "model.safetensors").read_bytes()
     with pytest.raises(TypeError):
-        save_medusa_export(heads, tiny, tmp_path / "export", {"bad": object()})  # not JSON-serialisable
+        save_export(heads, tiny, tmp_path / "export", {"bad": object()})  # not JSON-serialisable
     assert (tmp_path / "export" / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 

@@ -1,4 +1,4 @@
-"""Teacher-forced acceptance tables (eval/offline.py) and draft ranks (train/eagle.py) on hand-built numbers."""
+"""Teacher-forced acceptance tables (eval/offline.py) and draft ranks (models/eagle.py) on hand-built numbers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eval.offline import acceptance_tables, chain_rounds
-from train.eagle import target_rank
+from models.eagle import target_rank
 
 
 def test_target_rank_full_and_draft_vocabulary():

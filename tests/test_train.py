@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT, compose_train
 from models.errors import NonFiniteLossError
-from models.medusa import load_medusa_export
+from models.export import load_export
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
         "data.val_fraction=0.25"]
@@ -34,7 +34,9 @@ def _series(rows: list[dict[str, str]], key: str) -> list[float]:
 def test_fast_dev_run_exports_loadable_heads(train_script, tmp_path, tiny):
     cfg = compose_train([*TINY, "model=medusa", "logger=csv", "+trainer.fast_dev_run=true"], tmp_path)
     export = train_script.run(cfg)
-    heads, lm_head, config = load_medusa_export(export, tiny)
+    loaded = load_export(export, tiny)
+
+    heads, lm_head, config = loaded.net, loaded.lm_head, loaded.config
     assert heads.num_heads == 4 and config["verifier_fingerprint"] == tiny.fingerprint
 
 
@@ -123,7 +125,9 @@ def test_smoke_experiment_on_the_default_verifier(tmp_path, smollm2):
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last == f"export: {tmp_path / 'export'}"
-    heads, _, config = load_medusa_export(tmp_path / "export", smollm2)
+    loaded = load_export(tmp_path / "export", smollm2)
+
+    heads, _, config = loaded.net, loaded.lm_head, loaded.config
     assert config["trained_steps"] == 8 and heads.hidden_size == 576
     losses = _series(_metrics(tmp_path), "train/loss")
     assert len(losses) == 8 and all(l == l for l in losses)

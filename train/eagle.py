@@ -1,9 +1,8 @@
 """EagleModule: trains an EAGLE-1 or EAGLE-3 drafter on the frozen verifier's features.
 
-Alignment (t = 0..T-2): step 0 at position t reads (token x_{t+1}, feature F_t) and its output predicts x_{t+2}, i.e.
-matches q at position t+1. Step j > 0 (training-time test, EAGLE-3) reads (x_{t+j+1}, its own step j-1 output at t)
-at rotary position t+j and predicts x_{t+j+2}; its query attends the step-0 keys at positions <= t plus the keys
-its own earlier steps made at t, exactly what it sees when drafting a chain at decode time.
+Alignment (t = 0..T-2), as `models.eagle.unroll` runs it: step 0 at position t reads (token x_{t+1}, feature F_t) and
+its output predicts x_{t+2}, i.e. matches q at position t+1; step j > 0 (training-time test, EAGLE-3) predicts
+x_{t+j+2} from its own step j-1 output, seeing what it sees when drafting a chain at decode time.
 
 Losses, on positions whose target is an assistant token:
 - EAGLE-1: smooth L1 between the predicted feature and M_q's next feature (weight `feature_weight`) plus the
@@ -27,52 +26,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.eagle import NAMES, build_eagle, save_eagle_export
+from models.eagle import NAMES, Eagle1Net, Eagle3Net, build_eagle, unroll
 from models.errors import NonFiniteLossError
+from models.export import save_export
 from models.verifier import Verifier
-
-
-def unroll_mask(valid_keys: Tensor, step: int) -> Tensor:
-    """Boolean attention mask of unrolled step `step` over [step-0 keys, step-1 keys, ..., step-`step` keys].
-
-    valid_keys: (B, n) non-padding positions. Query t sees step-0 keys s <= t and, for each later step, only the key
-    at its own position t. Returns (B, 1, n, (step + 1) * n).
-    """
-    bsz, n = valid_keys.shape
-    causal = torch.ones(n, n, dtype=torch.bool, device=valid_keys.device).tril()  # (n, n)
-    causal = causal[None] & valid_keys[:, None, :]  # (B, n, n)
-    eye = torch.eye(n, dtype=torch.bool, device=valid_keys.device)[None].expand(bsz, n, n)
-    return torch.cat([causal] + [eye] * step, dim=-1)[:, None]
-
-
-def step_inputs(input_ids: Tensor, loss_mask: Tensor, step: int) -> tuple[Tensor, Tensor]:
-    """Unrolled step `step`'s input tokens and target validity at positions t = 0..T-2.
-
-    tokens[b, t] = x_{t+step+1} (0 past the end); valid[b, t] = x_{t+step+2} exists and is an assistant token.
-    The target distribution is q at position t+step+1. Returns two (B, T-1) tensors.
-    """
-    n = input_ids.shape[1] - 1
-    tokens = F.pad(input_ids[:, 1 + step :], (0, step), value=0)[:, :n]
-    valid = F.pad(loss_mask[:, 2 + step :].bool(), (0, 2 + step), value=False)[:, :n]
-    return tokens, valid
 
 
 def draft_vocab_from_counts(counts: Tensor, size: int) -> tuple[Tensor, float]:
     """The `size` most frequent target tokens and the share of training tokens they cover."""
     top = counts.topk(size).indices
     return top, float(counts[top].sum() / counts.sum().clamp(min=1))
-
-
-def target_rank(p_logits: Tensor, target: Tensor, t2d: Tensor | None = None) -> Tensor:
-    """Rank of each target (a verifier id) in the draft logits: 0 if it is the draft's top-1. With `t2d` (EAGLE-3)
-    the logits are over the draft vocabulary; a target outside it gets the verifier's vocabulary size. (N, V) -> (N,)"""
-    if t2d is not None:
-        full = p_logits.new_full((p_logits.shape[0], t2d.numel()), float("-inf"))
-        full[:, t2d] = p_logits  # draft ids are the t2d-selected target ids in ascending order
-        p_logits = full
-    at = p_logits.gather(1, target[:, None])  # (N, 1)
-    rank = (p_logits > at).sum(-1)
-    return torch.where(at[:, 0] == float("-inf"), torch.full_like(rank, p_logits.shape[-1]), rank)
 
 
 class EagleModule(L.LightningModule):
@@ -101,13 +64,14 @@ class EagleModule(L.LightningModule):
         self._tick = 0.0
 
     @property
-    def feature_layers(self) -> list[int]:
-        """Verifier hidden states this drafter trains from (ids into HF output_hidden_states; -1 = final)."""
-        return [*self.net.aux_layer_ids, -1]
+    def hidden_layers(self) -> list[int]:
+        """Verifier hidden states training reads (ids into HF output_hidden_states): the drafter's features and the
+        final-normed last layer (-1), whose lm_head gives q and, for EAGLE-1, the feature targets."""
+        return list(dict.fromkeys([*self.net.feature_layers, -1]))
 
     # -- draft vocabulary (EAGLE-3) --------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.net.kind != "eagle3" or stage != "fit":
+        if not isinstance(self.net, Eagle3Net) or stage != "fit":
             return
         counts = torch.zeros(self.net.vocab_size, dtype=torch.float64)
         for row in self.trainer.datamodule.train_set.with_format("python"):
@@ -120,33 +84,22 @@ class EagleModule(L.LightningModule):
 
     # -- the shared step -------------------------------------------------------------------------------------------
     def model_step(self, batch: dict[str, Tensor], steps: int, train: bool) -> dict[str, Any]:
-        """Unroll `steps` drafter steps over a batch. Returns per-step losses, correct/valid masks and counts."""
+        """Unroll `steps` drafter steps over a batch. Returns per-step losses, correct/valid masks, target ranks and
+        (validation) the draft's confidence in its top-1."""
         if self.verifier.device != self.device:
             self.verifier.to(self.device)
         ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
-        bsz, seqlen = ids.shape
-        n = seqlen - 1
-        states = gather_layers(batch, self.feature_layers, self.verifier, self.feature_layers)
+        n = ids.shape[1] - 1
+        states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
         final = states[-1]  # (B, T, D): M_q's lm_head input
         feats = self.net.features(states)[:, :n]  # (B, n, D): F_t
-        if train and self.net.kind == "eagle" and self.hparams.noise > 0:
+        if train and isinstance(self.net, Eagle1Net) and self.hparams.noise > 0:
             feats = feats + (torch.rand_like(feats) - 0.5) * self.hparams.noise
         embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
-        positions = torch.arange(n, device=ids.device)[None].expand(bsz, n)
-        valid_keys = attn[:, :n].bool()
-        targets = self.draft_vocab_targets(final, loss_mask) if self.net.kind == "eagle3" else None
-        hidden, past_k, past_v = feats, None, None
+        targets = self.draft_vocab_targets(final, loss_mask) if isinstance(self.net, Eagle3Net) else None
         losses, correct, valid_at, ranks, confs = [], [], [], [], []
-        for j in range(steps):
-            # 1. This step's inputs: the true next tokens x_{t+j+1} and the previous step's output.
-            tok, valid = step_inputs(ids, loss_mask, j)  # (B, n) each
-            with torch.no_grad():
-                emb = embed(tok)
-            mask = unroll_mask(valid_keys, j)
-            out_h, k, v = self.net.step(hidden, emb, positions + j, mask, past_k, past_v)
-            past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
-            past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-            # 2. Targets: q at position t+j+1 (predicting x_{t+j+2}), where x_{t+j+2} is an assistant token.
+        for j, (out_h, valid) in enumerate(unroll(self.net, feats, ids, attn, loss_mask, embed, steps)):
+            # Targets: q at position t+j+1 (predicting x_{t+j+2}), where x_{t+j+2} is an assistant token.
             bi, ti = valid.nonzero(as_tuple=True)
             with torch.no_grad():
                 if targets is None:  # EAGLE-1: q over the full vocabulary, at this step's positions only
@@ -156,30 +109,27 @@ class EagleModule(L.LightningModule):
                     rows = targets["row"][bi, ti + j + 1]
                     q_arg, q = targets["arg"][rows], targets["q"][rows]  # (N,), (N, V_draft)
             p_logits = self.net.logits(out_h[bi, ti], lm_head).float()  # (N, V or V_draft)
-            in_vocab = torch.ones_like(q_arg, dtype=torch.bool)
-            if self.net.kind == "eagle3":
-                in_vocab = self.net.t2d[q_arg]  # skip targets the draft vocabulary cannot express
+            # EAGLE-3 skips targets its draft vocabulary cannot express.
+            in_vocab = self.net.t2d[q_arg] if targets is not None else torch.ones_like(q_arg, dtype=torch.bool)
             ce = -(q * p_logits.log_softmax(-1)).sum(-1)  # (N,)
             ce = (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
             step_loss = ce
-            if self.net.kind == "eagle":
+            if targets is None:
                 reg = F.smooth_l1_loss(out_h[bi, ti].float(), final[bi, ti + j + 1].float()) if bi.numel() else ce * 0
                 step_loss = self.hparams.feature_weight * reg + self.hparams.ce_weight * ce
             losses.append(step_loss if bi.numel() else p_logits.sum() * 0.0)
             hit = torch.zeros_like(valid)
             hit[bi, ti] = self.net.draft_to_target(p_logits.argmax(-1)) == q_arg
-            correct.append(hit)
             rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
-            rank[bi, ti] = target_rank(p_logits.detach(), q_arg, None if self.net.kind == "eagle" else self.net.t2d)
+            rank[bi, ti] = self.net.target_rank(p_logits.detach(), q_arg)
+            correct.append(hit)
             ranks.append(rank)
+            valid_at.append(valid)
             if not train:  # the draft's confidence in its top-1, to compare with how often it is right
                 conf = torch.zeros(valid.shape, device=valid.device)
                 conf[bi, ti] = p_logits.detach().softmax(-1).amax(-1)
                 confs.append(conf)
-            valid_at.append(valid)
-            hidden = out_h
         # (S, B, n) each; rank: 0 = M_q's argmax is the draft's top-1, vocab_size = invalid or outside the vocabulary
-        # confidence (validation only): the draft's top-1 probability
         out = {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at),
                "rank": torch.stack(ranks)}
         return out | ({"confidence": torch.stack(confs)} if confs else {})
@@ -261,4 +211,4 @@ class EagleModule(L.LightningModule):
     def export(self, path: str | Path) -> Path:
         extra = {**self.val_summary, "trained_steps": int(self.global_step), "drafter": NAMES[self.net.kind],
                  "draft_vocab_coverage": self.draft_vocab_coverage}
-        return save_eagle_export(self.net, self.verifier, path, extra)
+        return save_export(self.net, self.verifier, path, extra)

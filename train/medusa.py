@@ -19,7 +19,8 @@ from torch import Tensor
 
 from data.hidden_cache import gather_layers
 from models.errors import NonFiniteLossError
-from models.medusa import MedusaHeads, medusa_targets, save_medusa_export
+from models.export import save_export
+from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import Verifier
 
 TOPK = 10  # accuracies recorded for tree construction: top-1 .. top-10 per head
@@ -62,14 +63,14 @@ class MedusaModule(L.LightningModule):
         self._val_hits: Tensor | None = None
         self._tick: float | None = None
 
-    feature_layers = [-1]  # Medusa reads the verifier's final-normed hidden state (the lm_head input)
+    hidden_layers = [-1]  # verifier hidden states training reads: the final-normed last layer (the lm_head input)
 
     # -- the shared step -------------------------------------------------------------------------------------------
     def model_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
         """Returns (loss, per-head losses, per-head top-1..top-10 hit counts (K, TOPK), per-head counts (K,))."""
         if self.verifier.device != self.device:
             self.verifier.to(self.device)
-        hidden = gather_layers(batch, self.feature_layers, self.verifier, [-1])[-1]  # (B, T, D), no grad
+        hidden = gather_layers(batch, self.hidden_layers, self.verifier, [-1])[-1]  # (B, T, D), no grad
         lm_head = self.verifier.lm_head
         K = self.heads.num_heads
         loss = hidden.new_zeros((), dtype=torch.float32)
@@ -150,4 +151,4 @@ class MedusaModule(L.LightningModule):
     def export(self, path: str | Path) -> Path:
         """Write the heads in vLLM's Medusa layout, with the verifier fingerprint and per-head top-k accuracies."""
         extra = {"medusa_topk_accuracy": self.topk_accuracy, "trained_steps": int(self.global_step)}
-        return save_medusa_export(self.heads, self.verifier, path, extra)
+        return save_export(self.heads, self.verifier, path, extra)
