@@ -42,6 +42,11 @@ class Export:
                 dtypes[name] = sl.get_dtype()
         return cls(path, config, shapes, dtypes)
 
+    def is_zero(self, name: str, weights: str = "model.safetensors") -> bool:
+        """Whether tensor `name` is all zeros (an engine that drops a zero bias computes the same thing)."""
+        with safe_open(str(self.path / weights), framework="pt") as f:
+            return name in f.keys() and not bool(f.get_tensor(name).any())
+
 
 @dataclass
 class Load:

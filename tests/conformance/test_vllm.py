@@ -42,7 +42,7 @@ def resolve_draft_architecture(archs: list[str], method: str, registry: dict[str
     return next((registry[a] for a in archs if a in registry), None)
 
 
-def _auto_load(load: Load, params_prefix: str, name: str, source: str) -> None:
+def _auto_load(load: Load, ex: Export, params_prefix: str, name: str, source: str) -> None:
     """model_executor/models/utils.py AutoWeightsLoader.load_weights: a name maps to a parameter or raises ValueError
     ("There is no module or parameter named ..."), except unexpected `.bias` names (ignore_unexpected_suffixes) and
     the rotary caches (REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER), which it skips."""
@@ -55,7 +55,8 @@ def _auto_load(load: Load, params_prefix: str, name: str, source: str) -> None:
     elif any(r in name for r in ROTARY):
         load.dropped.append((source, "rotary cache"))
     elif param.endswith(".bias"):
-        load.dropped.append((source, "AutoWeightsLoader ignores an unexpected .bias"))
+        if not ex.is_zero(source):  # a zero bias dropped is the bias-free layer vLLM builds: harmless
+            load.dropped.append((source, "AutoWeightsLoader ignores an unexpected .bias, and this one is not zero"))
     else:
         load.errors.append(f"There is no module or parameter named {param!r} (AutoWeightsLoader)")
 
@@ -86,7 +87,7 @@ def load_eagle1(ex: Export) -> Load:
         if not full.startswith("model."):
             load.errors.append(f"There is no module or parameter named {full!r} in EagleLlamaForCausalLM")
             continue
-        _auto_load(load, "model.", full, name)
+        _auto_load(load, ex, "model.", full, name)
     return load
 
 
@@ -142,7 +143,7 @@ def load_eagle3(ex: Export, target_vocab: int) -> Load:
         if not use_aux and "fc." in full:
             load.dropped.append((name, "use_aux_hidden_state is false"))
             continue
-        _auto_load(load, "model.", full, name)
+        _auto_load(load, ex, "model.", full, name)
     return load
 
 
@@ -310,6 +311,10 @@ def test_checks_catch_broken_exports(exported, tiny4):
     assert aux_layer_problems({**top, "eagle_aux_hidden_state_layer_ids": [3, 1, 2]}, (3, 1, 2), 4)  # sorted
     assert aux_layer_problems({**top, "eagle_aux_hidden_state_layer_ids": [1, 1, 0]}, (1, 1, 0), 4)  # de-duplicated
     assert aux_layer_problems({**top, "eagle_aux_hidden_state_layer_ids": [1, 2, 4]}, (1, 2, 4), 4)  # pre-norm L
+    e1 = Export.read(exported("eagle-tiny").path)
+    bias = "layers.0.mlp.down_proj.bias"  # not in the file, so not known to be zero: dropping it changes the drafter
+    biased = Export(e1.path, e1.config, {**e1.shapes, bias: (e1.config["hidden_size"],)}, e1.dtypes)
+    assert any(bias in p and "drops" in p for p in load_eagle1(biased).problems(biased))
     fixed = {**ex.config, "architectures": ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"]}
     assert resolve_draft_architecture(fixed["architectures"], "eagle", REGISTRY) == "EagleLlamaForCausalLM"
     assert resolve_draft_architecture(["LlamaForCausalLMEagle"], "eagle", REGISTRY) is None
