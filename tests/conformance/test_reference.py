@@ -29,7 +29,8 @@ def _eagle_layer(prefix: str, cfg: dict, in_dim: int, input_norm: bool, hidden_n
     head_dim = hidden_size // num_attention_heads (the config's head_dim is not read); q/k/v bias only with qkv_bias."""
     h, inter, nh = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     nkv, hd = cfg.get("num_key_value_heads") or nh, cfg["hidden_size"] // cfg["num_attention_heads"]
-    out = {f"{prefix}.self_attn.q_proj.weight": (nh * hd, in_dim), f"{prefix}.self_attn.k_proj.weight": (nkv * hd, in_dim),
+    out = {f"{prefix}.self_attn.q_proj.weight": (nh * hd, in_dim),
+           f"{prefix}.self_attn.k_proj.weight": (nkv * hd, in_dim),
            f"{prefix}.self_attn.v_proj.weight": (nkv * hd, in_dim), f"{prefix}.self_attn.o_proj.weight": (h, nh * hd),
            f"{prefix}.mlp.gate_proj.weight": (inter, h), f"{prefix}.mlp.up_proj.weight": (inter, h),
            f"{prefix}.mlp.down_proj.weight": (h, inter), f"{prefix}.post_attention_layernorm.weight": (h,)}
