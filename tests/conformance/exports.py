@@ -1,4 +1,4 @@
-"""The one place the conformance tests produce exports: switch these imports when the export I/O moves.
+"""The one place the conformance tests produce exports (models.export.save_export).
 
 Every export the conformance tests read is written by `write_export` below with the project's current exporters, so
 the tests judge exactly what `train.py` writes on fit end. What the drafter was trained on (the ground truth the
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from models.eagle import build_eagle, save_eagle_export
-from models.medusa import MedusaHeads, save_medusa_export
+from models.eagle import build_eagle
+from models.export import save_export
+from models.medusa import MedusaHeads
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,13 @@ def write_export(kind: str, verifier, path: Path, *, draft_vocab_size: int | Non
                             num_layers=num_layers, share_lm_head=share_lm_head,
                             lm_head_init=verifier.lm_head.weight.detach())
         _randomise(heads, gen)
-        return Written(save_medusa_export(heads, verifier, path, {"trained_steps": 1}), **info)
+        return Written(save_export(heads, verifier, path, {"trained_steps": 1}), **info)
     net = build_eagle(kind, verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
     _randomise(net, gen)
     if kind == "eagle3" and net.draft_vocab_size < verifier.vocab_size:
         net.set_draft_vocab(torch.arange(net.draft_vocab_size) * 2)
-    out = save_eagle_export(net, verifier, path, {"trained_steps": 1})
-    return Written(out, aux_layer_ids=tuple(net.aux_layer_ids), **info)
+    out = save_export(net, verifier, path, {"trained_steps": 1})
+    return Written(out, aux_layer_ids=tuple(net.aux_layer_ids) if kind == "eagle3" else (), **info)
 
 
 def _randomise(module: torch.nn.Module, gen: torch.Generator) -> None:
