@@ -107,6 +107,9 @@ def _from_record(rec: Any, index: int, where: str) -> Conversation:
 def select_prompts(convs: Sequence[Conversation], num: int | None) -> list[Conversation]:
     """The first `num` conversations taken round-robin over categories (files are often sorted by category, and a
     short run should still see every one); order within a category is kept."""
+    if num is not None and (isinstance(num, bool) or not isinstance(num, int)):
+        raise UserError(f"asked for {num!r} prompts: give a whole number (num_prompts= in eval, data.limit= in "
+                        f"training), or null for every prompt.")
     if num is None or num >= len(convs):
         return list(convs)
     if num <= 0:

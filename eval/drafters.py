@@ -80,6 +80,9 @@ class MedusaDrafter:
                 f"The tree is {tree.max_depth} drafts deep but the Medusa export has {heads.num_heads} heads; "
                 f"use a tree of depth <= {heads.num_heads} (tree=chain, or fewer medusa_choices)."
             )
+        if max(tree.ranks[1:], default=0) >= heads.vocab_size:
+            raise UserError(f"The tree asks for rank {max(tree.ranks)} of a head, but the vocabulary has "
+                            f"{heads.vocab_size} tokens; use ranks below {heads.vocab_size} in medusa_choices.")
         self.heads = heads.eval().requires_grad_(False)
         self.tree, self.lm_head, self.policy = tree, lm_head, policy
         self.max_nodes, self.max_depth = tree.num_nodes, tree.max_depth

@@ -35,9 +35,15 @@ from models.errors import UserError, VerifierMismatchError
 from models.export import export_kind, export_verifier, read_config
 from models.verifier import Verifier, load_verifier
 
+EVAL_DTYPES = ("float32", "bfloat16")
+
+
 def check_length(verifier: Verifier, ids: list[int], max_new_tokens: int, where: str) -> None:
     """Refuse a prompt that does not leave room for max_new_tokens in the verifier's context window."""
     window = getattr(verifier.config, "max_position_embeddings", None)
+    if window is not None and max_new_tokens >= window:
+        raise UserError(f"max_new_tokens={max_new_tokens} does not fit the verifier's context window of {window} "
+                        f"tokens, prompt included; lower max_new_tokens well below {window}.")
     if window is not None and len(ids) > window - max_new_tokens:
         raise UserError(
             f"{where} is {len(ids)} tokens after the chat template; with max_new_tokens={max_new_tokens} the "
@@ -193,10 +199,17 @@ def setup(cfg: DictConfig) -> Setup:
 
 def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     """Run `python -m eval` as configured by conf/eval.yaml; returns report.json's content."""
-    if int(cfg.threads) < 1:
+    if isinstance(cfg.threads, int) and int(cfg.threads) < 1:
         raise UserError(f"threads={cfg.threads} must be >= 1 (torch.set_num_threads).")
+    for key in ("threads", "max_new_tokens", "seed", "prompt_lookup_num_tokens"):
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int):
+            raise UserError(f"{key}={cfg[key]!r} must be a whole number.")
     if int(cfg.max_new_tokens) < 1:
         raise UserError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1.")
+    if str(cfg.dtype) not in EVAL_DTYPES:
+        raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use float32 (exact greedy match) or bfloat16 "
+                        f"(fast on CPUs with AMX). float16 would also change the verifier's fingerprint, which is "
+                        f"taken in bfloat16.")
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))

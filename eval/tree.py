@@ -155,7 +155,11 @@ def from_medusa_choices(choices: Sequence[Sequence[int]]) -> Tree:
     Nodes are ordered by depth, then by rank path (as the reference Medusa does); every choice's prefix must be
     listed too, so that each node has its parent in the tree.
     """
-    paths = [tuple(int(r) for r in c) for c in choices]
+    try:
+        paths = [tuple(_rank(r) for r in c) for c in choices]
+    except (TypeError, ValueError) as e:
+        raise UserError(f"medusa_choices={list(choices)!r} is not a list of lists of whole-number ranks ({e}); "
+                        f"write e.g. [[0], [1], [0, 0]].") from None
     if any(len(p) == 0 for p in paths):
         raise UserError("medusa_choices contains an empty tuple; the root is implicit, list only draft nodes.")
     if len(set(paths)) != len(paths):
@@ -171,6 +175,12 @@ def from_medusa_choices(choices: Sequence[Sequence[int]]) -> Tree:
         parents.append(index[path[:-1]])
         ranks.append(path[-1])
     return Tree(parents=tuple(parents), ranks=tuple(ranks))
+
+
+def _rank(r: object) -> int:
+    if isinstance(r, bool) or not isinstance(r, int):
+        raise ValueError(f"rank {r!r} is not a whole number")
+    return r
 
 
 def _rank_probs(topk_accuracy: Sequence[Sequence[float]]) -> list[list[float]]:

@@ -53,9 +53,20 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not cfg_file.is_file():
         raise UserError(f"checkpoint={str(path)!r}: no {CONFIG_NAME} there. Pass the `export/` directory train.py printed.")
     try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_file} is not valid JSON ({e}); re-export the checkpoint.") from e
+        config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{cfg_file} is not valid UTF-8 JSON ({e}); re-export the checkpoint.") from e
+    if not isinstance(config, dict):
+        raise UserError(f"{cfg_file} holds a JSON {type(config).__name__}, not an object of config keys; "
+                        f"re-export the checkpoint.")
+    return config
+
+
+def _require(config: dict[str, Any], keys: tuple[str, ...], path: Path) -> None:
+    missing = [k for k in keys if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
+    if missing:
+        raise UserError(f"{path / CONFIG_NAME} lacks the whole-number key(s) {missing} a {config.get('model_type')} "
+                        f"export needs; re-export the checkpoint.")
 
 
 def read_weights(path: str | Path) -> dict[str, Tensor]:
@@ -106,9 +117,14 @@ def load_export(path: str | Path, verifier: Verifier, kind: str | None = None) -
         raise UserError(f"checkpoint={str(path)!r} is an {KIND_NAMES[found]} export but was given as "
                         f"{KIND_NAMES.get(kind, kind)}. Use drafter={found} for it, or pass an {KIND_NAMES.get(kind, kind)} "
                         f"export.")
-    check_fingerprint(config.get("verifier_fingerprint", {}), verifier, f"{KIND_NAMES[found]} export {str(path)!r}")
+    if not isinstance(config.get("verifier_fingerprint"), dict) or not config["verifier_fingerprint"]:
+        raise UserError(f"{path / CONFIG_NAME} has no verifier_fingerprint, so it cannot be checked against the verifier "
+                        f"it is used with. Re-export it with this toolkit (train.py), or convert a reference-format "
+                        f"checkpoint with scripts/convert.py.")
+    check_fingerprint(config["verifier_fingerprint"], verifier, f"{KIND_NAMES[found]} export {str(path)!r}")
     tensors = read_weights(path)
     if found == "medusa":
+        _require(config, ("hidden_size", "vocab_size", "num_heads", "num_hidden_layers"), path)
         shared = bool(config.get("original_lm_head", False))
         heads = MedusaHeads(hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
                             num_heads=config["num_heads"], num_layers=config["num_hidden_layers"], share_lm_head=shared)

@@ -160,16 +160,44 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
+NOT_UTF8 = b'{"model_type": "medusa\xff\xfe"}'
 BAD_INPUTS = {
     "mismatched verifier": (lambda e, d: [f"checkpoint={e}", "verifier_path={loader: tiny, seed: 1}"],
                             "different verifier"),
     "missing weights": (lambda e, d: [f"checkpoint={_strip(e, d, delete=True)}"], "model.safetensors is missing"),
     "corrupt weights": (lambda e, d: [f"checkpoint={_strip(e, d, delete=False)}"], "corrupt"),
     "EAGLE tree for Medusa": (lambda e, d: [f"checkpoint={e}", "tree=dynamic"], "does not fit a Medusa drafter"),
+    "config.json not an object": (lambda e, d: [f"checkpoint={_edit(e, d, b'[1, 2]')}"], "not an object"),
+    "config.json not UTF-8": (lambda e, d: ["checkpoint=" + str(_edit(e, d, NOT_UTF8))], "UTF-8"),
+    "config.json without hidden_size": (lambda e, d: [f"checkpoint={_edit(e, d, drop='hidden_size')}"],
+                                        "lacks the whole-number key(s) ['hidden_size']"),
+    "export without fingerprint": (lambda e, d: [f"checkpoint={_edit(e, d, drop='verifier_fingerprint')}"],
+                                   "has no verifier_fingerprint"),
+    "num_prompts not a number": (lambda e, d: [f"checkpoint={e}", "num_prompts=abc"], "give a whole number"),
+    "rank beyond the vocabulary": (lambda e, d: [f"checkpoint={e}", "tree=medusa_choices",
+                                                 "tree.choices=[[0],[99999999]]"], "ranks below"),
+    "rank not an integer": (lambda e, d: [f"checkpoint={e}", "tree=medusa_choices", "tree.choices=[[0],[a]]"],
+                            "whole-number ranks"),
+    "float16": (lambda e, d: [f"checkpoint={e}", "dtype=float16"], "not an evaluation dtype"),
+    "max_new_tokens past the window": (lambda e, d: [f"checkpoint={e}", "max_new_tokens=100000"],
+                                       "does not fit the verifier's context window of 2048"),
     "empty prompt file": (lambda e, d: [f"checkpoint={e}", f"prompts={_write(d / 'empty.jsonl', '')}"], "is empty"),
     "over-long prompt": (lambda e, d: [f"checkpoint={e}", "prompts=" + str(_write(
         d / "long.jsonl", json.dumps({"prompt": "word " * 2500}) + "\n"))], "context window of 2048"),
 }
+
+
+def _edit(export: Path, tmp: Path, config: bytes | None = None, drop: str | None = None) -> Path:
+    """A copy of `export` whose config.json is `config` as raw bytes, or the original without the key `drop`."""
+    copy = tmp / "export"
+    copy.mkdir()
+    (copy / "model.safetensors").write_bytes((export / "model.safetensors").read_bytes())
+    if drop is not None:
+        cfg = json.loads((export / "config.json").read_text())
+        del cfg[drop]
+        config = json.dumps(cfg).encode()
+    (copy / "config.json").write_bytes(config)
+    return copy
 
 
 def _strip(export: Path, tmp: Path, delete: bool) -> Path:
