@@ -90,10 +90,12 @@ class OracleDrafter:
     right parent, at rank 0 or a random rank, or leaves it out with probability `miss`; every other node gets a
     random token."""
 
-    def __init__(self, verifier: Verifier, prompt_len: int, reference: list[int], miss: float = 0.2, seed: int = 0):
+    def __init__(self, verifier: Verifier, prompt_len: int, reference: list[int], miss: float = 0.2, seed: int = 0,
+                 last_child: bool = False):
         self.lm_head, self.vocab = verifier.lm_head, verifier.vocab_size
         self.prompt_len, self.reference, self.miss = prompt_len, reference, miss
         self.rng = random.Random(seed)
+        self.last_child = last_child  # always the last child, not mostly the first
         self.scattered = False  # did an accepted path skip over tree nodes (a real gather in the commit)?
 
     def propose(self, input_ids, hidden, logits, tree: Tree) -> Draft:
@@ -110,10 +112,15 @@ class OracleDrafter:
                 break
             # Mostly the first child, as a real drafter's best guess; sometimes any, so paths run through every branch.
             node = children[0] if self.rng.random() < 0.5 else self.rng.choice(children)
+            node = children[-1] if self.last_child else node
             tokens[node] = truth[depth - 1]
+        self.proposed = (tokens, truth)
         return Draft(tree=tree, tokens=torch.tensor([tokens]))
 
     def accepted(self, num_accepted, nodes) -> None:
+        # `nodes` index this drafter's own tree (even when the loop verified a truncated one): the accepted drafts.
+        tokens, truth = self.proposed
+        assert [tokens[i] for i in nodes[0, 1:].tolist()] == truth[: int(num_accepted[0])]
         self.scattered |= not torch.equal(nodes[0], torch.arange(nodes.shape[1]))
 
 
@@ -154,7 +161,7 @@ def test_good_drafts_are_accepted_and_output_stays_exact(verifier, references, t
         assert result.tokens[0].tolist() == ref[:MAX_NEW]
         assert result.num_forwards <= 3 * MAX_NEW // 4
         emitted = 1 + int((result.accept_lengths + 1).sum())  # prefill token + per round accepted + bonus
-        assert emitted >= MAX_NEW and emitted - MAX_NEW <= TREES[tree_name].max_depth
+        assert emitted == MAX_NEW  # the rounds count only the tokens that were kept
         assert result.alpha.shape == (4,) and result.alpha[0] >= result.alpha[-1]
         taus.append(result.tau)
         scattered |= drafter.scattered
@@ -175,17 +182,50 @@ def test_eos_stops_right_after_it(verifier, references):
         assert speculative_decode(verifier, medusa, tree, ids, MAX_NEW, [eos, 0]).tokens[0].tolist() == cut
 
 
-@pytest.mark.parametrize("max_new", [0, 1, 2, 7, 11])
+@pytest.mark.parametrize("max_new", [0, 1, 2, 3, 7, 11])
 def test_max_new_tokens_is_cut_exactly(base, max_new):
     verifier = _varied_llama(base)
     ids = verifier.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     ref = greedy_decode(verifier, ids, 20).tokens[0].tolist()
-    for tree in (TREES["sparse"], chain(4)):
-        oracle = OracleDrafter(verifier, ids.shape[1], ref, miss=0.0)
+    # A tree that lists a depth-1 node (3) after a depth-2 one, drafted right through node 3: cut to depth 1 (the
+    # last round of max_new 3), it is renumbered, and the drafter must still be told node 3.
+    late = Tree(parents=(-1, 0, 1, 0, 3, 3), ranks=(-1, 0, 0, 1, 0, 1))
+    for tree in (TREES["sparse"], late, chain(4)):
+        oracle = OracleDrafter(verifier, ids.shape[1], ref, miss=0.0, last_child=tree == late)
         result = speculative_decode(verifier, oracle, tree, ids, max_new)
         assert result.tokens[0].tolist() == ref[:max_new]
     # A chain always right: the prefill gives 1 token, each round 5; no forward once max_new is reached.
     assert result.num_forwards == (0 if max_new == 0 else 1 + -(-(max_new - 1) // 5))
+
+
+@pytest.mark.parametrize("max_new, sizes", [(1, []), (2, [1]), (3, [2]), (7, [5, 1]), (8, [5, 2]), (11, [5, 5])])
+def test_tau_counts_what_is_kept_and_the_last_round_stops_at_the_budget(base, max_new, sizes):
+    # A perfect chain of 4: the drafter proposes the verifier's own greedy continuation. The prefill emits the first
+    # token; each round then needs at most the remaining budget, so its tree is cut to depth remaining - 1 before
+    # the verifier forward, and tau counts what the output keeps (max_new 2: one round of one token, tau 1, not 5).
+    verifier = _varied_llama(base)
+    ids = verifier.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    ref = greedy_decode(verifier, ids, 20).tokens[0].tolist()
+    seen = []  # tokens in each verifier forward, the prefill first
+    hook = verifier.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        oracle = OracleDrafter(verifier, ids.shape[1], ref, miss=0.0)
+        result = speculative_decode(verifier, oracle, chain(4), ids, max_new)
+    finally:
+        hook.remove()
+    assert result.tokens[0].tolist() == ref[:max_new]
+    assert seen == [ids.shape[1]] + sizes
+    assert result.accept_lengths[:, 0].tolist() == [n - 1 for n in sizes]
+    assert result.tau == (sum(sizes) / len(sizes) if sizes else 0.0)
+    # The EOS cut: the verifier's 8th token is made an EOS, the second draft of the second round.
+    if max_new == 11:
+        assert ref[7] not in ref[:7]
+        result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref, miss=0.0), chain(4), ids,
+                                    max_new, eos_token_id=ref[7])
+        assert result.tokens[0].tolist() == ref[:8]
+        assert result.accept_lengths[:, 0].tolist() == [4, 1] and result.tau == 3.5  # 5 + 2 kept, not 5 + 5
 
 
 def test_medusa_heads_that_draft_well_on_a_repeating_verifier(base):
