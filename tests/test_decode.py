@@ -237,8 +237,9 @@ def test_medusa_heads_that_draft_well_on_a_repeating_verifier(base):
     ref = _hf_generate(base, ids, MAX_NEW, base.tokenizer.eos_token_id)
     result = speculative_decode(base, drafter, chain(4), ids, MAX_NEW, base.tokenizer.eos_token_id)
     assert result.tokens[0].tolist() == ref
-    assert result.tau == 5.0 and result.num_forwards == 1 + 8  # 1 + 8 rounds of 5 covers 40 tokens
-    assert result.alpha.tolist() == [1.0, 1.0, 1.0, 1.0]
+    # The prefill's token, 7 rounds of 5, and a last round cut to the 4 tokens left (3 drafts + the bonus).
+    assert result.accept_lengths[:, 0].tolist() == [4] * 7 + [3] and result.num_forwards == 1 + 8
+    assert result.tau == pytest.approx(39 / 8) and result.alpha.tolist() == pytest.approx([1.0, 1.0, 1.0, 7 / 8])
     assert set(result.times) >= {"verify_s", "draft_s", "commit_s", "total_s"}
 
 
@@ -281,3 +282,51 @@ def test_negative_control_causal_mask_changes_the_output(verifier, references, m
     ids, ref = references[0]
     result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref), TREES["sparse"], ids, MAX_NEW)
     assert result.tokens[0].tolist() != ref[:MAX_NEW]
+
+
+# Medusa heads of distinct, known behaviour: head k (0-based) drafts at depth k+1, and each node takes its rank.
+
+
+def _constant_heads(verifier: Verifier, targets: list[list[int]], share: bool) -> tuple[MedusaHeads, list[list[int]]]:
+    """Heads whose ranked candidates do not depend on the context: head k adds 1e4 along hidden dimension 2k + 1,
+    which outweighs the normed hidden state. Unshared, head k's projection reads that dimension for targets[k]
+    (rank 0 weight 1, rank 1 weight 0.5, the rest 0); shared, the verifier's own head ranks tokens by their embedding
+    on that dimension. Returns the heads and, per head, its expected top-2."""
+    k_heads = len(targets)
+    heads = MedusaHeads(verifier.hidden_size, verifier.vocab_size, num_heads=k_heads, share_lm_head=share)
+    expected = []
+    with torch.no_grad():
+        for k in range(k_heads):
+            dim = 2 * k + 1
+            heads.blocks[k].layers[0].bias[dim] = 1e4  # x + SiLU(0 * x + b) = x + 1e4 e_dim
+            if share:
+                expected.append(verifier.lm_head.weight[:, dim].topk(2).indices.tolist())
+            else:
+                weight = heads.lm_heads[k].weight
+                weight.zero_()
+                weight[targets[k][0], dim], weight[targets[k][1], dim] = 1.0, 0.5
+                expected.append(list(targets[k]))
+    return heads, expected
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared_head", "own_heads"])
+def test_medusa_heads_draft_at_their_own_depth_and_rank(base, share):
+    verifier = _varied_llama(base)
+    ids = verifier.tokenizer(PROMPTS[2], return_tensors="pt").input_ids
+    ref = greedy_decode(verifier, ids, 24).tokens[0].tolist()
+    # Unshared heads draft the verifier's own continuation after the first root at rank 0 (a decoy at rank 1), so
+    # the first round accepts every draft only if head k drafts depth k+1.
+    decoys = [ref[10 + k] for k in range(4)]
+    heads, top2 = _constant_heads(verifier, [[ref[1 + k], decoys[k]] for k in range(4)], share)
+    assert len({t[0] for t in top2}) == 4 and all(a != b for a, b in top2)  # four heads, four different tokens
+    drafter = make_drafter("medusa", verifier, heads=heads)
+    tree = from_medusa_choices(SPARSE)  # ranks 0 and 1 at depths 1..3
+    hidden = verifier.hidden_states(ids)
+    draft = drafter.propose(torch.cat([ids, torch.tensor([[ref[0]]])], dim=1), hidden, verifier.lm_head(hidden[:, -1]),
+                            tree)
+    expected = [ref[0]] + [top2[d - 1][r] for d, r in zip(tree.depths[1:], tree.ranks[1:])]
+    assert draft.tokens[0].tolist() == expected
+    result = speculative_decode(verifier, drafter, chain(4), ids, 24)
+    assert result.tokens[0].tolist() == ref
+    if not share:
+        assert result.accept_lengths[0, 0].item() == 4
