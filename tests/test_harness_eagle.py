@@ -1,14 +1,21 @@
 """`python -m eval` with EAGLE exports: the drafter family is read from the export; chain and dynamic trees decode
-exactly; trees that belong to the other family are refused."""
+exactly (also on a verifier whose output varies, with a broken KV commit as a negative control); trees that belong
+to the other family are refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from eval import decode
+from eval.drafters import make_drafter
+from eval.eagle import budget_tree
+from eval.tree import chain
 from models.eagle import build_eagle, save_eagle_export
 from models.errors import UserError
-from test_harness import FAST, run_eval
+from test_eagle_decode import random_net
+from conftest import varied_llama
+from test_harness import FAST, off_by_one, run_eval, run_objects
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +44,20 @@ def test_eagle_exports_decode_exactly(eagle_exports, tmp_path, kind, tree, metho
 def test_medusa_trees_are_refused_for_eagle(eagle_exports, tmp_path):
     with pytest.raises(UserError, match="does not apply to an EAGLE export"):
         run_eval([f"checkpoint={eagle_exports['eagle']}", "tree=medusa_choices", *FAST], tmp_path)
+
+
+@pytest.fixture(scope="module")
+def varied():
+    return varied_llama()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_report_is_exact_on_a_varied_verifier_and_a_wrong_commit_shows(varied, tmp_path, monkeypatch, kind):
+    drafter = make_drafter(kind, varied, net=random_net(kind, varied))
+    for tree in (chain(5), budget_tree()):
+        report, profile = run_objects(varied, drafter, tree, tmp_path / f"ok-{tree.num_nodes}")
+        assert report["greedy_match"] == 1.0 and set(profile["match_plain_greedy"].values()) == {1.0}
+    monkeypatch.setattr(decode.kv, "commit", off_by_one)
+    broken, _ = run_objects(varied, drafter, budget_tree(), tmp_path / "broken")
+    assert broken["greedy_match"] < 1.0
