@@ -2,12 +2,12 @@
 
 Notation (Leviathan et al., 2023; Chen et al., 2023): M_q is the verifier and q its probabilities; M_p is the
 draft and p its probabilities. One verifier forward scores every node of a draft tree; a rule picks the accepted
-root-to-leaf prefix and one more token from the verifier (the bonus token, or the resampled one on rejection).
+root-to-leaf prefix and one more token from the verifier (the bonus token).
 tau = tokens emitted per verifier forward, counting the bonus token; alpha_k = fraction of rounds whose k-th draft
 token was accepted.
 
-Rules take the verifier's logits for every node (not only its argmax) so that sampled acceptance with q and p
-(min(1, q(d)/p(d)), resampling from norm(max(q - p, 0))) can sit next to greedy with the same inputs.
+Only greedy acceptance (temperature 0) is built for now. Rules take the verifier's logits for every node, not only
+its argmax, so that sampled acceptance with q and p can later take the same inputs.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def greedy_accept(retrieve: Tensor, draft_tokens: Tensor, q_logits: Tensor) -> A
     verifier M_q's argmax at their parent, then emit M_q's argmax at the last accepted node (the bonus token).
 
     The emitted tokens are exactly those plain greedy decoding with M_q would produce, whatever the drafter.
+    A draft after the first wrong one on its path is never accepted, even when it matches. Ties: within one node's
+    logits, the lowest token id wins (torch.argmax, as in eval.decode.greedy_decode); between paths that accept
+    equally many drafts, the first row of `retrieve` wins (tree_buffers orders rows depth-first by rank, so the
+    lower-rank path). Padding (-1) in `retrieve` never matches.
 
     retrieve: (L, D+1) root-to-leaf node indices, right-padded with -1 (see eval.tree.tree_buffers).
     draft_tokens: (B, N) token of every node; node 0 is the root, already emitted.

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from eval import kv
 from eval.accept import greedy_accept, mean_accept_length, per_position_acceptance
-from eval.drafters import Drafter
-from eval.tree import Tree, TreeBuffers, tree_buffers
+from eval.drafters import Draft, Drafter
+from eval.tree import Tree, TreeBuffers, tree_buffers, truncate
 from models.errors import UserError
 from models.verifier import Verifier
 
@@ -28,8 +28,8 @@ from models.verifier import Verifier
 class DecodeResult:
     """tokens: (B, n) new tokens, cut at max_new_tokens and after the first EOS.
     num_forwards: verifier forwards, the prefill included.
-    accept_lengths: (R, B) draft tokens accepted in each round, bonus excluded, as verified (the last round may
-        accept more than the cut keeps).
+    accept_lengths: (R, B) tokens each round emitted, minus one: the drafts accepted, bonus excluded. Only what is
+        kept counts: the last round verifies no draft past max_new_tokens, and an EOS cuts what follows it.
     times: seconds spent in verify (verifier forwards), draft, accept, commit (KV gather), and total.
     """
 
@@ -73,12 +73,26 @@ class _Output:
         self.eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         self.done = max_new_tokens == 0
 
-    def extend(self, new: Tensor) -> None:
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.tokens)
+
+    def extend(self, new: Tensor) -> int:
+        """Append what fits before the cut; returns how many tokens of `new` were kept."""
+        before = len(self.tokens)
         for token in new.flatten().tolist():
             if self.done:
-                return
+                break
             self.tokens.append(token)
             self.done = len(self.tokens) >= self.budget or token in self.eos
+        return len(self.tokens) - before
+
+
+def _truncate(draft: Draft, depth: int) -> tuple[Draft, Tensor]:
+    """`draft` without its nodes deeper than `depth`, and the kept nodes' indices (K,) in `draft.tree`."""
+    tree, keep = truncate(draft.tree, depth)
+    index = torch.tensor(keep, device=draft.tokens.device)
+    return Draft(tree=tree, tokens=draft.tokens[:, index]), index
 
 
 def _check_inputs(verifier: Verifier, input_ids: Tensor, max_new_tokens: int, tree_nodes: int) -> None:
@@ -158,6 +172,10 @@ def speculative_decode(
         # 2. Draft: the drafter fills the tree under the root from the verifier's latest outputs.
         with timer("draft"):
             draft = drafter.propose(sequence, hidden)
+        # The last round needs at most `remaining` tokens (drafts + the bonus): deeper nodes are not verified.
+        kept = None  # (K,) the verified nodes' indices in the proposed tree, when it was truncated
+        if draft.tree.max_depth > out.remaining - 1:
+            draft, kept = _truncate(draft, out.remaining - 1)
         if draft.tree not in buffers:
             buffers[draft.tree] = tree_buffers(draft.tree, device=input_ids.device)
         buf = buffers[draft.tree]
@@ -173,7 +191,6 @@ def speculative_decode(
             acc = greedy_accept(buf.retrieve, draft.tokens, step.logits)
             num = int(acc.num_accepted[0])
             nodes = buf.retrieve[acc.path, : num + 1]  # (B, 1+A): root, then the accepted drafts
-            lengths.append(acc.num_accepted)
 
         # 5. Commit: the cache keeps the root and the accepted drafts, contiguous after the prefix.
         with timer("commit"):
@@ -182,10 +199,10 @@ def speculative_decode(
         # 6. Emit the accepted drafts and the verifier's next token, which becomes the next root.
         new = torch.cat([draft.tokens[:, nodes[0, 1:]], acc.next_token[:, None]], dim=1)  # (B, A+1)
         sequence = torch.cat([sequence, new], dim=1)
-        out.extend(new)
+        lengths.append(acc.num_accepted.new_tensor([out.extend(new) - 1]))  # (B,): what the cut keeps
 
         # 7. Reuse this forward's outputs at the accepted nodes for the next round, and tell the drafter.
         hidden = step.hidden[:, nodes[0]]  # (B, 1+A, len(layers) * D)
-        drafter.accepted(acc.num_accepted, nodes)
+        drafter.accepted(acc.num_accepted, nodes if kept is None else kept[nodes])  # in the drafter's own tree
 
     return _result(input_ids, out, forwards, lengths, drafter.max_depth, timer, start)

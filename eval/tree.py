@@ -80,6 +80,17 @@ class Tree:
         return list(self.paths[1:])
 
 
+def truncate(tree: Tree, depth: int) -> tuple[Tree, list[int]]:
+    """The nodes of `tree` at depth <= `depth` (the root always), as a tree, and their indices in `tree`, in order.
+    Parents come before their children, so the kept nodes keep their relative order and their parents."""
+    if depth < 0:
+        raise UserError(f"truncate(depth={depth}): the depth must be >= 0.")
+    keep = [i for i, d in enumerate(tree.depths) if d <= depth]
+    index = {old: new for new, old in enumerate(keep)}
+    parents = tuple(index.get(tree.parents[i], -1) for i in keep)
+    return Tree(parents=parents, ranks=tuple(tree.ranks[i] for i in keep)), keep
+
+
 @dataclass(frozen=True)
 class Chain:
     """A chain of `depth` top-1 drafts; None: the drafter's own depth (every Medusa head, EAGLE's default depth)."""

@@ -94,11 +94,12 @@ class OracleDrafter:
     feature_layers = (-1,)
 
     def __init__(self, verifier: Verifier, prompt_len: int, reference: list[int], tree: Tree, miss: float = 0.2,
-                 seed: int = 0):
+                 seed: int = 0, last_child: bool = False):
         self.tree, self.max_nodes, self.max_depth = tree, tree.num_nodes, tree.max_depth
         self.lm_head, self.vocab = verifier.lm_head, verifier.vocab_size
         self.prompt_len, self.reference, self.miss = prompt_len, reference, miss
         self.rng = random.Random(seed)
+        self.last_child = last_child  # always the last child, not mostly the first
         self.scattered = False  # did an accepted path skip over tree nodes (a real gather in the commit)?
 
     def describe(self) -> dict:
@@ -118,10 +119,15 @@ class OracleDrafter:
                 break
             # Mostly the first child, as a real drafter's best guess; sometimes any, so paths run through every branch.
             node = children[0] if self.rng.random() < 0.5 else self.rng.choice(children)
+            node = children[-1] if self.last_child else node
             tokens[node] = truth[depth - 1]
+        self.proposed = (tokens, truth)
         return Draft(tree=tree, tokens=torch.tensor([tokens]))
 
     def accepted(self, num_accepted, nodes) -> None:
+        # `nodes` index this drafter's own tree (even when the loop verified a truncated one): the accepted drafts.
+        tokens, truth = self.proposed
+        assert [tokens[i] for i in nodes[0, 1:].tolist()] == truth[: int(num_accepted[0])]
         self.scattered |= not torch.equal(nodes[0], torch.arange(nodes.shape[1]))
 
 
@@ -162,7 +168,7 @@ def test_good_drafts_are_accepted_and_output_stays_exact(verifier, references, t
         assert result.tokens[0].tolist() == ref[:MAX_NEW]
         assert result.num_forwards <= 3 * MAX_NEW // 4
         emitted = 1 + int((result.accept_lengths + 1).sum())  # prefill token + per round accepted + bonus
-        assert emitted >= MAX_NEW and emitted - MAX_NEW <= TREES[tree_name].max_depth
+        assert emitted == MAX_NEW  # the rounds count only the tokens that were kept
         assert result.alpha.shape == (4,) and result.alpha[0] >= result.alpha[-1]
         taus.append(result.tau)
         scattered |= drafter.scattered
@@ -183,17 +189,50 @@ def test_eos_stops_right_after_it(verifier, references):
         assert speculative_decode(verifier, medusa, ids, MAX_NEW, [eos, 0]).tokens[0].tolist() == cut
 
 
-@pytest.mark.parametrize("max_new", [0, 1, 2, 7, 11])
+@pytest.mark.parametrize("max_new", [0, 1, 2, 3, 7, 11])
 def test_max_new_tokens_is_cut_exactly(base, max_new):
     verifier = _varied_llama(base)
     ids = verifier.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     ref = greedy_decode(verifier, ids, 20).tokens[0].tolist()
-    for tree in (TREES["sparse"], chain(4)):
-        oracle = OracleDrafter(verifier, ids.shape[1], ref, tree, miss=0.0)
+    # A tree that lists a depth-1 node (3) after a depth-2 one, drafted right through node 3: cut to depth 1 (the
+    # last round of max_new 3), it is renumbered, and the drafter must still be told node 3.
+    late = Tree(parents=(-1, 0, 1, 0, 3, 3), ranks=(-1, 0, 0, 1, 0, 1))
+    for tree in (TREES["sparse"], late, chain(4)):
+        oracle = OracleDrafter(verifier, ids.shape[1], ref, tree, miss=0.0, last_child=tree == late)
         result = speculative_decode(verifier, oracle, ids, max_new)
         assert result.tokens[0].tolist() == ref[:max_new]
     # A chain always right: the prefill gives 1 token, each round 5; no forward once max_new is reached.
     assert result.num_forwards == (0 if max_new == 0 else 1 + -(-(max_new - 1) // 5))
+
+
+@pytest.mark.parametrize("max_new, sizes", [(1, []), (2, [1]), (3, [2]), (7, [5, 1]), (8, [5, 2]), (11, [5, 5])])
+def test_tau_counts_what_is_kept_and_the_last_round_stops_at_the_budget(base, max_new, sizes):
+    # A perfect chain of 4: the drafter proposes the verifier's own greedy continuation. The prefill emits the first
+    # token; each round then needs at most the remaining budget, so its tree is cut to depth remaining - 1 before
+    # the verifier forward, and tau counts what the output keeps (max_new 2: one round of one token, tau 1, not 5).
+    verifier = _varied_llama(base)
+    ids = verifier.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    ref = greedy_decode(verifier, ids, 20).tokens[0].tolist()
+    seen = []  # tokens in each verifier forward, the prefill first
+    hook = verifier.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        oracle = OracleDrafter(verifier, ids.shape[1], ref, chain(4), miss=0.0)
+        result = speculative_decode(verifier, oracle, ids, max_new)
+    finally:
+        hook.remove()
+    assert result.tokens[0].tolist() == ref[:max_new]
+    assert seen == [ids.shape[1]] + sizes
+    assert result.accept_lengths[:, 0].tolist() == [n - 1 for n in sizes]
+    assert result.tau == (sum(sizes) / len(sizes) if sizes else 0.0)
+    # The EOS cut: the verifier's 8th token is made an EOS, the second draft of the second round.
+    if max_new == 11:
+        assert ref[7] not in ref[:7]
+        result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref, chain(4), miss=0.0), ids,
+                                    max_new, eos_token_id=ref[7])
+        assert result.tokens[0].tolist() == ref[:8]
+        assert result.accept_lengths[:, 0].tolist() == [4, 1] and result.tau == 3.5  # 5 + 2 kept, not 5 + 5
 
 
 def test_medusa_heads_that_draft_well_on_a_repeating_verifier(base):
@@ -205,8 +244,9 @@ def test_medusa_heads_that_draft_well_on_a_repeating_verifier(base):
     ref = _hf_generate(base, ids, MAX_NEW, base.tokenizer.eos_token_id)
     result = speculative_decode(base, drafter, ids, MAX_NEW, base.tokenizer.eos_token_id)
     assert result.tokens[0].tolist() == ref
-    assert result.tau == 5.0 and result.num_forwards == 1 + 8  # 1 + 8 rounds of 5 covers 40 tokens
-    assert result.alpha.tolist() == [1.0, 1.0, 1.0, 1.0]
+    # The prefill's token, 7 rounds of 5, and a last round cut to the 4 tokens left (3 drafts + the bonus).
+    assert result.accept_lengths[:, 0].tolist() == [4] * 7 + [3] and result.num_forwards == 1 + 8
+    assert result.tau == pytest.approx(39 / 8) and result.alpha.tolist() == pytest.approx([1.0, 1.0, 1.0, 7 / 8])
     assert set(result.times) >= {"verify_s", "draft_s", "commit_s", "total_s"}
 
 
@@ -249,3 +289,50 @@ def test_negative_control_causal_mask_changes_the_output(verifier, references, m
     ids, ref = references[0]
     result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref, TREES["sparse"]), ids, MAX_NEW)
     assert result.tokens[0].tolist() != ref[:MAX_NEW]
+
+
+# Medusa heads of distinct, known behaviour: head k (0-based) drafts at depth k+1, and each node takes its rank.
+
+
+def _constant_heads(verifier: Verifier, targets: list[list[int]], share: bool) -> tuple[MedusaHeads, list[list[int]]]:
+    """Heads whose ranked candidates do not depend on the context: head k adds 1e4 along hidden dimension 2k + 1,
+    which outweighs the normed hidden state. Unshared, head k's projection reads that dimension for targets[k]
+    (rank 0 weight 1, rank 1 weight 0.5, the rest 0); shared, the verifier's own head ranks tokens by their embedding
+    on that dimension. Returns the heads and, per head, its expected top-2."""
+    k_heads = len(targets)
+    heads = MedusaHeads(verifier.hidden_size, verifier.vocab_size, num_heads=k_heads, share_lm_head=share)
+    expected = []
+    with torch.no_grad():
+        for k in range(k_heads):
+            dim = 2 * k + 1
+            heads.blocks[k].layers[0].bias[dim] = 1e4  # x + SiLU(0 * x + b) = x + 1e4 e_dim
+            if share:
+                expected.append(verifier.lm_head.weight[:, dim].topk(2).indices.tolist())
+            else:
+                weight = heads.lm_heads[k].weight
+                weight.zero_()
+                weight[targets[k][0], dim], weight[targets[k][1], dim] = 1.0, 0.5
+                expected.append(list(targets[k]))
+    return heads, expected
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared_head", "own_heads"])
+def test_medusa_heads_draft_at_their_own_depth_and_rank(base, share):
+    verifier = _varied_llama(base)
+    ids = verifier.tokenizer(PROMPTS[2], return_tensors="pt").input_ids
+    ref = greedy_decode(verifier, ids, 24).tokens[0].tolist()
+    # Unshared heads draft the verifier's own continuation after the first root at rank 0 (a decoy at rank 1), so
+    # the first round accepts every draft only if head k drafts depth k+1.
+    decoys = [ref[10 + k] for k in range(4)]
+    heads, top2 = _constant_heads(verifier, [[ref[1 + k], decoys[k]] for k in range(4)], share)
+    assert len({t[0] for t in top2}) == 4 and all(a != b for a, b in top2)  # four heads, four different tokens
+    tree = from_medusa_choices(SPARSE)  # ranks 0 and 1 at depths 1..3
+    drafter = make_drafter("medusa", verifier, tree, net=heads)
+    hidden = verifier.hidden_states(ids)
+    draft = drafter.propose(torch.cat([ids, torch.tensor([[ref[0]]])], dim=1), hidden)
+    expected = [ref[0]] + [top2[d - 1][r] for d, r in zip(tree.depths[1:], tree.ranks[1:])]
+    assert draft.tokens[0].tolist() == expected
+    result = speculative_decode(verifier, make_drafter("medusa", verifier, chain(4), net=heads), ids, 24)
+    assert result.tokens[0].tolist() == ref
+    if not share:
+        assert result.accept_lengths[0, 0].item() == 4

@@ -2,6 +2,11 @@
 multi-turn prompts, the HumanEval source, W&B logging, and one clear error per bad input through the real command
 line. Most tests use the tiny verifier with saved Medusa exports (random heads that draft badly, fresh heads that
 draft perfectly on it) and one thread; one slow test trains `experiment=smoke` and evaluates the default verifier.
+
+The tiny verifier repeats one token, so a wrong KV cache would still give `greedy_match` 1.0 there. The exactness
+tests therefore also run the harness's decode and report code on a verifier whose output varies (conftest's
+`varied_llama`), handing it the verifier and drafter as objects (`Runner`, `run_prompts`, `write_outputs`, what
+`evaluate` runs after loading), with negative controls that break the KV commit and must lower `greedy_match`.
 """
 
 from __future__ import annotations
@@ -14,13 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, varied_llama
 from data.prompts import Conversation, load_conversations
 from data.prompts import select_prompts
-from eval.harness import evaluate
-from eval.report import REPORT_KEYS
+from eval import decode, kv
+from eval.drafters import Draft, Drafter, make_drafter
+from eval.harness import Runner, evaluate, run_prompts
+from eval.report import REPORT_KEYS, write_outputs
+from eval.tree import Tree, auto_tree, from_medusa_choices
 from models.export import save_export
 from models.medusa import MedusaHeads
+from models.verifier import Verifier
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
 METRIC_KEYS = set(REPORT_KEYS) - {"method", "verifier", "checkpoint", "by_category"}
@@ -102,7 +111,103 @@ def test_random_heads_report_is_exact_and_sane(exports, tmp_path, tree):
 def test_good_heads_are_accepted(exports, tmp_path):
     report, _ = run_eval([f"checkpoint={exports['fresh']}", "num_prompts=2", "tree=chain"], tmp_path)
     _check_sane(report, depth=4)
-    assert report["tau"] > 3.0 and report["accept_rate_per_position"][0] > 0.9
+    # 12 tokens per prompt: the prefill's, two rounds of 5, and a last round cut to the 1 token left (no draft).
+    assert report["tau"] == pytest.approx(11 / 3, abs=1e-3)
+    assert report["accept_rate_per_position"] == pytest.approx([2 / 3] * 4, abs=1e-3)
+
+
+# Exactness on a verifier whose output varies, with the harness given objects.
+
+
+@pytest.fixture(scope="module")
+def varied() -> Verifier:
+    return varied_llama()
+
+
+class SelfOracle:
+    """A drafter that computes the verifier's own greedy continuation and puts it down the last child at every
+    depth (the other nodes get the next token id), so that accepted paths skip over tree nodes and the KV commit
+    has to gather them."""
+
+    feature_layers = (-1,)
+
+    def __init__(self, verifier: Verifier, tree: Tree) -> None:
+        self.model, self.vocab = verifier.model, verifier.vocab_size
+        self.tree, self.max_nodes, self.max_depth = tree, tree.num_nodes, tree.max_depth
+
+    def describe(self) -> dict:
+        return {"policy": "self-oracle"}
+
+    @torch.no_grad()
+    def propose(self, input_ids, hidden) -> Draft:
+        tree, seq = self.tree, input_ids
+        for _ in range(tree.max_depth):
+            seq = torch.cat([seq, self.model(seq).logits[:, -1:].argmax(-1)], dim=1)
+        truth = seq[0, input_ids.shape[1]:].tolist()
+        tokens = [input_ids[0, -1].item()] + [(t + 1) % self.vocab for t in truth[:1] * tree.num_drafts]
+        node = 0
+        for token in truth:
+            children = [i for i, p in enumerate(tree.parents) if p == node]
+            if not children:
+                break
+            node = children[-1]
+            tokens[node] = token
+        return Draft(tree=tree, tokens=torch.tensor([tokens]))
+
+    def accepted(self, num_accepted, nodes) -> None:
+        pass
+
+
+def run_objects(verifier: Verifier, drafter: Drafter, out: Path, num_prompts: int = 3) -> tuple[dict, dict]:
+    """What `evaluate` runs once the verifier and drafter are loaded: every method on the eval split's first
+    prompts, then report.json and profile.json."""
+    runner = Runner(verifier, drafter, max_new_tokens=16, lookup=10)
+    convs = select_prompts(load_conversations("builtin", split="eval"), num_prompts)
+    samples = run_prompts(runner, convs, multi_turn=False, warmup=False, progress=False)
+    meta = {"method": "test", "verifier": verifier.name, "checkpoint": "-"}
+    report = write_outputs(samples, meta, {"max_new_tokens": 16}, drafter.max_depth, out, {"mode": "disabled"})
+    return report, json.loads((out / "profile.json").read_text())
+
+
+def random_heads_drafter(verifier: Verifier, tree: Tree) -> Drafter:
+    heads = MedusaHeads(verifier.hidden_size, verifier.vocab_size, num_heads=4)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return make_drafter("medusa", verifier, tree, net=heads)
+
+
+def off_by_one(cache, prefix_len, keep):
+    """A wrong commit: the accepted entries gathered one position early (the last prefix entry is overwritten)."""
+    COMMIT(cache, prefix_len - 1, keep)
+
+
+def first_nodes(cache, prefix_len, keep):
+    """A wrong commit: as many entries as accepted, but the tree's first nodes rather than the accepted path's."""
+    COMMIT(cache, prefix_len, torch.arange(keep.shape[1])[None])
+
+
+COMMIT = kv.commit
+SCATTERED = from_medusa_choices([(0,), (1,), (2,), (2, 0), (2, 1), (2, 1, 0), (2, 1, 1), (2, 1, 1, 0)])
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("drafter_name", ["random_heads", "oracle"])
+def test_report_is_exact_on_a_varied_verifier_and_a_wrong_commit_shows(varied, tmp_path, monkeypatch, drafter_name):
+    if drafter_name == "random_heads":
+        drafter, wrong = random_heads_drafter(varied, auto_tree(ACCURACY, 8)), off_by_one
+    else:
+        drafter, wrong = SelfOracle(varied, SCATTERED), first_nodes
+    report, profile = run_objects(varied, drafter, tmp_path / "ok")
+    outputs = [p["new_tokens"]["baseline"] for p in profile["per_prompt"]]
+    assert outputs == [16, 16, 16]
+    assert report["greedy_match"] == 1.0 and set(profile["match_plain_greedy"].values()) == {1.0}
+    assert report["tau"] > 3.0 if drafter_name == "oracle" else report["tau"] < 1.5
+    # The same run with the KV commit broken: the harness must report the mismatch.
+    monkeypatch.setattr(decode.kv, "commit", wrong)
+    broken, _ = run_objects(varied, drafter, tmp_path / "broken")
+    assert broken["greedy_match"] < 1.0
 
 
 def test_per_category_breakdown(exports, questions, tmp_path):

@@ -1,15 +1,21 @@
 """`python -m eval` with EAGLE exports: the drafter family is read from the export; chain and dynamic trees decode
-exactly; trees that belong to the other family are refused."""
+exactly (also on a verifier whose output varies, with a broken KV commit as a negative control); trees that belong
+to the other family are refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from eval import decode
+from eval.drafters import make_drafter
+from eval.tree import Chain, DynamicTree
 from models.eagle import build_eagle
 from models.export import save_export
 from models.errors import UserError
-from test_harness import FAST, run_eval
+from test_eagle_decode import random_net
+from conftest import varied_llama
+from test_harness import FAST, off_by_one, run_eval, run_objects
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +56,21 @@ def test_tree_size_zero_is_plain_decoding_and_the_report_records_the_real_tree(e
     assert profile["tree"] == {"policy": "dynamic", "dynamic": True, "size": 12, "depth": 3, "topk": 4,
                                "max_nodes": 13}
     assert "medusa_choices" not in profile["tree"] and len(report["accept_rate_per_position"]) == 3
+
+
+@pytest.fixture(scope="module")
+def varied():
+    return varied_llama()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_report_is_exact_on_a_varied_verifier_and_a_wrong_commit_shows(varied, tmp_path, monkeypatch, kind):
+    net = random_net(kind, varied)
+    for tree in (Chain(5), DynamicTree()):
+        drafter = make_drafter(kind, varied, tree, net=net)
+        report, profile = run_objects(varied, drafter, tmp_path / f"ok-{drafter.max_nodes}")
+        assert report["greedy_match"] == 1.0 and set(profile["match_plain_greedy"].values()) == {1.0}
+    monkeypatch.setattr(decode.kv, "commit", off_by_one)
+    broken, _ = run_objects(varied, make_drafter(kind, varied, DynamicTree(), net=net), tmp_path / "broken")
+    assert broken["greedy_match"] < 1.0

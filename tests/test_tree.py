@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.tree import Tree, auto_tree, chain, from_medusa_choices, tree_buffers
+from eval.tree import Tree, auto_tree, chain, from_medusa_choices, tree_buffers, truncate
 from models.errors import UserError
 
 
@@ -99,3 +99,14 @@ def test_bad_inputs_are_refused():
         Tree(parents=(-1, 0, 0), ranks=(-1, 0, 0))
     with pytest.raises(UserError, match="parents must come first"):
         Tree(parents=(-1, 2, 0), ranks=(-1, 0, 1))
+
+
+def test_truncate_keeps_the_nodes_up_to_a_depth_with_their_indices():
+    tree = Tree(parents=(-1, 0, 1, 0, 3, 2), ranks=(-1, 0, 0, 1, 0, 0))  # depths 0, 1, 2, 1, 2, 3
+    assert truncate(tree, 1) == (Tree(parents=(-1, 0, 0), ranks=(-1, 0, 1)), [0, 1, 3])
+    assert truncate(tree, 2) == (Tree(parents=(-1, 0, 1, 0, 3), ranks=(-1, 0, 0, 1, 0)), [0, 1, 2, 3, 4])
+    assert truncate(tree, 0) == (chain(0), [0])
+    assert truncate(tree, 3) == (tree, list(range(6)))
+    assert truncate(chain(4), 2)[0] == chain(2)
+    with pytest.raises(UserError, match="depth=-1"):
+        truncate(tree, -1)
