@@ -124,6 +124,9 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     recover(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-{os.getpid()}-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the published directory gets the usual mode
     try:
         yield tmp
         fsync_tree(tmp)
