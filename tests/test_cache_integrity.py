@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,96 @@ def test_exports_written_before_the_wider_fingerprint_still_load(tiny):
         check_fingerprint({**old, "lm_head_sha256": "0" * 16}, tiny, "export 'old'")
     with pytest.raises(VerifierMismatchError):
         check_fingerprint({}, tiny, "export 'none'")  # no fingerprint at all is still refused
+
+
+# -- atomic replacement of an export ----------------------------------------------------------------------------------
+WRITER = r"""
+import os, signal, sys
+from pathlib import Path
+import models.io as io
+
+final, version, kill_at = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+if kill_at.startswith("fallback+"):
+    io.exchange = lambda a, b: False  # a file system without RENAME_EXCHANGE
+    kill_at = kill_at[len("fallback+"):]
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def wrap(name, fn):
+    calls = []
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if kill_at == f"{name}:before" or kill_at == f"{name}:before#{len(calls)}":
+            die()
+        out = fn(*args, **kwargs)
+        if kill_at == f"{name}:after" or kill_at == f"{name}:after#{len(calls)}":
+            die()
+        return out
+    return wrapped
+
+io.fsync_tree = wrap("fsync_tree", io.fsync_tree)
+io.exchange = wrap("exchange", io.exchange)
+io.shutil.rmtree = wrap("rmtree", io.shutil.rmtree)
+io.os.rename = wrap("rename", io.os.rename)
+with io.atomic_dir(final) as tmp:
+    (tmp / "weights.bin").write_bytes(version.encode() * 100_000)
+    if kill_at == "body":
+        die()
+    (tmp / "config.json").write_text(version)
+print("done")
+"""
+
+
+def _write(final: Path, version: str, kill_at: str = "none") -> int:
+    proc = subprocess.run([sys.executable, "-c", WRITER, str(final), version, kill_at], cwd=ROOT, timeout=120)
+    return proc.returncode
+
+
+def _version(final: Path) -> str:
+    """The version `final` holds, asserting it is complete and consistent."""
+    version = (final / "config.json").read_text()
+    assert (final / "weights.bin").read_bytes() == version.encode() * 100_000
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "weights.bin"]
+    return version
+
+
+@pytest.mark.parametrize("kill_at,expect", [("body", "old"), ("fsync_tree:before", "old"),
+                                            ("exchange:before", "old"), ("exchange:after", "new"),
+                                            ("rmtree:before", "new"), ("rename:after#1", None)])
+def test_a_kill_during_an_export_swap_leaves_the_old_or_the_new_version(tmp_path, kill_at, expect):
+    """SIGKILL the writer at each step of replacing an export: the export is always one whole version."""
+    final = tmp_path / "export"
+    assert _write(final, "old") == 0
+    rc = _write(final, "new", kill_at)
+    assert rc == -signal.SIGKILL or (expect is None and rc == 0)  # a rename is not needed to replace, with exchange
+    got = _version(final)  # asserts it is whole
+    assert got in ("old", "new") and (expect is None or got == expect)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "export"]
+    assert all(n.startswith(".tmp-export-") for n in leftovers)
+    assert _write(final, "newer") == 0  # the next writer cleans up after the dead one
+    assert _version(final) == "newer" and [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_without_exchange_a_kill_between_the_renames_is_recovered(tmp_path):
+    from models.io import recover
+
+    final = tmp_path / "export"
+    assert _write(final, "old") == 0
+    assert _write(final, "new", "fallback+rename:after#1") == -signal.SIGKILL  # old moved aside, new not yet in
+    assert not final.exists()
+    recover(final)  # what the next atomic_dir on this path does first
+    assert _version(final) == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_a_live_writers_scratch_directory_is_left_alone(tmp_path):
+    from models.io import recover
+
+    final = tmp_path / "export"
+    mine = tmp_path / f".tmp-export-{os.getpid()}-abc"
+    dead = tmp_path / ".tmp-export-999999999-abc"  # above any pid_max: no such process
+    mine.mkdir()
+    dead.mkdir()
+    recover(final)
+    assert mine.is_dir() and not dead.exists()
