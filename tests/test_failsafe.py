@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT, compose_train
-from models.errors import NonFiniteLossError, UserError, user_error
+from models.errors import UserError, user_error
 from train.safety import DIVERGED, LAST_GOOD, DivergenceError
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
@@ -24,17 +24,39 @@ TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_ba
 
 
 class BlowUp(L.Callback):
-    """Fault injection: from step `at_step` on, scale the trainable weights by `scale` (what a huge update does)."""
+    """Fault injection: right after optimizer step `at_step`, scale the trainable weights (what a huge update does),
+    before any other callback sees them."""
 
     def __init__(self, at_step: int, scale: float = 1e6) -> None:
         self.at_step, self.scale = at_step, scale
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at_step:
             with torch.no_grad():
                 for p in pl_module.parameters():
                     if p.requires_grad:
                         p.mul_(self.scale).add_(self.scale)
+
+
+class InfGrad(L.Callback):
+    """Fault injection: an overflowed gradient at step `at_step` (the loss itself stays finite)."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step == self.at_step:
+            next(p for p in pl_module.parameters() if p.grad is not None).grad[0] = float("inf")
+
+
+def _first(cfg, name: str, **params):
+    """Put a test callback first, so it runs before the guard in every hook."""
+    from omegaconf import open_dict
+
+    test_cb = {"_target_": f"test_failsafe.{name}", **params}
+    with open_dict(cfg):
+        cfg.callbacks = {"fault": test_cb, **cfg.callbacks}
+    return cfg
 
 
 def _step(path: Path) -> int:
@@ -52,14 +74,13 @@ def test_divergence_keeps_the_last_good_checkpoint_and_the_export(train_script, 
     train_script.run(compose_train([*every2, "trainer.max_steps=3"], tmp_path))
     export = tmp_path / "export" / "model.safetensors"
     before = export.read_bytes()
-    cfg = compose_train([*every2, "trainer.max_steps=40", "ckpt_path=last",
-                         "+callbacks.blowup._target_=test_failsafe.BlowUp", "+callbacks.blowup.at_step=9"], tmp_path)
+    cfg = _first(compose_train([*every2, "trainer.max_steps=40", "ckpt_path=last"], tmp_path), "BlowUp", at_step=8)
     with pytest.raises(DivergenceError, match="above 1000 x its running level") as err:
         train_script.run(cfg)
     good = tmp_path / "checkpoints" / LAST_GOOD
-    # Candidates at steps 4, 6, 8 were each confirmed by the next step's loss; the weights after step 9 were not.
-    assert _step(good) == 8
-    assert f"ckpt_path={good}" in str(err.value) and "(step 8)" in str(err.value)
+    # Candidates at steps 4 and 6 were each confirmed by the next step's loss; the weights after step 8 were not.
+    assert _step(good) == 6
+    assert f"ckpt_path={good}" in str(err.value) and "(step 6)" in str(err.value)
     assert export.read_bytes() == before  # never exported from the diverged state
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # `ckpt_path=last` cannot resume diverged weights
     assert (tmp_path / "checkpoints" / DIVERGED).is_file()
@@ -82,11 +103,14 @@ def test_huge_learning_rate_on_the_command_line_exits_2_and_keeps_the_export(tra
 
 
 def test_non_finite_gradients_stop_before_the_optimizer_step(train_script, tmp_path):
-    cfg = compose_train([*TINY, "trainer.max_steps=5", "callbacks.divergence.factor=1e30",
-                         "+callbacks.blowup._target_=test_failsafe.BlowUp", "+callbacks.blowup.at_step=2",
-                         "+callbacks.blowup.scale=1e38", "trainer.precision=32-true"], tmp_path)
-    with pytest.raises(NonFiniteLossError, match="training diverged at step 2"):
+    cfg = _first(compose_train([*TINY, "trainer.max_steps=5", "callbacks.checkpoint.every_n_train_steps=1"], tmp_path),
+                 "InfGrad", at_step=2)
+    with pytest.raises(DivergenceError, match="training diverged at step 2: the gradient norm is inf"):
         train_script.run(cfg)
+    good = tmp_path / "checkpoints" / LAST_GOOD
+    assert _step(good) == 2  # the weights after step 2 gave a finite loss; the bad gradient was never applied
+    state = torch.load(good, map_location="cpu", weights_only=True)["state_dict"]
+    assert all(torch.isfinite(v).all() for v in state.values())
     assert not (tmp_path / "export").exists()
 
 
