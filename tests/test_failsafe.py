@@ -114,6 +114,16 @@ def test_non_finite_gradients_stop_before_the_optimizer_step(train_script, tmp_p
     assert not (tmp_path / "export").exists()
 
 
+def test_non_finite_weights_after_the_last_step_are_not_exported(train_script, tmp_path):
+    """The last update is checked by no later loss; the export still refuses non-finite weights."""
+    train_script.run(compose_train([*TINY, "trainer.max_steps=2"], tmp_path))
+    before = (tmp_path / "export" / "model.safetensors").read_bytes()
+    cfg = _first(compose_train([*TINY, "trainer.max_steps=3"], tmp_path), "BlowUp", at_step=3, scale=float("inf"))
+    with pytest.raises(DivergenceError, match="not exporting to .*non-finite weights"):
+        train_script.run(cfg)
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == before
+
+
 # -- one run per name --------------------------------------------------------------------------------------------------
 def test_a_second_run_with_the_same_name_is_refused_naming_the_first(train_script, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from train.safety import RunLock\n"
