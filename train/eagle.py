@@ -27,9 +27,10 @@ from torch import Tensor
 
 from data.hidden_cache import gather_layers
 from models.eagle import NAMES, Eagle1Net, Eagle3Net, build_eagle, unroll
-from models.errors import NonFiniteLossError
+from models.errors import NonFiniteLossError, UserError
 from models.export import save_export
 from models.verifier import Verifier
+from train.safety import last_good_advice
 
 
 def draft_vocab_from_counts(counts: Tensor, size: int) -> tuple[Tensor, float]:
@@ -54,6 +55,9 @@ class EagleModule(L.LightningModule):
                  noise: float = 0.2, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
                  warmup_ratio: float = 0.05) -> None:
         super().__init__()
+        if isinstance(step_decay, bool) or not isinstance(step_decay, (int, float)) or not step_decay > 0:
+            raise UserError(f"model.step_decay={step_decay!r}: unrolled step j's loss weight is step_decay^j, so give "
+                            f"a number above 0 (default 0.8).")
         self.save_hyperparameters(ignore=["verifier", "optimizer", "scheduler"], logger=False)
         self.verifier = verifier
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
@@ -155,8 +159,8 @@ class EagleModule(L.LightningModule):
         loss = self._loss(res["losses"])
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
-                f"training loss is {loss.item()} at step {self.global_step}. Lower model.optimizer.lr, use "
-                f"trainer.precision=32-true, or resume from the last good checkpoint with ckpt_path=last.")
+                f"training diverged at step {self.global_step}: the training loss is {loss.item()}. "
+                f"{last_good_advice(self._trainer)}")
         bsz = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bsz)
         for j, l in enumerate(res["losses"]):

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.errors import NonFiniteLossError
+from models.errors import NonFiniteLossError, UserError
 from models.export import save_export
 from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import Verifier
+from train.safety import last_good_advice
 
 TOPK = 10  # accuracies recorded for tree construction: top-1 .. top-10 per head
 
@@ -51,6 +52,11 @@ class MedusaModule(L.LightningModule):
         share_lm_head: bool = True,
     ) -> None:
         super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise UserError(f"model.num_heads={num_heads!r}: give a whole number of heads, at least 1 (default 4).")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay > 0:
+            raise UserError(f"model.decay={decay!r}: head k's loss weight is decay^(k-1), so give a number above 0 "
+                            f"(default 0.8).")
         # Plain values only: checkpoints must load with torch.load(weights_only=True) when resuming.
         self.save_hyperparameters(ignore=["verifier", "optimizer", "scheduler"], logger=False)
         self.verifier = verifier
@@ -98,8 +104,8 @@ class MedusaModule(L.LightningModule):
         loss, head_losses, hits, counts = self.model_step(batch)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
-                f"training loss is {loss.item()} at step {self.global_step}. Lower model.optimizer.lr, use "
-                f"trainer.precision=32-true, or resume from the last good checkpoint with ckpt_path=last."
+                f"training diverged at step {self.global_step}: the training loss is {loss.item()}. "
+                f"{last_good_advice(self._trainer)}"
             )
         bsz = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bsz)

@@ -1,0 +1,230 @@
+"""Training that fails safe: divergence keeps the good checkpoint and export, one run per name, writable outputs
+checked first, safe resume; bad input on the training side stops with one message."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from conftest import ROOT, compose_train
+from models.errors import UserError, user_error
+from train.safety import DIVERGED, LAST_GOOD, DivergenceError
+
+TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
+        "data.val_fraction=0.25", "logger=csv", "trainer.max_epochs=50"]
+
+
+class BlowUp(L.Callback):
+    """Fault injection: right after optimizer step `at_step`, scale the trainable weights (what a huge update does),
+    before any other callback sees them."""
+
+    def __init__(self, at_step: int, scale: float = 1e6) -> None:
+        self.at_step, self.scale = at_step, scale
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    if p.requires_grad:
+                        p.mul_(self.scale).add_(self.scale)
+
+
+class InfGrad(L.Callback):
+    """Fault injection: an overflowed gradient at step `at_step` (the loss itself stays finite)."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step == self.at_step:
+            next(p for p in pl_module.parameters() if p.grad is not None).grad[0] = float("inf")
+
+
+def _first(cfg, name: str, **params):
+    """Put a test callback first, so it runs before the guard in every hook."""
+    from omegaconf import open_dict
+
+    test_cb = {"_target_": f"test_failsafe.{name}", **params}
+    with open_dict(cfg):
+        cfg.callbacks = {"fault": test_cb, **cfg.callbacks}
+    return cfg
+
+
+def _step(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+
+
+def _cli(args: list[str], run_dir: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# -- divergence --------------------------------------------------------------------------------------------------------
+def test_divergence_keeps_the_last_good_checkpoint_and_the_export(train_script, tmp_path):
+    every2 = [*TINY, "callbacks.checkpoint.every_n_train_steps=2"]
+    train_script.run(compose_train([*every2, "trainer.max_steps=3"], tmp_path))
+    export = tmp_path / "export" / "model.safetensors"
+    before = export.read_bytes()
+    cfg = _first(compose_train([*every2, "trainer.max_steps=40", "ckpt_path=last"], tmp_path), "BlowUp", at_step=8)
+    with pytest.raises(DivergenceError, match="above 1000 x its running level") as err:
+        train_script.run(cfg)
+    good = tmp_path / "checkpoints" / LAST_GOOD
+    # Candidates at steps 4 and 6 were each confirmed by the next step's loss; the weights after step 8 were not.
+    assert _step(good) == 6
+    assert f"ckpt_path={good}" in str(err.value) and "(step 6)" in str(err.value)
+    assert export.read_bytes() == before  # never exported from the diverged state
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # `ckpt_path=last` cannot resume diverged weights
+    assert (tmp_path / "checkpoints" / DIVERGED).is_file()
+    with pytest.raises(UserError, match=f"resume with ckpt_path={good}"):
+        train_script.run(compose_train([*every2, "ckpt_path=last"], tmp_path))
+    # The advice works: resuming from the good checkpoint trains on, healthy, and exports.
+    train_script.run(compose_train([*every2, "trainer.max_steps=12", f"ckpt_path={good}"], tmp_path))
+    assert _step(tmp_path / "checkpoints" / "last.ckpt") == 12 and export.read_bytes() != before
+
+
+def test_huge_learning_rate_on_the_command_line_exits_2_and_keeps_the_export(train_script, tmp_path):
+    """The issue's reproduction: lr=1e9 used to reach a loss of 1e7, exit 0 and overwrite the export."""
+    train_script.run(compose_train(["experiment=smoke", *TINY, "trainer.max_steps=2"], tmp_path))
+    before = (tmp_path / "export" / "model.safetensors").read_bytes()
+    proc = _cli(["experiment=smoke", *TINY, "model.optimizer.lr=1e9"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: training diverged at step " in proc.stderr and "Traceback" not in proc.stderr
+    assert "model.optimizer.lr" in proc.stderr
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == before
+
+
+def test_non_finite_gradients_stop_before_the_optimizer_step(train_script, tmp_path):
+    cfg = _first(compose_train([*TINY, "trainer.max_steps=5", "callbacks.checkpoint.every_n_train_steps=1"], tmp_path),
+                 "InfGrad", at_step=2)
+    with pytest.raises(DivergenceError, match="training diverged at step 2: the gradient norm is inf"):
+        train_script.run(cfg)
+    good = tmp_path / "checkpoints" / LAST_GOOD
+    assert _step(good) == 2  # the weights after step 2 gave a finite loss; the bad gradient was never applied
+    state = torch.load(good, map_location="cpu", weights_only=True)["state_dict"]
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert not (tmp_path / "export").exists()
+
+
+def test_non_finite_weights_after_the_last_step_are_not_exported(train_script, tmp_path):
+    """The last update is checked by no later loss; the export still refuses non-finite weights."""
+    train_script.run(compose_train([*TINY, "trainer.max_steps=2"], tmp_path))
+    before = (tmp_path / "export" / "model.safetensors").read_bytes()
+    cfg = _first(compose_train([*TINY, "trainer.max_steps=3"], tmp_path), "BlowUp", at_step=3, scale=float("inf"))
+    with pytest.raises(DivergenceError, match="not exporting to .*non-finite weights"):
+        train_script.run(cfg)
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == before
+
+
+# -- one run per name --------------------------------------------------------------------------------------------------
+def test_a_second_run_with_the_same_name_is_refused_naming_the_first(train_script, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from train.safety import RunLock\n"
+                               "with RunLock(sys.argv[1]):\n print('locked', flush=True); time.sleep(600)",
+                               str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError, match=f"another training run \\(pid {holder.pid}\\) is using"):
+            train_script.run(compose_train([*TINY, "trainer.max_steps=1"], tmp_path))
+    finally:
+        holder.send_signal(signal.SIGKILL)  # a holder that dies leaves no stale lock behind
+        holder.wait()
+    train_script.run(compose_train([*TINY, "trainer.max_steps=1"], tmp_path))
+    assert (tmp_path / "export" / "config.json").is_file()
+
+
+# -- where a run writes ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def a_file(tmp_path) -> Path:
+    """A regular file: a directory below it can never be created, even by root (chmod does not stop root)."""
+    path = tmp_path / "not-a-dir"
+    path.write_text("")
+    return path
+
+
+@pytest.mark.parametrize("key,what", [("callbacks.checkpoint.dirpath", "the checkpoints directory"),
+                                      ("callbacks.export.dirpath", "the export location")])
+def test_unwritable_outputs_are_found_before_the_verifier_loads(train_script, tmp_path, a_file, key, what):
+    # A verifier that cannot load: the check must come first to give its own message.
+    cfg = compose_train([*TINY, "verifier=hf", "verifier.path=/nonexistent/llama", f"{key}={a_file}/sub/dir"],
+                        tmp_path / "run")
+    with pytest.raises(UserError, match=f"{what} '{a_file}/sub") as err:
+        train_script.run(cfg)
+    assert "cannot be written" in str(err.value)
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_message(train_script, a_file):
+    with pytest.raises(UserError, match="the run directory .* cannot be written"):
+        train_script.run(compose_train(TINY, a_file / "run"))
+
+
+# -- resuming ----------------------------------------------------------------------------------------------------------
+def test_a_truncated_checkpoint_is_one_message(train_script, tmp_path):
+    train_script.run(compose_train([*TINY, "trainer.max_steps=2"], tmp_path))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    with pytest.raises(UserError, match="cannot be loaded safely .* truncated, damaged"):
+        train_script.run(compose_train([*TINY, "trainer.max_steps=4", "ckpt_path=last"], tmp_path))
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['SPECDRAFT_MARKER']}",))
+
+
+def test_a_malicious_checkpoint_is_refused_without_running_its_code(train_script, tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("SPECDRAFT_MARKER", str(marker))
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "global_step": 0, "x": _Payload()}, evil)
+    with pytest.raises(UserError, match="cannot be loaded safely"):
+        train_script.run(compose_train([*TINY, f"ckpt_path={evil}"], tmp_path / "run"))
+    assert not marker.exists()
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override,match", [("model.num_heads=0", "model.num_heads=0: give a whole number"),
+                                            ("model.decay=0", "model.decay=0: .* above 0"),
+                                            ("model.decay=-0.5", "model.decay=-0.5")])
+def test_bad_medusa_settings_are_one_message(train_script, tmp_path, override, match):
+    with pytest.raises(Exception) as err:  # Hydra's instantiate wraps it; entry points print the UserError alone
+        train_script.run(compose_train([*TINY, override], tmp_path))
+    assert re.search(match, str(user_error(err.value))), err.value
+
+
+def test_eagle_step_decay_must_be_positive(tiny):
+    from hydra.utils import instantiate
+
+    with pytest.raises(Exception) as err:
+        instantiate(compose_train(["verifier=tiny", "model=eagle", "model.step_decay=0"]).model, verifier=tiny)
+    assert "model.step_decay=0" in str(user_error(err.value))
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00binary", "is not UTF-8 text .* looks binary"),
+    (b'{"conversations": "hello"}\n', "`conversations` must be a list .* got str"),
+    (b'{"conversations": [["human", "hi"]]}\n', "`conversations` must be a list .* got a list of list"),
+    (b'{"messages": [{"content": "hi"}]}\n', "message 0: each message needs a `role`"),
+])
+def test_bad_prompt_files_are_one_message(tmp_path, content, match):
+    from data.prompts import load_conversations
+
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=match):
+        load_conversations(str(path))
+
+
+def test_a_binary_data_file_on_the_command_line(tmp_path):
+    data = tmp_path / "sharegpt.json"
+    data.write_bytes(bytes(range(256)) * 4)
+    proc = _cli([*TINY, "data=sharegpt", f"data.source={data}"], tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "is not UTF-8 text" in proc.stderr and "Traceback" not in proc.stderr
