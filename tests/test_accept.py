@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import varied_llama
+from helpers import varied_llama
 from eval.accept import greedy_accept, mean_accept_length, per_position_acceptance
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Draft, Drafter

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 from models.errors import UserError, VerifierMismatchError
 from models.verifier import (MANIFEST, SMOLLM2_CACHE_NAME, build_tiny, check_fingerprint, ensure_smollm2_checkpoint,
                              fingerprint, load_smollm2, write_manifest)

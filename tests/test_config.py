@@ -9,7 +9,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from conftest import ROOT, compose_train
+from helpers import ROOT, compose_train
 
 # Options that need a value the user must give.
 REQUIRED = {"verifier=hf": ["verifier.path=some/model"], "data=sharegpt": ["data.source=conv.json"]}

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from conftest import varied_llama
+from helpers import varied_llama
 from eval import decode, kv
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Draft, Drafter, MedusaDrafter, make_drafter

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import varied_llama
+from helpers import varied_llama
 from eval import kv
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Drafter, make_drafter

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import compose_train
+from helpers import compose_train
 from models.eagle import build_eagle, step_inputs, unroll_mask
 from models.export import load_export, save_export
 from models.errors import UserError

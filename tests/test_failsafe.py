@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 
-from conftest import ROOT, compose_train
+from helpers import ROOT, compose_train
 from models.errors import UserError, user_error
 from train.safety import DIVERGED, LAST_GOOD, DivergenceError
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, varied_llama
+from helpers import ROOT, varied_llama
 from data.prompts import Conversation, load_conversations
 from data.prompts import select_prompts
 from eval import decode, kv

@@ -14,7 +14,7 @@ from models.eagle import build_eagle
 from models.export import save_export
 from models.errors import UserError
 from test_eagle_decode import random_net
-from conftest import varied_llama
+from helpers import varied_llama
 from test_harness import FAST, off_by_one, run_eval, run_objects
 
 

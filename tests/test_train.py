@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, compose_train
+from helpers import ROOT, compose_train
 from models.errors import NonFiniteLossError
 from models.export import load_export
 
