@@ -13,6 +13,7 @@ Every config also carries this project's keys: `verifier` (the description `mode
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ def _load_tensors(file: Path) -> dict[str, Tensor]:
         if file.suffix == ".safetensors":
             return load_file(str(file))
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as e:
+    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise UserError(f"{file} is corrupt, truncated or not a plain tensor file ({e}); re-export the checkpoint.") from e
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise UserError(f"{file} is not a state dict of tensors; expected the reference layout's {file.name}.")
