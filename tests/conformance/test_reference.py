@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engines import Export, Load, assert_conforms
+from conformance.engines import Export, Load, assert_conforms
 
 
 def _strict_false(load: Load, ex: Export, rename=lambda n: n) -> Load:

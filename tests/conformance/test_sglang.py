@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines import Export, Load, assert_conforms, config_dtype, key, llama_layer, stacked
+from conformance.engines import Export, Load, assert_conforms, config_dtype, key, llama_layer, stacked
 
 # srt/models/*.py EntryClass, the Llama-family names (srt/models/registry.py ModelRegistry).
 REGISTRY = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines import Export, Load, assert_conforms, key, llama_layer, stacked
+from conformance.engines import Export, Load, assert_conforms, key, llama_layer, stacked
 
 # vllm/model_executor/models/registry.py (_SPECULATIVE_DECODING_MODELS, _TEXT_GENERATION_MODELS): the Llama-family
 # names and the class each resolves to. "MedusaModel" is registered in 0.32.0 and gone in 0.33.0.
