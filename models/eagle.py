@@ -31,8 +31,17 @@ NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low / middle / high feature layers: the inputs of layers 2, L//2 and L-3."""
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+    """EAGLE-3's low / middle / high feature layers: the inputs of layers 2, L//2 and L-3 (the engines' own default,
+    distinct from L = 7 on); a 3..6-layer verifier gets [0, L//2, L-1]; fewer than 3 layers is refused (no three
+    distinct layers: pass `aux_layer_ids` explicitly, e.g. [0, 1], or use a deeper verifier)."""
+    if num_layers < 3:
+        raise UserError(f"EAGLE-3 needs three distinct verifier layers for its default features, but the verifier has "
+                        f"only {num_layers} layers (the default [2, L//2, L-3] would be "
+                        f"{[2, num_layers // 2, num_layers - 3]}). Pass aux_layer_ids explicitly (strictly increasing "
+                        f"ids below {num_layers}, e.g. {list(range(num_layers))}), or use a verifier with >= 3 layers "
+                        f"(verifier=tiny: verifier.num_layers=4).")
+    engine = [2, num_layers // 2, num_layers - 3]
+    return engine if engine[0] < engine[1] < engine[2] else [0, num_layers // 2, num_layers - 1]
 
 
 def layer_config(verifier: Verifier) -> dict[str, Any]:
@@ -110,9 +119,10 @@ class Eagle1Net(_EagleNet):
 
     kind = "eagle"
 
-    def __init__(self, **shape: Any) -> None:
+    def __init__(self, fc_bias: bool = False, **shape: Any) -> None:
         super().__init__(**shape)
-        self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=False)
+        # Trained here without a bias (the export writes a zero `fc.bias`); a reference checkpoint's trained one loads.
+        self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList([DraftDecoderLayer(**self._layer_args, two_inputs=False)])
         self.draft_vocab_size = self.vocab_size
 
@@ -146,18 +156,22 @@ class Eagle3Net(_EagleNet):
     def __init__(self, draft_vocab_size: int | None = None, aux_layer_ids: Sequence[int] | None = None,
                  **shape: Any) -> None:
         super().__init__(**shape)
-        self.aux_layer_ids = list(aux_layer_ids or default_aux_layers(self.num_verifier_layers))
+        if aux_layer_ids is None or len(aux_layer_ids) == 0:
+            aux_layer_ids = default_aux_layers(self.num_verifier_layers)
+        self.aux_layer_ids = [int(i) for i in aux_layer_ids]
         check_aux_layers(self.aux_layer_ids, self.num_verifier_layers)
         self.draft_vocab_size = min(int(draft_vocab_size or self.vocab_size), self.vocab_size)
         self.fc = nn.Linear(len(self.aux_layer_ids) * self.hidden_size, self.hidden_size, bias=False)
         self.midlayer = DraftDecoderLayer(**self._layer_args, two_inputs=True)
         self.norm = RMSNorm(self.hidden_size, self._layer_args["eps"])
         self.lm_head = nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
-        # Identity mapping until set_draft_vocab is called with the training data's most frequent tokens.
-        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        # Identity mapping until set_draft_vocab is called with the training data's most frequent tokens. A
+        # full-vocabulary draft's mapping is always the identity: not stored (vLLM refuses a d2t then), so absent = identity.
+        persistent = self.draft_vocab_size < self.vocab_size
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long), persistent=persistent)
         t2d = torch.zeros(self.vocab_size, dtype=torch.bool)
         t2d[: self.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        self.register_buffer("t2d", t2d, persistent=persistent)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -199,11 +213,25 @@ EagleNet = Eagle1Net | Eagle3Net
 EAGLE_NETS: dict[str, type[_EagleNet]] = {"eagle": Eagle1Net, "eagle3": Eagle3Net}
 
 
-def check_aux_layers(layer_ids: list[int], num_layers: int) -> None:
-    bad = [i for i in layer_ids if not 0 <= i <= num_layers]
-    if bad or len(layer_ids) == 0:
-        raise UserError(f"EAGLE-3 feature layer ids {layer_ids} are out of range for a verifier with {num_layers} "
-                        f"layers (valid: 0..{num_layers}, the inputs of layers; default {default_aux_layers(num_layers)}).")
+def check_aux_layers(layer_ids: Sequence[int], num_layers: int, where: str = "EAGLE-3 aux_layer_ids") -> None:
+    """EAGLE-3 feature layer ids (id k = the input of verifier layer k = HF `hidden_states[k]`) as every engine reads
+    them alike: at least one, in 0..L-1 (vLLM captures k = L before the final norm, SGLang cannot capture it at all),
+    strictly increasing and unique (vLLM sorts and de-duplicates them). `where` names the source in the message."""
+    ids = list(layer_ids)
+    problem = None
+    if len(ids) == 0:
+        problem = "the list is empty"
+    elif any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        problem = "not all are integers"
+    elif any(not 0 <= i < num_layers for i in ids):
+        problem = f"{[i for i in ids if not 0 <= i < num_layers]} out of range 0..{num_layers - 1}"
+    elif any(a >= b for a, b in zip(ids, ids[1:])):
+        problem = "not strictly increasing (vLLM sorts and de-duplicates them, so it would feed other features)"
+    if problem:
+        hint = (f"the default is {default_aux_layers(num_layers)}" if num_layers >= 3
+                else f"this {num_layers}-layer verifier has no three distinct layers")
+        raise UserError(f"{where}={ids}: {problem}. Give strictly increasing unique ids in 0..{num_layers - 1} (id k = "
+                        f"the input of verifier layer k) for this {num_layers}-layer verifier; {hint}.")
 
 
 def build_eagle(kind: str, verifier: Verifier, draft_vocab_size: int | None = None,

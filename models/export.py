@@ -13,15 +13,19 @@ Every config also carries this project's keys: `verifier` (the description `mode
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from models.eagle import NAMES, EAGLE_NETS, Eagle1Net, Eagle3Net, EagleNet, check_aux_layers, layer_config
+from models import reference_formats as ref
 from models.errors import UserError
 from models.io import atomic_dir
 from models.medusa import MedusaHeads
@@ -29,7 +33,12 @@ from models.verifier import Verifier, check_fingerprint, verifier_source
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-EAGLE_ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
+# SGLang takes the first registered name (LlamaForCausalLMEagle); vLLM resolves the list through the second
+# (EagleLlamaForCausalLM, kept as is by its EAGLEConfig). Never plain LlamaForCausalLM: SGLang would build the target.
+EAGLE_ARCHITECTURES = {"eagle": ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
+ARCHITECTURE_KINDS = {"LlamaForCausalLMEagle": "eagle", "EagleLlamaForCausalLM": "eagle",
+                      "LlamaForCausalLMEagle3": "eagle3", "Eagle3LlamaForCausalLM": "eagle3"}
+SERVING_DTYPES = ("bfloat16", "float16")
 KIND_NAMES = {"medusa": "Medusa", **NAMES}
 
 
@@ -46,12 +55,11 @@ class Export:
 
 # -- reading ---------------------------------------------------------------------------------------------------------
 
-def read_config(path: str | Path) -> dict[str, Any]:
-    """An export's config.json, with a clear error for a missing or corrupt one."""
-    path = Path(path).expanduser()
+def _raw_config(path: Path) -> dict[str, Any]:
     cfg_file = path / CONFIG_NAME
     if not cfg_file.is_file():
-        raise UserError(f"checkpoint={str(path)!r}: no {CONFIG_NAME} there. Pass the `export/` directory train.py printed.")
+        raise UserError(f"checkpoint={str(path)!r}: no {CONFIG_NAME} there. Pass the `export/` directory train.py printed "
+                        f"(or a Medusa / EAGLE reference checkpoint directory).")
     try:
         config = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -69,23 +77,73 @@ def _require(config: dict[str, Any], keys: tuple[str, ...], path: Path) -> None:
                         f"export needs; re-export the checkpoint.")
 
 
-def read_weights(path: str | Path) -> dict[str, Tensor]:
+def _is_project_export(config: dict[str, Any]) -> bool:
+    return config.get("model_type") == "medusa" or "verifier_fingerprint" in config or "eagle_kind" in config
+
+
+def _load_tensors(file: Path) -> dict[str, Tensor]:
+    try:
+        if file.suffix == ".safetensors":
+            return load_file(str(file))
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise UserError(f"{file} is corrupt, truncated or not a plain tensor file ({e}); re-export the checkpoint.") from e
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise UserError(f"{file} is not a state dict of tensors; expected the reference layout's {file.name}.")
+    return state
+
+
+def _read_reference(path: Path, config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A directory in one of the reference layouts, as this project's (config, tensors); an unknown layout refused."""
+    medusa = next((path / f for f in ref.MEDUSA_FILES if (path / f).is_file()), None)
+    if medusa is not None:
+        return ref.medusa_from_reference(config, _load_tensors(medusa), medusa)
+    weights = next((path / f for f in ref.EAGLE_FILES if (path / f).is_file()), None)
+    if weights is None:
+        raise UserError(f"checkpoint={str(path)!r}: {CONFIG_NAME} is not a specdraft export (no model_type 'medusa', "
+                        f"no verifier_fingerprint) and there is no weight file of a reference layout "
+                        f"({', '.join(ref.MEDUSA_FILES + ref.EAGLE_FILES)}).")
+    tensors = _load_tensors(weights)
+    kind = ref.layout_of(config, list(tensors))
+    if kind not in ("eagle", "eagle3"):
+        names = sorted(tensors)[:6]
+        raise UserError(f"{weights}: unknown layout: not a specdraft export ({path / CONFIG_NAME} has no "
+                        f"verifier_fingerprint; architectures={config.get('architectures')}) and its tensors {names} "
+                        f"are none of the reference layouts (EAGLE-3: midlayer.*; EAGLE-1: fc.weight + layers.0.*; "
+                        f"Medusa: medusa_lm_head.* with {{h}}.{{l}}.linear.*). Convert it with scripts/convert.py or "
+                        f"pass an export train.py wrote.")
+    return ref.eagle_from_reference(kind, config, tensors)
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """An export's config.json, with a clear error for a missing or corrupt one. A reference-layout checkpoint
+    (Medusa, EAGLE-1, EAGLE-3: models/reference_formats.py) is returned as this project's config, with
+    `reference_layout` set and `verifier_path` taken from `base_model_name_or_path` when it has one."""
     path = Path(path).expanduser()
+    config = _raw_config(path)
+    return config if _is_project_export(config) else _read_reference(path, config)[0]
+
+
+def read_weights(path: str | Path) -> dict[str, Tensor]:
+    """An export's tensors by this project's names (a reference layout's renamed)."""
+    path = Path(path).expanduser()
+    config = _raw_config(path)
+    if not _is_project_export(config):
+        return _read_reference(path, config)[1]
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
         raise UserError(f"checkpoint={str(path)!r}: {WEIGHTS_NAME} is missing. Re-export it (train.py writes it on fit end).")
-    try:
-        return load_file(str(weights))
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{weights} is corrupt or truncated ({e}); re-export the checkpoint.") from e
+    return _load_tensors(weights)
 
 
 def export_kind(config: dict[str, Any]) -> str | None:
     """`medusa`, `eagle` or `eagle3` from an export's config; None if it is none of them."""
     if config.get("model_type") == "medusa":
         return "medusa"
-    arch = (config.get("architectures") or [""])[0]
-    return {v: k for k, v in EAGLE_ARCHITECTURES.items()}.get(arch) or config.get("eagle_kind")
+    for arch in config.get("architectures") or []:
+        if arch in ARCHITECTURE_KINDS:
+            return ARCHITECTURE_KINDS[arch]
+    return config.get("eagle_kind") if config.get("eagle_kind") in EAGLE_NETS else None
 
 
 def export_verifier(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -104,45 +162,125 @@ def _load_state(net: nn.Module, tensors: dict[str, Tensor], path: Path) -> None:
         raise UserError(f"{path / WEIGHTS_NAME} does not match its config.json: {str(e).splitlines()[0]}") from e
 
 
+def aux_layer_ids(config: dict[str, Any], num_layers: int, file: str | Path = CONFIG_NAME) -> list[int]:
+    """An EAGLE-3 export's feature layers in this project's convention (id k = input of layer k = HF
+    `hidden_states[k]`), refusing ids that an engine would read differently.
+
+    The top-level `eagle_aux_hidden_state_layer_ids` is this convention (vLLM reads it); `eagle_config.
+    eagle_aux_hidden_state_layer_ids` must then be each id minus 1 (SGLang adds 1). An older export with only the
+    nested key stored this convention there; none at all = the engines' default [2, L//2, L-3]."""
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if top is not None:
+        check_aux_layers(top, num_layers, f"{file}: eagle_aux_hidden_state_layer_ids")
+        if nested is not None and list(nested) != [k - 1 for k in top]:
+            raise UserError(f"{file}: eagle_config.eagle_aux_hidden_state_layer_ids={list(nested)} is not "
+                            f"eagle_aux_hidden_state_layer_ids - 1 = {[k - 1 for k in top]}: SGLang reads the nested "
+                            f"key as 'output of layer k' and vLLM the top-level one as 'input of layer k', so the two "
+                            f"engines would feed different layers. Set the nested key to {[k - 1 for k in top]}.")
+        return list(top)
+    if nested is not None:
+        check_aux_layers(nested, num_layers, f"{file}: eagle_config.eagle_aux_hidden_state_layer_ids")
+        return list(nested)
+    default = [2, num_layers // 2, num_layers - 3]
+    check_aux_layers(default, num_layers, f"{file}: no eagle_aux_hidden_state_layer_ids, so the engines' default")
+    return default
+
+
+def _check_medusa(config: dict[str, Any], tensors: dict[str, Tensor], file: Path) -> None:
+    heads = {int(k.split(".")[1]) for k in tensors if k.startswith("blocks.")}
+    if len(heads) != int(config["num_heads"]):
+        raise UserError(f"{file}: config.json num_heads={config['num_heads']} but the weights hold {len(heads)} heads "
+                        f"(blocks.{{0..{len(heads) - 1}}}). Re-export the checkpoint, or fix num_heads.")
+    w = tensors.get("blocks.0.layers.0.weight")
+    if w is not None and tuple(w.shape) != (config["hidden_size"],) * 2:
+        raise UserError(f"{file}: config.json hidden_size={config['hidden_size']} but blocks.0.layers.0.weight is "
+                        f"{tuple(w.shape)}. Re-export the checkpoint, or fix hidden_size.")
+
+
+def _check_eagle(config: dict[str, Any], tensors: dict[str, Tensor], file: Path, verifier_hidden: int) -> None:
+    fc = tensors.get("fc.weight")
+    if fc is None:
+        raise UserError(f"{file}: no fc.weight tensor; this is not an EAGLE export. Re-export the checkpoint.")
+    if "hidden_size" in config and int(fc.shape[0]) != int(config["hidden_size"]):
+        raise UserError(f"{file}: config.json hidden_size={config['hidden_size']} but fc.weight is {tuple(fc.shape)} "
+                        f"(hidden size {fc.shape[0]}). Re-export the checkpoint, or fix hidden_size.")
+    if int(fc.shape[0]) != verifier_hidden:
+        raise UserError(f"{file}: fc.weight {tuple(fc.shape)} is for a hidden size of {fc.shape[0]}, but the verifier's "
+                        f"hidden_size is {verifier_hidden}. Pass the verifier the drafter was trained on.")
+
+
 def load_export(path: str | Path, verifier: Verifier, kind: str | None = None) -> Export:
     """Rebuild the drafter an export holds, refusing one of another kind than `kind` (when given) or one made for
-    another verifier."""
+    another verifier. A reference-layout checkpoint (models/reference_formats.py) loads too; having no fingerprint,
+    it is checked against the verifier by shape only."""
     path = Path(path).expanduser()
     config = read_config(path)
+    cfg_file = path / CONFIG_NAME
     found = export_kind(config)
     if found is None:
-        raise UserError(f"checkpoint={str(path)!r} is neither a Medusa nor an EAGLE export (model_type="
-                        f"{config.get('model_type')!r}, architectures={config.get('architectures')}).")
+        raise UserError(f"{cfg_file}: model_type={config.get('model_type')!r}, architectures="
+                        f"{config.get('architectures')}: neither a Medusa nor an EAGLE export (expected model_type "
+                        f"'medusa' or architectures naming one of {sorted(ARCHITECTURE_KINDS)}).")
     if kind is not None and found != kind:
         raise UserError(f"checkpoint={str(path)!r} is an {KIND_NAMES[found]} export but was given as "
                         f"{KIND_NAMES.get(kind, kind)}. Use drafter={found} for it, or pass an {KIND_NAMES.get(kind, kind)} "
                         f"export.")
-    if not isinstance(config.get("verifier_fingerprint"), dict) or not config["verifier_fingerprint"]:
-        raise UserError(f"{path / CONFIG_NAME} has no verifier_fingerprint, so it cannot be checked against the verifier "
-                        f"it is used with. Re-export it with this toolkit (train.py), or convert a reference-format "
-                        f"checkpoint with scripts/convert.py.")
-    check_fingerprint(config["verifier_fingerprint"], verifier, f"{KIND_NAMES[found]} export {str(path)!r}")
+    reference = bool(config.get("reference_layout"))  # names no verifier: the one given is trusted
+    if not reference:
+        if not isinstance(config.get("verifier_fingerprint"), dict) or not config["verifier_fingerprint"]:
+            raise UserError(f"{path / CONFIG_NAME} has no verifier_fingerprint, so it cannot be checked against the "
+                            f"verifier it is used with. Re-export it with this toolkit (train.py), or convert a "
+                            f"reference-format checkpoint with scripts/convert.py.")
+        check_fingerprint(config["verifier_fingerprint"], verifier, f"{KIND_NAMES[found]} export {str(path)!r}")
     tensors = read_weights(path)
+    weights = path / WEIGHTS_NAME
     if found == "medusa":
-        _require(config, ("hidden_size", "vocab_size", "num_heads", "num_hidden_layers"), path)
+        _require(config, ("hidden_size", "num_heads", "num_hidden_layers"), path)
+        _check_medusa(config, tensors, weights)
         shared = bool(config.get("original_lm_head", False))
-        heads = MedusaHeads(hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
+        lm_head = verifier.lm_head.weight.detach().cpu()
+        if reference and not shared and all(torch.equal(tensors[f"lm_heads.{h}.weight"].to(lm_head.dtype), lm_head)
+                                            for h in range(int(config["num_heads"]))):
+            shared = True  # the reference copies a shared head into every head: share it again
+            for h in range(int(config["num_heads"])):
+                tensors.pop(f"lm_heads.{h}.weight")
+            config["original_lm_head"] = True
+        heads = MedusaHeads(hidden_size=config["hidden_size"], vocab_size=int(config.get("vocab_size") or verifier.vocab_size),
                             num_heads=config["num_heads"], num_layers=config["num_hidden_layers"], share_lm_head=shared)
         lm_head = tensors.pop("lm_head.weight", None) if shared else None
         _load_state(heads, tensors, path)
         return Export(found, heads.eval().requires_grad_(False), config, lm_head)
     lc = layer_config(verifier)
+    _check_eagle(config, tensors, weights, lc["hidden_size"])
     if found == "eagle3":
-        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        check_aux_layers(list(aux or []), lc["num_verifier_layers"])
-        t2d, d2t = tensors.get("t2d"), tensors.get("d2t")
-        if (t2d is None or d2t is None or t2d.numel() != lc["vocab_size"]
-                or int((d2t + d2t.new_tensor(range(d2t.numel()))).max()) >= lc["vocab_size"]):
-            raise UserError(f"{path / WEIGHTS_NAME}: the draft vocabulary (d2t/t2d) does not fit the verifier's "
-                            f"vocabulary of {lc['vocab_size']} tokens. Retrain the drafter for this verifier.")
-        net: EagleNet = Eagle3Net(draft_vocab_size=config.get("draft_vocab_size"), aux_layer_ids=aux, **lc)
+        aux = aux_layer_ids(config, lc["num_verifier_layers"], cfg_file)
+        draft = min(int(config.get("draft_vocab_size") or lc["vocab_size"]), lc["vocab_size"])
+        d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+        if draft == lc["vocab_size"]:
+            if d2t is not None and bool(d2t.any()):
+                raise UserError(f"{weights}: d2t is not all zeros but draft_vocab_size = the vocabulary size "
+                                f"({draft}): a full-vocabulary draft maps ids to themselves. Re-export the checkpoint.")
+        else:
+            if d2t is None:
+                raise UserError(f"{weights}: no d2t tensor, but draft_vocab_size={draft} is smaller than the "
+                                f"verifier's vocabulary ({lc['vocab_size']}): the draft ids cannot be mapped.")
+            if t2d is None and d2t.numel() == draft:
+                target = d2t.long() + torch.arange(d2t.numel())
+                if int(target.max()) < lc["vocab_size"]:
+                    t2d = torch.zeros(lc["vocab_size"], dtype=torch.bool)
+                    t2d[target] = True
+            if (t2d is None or t2d.numel() != lc["vocab_size"] or d2t.numel() != draft
+                    or int((d2t + d2t.new_tensor(range(d2t.numel()))).max()) >= lc["vocab_size"]):
+                raise UserError(f"{weights}: the draft vocabulary (d2t/t2d) does not fit the verifier's "
+                                f"vocabulary of {lc['vocab_size']} tokens. Retrain the drafter for this verifier.")
+            tensors |= {"d2t": d2t.long(), "t2d": t2d.bool()}
+        net: EagleNet = Eagle3Net(draft_vocab_size=draft, aux_layer_ids=aux, **lc)
     else:
-        net = Eagle1Net(**lc)
+        bias = tensors.get("fc.bias")
+        if bias is not None and not bool(bias.any()):
+            tensors.pop("fc.bias")  # the zero bias the export writes for SGLang and the EAGLE repository
+        net = Eagle1Net(fc_bias="fc.bias" in tensors, **lc)
     _load_state(net, tensors, path)
     return Export(found, net.eval().requires_grad_(False), config)
 
@@ -169,10 +307,19 @@ def _medusa_config(heads: MedusaHeads) -> dict[str, Any]:
     }
 
 
+def _serving_dtype(verifier: Verifier) -> str:
+    """The dtype the drafter is served in: the verifier's own when it is a serving dtype, else bfloat16 (SGLang with
+    --dtype auto would turn a declared float32 into float16 beside a bf16 target)."""
+    declared = str(getattr(verifier.config, "dtype", None) or getattr(verifier.config, "torch_dtype", None) or "")
+    declared = declared.replace("torch.", "")
+    return declared if declared in SERVING_DTYPES else "bfloat16"
+
+
 def _eagle_config(net: EagleNet, verifier: Verifier) -> dict[str, Any]:
     lc = layer_config(verifier)
+    dtype = _serving_dtype(verifier)
     config = {
-        "architectures": [EAGLE_ARCHITECTURES[net.kind]],
+        "architectures": list(EAGLE_ARCHITECTURES[net.kind]),
         "model_type": "llama",
         "hidden_size": lc["hidden_size"],
         "intermediate_size": lc["intermediate_size"],
@@ -187,13 +334,19 @@ def _eagle_config(net: EagleNet, verifier: Verifier) -> dict[str, Any]:
         "vocab_size": lc["vocab_size"],
         "max_position_embeddings": int(getattr(verifier.config, "max_position_embeddings", 2048)),
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
+        "dtype": dtype,
         "eagle_kind": net.kind,
         "verifier_num_hidden_layers": lc["num_verifier_layers"],
     }
     if isinstance(net, Eagle3Net):
+        ids = list(net.aux_layer_ids)
+        check_aux_layers(ids, lc["num_verifier_layers"])
         config["draft_vocab_size"] = net.draft_vocab_size
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": net.aux_layer_ids, "use_aux_hidden_state": True}
+        # vLLM (both model runners) reads the top-level key, as the input of layer k (this project's convention);
+        # SGLang reads only the nested one, as the output of layer k (it adds 1): the same layers, written twice.
+        config["eagle_aux_hidden_state_layer_ids"] = ids
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}
     return config
 
 
@@ -207,6 +360,11 @@ def save_export(net: MedusaHeads | EagleNet, verifier: Verifier, path: str | Pat
             tensors["lm_head.weight"] = verifier.lm_head.weight.detach().cpu().contiguous()
     elif isinstance(net, tuple(EAGLE_NETS.values())):
         config = _eagle_config(net, verifier)
+        if "fc.bias" not in tensors and isinstance(net, Eagle1Net):
+            # SGLang and the EAGLE repository build fc with a bias and would leave a missing one random; vLLM drops
+            # an unexpected `.bias` (harmless: it is zero). Not `"bias": true` in the config: engines read that as
+            # "attention has biases".
+            tensors["fc.bias"] = torch.zeros(net.hidden_size, dtype=net.fc.weight.dtype)
     else:
         raise TypeError(f"save_export takes MedusaHeads or an EAGLE net, not {type(net).__name__}")
     config |= _verifier_keys(verifier) | (extra or {})
@@ -215,3 +373,47 @@ def save_export(net: MedusaHeads | EagleNet, verifier: Verifier, path: str | Pat
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(text)
     return Path(path)
+
+
+# -- the reference layouts (models/reference_formats.py), both ways ----------------------------------------------------
+
+REFERENCE_WEIGHTS = {"medusa": ("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
+                     "eagle": ("pytorch_model.bin", "model.safetensors"), "eagle3": ("model.safetensors", "pytorch_model.bin")}
+
+
+def to_reference(kind: str | None, export_dir: str | Path, out_dir: str | Path, weights_name: str | None = None) -> Path:
+    """This project's export -> the reference layout of its kind (Medusa repository, EAGLE repository, SpecForge),
+    written atomically into `out_dir`. `weights_name` picks the file (default: the first of REFERENCE_WEIGHTS[kind]);
+    `.pt` / `.bin` are written with torch.save, `.safetensors` with safetensors. Returns `out_dir`."""
+    export_dir = Path(export_dir).expanduser()
+    config = _raw_config(export_dir)
+    if not _is_project_export(config):
+        raise UserError(f"{export_dir / CONFIG_NAME}: not a specdraft export (no verifier_fingerprint); it is already "
+                        f"in a reference layout, or unknown.")
+    found = export_kind(config)
+    if found is None or (kind is not None and kind != found):
+        raise UserError(f"{export_dir / CONFIG_NAME}: an export of kind {found!r}, asked for {kind!r}.")
+    tensors = read_weights(export_dir)
+    if found == "medusa":
+        cfg, out = ref.medusa_to_reference(config, tensors, config.get("verifier_path"), export_dir / WEIGHTS_NAME)
+    else:
+        cfg, out = ref.eagle_to_reference(found, config, tensors)
+    name = weights_name or REFERENCE_WEIGHTS[found][0]
+    if name not in REFERENCE_WEIGHTS[found]:
+        raise UserError(f"weights file {name!r} is not one the {KIND_NAMES[found]} reference reads; use one of "
+                        f"{list(REFERENCE_WEIGHTS[found])}.")
+    out = {k: v.contiguous() for k, v in out.items()}
+    with atomic_dir(out_dir) as tmp:
+        if name.endswith(".safetensors"):
+            save_file(out, str(tmp / name), metadata={"format": "pt"})
+        else:
+            torch.save(out, tmp / name)
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
+    return Path(out_dir)
+
+
+def from_reference(ref_dir: str | Path, out_dir: str | Path, verifier: Verifier) -> Path:
+    """A reference-layout checkpoint (or an older export) -> this project's export for `verifier`, written by
+    save_export (so it gets the fingerprint and every engine fix). Returns `out_dir`."""
+    loaded = load_export(ref_dir, verifier)
+    return save_export(loaded.net, verifier, out_dir, {"converted_from": str(ref_dir)})

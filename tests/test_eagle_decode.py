@@ -49,7 +49,8 @@ def varied() -> Verifier:
 def random_net(kind: str, verifier: Verifier, seed: int = 0) -> EagleNet:
     """A drafter with random weights (EAGLE-3: a random 4096-token draft vocabulary), scaled so that its logits
     spread over tens of nats (larger ones underflow exp into denormals, which are slow on a CPU)."""
-    net = build_eagle(kind, verifier, draft_vocab_size=4096 if kind == "eagle3" else None)
+    net = build_eagle(kind, verifier, draft_vocab_size=4096 if kind == "eagle3" else None,
+                      aux_layer_ids=[0, 1] if kind == "eagle3" else None)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in net.parameters():
@@ -66,7 +67,9 @@ def identity_net(kind: str, verifier: Verifier, vocab: list[int]) -> EagleNet:
     EAGLE-3 reads the final normed layer and drafts over `vocab` (padded with other ids) through M_q's head rows."""
     last = verifier.num_layers  # hidden_states[L]: after the final norm
     net = build_eagle(kind, verifier, draft_vocab_size=256 if kind == "eagle3" else None,
-                      aux_layer_ids=[last] if kind == "eagle3" else None)
+                      aux_layer_ids=[last - 1] if kind == "eagle3" else None)
+    if kind == "eagle3":  # test-only: HF's normed hidden_states[L], which no engine can feed (so build_eagle refuses it)
+        net.aux_layer_ids = [last]
     d = verifier.hidden_size
     with torch.no_grad():
         net.layer.self_attn.o_proj.weight.zero_()

@@ -43,7 +43,7 @@ def test_training_time_test_mask():
 
 
 def test_draft_vocab_round_trip(tiny):
-    net = build_eagle("eagle3", tiny, draft_vocab_size=5)
+    net = build_eagle("eagle3", tiny, draft_vocab_size=5, aux_layer_ids=[0, 1])
     counts = torch.zeros(tiny.vocab_size)
     counts[[7, 3, 900, 42, 11, 5]] = torch.tensor([50.0, 40, 30, 20, 10, 1])
     top, coverage = draft_vocab_from_counts(counts, 5)
@@ -56,7 +56,7 @@ def test_draft_vocab_round_trip(tiny):
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_export_round_trip_and_layout(tiny, tmp_path, kind):
-    net = build_eagle(kind, tiny, draft_vocab_size=64)
+    net = build_eagle(kind, tiny, draft_vocab_size=64, aux_layer_ids=[0, 1] if kind == "eagle3" else None)
     with torch.no_grad():
         for p in net.parameters():
             p.normal_(std=0.02)
@@ -67,15 +67,18 @@ def test_export_round_trip_and_layout(tiny, tmp_path, kind):
     tensors = load_file(str(tmp_path / kind / "model.safetensors"))
     h, hd, kvh, inter = 64, 16, 2, 256
     if kind == "eagle":
-        assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"]
+        assert cfg["num_hidden_layers"] == 1 and "bias" not in cfg
         assert tensors["fc.weight"].shape == (h, 2 * h)
+        assert tensors["fc.bias"].shape == (h,) and not tensors["fc.bias"].any()  # SGLang / EAGLE repo build one
         assert tensors["layers.0.self_attn.q_proj.weight"].shape == (4 * hd, h)
         assert "layers.0.input_layernorm.weight" not in tensors  # EAGLE-1 layer 0 has no input norm
         prefix = "layers.0."
     else:
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 64
-        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]  # tiny has 2 layers
-        assert tensors["fc.weight"].shape == (h, 3 * h)
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # vLLM: input of layer k
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0]  # SGLang: output of layer k
+        assert tensors["fc.weight"].shape == (h, 2 * h)
         assert tensors["midlayer.self_attn.q_proj.weight"].shape == (4 * hd, 2 * h)  # cat(embeds, hidden) in
         assert tensors["norm.weight"].shape == (h,) and tensors["lm_head.weight"].shape == (64, h)
         assert tensors["d2t"].shape == (64,) and tensors["t2d"].shape == (tiny.vocab_size,)
@@ -83,7 +86,7 @@ def test_export_round_trip_and_layout(tiny, tmp_path, kind):
         prefix = "midlayer."
     assert tensors[prefix + "self_attn.k_proj.weight"].shape == (kvh * hd, tensors[prefix + "self_attn.k_proj.weight"].shape[1])
     assert tensors[prefix + "mlp.gate_proj.weight"].shape == (inter, h)
-    assert cfg["verifier_fingerprint"] == tiny.fingerprint
+    assert cfg["verifier_fingerprint"] == tiny.fingerprint and cfg["torch_dtype"] == "bfloat16"
     loaded = load_export(tmp_path / kind, tiny, kind)
 
     loaded = loaded.net
@@ -95,7 +98,7 @@ def test_bad_eagle_exports(tiny, tmp_path):
     save_export(build_eagle("eagle", tiny), tiny, tmp_path / "e1")
     with pytest.raises(UserError, match="EAGLE-1 export .* given as EAGLE-3"):
         load_export(tmp_path / "e1", tiny, "eagle3")
-    save_export(build_eagle("eagle3", tiny, draft_vocab_size=32), tiny, tmp_path / "e3")
+    save_export(build_eagle("eagle3", tiny, draft_vocab_size=32, aux_layer_ids=[0, 1]), tiny, tmp_path / "e3")
     with pytest.raises(UserError, match="EAGLE-3 export .* given as EAGLE-1"):
         load_export(tmp_path / "e3", tiny, "eagle")
     weights = tmp_path / "e3" / "model.safetensors"
@@ -106,11 +109,18 @@ def test_bad_eagle_exports(tiny, tmp_path):
         load_export(tmp_path / "e3", tiny)
     with pytest.raises(UserError, match="out of range"):
         build_eagle("eagle3", tiny, aux_layer_ids=[0, 1, 9])
+    with pytest.raises(UserError, match="out of range"):
+        build_eagle("eagle3", tiny, aux_layer_ids=[0, 2])  # hidden_states[L]: no engine feeds HF's normed output
+    with pytest.raises(UserError, match="not strictly increasing"):
+        build_eagle("eagle3", tiny, aux_layer_ids=[1, 0])
+    with pytest.raises(UserError, match="only 2 layers"):
+        build_eagle("eagle3", tiny)  # the default [2, L//2, L-3] would be [2, 1, -1]
 
 
 @pytest.mark.parametrize("model", ["eagle", "eagle3"])
 def test_fast_dev_run(train_script, tmp_path, tiny, model):
-    cfg = compose_train([*TINY, f"model={model}", "logger=csv", "+trainer.fast_dev_run=true"], tmp_path)
+    cfg = compose_train([*TINY, f"model={model}", "logger=csv", "+trainer.fast_dev_run=true",
+                         *(["model.aux_layer_ids=[0,1]"] if model == "eagle3" else [])], tmp_path)
     export = train_script.run(cfg)
     loaded = load_export(export, tiny, model)
 
@@ -120,7 +130,7 @@ def test_fast_dev_run(train_script, tmp_path, tiny, model):
 
 def test_eagle3_learns_and_logs_step_accuracies(train_script, tmp_path):
     # A tiny verifier with peaked next-token distributions, so there is something to learn beyond q's entropy.
-    cfg = compose_train([*TINY, "+verifier.initializer_range=0.3", "model=eagle3", "logger=csv",
+    cfg = compose_train([*TINY, "+verifier.initializer_range=0.3", "model=eagle3", "model.aux_layer_ids=[0,1]", "logger=csv",
                          "trainer.max_epochs=8", "trainer.log_every_n_steps=1",
                          "model.optimizer.lr=1e-2", "model.ttt_steps=3", "model.val_steps=4"], tmp_path)
     export = train_script.run(cfg)
@@ -138,7 +148,7 @@ def test_eagle3_learns_and_logs_step_accuracies(train_script, tmp_path):
 def test_offline_hidden_state_cache_matches_online(tiny, tmp_path, capsys):
     from hydra.utils import instantiate
 
-    cfg = compose_train([*TINY, "model=eagle3", "data.cache_hidden_states=true", f"cache_dir={tmp_path}"], tmp_path)
+    cfg = compose_train([*TINY, "model=eagle3", "model.aux_layer_ids=[0,1]", "data.cache_hidden_states=true", f"cache_dir={tmp_path}"], tmp_path)
     module = instantiate(cfg.model, verifier=tiny)
     dm = instantiate(cfg.data, verifier=tiny)
     dm.hidden_layers = module.hidden_layers
@@ -162,7 +172,8 @@ def test_eagle3_targets_once_per_batch_match_each_step(tiny):
     from train.eagle import EagleModule
 
     torch.manual_seed(0)
-    module = EagleModule(tiny, optimizer=torch.optim.AdamW, kind="eagle3", ttt_steps=3, draft_vocab_size=64)
+    module = EagleModule(tiny, optimizer=torch.optim.AdamW, kind="eagle3", ttt_steps=3, draft_vocab_size=64,
+                         aux_layer_ids=[0, 1])
     module.net.set_draft_vocab(torch.randperm(tiny.lm_head.weight.shape[0])[:64])
     ids = torch.randint(5, 200, (2, 12))
     loss_mask = torch.tensor([[0] * 4 + [1] * 8, [0] * 6 + [1] * 5 + [0]]).bool()
@@ -189,7 +200,8 @@ def test_validation_ranks_agree_with_top1_hits(tiny, kind):
     from train.eagle import EagleModule
 
     torch.manual_seed(0)
-    module = EagleModule(tiny, optimizer=torch.optim.AdamW, kind=kind, draft_vocab_size=64 if kind == "eagle3" else None)
+    module = EagleModule(tiny, optimizer=torch.optim.AdamW, kind=kind, draft_vocab_size=64 if kind == "eagle3" else None,
+                         aux_layer_ids=[0, 1] if kind == "eagle3" else None)
     if kind == "eagle3":
         module.net.set_draft_vocab(torch.arange(64))  # the ids the batch uses, so some targets are in it
     ids = torch.randint(0, 64, (2, 10))

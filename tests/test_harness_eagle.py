@@ -24,7 +24,7 @@ def eagle_exports(tiny, tmp_path_factory):
     out = {}
     gen = torch.Generator().manual_seed(0)
     for kind in ("eagle", "eagle3"):
-        net = build_eagle(kind, tiny, draft_vocab_size=256)
+        net = build_eagle(kind, tiny, draft_vocab_size=256, aux_layer_ids=[0, 1] if kind == "eagle3" else None)
         with torch.no_grad():
             for p in net.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)

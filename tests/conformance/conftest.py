@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from exports import Written, write_export
+from conformance.exports import Written, write_export
 
 # name -> (verifier fixture, kind, options). EAGLE-3 on the tiny verifier needs 3 distinct layer ids below L, so it
 # uses a 4-layer tiny verifier; the default verifier (30 layers) keeps the default ids [2, 15, 27].

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engines import Export, Load, assert_conforms
+from conformance.engines import Export, Load, assert_conforms
 
 
 def _strict_false(load: Load, ex: Export, rename=lambda n: n) -> Load:
@@ -127,16 +127,14 @@ def _json(d: Path) -> dict:
 
 
 def to_reference_layout(kind: str, export_dir: Path, out_dir: Path) -> Path:
-    """Where the lead plugs scripts/convert.py in (issue 12): this project's export -> the reference layout."""
-    from scripts.convert import to_reference  # noqa: F401  (does not exist yet)
+    """This project's export -> the reference layout: what `scripts/convert.py to-reference` runs."""
+    from models.export import to_reference
 
     return to_reference(kind, export_dir, out_dir)
 
 
 # -- tests -------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="issue 12: the EAGLE repository builds fc with a bias (config 'bias' "
-                                       "defaults to True); the export has no fc.bias")
 def test_eagle1_weights_load(exported):
     ex = Export.read(exported("eagle-tiny").path)
     assert_conforms(load_eagle1(ex).problems(ex))
@@ -163,8 +161,6 @@ def test_eagle3_explicit_layers_not_supported(exported):
     assert aux_layers_read(w.verifier_layers) != list(w.aux_layer_ids)
 
 
-@pytest.mark.xfail(strict=True, raises=ModuleNotFoundError, reason="issue 12: scripts/convert.py (export -> "
-                                                                   "medusa_lm_head.*) is not written yet")
 def test_medusa_reference_layout(exported, tmp_path):
     w = exported("medusa-tiny")
     ref = to_reference_layout("medusa", w.path, tmp_path / "ref")

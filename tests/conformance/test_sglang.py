@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines import Export, Load, assert_conforms, config_dtype, key, llama_layer, stacked
+from conformance.engines import Export, Load, assert_conforms, config_dtype, key, llama_layer, stacked
 
 # srt/models/*.py EntryClass, the Llama-family names (srt/models/registry.py ModelRegistry).
 REGISTRY = {
@@ -157,15 +157,11 @@ def test_eagle1_architecture_resolves(exported):
     assert resolve_architecture(ex.config["architectures"]) == "LlamaForCausalLMEagle"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: SGLang builds fc with a bias; the EAGLE-1 export has no fc.bias, "
-                                       "so it stays randomly initialised")
 def test_eagle1_weights_load(exported):
     ex = Export.read(exported("eagle-tiny").path)
     assert_conforms(load_eagle1(ex).problems(ex))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: torch_dtype float32 -> SGLang --dtype auto serves the drafter in "
-                                       "float16")
 @pytest.mark.parametrize("name", ["eagle-tiny", "eagle3-tiny4"])
 def test_torch_dtype_is_a_serving_dtype(exported, name):
     assert_conforms(dtype_problems(Export.read(exported(name).path).config))
@@ -183,15 +179,12 @@ def test_eagle3_weights_load(exported, name):
     assert_conforms(load_eagle3(ex, w.vocab_size)[0].problems(ex))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: SGLang reads eagle_config ids as 'output of layer k' (adds 1); "
-                                       "the export writes input-of-layer ids")
 def test_eagle3_layer_ids_explicit(exported):
     w = exported("eagle3-tiny4")
     assert_conforms(aux_layer_problems(Export.read(w.path).config, w.aux_layer_ids, w.verifier_layers))
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 12: SGLang feeds layers 3, 16, 28 to a drafter trained on 2, 15, 27")
 def test_eagle3_layer_ids_default_verifier(exported):
     w = exported("eagle3-smollm2")
     assert_conforms(aux_layer_problems(Export.read(w.path).config, w.aux_layer_ids, w.verifier_layers))
@@ -202,7 +195,7 @@ def test_weights_load_default_verifier(exported):
     w1, w3 = exported("eagle-smollm2"), exported("eagle3-smollm2")
     e1, e3 = Export.read(w1.path), Export.read(w3.path)
     problems = load_eagle3(e3, w3.vocab_size)[0].problems(e3)
-    problems += [p for p in load_eagle1(e1).problems(e1) if "model.fc.bias" not in p]  # fc.bias: xfail above
+    problems += load_eagle1(e1).problems(e1)
     assert_conforms(problems)
 
 

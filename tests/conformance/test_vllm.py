@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines import Export, Load, assert_conforms, key, llama_layer, stacked
+from conformance.engines import Export, Load, assert_conforms, key, llama_layer, stacked
 
 # vllm/model_executor/models/registry.py (_SPECULATIVE_DECODING_MODELS, _TEXT_GENERATION_MODELS): the Llama-family
 # names and the class each resolves to. "MedusaModel" is registered in 0.32.0 and gone in 0.33.0.
@@ -232,8 +232,6 @@ def load_medusa(ex: Export, target_vocab: int) -> Load:
 
 # -- tests -------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="issue 12: architectures ['LlamaForCausalLMEagle'] is refused by vLLM "
-                                       "(EAGLEConfig makes it 'EagleLlamaForCausalLMEagle', unregistered)")
 def test_eagle1_architecture_resolves(exported):
     ex = Export.read(exported("eagle-tiny").path)
     assert resolve_draft_architecture(ex.config["architectures"], "eagle", REGISTRY) == "EagleLlamaForCausalLM", \
@@ -257,16 +255,12 @@ def test_eagle3_weights_load_reduced_vocab(exported):
     assert_conforms(load_eagle3(ex, w.vocab_size).problems(ex))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: a full-vocabulary EAGLE-3 export carries d2t; vLLM has no "
-                                       "draft_id_to_target_id then and raises")
 def test_eagle3_weights_load_full_vocab(exported):
     w = exported("eagle3-tiny4-fullvocab")
     ex = Export.read(w.path)
     assert_conforms(load_eagle3(ex, w.vocab_size).problems(ex))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: layer ids only under eagle_config; Model Runner V2 does not read "
-                                       "that key and uses the defaults (2, L//2, L-3)")
 def test_eagle3_layer_ids_explicit(exported):
     w = exported("eagle3-tiny4")
     ex = Export.read(w.path)

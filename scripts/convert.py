@@ -1,0 +1,55 @@
+"""Convert between this project's exports and the public reference layouts (models/reference_formats.py).
+
+    # export -> reference (Medusa repository: medusa_lm_head.safetensors|.pt; EAGLE-1: pytorch_model.bin;
+    # EAGLE-3: SpecForge's model.safetensors with d2t/t2d)
+    python scripts/convert.py to-reference outputs/<run>/export ref/ [--weights medusa_lm_head.pt]
+    # reference (or an older export) -> export, for the verifier it was trained on
+    python scripts/convert.py from-reference ref/ outputs/<run>/export [--verifier smollm2|<hub id or dir>]
+
+`python -m eval checkpoint=<reference dir> verifier_path=<verifier>` reads the reference layouts directly too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.errors import UserError  # noqa: E402
+from models.export import export_verifier, from_reference, read_config, to_reference  # noqa: E402
+from models.verifier import load_verifier  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    to = sub.add_parser("to-reference", help="this project's export -> the reference layout of its kind")
+    to.add_argument("export_dir")
+    to.add_argument("out_dir")
+    to.add_argument("--weights", default=None, help="weights file name (e.g. medusa_lm_head.pt, model.safetensors)")
+    fr = sub.add_parser("from-reference", help="a reference checkpoint -> this project's export")
+    fr.add_argument("ref_dir")
+    fr.add_argument("out_dir")
+    fr.add_argument("--verifier", default=None, help="smollm2, a Hub id or a local HF directory (default: the one the "
+                                                     "file names in base_model_name_or_path / verifier_path)")
+    fr.add_argument("--cache-dir", default=None)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "to-reference":
+            out = to_reference(None, args.export_dir, args.out_dir, args.weights)
+        else:
+            source = args.verifier or export_verifier(read_config(args.ref_dir))
+            if not source:
+                raise UserError(f"{args.ref_dir} names no verifier; pass --verifier <the verifier it was trained on>.")
+            out = from_reference(args.ref_dir, args.out_dir, load_verifier(source, "float32", "cpu", args.cache_dir))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
