@@ -10,6 +10,7 @@ callbacks, trainer -> fit (a divergence guard keeps checkpoints/last-good.ckpt) 
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import hydra
@@ -81,7 +82,9 @@ def _run(cfg: DictConfig) -> Path:
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
     if logger:
         logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "verifier_fingerprint": verifier.fingerprint})
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    # Resuming loads tensors and plain values only (resolve_ckpt has already read the file so, for older Lightning).
+    safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **safe)
     if trainer.checkpoint_callback is not None and not trainer.fast_dev_run:
         # ModelCheckpoint saves every N steps; also keep the final state, so `ckpt_path=last` with a larger
         # max_epochs / max_steps continues from where this run ended.

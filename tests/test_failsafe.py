@@ -163,6 +163,8 @@ def test_unwritable_outputs_are_found_before_the_verifier_loads(train_script, tm
 def test_a_run_directory_that_cannot_be_written_is_one_message(train_script, a_file):
     with pytest.raises(UserError, match="the run directory .* cannot be written"):
         train_script.run(compose_train(TINY, a_file / "run"))
+    proc = _cli(TINY, a_file / "run")  # Hydra makes the directory before train.py runs: checked by a Hydra callback
+    assert proc.returncode == 2 and "error: the run directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # -- resuming ----------------------------------------------------------------------------------------------------------

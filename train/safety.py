@@ -18,9 +18,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from hydra.experimental.callback import Callback as HydraCallback
 from lightning.pytorch.callbacks import Callback
 
-from models.errors import NonFiniteLossError, UserError
+from models.errors import NonFiniteLossError, UserError, exit_on_user_error
 
 LAST_GOOD = "last-good.ckpt"
 CANDIDATE = ".candidate.ckpt"
@@ -204,3 +205,11 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # closing releases the flock
             self.fd = None
+
+
+class WritableRunDir(HydraCallback):
+    """Hydra creates the run directory before train.py's code runs; check it first, so a run directory that cannot
+    be written is one message (exit status 2), not Hydra's traceback."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        exit_on_user_error(lambda: check_writable(config.hydra.run.dir, "the run directory"))
