@@ -33,15 +33,17 @@ from eval.kv import ForwardOutput
 from models.errors import UserError
 
 KEY_BLOCK = 64  # the cache length is rounded up to this: softmax over keys never has a tail to handle
-_PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 130)
+_PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)
+_PROBE_CHECK = (0, 1, 2, 3, 4, 6, 7, 8, 15, 16, 32, 63)  # rows compared in each probe
 _MIN_ROWS: dict[tuple, int] = {}
 
 
 def min_invariant_rows(
     dtype: torch.dtype, shapes: Sequence[tuple[int, int]], heads: int = 0, candidates=(1, 2, 4, 8, 16)
 ) -> int:
-    """Smallest row count P such that, for every (K, N) in `shapes`, row 0 of x[:M] @ W (W: K x N) has the same
-    bits for every probed M >= P. With `heads`, the product is batched over that many heads as attention's is
+    """Smallest row count P such that, for every (K, N) in `shapes`, every row of x[:M] @ W (W: K x N) has the bits
+    of that row repeated P times, for every probed M >= P: what `forward` relies on when it pads a short input by
+    repeating its last row. With `heads`, the product is batched over that many heads as attention's is
     ((1, heads, M, K) @ (1, heads, K, N)). Probed on random data with the current thread count; memoised."""
     key = (dtype, tuple(sorted(set(shapes))), heads, torch.get_num_threads())
     if key in _MIN_ROWS:
@@ -53,9 +55,12 @@ def min_invariant_rows(
         w = torch.randn(*lead, n, k, generator=gen).to(dtype)
         x = torch.randn(*lead, max(_PROBE_ROWS), k, generator=gen).to(dtype)
         mul = (lambda a: torch.matmul(a, w.transpose(-1, -2))) if heads else (lambda a: F.linear(a, w))
-        rows = {m: mul(x[..., :m, :])[..., 0, :] for m in _PROBE_ROWS}
+        outs = {m: mul(x[..., :m, :]) for m in _PROBE_ROWS}
         for p in candidates:
-            if all(torch.equal(rows[m], rows[p]) for m in _PROBE_ROWS if m >= p):
+            alone = {r: mul(x[..., r : r + 1, :].expand(*lead, p, k))[..., 0, :] for r in _PROBE_CHECK}
+            if all(
+                torch.equal(outs[m][..., r, :], alone[r]) for m in _PROBE_ROWS if m >= p for r in _PROBE_CHECK if r < m
+            ):
                 worst = max(worst, p)
                 break
         else:
