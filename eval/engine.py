@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from eval.kv import ForwardOutput
 from models.errors import UserError
 
+WINDOW = 16  # the most recent keys of each token are attended in path order (trees up to this deep)
 KEY_BLOCK = 64  # the cache length is rounded up to this: softmax over keys never has a tail to handle
 _PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)
 _PROBE_CHECK = (0, 1, 2, 3, 4, 6, 7, 8, 15, 16, 32, 63)  # rows compared in each probe
@@ -179,6 +180,29 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def _window_slots(prefix: int, offsets: Tensor, visible: Tensor, window: int) -> tuple[Tensor, Tensor]:
+    """For each new token j at position t_j = prefix + offsets[j]: the cache slots holding positions t_j - W + 1 ..
+    t_j along its own path (W, oldest first), and an additive mask hiding positions < 0. Positions before the
+    prefix sit in their own slot; new ones in the slot of the token at that depth that j sees (itself included)."""
+    t, cols = visible.shape  # rows may include the padding repeats of the last token
+    depth = offsets[None, :cols] == torch.arange(int(offsets.max()) + 1, device=offsets.device)[:, None]  # (D+1, T)
+    seen = visible[:, None, :] & depth[None]  # (Tp, D+1, T): token i is j's ancestor at depth e
+    counts = seen.sum(-1)  # (T, D+1)
+    expected = torch.arange(counts.shape[1], device=offsets.device)[None] <= offsets[:, None]
+    if not torch.equal(counts, expected.long()):
+        raise UserError(
+            "tree_mask/positions do not describe a tree: every node must see exactly one node at each depth from 0 "
+            f"to its own (itself included). Seen per node and depth: {counts.tolist()}. Build them with "
+            "eval.tree.tree_buffers."
+        )
+    ancestor = seen.float().argmax(-1)  # (T, D+1) index of the ancestor at each depth
+    pos = prefix + offsets[:, None] - window + 1 + torch.arange(window, device=offsets.device)  # (T, W)
+    new = pos >= prefix
+    slots = torch.where(new, prefix + ancestor.gather(1, (pos - prefix).clamp(min=0)), pos.clamp(min=0))
+    mask = torch.zeros(t, window, device=offsets.device).masked_fill_(pos < 0, float("-inf"))
+    return slots, mask
+
+
 @torch.no_grad()
 def forward(
     cache: StaticCache,
@@ -188,11 +212,11 @@ def forward(
     hidden_layers: Sequence[int] | None = None,
 ) -> ForwardOutput:
     """Run the verifier over `tokens` (B, T) after the `cache.length` committed ones, writing their keys/values into
-    slots length..length+T-1 (committed only by `commit`, or here when the tokens are a plain continuation).
+    slots length..length+T-1.
 
     Without `tree_mask`: a plain continuation (causal, positions length + 0..T-1), committed at once. With
-    `tree_mask` (T, T) and `positions` (T,) offsets: tree nodes at positions length + depth, each seeing the prefix
-    and the nodes its mask row allows; nothing committed until `commit`. `hidden_layers` as in eval.kv.forward
+    `tree_mask` (T, T) and `positions` (T,) offsets: tree nodes at positions length + depth, each seeing the prefix,
+    its ancestors and itself; nothing is committed until `commit`. `hidden_layers` as in eval.kv.forward
     (0 = embeddings, i = input of layer i, -1 or num_layers = after the final norm); None gives the last one.
     """
     e = cache.engine
@@ -205,9 +229,15 @@ def forward(
         )
     dev = tokens.device
     offsets = torch.arange(t, device=dev) if positions is None else positions.to(dev)
-    visible = (  # (T, T): which new tokens each new token sees
-        torch.ones(t, t, dtype=torch.bool, device=dev).tril() if tree_mask is None else tree_mask.to(dev, torch.bool)
-    )
+    if tree_mask is None:
+        visible = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    else:
+        visible = tree_mask.to(dev, torch.bool)
+        if int(offsets.max()) >= WINDOW:
+            raise UserError(
+                f"The tree is {int(offsets.max())} deep; the engine's exact attention handles depth < {WINDOW}. "
+                f"Use a shallower tree (tree depth / number of draft tokens below {WINDOW})."
+            )
     # 1. Pad to min_rows by repeating the last token (same position, same mask row): every matmul sees >= min_rows
     #    rows, so each row's bits do not depend on T. The repeats write the same keys into the same slot.
     pad = max(cache.min_rows - t, 0)
@@ -218,10 +248,13 @@ def forward(
     tp = t + pad
     pos = prefix + offsets  # (Tp,)
     cos, sin = cache.cos[pos], cache.sin[pos]  # (Tp, Dh)
-    # Additive mask over the whole cache: committed prefix visible, new slots per `visible`, the rest hidden.
-    mask = torch.full((tp, cache.max_length), float("-inf"), device=dev)
-    mask[:, :prefix] = 0.0
-    mask[:, prefix : prefix + t].masked_fill_(visible, 0.0)
+    # 2. Which keys a token sees, split by its own position t only, so that the split is the same whatever forward
+    #    computes it: far keys (positions < t - W + 1, always committed, each in its own slot) attended over the whole
+    #    cache with a mask; the W most recent positions gathered along the token's own path, oldest first.
+    slots, near_mask = _window_slots(prefix, offsets, visible, WINDOW)  # (Tp, W)
+    far_mask = torch.zeros(tp, cache.max_length, device=dev)
+    far_mask.masked_fill_(torch.arange(cache.max_length, device=dev)[None] > (pos - WINDOW)[:, None], float("-inf"))
+    flat_slots = slots.flatten()
 
     wanted = None if hidden_layers is None else [i % (e.num_layers + 1) for i in hidden_layers]
     kept: dict[int, Tensor] = {}
@@ -230,23 +263,29 @@ def forward(
     for i, w in enumerate(e.layers):
         if wanted is not None and i in wanted:
             kept[i] = h[:, :t]
-        # 2. Attention over the full cache, fp32.
+        # 3. Attention, fp32.
         x = _rms_norm(h, w["ln1"], e.eps)
         qkv = F.linear(x, w["qkv"], w["qkv_b"]).float()  # (B, Tp, (Hq + 2 Hkv) Dh)
         q, k, v = qkv.split([hq * dh, hkv * dh, hkv * dh], dim=-1)
-        q = _rotate(q.view(bsz, tp, hq, dh).transpose(1, 2), cos, sin)  # (B, Hq, Tp, Dh)
+        q = _rotate(q.view(bsz, tp, hq, dh).transpose(1, 2), cos, sin) * e.scale  # (B, Hq, Tp, Dh)
         k = _rotate(k.view(bsz, tp, hkv, dh).transpose(1, 2), cos, sin)  # (B, Hkv, Tp, Dh)
         v = v.view(bsz, tp, hkv, dh).transpose(1, 2)
-        cache.k[i, :, :, prefix : prefix + t] = k[:, :, :t]
-        cache.v[i, :, :, prefix : prefix + t] = v[:, :, :t]
-        q = q.reshape(bsz, hkv, group * tp, dh)  # query heads sharing a kv head stacked as rows (GQA)
-        scores = torch.matmul(q, cache.k[i].transpose(-1, -2)) * e.scale  # (B, Hkv, G Tp, L)
-        scores = scores.view(bsz, hkv, group, tp, -1) + mask
-        probs = torch.softmax(scores, dim=-1).view(bsz, hkv, group * tp, -1)
-        att = torch.matmul(probs, cache.v[i])  # (B, Hkv, G Tp, Dh)
+        kc, vc = cache.k[i], cache.v[i]  # (B, Hkv, L, Dh)
+        kc[:, :, prefix : prefix + t] = k[:, :, :t]
+        vc[:, :, prefix : prefix + t] = v[:, :, :t]
+        q = q.reshape(bsz, hkv, group, tp, dh)  # query heads sharing a kv head (GQA)
+        far = torch.matmul(q.reshape(bsz, hkv, group * tp, dh), kc.transpose(-1, -2))  # (B, Hkv, G Tp, L)
+        far = far.view(bsz, hkv, group, tp, -1) + far_mask
+        kn = kc.index_select(2, flat_slots).view(bsz, hkv, 1, tp, WINDOW, dh)
+        vn = vc.index_select(2, flat_slots).view(bsz, hkv, 1, tp, WINDOW, dh)
+        near = (q[..., None, :] * kn).sum(-1) + near_mask  # (B, Hkv, G, Tp, W)
+        probs = torch.softmax(torch.cat([far, near], dim=-1), dim=-1)
+        p_far, p_near = probs.split([cache.max_length, WINDOW], dim=-1)
+        att = torch.matmul(p_far.reshape(bsz, hkv, group * tp, -1), vc).view(bsz, hkv, group, tp, dh)
+        att = att + (p_near[..., None] * vn).sum(-2)  # (B, Hkv, G, Tp, Dh)
         att = att.view(bsz, hq, tp, dh).transpose(1, 2).reshape(bsz, tp, hq * dh).to(e.dtype)
         h = h + F.linear(att, w["o"], w["o_b"])
-        # 3. MLP.
+        # 4. MLP.
         x = _rms_norm(h, w["ln2"], e.eps)
         gate, up = F.linear(x, w["gate_up"]).split(e.intermediate, dim=-1)
         h = h + F.linear(F.silu(gate) * up, w["down"])
