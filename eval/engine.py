@@ -229,6 +229,11 @@ def forward(
         )
     dev = tokens.device
     offsets = torch.arange(t, device=dev) if positions is None else positions.to(dev)
+    if offsets.shape != (t,) or (tree_mask is not None and tree_mask.shape != (t, t)):
+        raise UserError(
+            f"{t} tokens need positions of shape ({t},) and a tree_mask of shape ({t}, {t}); got "
+            f"{tuple(offsets.shape)} and {None if tree_mask is None else tuple(tree_mask.shape)}."
+        )
     if tree_mask is None:
         visible = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
     else:
