@@ -9,12 +9,12 @@ cache. Here every forward runs the same numerics whatever the number of tokens:
   mask row), so every matmul sees at least `min_rows` rows. `min_rows` is probed once per dtype on this machine's
   kernels (`min_invariant_rows`): the smallest row count from which a row's result no longer depends on how many
   rows share the call (typically 2 in bf16, 4 in fp32 on oneDNN CPUs).
-- Keys: attention always runs over the whole preallocated cache (length `max_length`, a multiple of 64), masked,
-  so the reductions over keys (softmax, probs @ V) have one fixed length and a key at position t always sits in
-  slot t. Attention math is fp32 (q, k, v, the cache, the softmax), cast back to the model dtype before o_proj.
-
-A tree node's keys sit in slot prefix + node index, not prefix + depth, so a node off the tree's first chain sums
-its ancestors in other slots than a chain would; that can change the last bit of an fp32 sum (see the report).
+- Keys: how a token's attention is summed depends on its own position t only, never on the forward computing it.
+  Keys at positions < t - W + 1 (always committed, each in its own slot) are attended over the whole preallocated
+  cache (length `max_length`, a multiple of 64) with a mask, so that reduction has one fixed length; the W = 16 most
+  recent positions are gathered along the token's own path (prefix slots, then its tree ancestors by depth), so a
+  tree node off the first branch sums exactly the terms, in the same lanes, that a chain would. Attention math is
+  fp32 (q, k, v, the cache, softmax), cast back to the model dtype before o_proj.
 
 Interface (close to eval.kv): `new_cache(model, max_length)`, `forward(cache, tokens, positions, tree_mask,
 hidden_layers) -> ForwardOutput`, `commit(cache, prefix_len, nodes)`, `cache_length(cache)`.
@@ -222,6 +222,8 @@ def forward(
     e = cache.engine
     bsz, t = tokens.shape
     prefix = cache.length
+    if t == 0:
+        raise UserError(f"forward needs at least one token; got tokens of shape {tuple(tokens.shape)}.")
     if prefix + t > cache.max_length:
         raise UserError(
             f"The verifier cache holds {cache.max_length} tokens and this forward needs {prefix + t} "
