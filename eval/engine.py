@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from eval.kv import ForwardOutput
 from models.errors import UserError
 
+SUPPORTED = ("llama", "mistral", "qwen2")  # same block as Llama; Qwen2 adds q/k/v biases
 WINDOW = 16  # the most recent keys of each token are attended in path order (trees up to this deep)
 KEY_BLOCK = 64  # the cache length is rounded up to this: softmax over keys never has a tail to handle
 _PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)
@@ -79,12 +80,10 @@ class Engine:
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
         decoder = model.get_decoder()
-        if not all(hasattr(decoder.layers[0], a) for a in ("self_attn", "mlp", "input_layernorm")) or not hasattr(
-            decoder.layers[0].mlp, "gate_proj"
-        ):
+        if getattr(cfg, "model_type", None) not in SUPPORTED:
             raise UserError(
-                f"eval.engine runs Llama-family verifiers (q/k/v/o, gate/up/down, RMSNorm); got {type(model).__name__}. "
-                f"Use the Hugging Face path (eval.kv) for this verifier."
+                f"eval.engine runs Llama-family verifiers ({', '.join(SUPPORTED)}: q/k/v/o, gate/up/down, RMSNorm, "
+                f"rotary); got model_type={getattr(cfg, 'model_type', None)!r}. Use the Hugging Face path (eval.kv)."
             )
         self.model = model
         self.dtype = model.get_input_embeddings().weight.dtype

@@ -119,6 +119,15 @@ def test_errors_name_the_size_and_the_fix(tiny):
         engine.forward(cache, _ids(tiny, 3), torch.tensor([0, 1, 1]), torch.ones(3, 3, dtype=torch.bool))
 
 
+def test_refuses_a_verifier_whose_block_it_does_not_run():
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # q/k norms inside attention: not the Llama block
+
+    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    with pytest.raises(UserError, match="model_type='qwen3'"):
+        engine.new_cache(Qwen3ForCausalLM(config), 8)
+
+
 @pytest.mark.slow
 def test_default_verifier_bf16_chain_and_tree_are_bitwise_the_steps(cache_dir):
     from models.verifier import load_smollm2
