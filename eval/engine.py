@@ -120,7 +120,8 @@ class Engine:
         """Tokens a forward must have so that every matmul in it is batch-invariant on this machine: the weight
         matmuls in the model dtype, and attention's two fp32 products, whose rows are group * tokens (GQA)."""
         first = self.layers[0]
-        shapes = [tuple(first[w].shape[::-1]) for w in ("qkv", "o", "gate_up", "down")] + [tuple(self.lm_head.shape[::-1])]
+        shapes = [tuple(first[w].shape[::-1]) for w in ("qkv", "o", "gate_up", "down")]
+        shapes.append(tuple(self.lm_head.shape[::-1]))
         weights = min_invariant_rows(self.dtype, shapes)
         attention = [(self.head_dim, max_length), (max_length, self.head_dim)]
         group = self.num_heads // self.num_kv_heads
@@ -226,7 +227,8 @@ def forward(
     if prefix + t > cache.max_length:
         raise UserError(
             f"The verifier cache holds {cache.max_length} tokens and this forward needs {prefix + t} "
-            f"({prefix} cached + {t} new). Build it with new_cache(model, max_length) for prompt + max_new_tokens + tree."
+            f"({prefix} cached + {t} new). Build it with new_cache(model, max_length) for prompt + max_new_tokens "
+            f"+ tree nodes."
         )
     dev = tokens.device
     offsets = torch.arange(t, device=dev) if positions is None else positions.to(dev)
