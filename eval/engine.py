@@ -1,0 +1,320 @@
+"""A lean, batch-invariant forward for Llama-family verifiers (gpt-fast style), with a preallocated KV cache.
+
+Why: speculative decoding is exact only if one forward over n tokens gives, for each token, the bits n one-token
+forwards give. HF's eager forward does not (in bf16 or fp32, depending on the CPU): the matmul kernels take another
+path for a one-row input than for a multi-row one, and attention reduces over a key length that grows with the
+cache. Here every forward runs the same numerics whatever the number of tokens:
+
+- Rows: a forward over fewer than `min_rows` tokens is padded by repeating its last token (same position, same
+  mask row), so every matmul sees at least `min_rows` rows. `min_rows` is probed once per dtype on this machine's
+  kernels (`min_invariant_rows`): the smallest row count from which a row's result no longer depends on how many
+  rows share the call (typically 2 in bf16, 4 in fp32 on oneDNN CPUs).
+- Keys: how a token's attention is summed depends on its own position t only, never on the forward computing it.
+  Keys at positions < t - W + 1 (always committed, each in its own slot) are attended over the whole preallocated
+  cache (length `max_length`, a multiple of 64) with a mask, so that reduction has one fixed length; the W = 16 most
+  recent positions are gathered along the token's own path (prefix slots, then its tree ancestors by depth), so a
+  tree node off the first branch sums exactly the terms, in the same lanes, that a chain would. Attention math is
+  fp32 (q, k, v, the cache, softmax), cast back to the model dtype before o_proj.
+
+Interface (close to eval.kv): `new_cache(model, max_length)`, `forward(cache, tokens, positions, tree_mask,
+hidden_layers) -> ForwardOutput`, `commit(cache, prefix_len, nodes)`, `cache_length(cache)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eval.kv import ForwardOutput
+from models.errors import UserError
+
+SUPPORTED = ("llama", "mistral", "qwen2")  # same block as Llama; Qwen2 adds q/k/v biases
+WINDOW = 16  # the most recent keys of each token are attended in path order (trees up to this deep)
+KEY_BLOCK = 64  # the cache length is rounded up to this: softmax over keys never has a tail to handle
+_PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)
+_PROBE_CHECK = (0, 1, 2, 3, 4, 6, 7, 8, 15, 16, 32, 63)  # rows compared in each probe
+_MIN_ROWS: dict[tuple, int] = {}
+
+
+def min_invariant_rows(
+    dtype: torch.dtype, shapes: Sequence[tuple[int, int]], heads: int = 0, candidates=(1, 2, 4, 8, 16)
+) -> int:
+    """Smallest row count P such that, for every (K, N) in `shapes`, every row of x[:M] @ W (W: K x N) has the bits
+    of that row repeated P times, for every probed M >= P: what `forward` relies on when it pads a short input by
+    repeating its last row. With `heads`, the product is batched over that many heads as attention's is
+    ((1, heads, M, K) @ (1, heads, K, N)). Probed on random data with the current thread count; memoised."""
+    key = (dtype, tuple(sorted(set(shapes))), heads, torch.get_num_threads())
+    if key in _MIN_ROWS:
+        return _MIN_ROWS[key]
+    gen = torch.Generator().manual_seed(0)
+    worst = 1
+    for k, n in key[1]:
+        lead = (1, heads) if heads else ()
+        w = torch.randn(*lead, n, k, generator=gen).to(dtype)
+        x = torch.randn(*lead, max(_PROBE_ROWS), k, generator=gen).to(dtype)
+        mul = (lambda a: torch.matmul(a, w.transpose(-1, -2))) if heads else (lambda a: F.linear(a, w))
+        outs = {m: mul(x[..., :m, :]) for m in _PROBE_ROWS}
+        for p in candidates:
+            alone = {r: mul(x[..., r : r + 1, :].expand(*lead, p, k))[..., 0, :] for r in _PROBE_CHECK}
+            if all(
+                torch.equal(outs[m][..., r, :], alone[r]) for m in _PROBE_ROWS if m >= p for r in _PROBE_CHECK if r < m
+            ):
+                worst = max(worst, p)
+                break
+        else:
+            raise UserError(
+                f"No row count up to {candidates[-1]} makes {dtype} matmuls of shape K={k}, N={n} batch-invariant "
+                f"on this machine, so exact speculative decoding is not possible here in {dtype}. Use float32."
+            )
+    _MIN_ROWS[key] = worst
+    return worst
+
+
+class Engine:
+    """The verifier's weights, read from an HF Llama-family model (references; q/k/v and gate/up are fused copies)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        cfg = model.config
+        decoder = model.get_decoder()
+        if getattr(cfg, "model_type", None) not in SUPPORTED:
+            raise UserError(
+                f"eval.engine runs Llama-family verifiers ({', '.join(SUPPORTED)}: q/k/v/o, gate/up/down, RMSNorm, "
+                f"rotary); got model_type={getattr(cfg, 'model_type', None)!r}. Use the Hugging Face path (eval.kv)."
+            )
+        self.model = model
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        self.embed = model.get_input_embeddings().weight
+        self.lm_head = model.get_output_embeddings().weight
+        self.norm = decoder.norm.weight
+        self.rotary = decoder.rotary_emb
+        self.layers = []
+        with torch.no_grad():
+            for layer in decoder.layers:
+                att, mlp = layer.self_attn, layer.mlp
+                qkv = [att.q_proj, att.k_proj, att.v_proj]
+                self.layers.append(
+                    dict(
+                        ln1=layer.input_layernorm.weight,
+                        ln2=layer.post_attention_layernorm.weight,
+                        qkv=torch.cat([p.weight for p in qkv]),
+                        qkv_b=torch.cat([p.bias for p in qkv]) if qkv[0].bias is not None else None,
+                        o=att.o_proj.weight,
+                        o_b=att.o_proj.bias,
+                        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                        down=mlp.down_proj.weight,
+                    )
+                )
+        self.intermediate = self.layers[0]["down"].shape[1]
+
+    def min_rows(self, max_length: int) -> int:
+        """Tokens a forward must have so that every matmul in it is batch-invariant on this machine: the weight
+        matmuls in the model dtype, and attention's two fp32 products, whose rows are group * tokens (GQA)."""
+        first = self.layers[0]
+        shapes = [tuple(first[w].shape[::-1]) for w in ("qkv", "o", "gate_up", "down")]
+        shapes.append(tuple(self.lm_head.shape[::-1]))
+        weights = min_invariant_rows(self.dtype, shapes)
+        attention = [(self.head_dim, max_length), (max_length, self.head_dim)]
+        group = self.num_heads // self.num_kv_heads
+        return max(weights, -(-min_invariant_rows(torch.float32, attention, heads=self.num_kv_heads) // group))
+
+
+@dataclass
+class StaticCache:
+    """Keys/values (layers, B, H_kv, max_length, Dh) in fp32, written in place; `length` entries are committed."""
+
+    engine: Engine
+    k: Tensor
+    v: Tensor
+    cos: Tensor  # (max_length, Dh) fp32, rotary tables for every position
+    sin: Tensor
+    min_rows: int
+    length: int = 0
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[3]
+
+
+def new_cache(model: nn.Module | Engine, max_length: int, batch_size: int = 1) -> StaticCache:
+    """A cache for up to `max_length` tokens (prompt + max_new_tokens + tree nodes), rounded up to KEY_BLOCK."""
+    engine = model if isinstance(model, Engine) else Engine(model)
+    length = -(-max(max_length, 1) // KEY_BLOCK) * KEY_BLOCK
+    device = engine.embed.device
+    shape = (engine.num_layers, batch_size, engine.num_kv_heads, length, engine.head_dim)
+    positions = torch.arange(length, device=device)[None]  # (1, L)
+    cos, sin = engine.rotary(torch.zeros(1, device=device, dtype=torch.float32), positions)  # (1, L, Dh) fp32
+    return StaticCache(
+        engine=engine,
+        k=torch.zeros(shape, device=device),
+        v=torch.zeros(shape, device=device),
+        cos=cos[0].float(),
+        sin=sin[0].float(),
+        min_rows=engine.min_rows(length),
+    )
+
+
+def cache_length(cache: StaticCache) -> int:
+    return cache.length
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # As HF's LlamaRMSNorm: statistics in fp32, cast back, then scale.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _window_slots(prefix: int, offsets: Tensor, visible: Tensor, window: int) -> tuple[Tensor, Tensor]:
+    """For each new token j at position t_j = prefix + offsets[j]: the cache slots holding positions t_j - W + 1 ..
+    t_j along its own path (W, oldest first), and an additive mask hiding positions < 0. Positions before the
+    prefix sit in their own slot; new ones in the slot of the token at that depth that j sees (itself included)."""
+    t, cols = visible.shape  # rows may include the padding repeats of the last token
+    depth = offsets[None, :cols] == torch.arange(int(offsets.max()) + 1, device=offsets.device)[:, None]  # (D+1, T)
+    seen = visible[:, None, :] & depth[None]  # (Tp, D+1, T): token i is j's ancestor at depth e
+    counts = seen.sum(-1)  # (T, D+1)
+    expected = torch.arange(counts.shape[1], device=offsets.device)[None] <= offsets[:, None]
+    if not torch.equal(counts, expected.long()):
+        raise UserError(
+            "tree_mask/positions do not describe a tree: every node must see exactly one node at each depth from 0 "
+            f"to its own (itself included). Seen per node and depth: {counts.tolist()}. Build them with "
+            "eval.tree.tree_buffers."
+        )
+    ancestor = seen.float().argmax(-1)  # (T, D+1) index of the ancestor at each depth
+    pos = prefix + offsets[:, None] - window + 1 + torch.arange(window, device=offsets.device)  # (T, W)
+    new = pos >= prefix
+    slots = torch.where(new, prefix + ancestor.gather(1, (pos - prefix).clamp(min=0)), pos.clamp(min=0))
+    mask = torch.zeros(t, window, device=offsets.device).masked_fill_(pos < 0, float("-inf"))
+    return slots, mask
+
+
+@torch.no_grad()
+def forward(
+    cache: StaticCache,
+    tokens: Tensor,
+    positions: Tensor | None = None,
+    tree_mask: Tensor | None = None,
+    hidden_layers: Sequence[int] | None = None,
+) -> ForwardOutput:
+    """Run the verifier over `tokens` (B, T) after the `cache.length` committed ones, writing their keys/values into
+    slots length..length+T-1.
+
+    Without `tree_mask`: a plain continuation (causal, positions length + 0..T-1), committed at once. With
+    `tree_mask` (T, T) and `positions` (T,) offsets: tree nodes at positions length + depth, each seeing the prefix,
+    its ancestors and itself; nothing is committed until `commit`. `hidden_layers` as in eval.kv.forward
+    (0 = embeddings, i = input of layer i, -1 or num_layers = after the final norm); None gives the last one.
+    """
+    e = cache.engine
+    bsz, t = tokens.shape
+    prefix = cache.length
+    if t == 0:
+        raise UserError(f"forward needs at least one token; got tokens of shape {tuple(tokens.shape)}.")
+    if prefix + t > cache.max_length:
+        raise UserError(
+            f"The verifier cache holds {cache.max_length} tokens and this forward needs {prefix + t} "
+            f"({prefix} cached + {t} new). Build it with new_cache(model, max_length) for prompt + max_new_tokens "
+            f"+ tree nodes."
+        )
+    dev = tokens.device
+    offsets = torch.arange(t, device=dev) if positions is None else positions.to(dev)
+    if offsets.shape != (t,) or (tree_mask is not None and tree_mask.shape != (t, t)):
+        raise UserError(
+            f"{t} tokens need positions of shape ({t},) and a tree_mask of shape ({t}, {t}); got "
+            f"{tuple(offsets.shape)} and {None if tree_mask is None else tuple(tree_mask.shape)}."
+        )
+    if tree_mask is None:
+        visible = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    else:
+        visible = tree_mask.to(dev, torch.bool)
+        if int(offsets.max()) >= WINDOW:
+            raise UserError(
+                f"The tree is {int(offsets.max())} deep; the engine's exact attention handles depth < {WINDOW}. "
+                f"Use a shallower tree (tree depth / number of draft tokens below {WINDOW})."
+            )
+    # 1. Pad to min_rows by repeating the last token (same position, same mask row): every matmul sees >= min_rows
+    #    rows, so each row's bits do not depend on T. The repeats write the same keys into the same slot.
+    pad = max(cache.min_rows - t, 0)
+    if pad:
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(bsz, pad)], dim=1)
+        offsets = torch.cat([offsets, offsets[-1:].expand(pad)])
+        visible = torch.cat([visible, visible[-1:].expand(pad, t)], dim=0)
+    tp = t + pad
+    pos = prefix + offsets  # (Tp,)
+    cos, sin = cache.cos[pos], cache.sin[pos]  # (Tp, Dh)
+    # 2. Which keys a token sees, split by its own position t only, so that the split is the same whatever forward
+    #    computes it: far keys (positions < t - W + 1, always committed, each in its own slot) attended over the whole
+    #    cache with a mask; the W most recent positions gathered along the token's own path, oldest first.
+    slots, near_mask = _window_slots(prefix, offsets, visible, WINDOW)  # (Tp, W)
+    far_mask = torch.zeros(tp, cache.max_length, device=dev)
+    far_mask.masked_fill_(torch.arange(cache.max_length, device=dev)[None] > (pos - WINDOW)[:, None], float("-inf"))
+    flat_slots = slots.flatten()
+
+    wanted = None if hidden_layers is None else [i % (e.num_layers + 1) for i in hidden_layers]
+    kept: dict[int, Tensor] = {}
+    h, hq, hkv, dh = F.embedding(tokens, e.embed), e.num_heads, e.num_kv_heads, e.head_dim  # h: (B, Tp, D)
+    group = hq // hkv
+    for i, w in enumerate(e.layers):
+        if wanted is not None and i in wanted:
+            kept[i] = h[:, :t]
+        # 3. Attention, fp32.
+        x = _rms_norm(h, w["ln1"], e.eps)
+        qkv = F.linear(x, w["qkv"], w["qkv_b"]).float()  # (B, Tp, (Hq + 2 Hkv) Dh)
+        q, k, v = qkv.split([hq * dh, hkv * dh, hkv * dh], dim=-1)
+        q = _rotate(q.view(bsz, tp, hq, dh).transpose(1, 2), cos, sin) * e.scale  # (B, Hq, Tp, Dh)
+        k = _rotate(k.view(bsz, tp, hkv, dh).transpose(1, 2), cos, sin)  # (B, Hkv, Tp, Dh)
+        v = v.view(bsz, tp, hkv, dh).transpose(1, 2)
+        kc, vc = cache.k[i], cache.v[i]  # (B, Hkv, L, Dh)
+        kc[:, :, prefix : prefix + t] = k[:, :, :t]
+        vc[:, :, prefix : prefix + t] = v[:, :, :t]
+        q = q.reshape(bsz, hkv, group, tp, dh)  # query heads sharing a kv head (GQA)
+        far = torch.matmul(q.reshape(bsz, hkv, group * tp, dh), kc.transpose(-1, -2))  # (B, Hkv, G Tp, L)
+        far = far.view(bsz, hkv, group, tp, -1) + far_mask
+        kn = kc.index_select(2, flat_slots).view(bsz, hkv, 1, tp, WINDOW, dh)
+        vn = vc.index_select(2, flat_slots).view(bsz, hkv, 1, tp, WINDOW, dh)
+        near = (q[..., None, :] * kn).sum(-1) + near_mask  # (B, Hkv, G, Tp, W)
+        probs = torch.softmax(torch.cat([far, near], dim=-1), dim=-1)
+        p_far, p_near = probs.split([cache.max_length, WINDOW], dim=-1)
+        att = torch.matmul(p_far.reshape(bsz, hkv, group * tp, -1), vc).view(bsz, hkv, group, tp, dh)
+        att = att + (p_near[..., None] * vn).sum(-2)  # (B, Hkv, G, Tp, Dh)
+        att = att.view(bsz, hq, tp, dh).transpose(1, 2).reshape(bsz, tp, hq * dh).to(e.dtype)
+        h = h + F.linear(att, w["o"], w["o_b"])
+        # 4. MLP.
+        x = _rms_norm(h, w["ln2"], e.eps)
+        gate, up = F.linear(x, w["gate_up"]).split(e.intermediate, dim=-1)
+        h = h + F.linear(F.silu(gate) * up, w["down"])
+    h = _rms_norm(h, e.norm, e.eps)
+    logits = F.linear(h, e.lm_head)[:, :t]  # (B, T, V)
+    if tree_mask is None:
+        cache.length = prefix + t
+    if wanted is None:
+        return ForwardOutput(logits=logits, hidden=h[:, :t])
+    kept[e.num_layers] = h[:, :t]
+    return ForwardOutput(logits=logits, hidden=torch.cat([kept[i] for i in wanted], dim=-1))  # (B, T, K*D)
+
+
+def commit(cache: StaticCache, prefix_len: int, nodes: Tensor) -> None:
+    """Keep the entries of new tokens `nodes` (B, A), indices counted from `prefix_len`, in that order, right after
+    the prefix; the cache then holds prefix + A tokens. In place: one gather over all layers, no reallocation."""
+    bsz, a = nodes.shape
+    if not bool((nodes == torch.arange(a, device=nodes.device)).all()):  # a chain's path needs no move
+        if bsz != 1 and not bool((nodes == nodes[:1]).all()):
+            raise UserError(f"commit takes one accepted path for the whole batch; got {nodes.tolist()}.")
+        slots = prefix_len + nodes[0].to(cache.k.device)
+        for buf in (cache.k, cache.v):
+            buf[:, :, :, prefix_len : prefix_len + a] = buf.index_select(3, slots)
+    cache.length = prefix_len + a

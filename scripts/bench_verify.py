@@ -1,0 +1,141 @@
+"""Verify cost, Hugging Face (eval.kv) against eval.engine, side by side in one process, with the machine's bound.
+
+    python scripts/bench_verify.py [--dtype float32 bfloat16] [--threads 1 2] [--rounds 7] [--compile]
+
+For each dtype and thread count: a plain one-token step and a 17-node tree verify after a 128-token prefix, through
+both paths, interleaved in rounds (the machine is shared: the ratio of medians is the figure to read, the spread
+says how noisy it was); HF `generate` greedy per token beside our engine's greedy loop. Then the bound: weight bytes
+over measured read bandwidth, and bf16 / fp32 matmul peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from eval import engine, kv
+from eval.tree import auto_tree, tree_buffers
+from models.verifier import load_smollm2
+
+PREFIX, NODES = 128, 17
+
+
+def timed(fn, reps: int) -> float:
+    fn()  # warm
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps * 1e3  # ms
+
+
+def machine_bound(weight_bytes: int) -> str:
+    big = torch.ones(256 * 2**20)  # 1 GiB fp32
+    read = min(timed(lambda: big.sum(), 3) for _ in range(3)) / 1e3
+    gbs = big.numel() * 4 / read / 1e9
+    peaks = {}
+    for dt in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(1024, 2048).to(dt), torch.randn(2048, 2048).to(dt)
+        sec = min(timed(lambda: a @ b, 5) for _ in range(3)) / 1e3
+        peaks[dt] = 2 * 1024 * 2048 * 2048 / sec / 1e9
+    del big
+    return (
+        f"read bandwidth {gbs:.1f} GB/s ({torch.get_num_threads()} thread(s)); matmul peak bf16 {peaks[torch.bfloat16]:.0f}"
+        f" GFLOP/s, fp32 {peaks[torch.float32]:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB -> bound "
+        f"{weight_bytes / gbs / 1e6:.1f} ms a step"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile(engine.forward)")
+    args = ap.parse_args()
+    tree = auto_tree([[0.6, 0.75, 0.8, 0.85]] * 4, NODES - 1)  # a Medusa-like 17-node tree
+    buf = tree_buffers(tree)
+    for name in args.dtype:
+        v = load_smollm2(dtype=name, device="cpu")
+        model = v.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embedding once
+        gen = torch.Generator().manual_seed(0)
+        prefix = torch.randint(0, v.vocab_size, (1, PREFIX), generator=gen)
+        nodes = torch.randint(0, v.vocab_size, (1, NODES), generator=gen)
+        one = nodes[:, :1]
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            hf = kv.new_cache()
+            kv.forward(model, hf, prefix)
+            ours = engine.new_cache(model, PREFIX + 64 + NODES)
+            engine.forward(ours, prefix)
+
+            def hf_step():
+                kv.forward(model, hf, one)
+                kv.commit(hf, PREFIX, torch.zeros(1, 0, dtype=torch.long))
+
+            def hf_tree():
+                kv.forward(model, hf, nodes, buf.positions, buf.mask)
+                kv.commit(hf, PREFIX, torch.zeros(1, 0, dtype=torch.long))
+
+            def our_step():
+                engine.forward(ours, one)
+                ours.length = PREFIX
+
+            def our_tree():
+                engine.forward(ours, nodes, buf.positions, buf.mask)
+
+            cases = {"hf step": hf_step, "hf tree": hf_tree, "engine step": our_step, "engine tree": our_tree}
+            if args.compile:
+                compiled = torch.compile(engine.forward, dynamic=True)
+                t0 = time.perf_counter()
+                compiled(ours, nodes, buf.positions, buf.mask)
+                compiled(ours, one)
+                ours.length = PREFIX
+                print(f"  torch.compile warm-up {time.perf_counter() - t0:.1f} s")
+
+                def comp_step():
+                    compiled(ours, one)
+                    ours.length = PREFIX
+
+                cases |= {
+                    "compiled step": comp_step,
+                    "compiled tree": lambda: compiled(ours, nodes, buf.positions, buf.mask),
+                }
+            times: dict[str, list[float]] = {k: [] for k in cases}
+            for _ in range(args.rounds):
+                for k, fn in cases.items():
+                    times[k].append(timed(fn, args.reps))
+            med = {k: statistics.median(x) for k, x in times.items()}
+            print(f"== {name}, {threads} thread(s), prefix {PREFIX}, tree {NODES} nodes, {args.rounds} rounds x "
+                  f"{args.reps}: median ms [min-max]")
+            for k, x in times.items():
+                print(f"  {k:14s} {med[k]:7.1f} [{min(x):.1f}-{max(x):.1f}]")
+            print(f"  tree/step: hf {med['hf tree'] / med['hf step']:.2f}x, engine "
+                  f"{med['engine tree'] / med['engine step']:.2f}x; engine/hf: step {med['engine step'] / med['hf step']:.2f}x, "
+                  f"tree {med['engine tree'] / med['hf tree']:.2f}x")
+            # HF generate (greedy) against our greedy loop, per token, same prompt.
+            new = 32
+            attention_mask = torch.ones_like(prefix)
+            gen_ms, loop_ms = [], []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                model.generate(prefix, attention_mask=attention_mask, max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, pad_token_id=v.tokenizer.eos_token_id)
+                gen_ms.append((time.perf_counter() - t0) / new * 1e3)
+                t0 = time.perf_counter()
+                cache = engine.new_cache(model, PREFIX + new)
+                tok = engine.forward(cache, prefix).logits[:, -1:].argmax(-1)
+                for _ in range(new - 1):
+                    tok = engine.forward(cache, tok).logits[:, -1:].argmax(-1)
+                loop_ms.append((time.perf_counter() - t0) / new * 1e3)
+            print(f"  greedy {new} tokens incl. prefill, ms/token: HF generate {statistics.median(gen_ms):.1f}, "
+                  f"engine loop {statistics.median(loop_ms):.1f}")
+            print("  " + machine_bound(weight_bytes))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""eval.engine: the same logits as Hugging Face in fp32, and batch-invariant bits: a forward over n tokens, a tree
+forward and its commit give exactly what n one-token forwards give, in bf16 and fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval import engine, kv
+from eval.tree import chain, from_medusa_choices, tree_buffers
+from models.errors import UserError
+from tests.conftest import varied_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (3,)]
+
+
+@pytest.fixture(scope="module")
+def varied():
+    return varied_llama()
+
+
+@pytest.fixture(scope="module")
+def varied_bf16():
+    v = varied_llama()
+    v.model.to(torch.bfloat16)
+    return v
+
+
+def _ids(v, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, v.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _chain_and_steps(model, ids: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of ids[prefix:] from one forward, and from one forward per token, after the same prefill."""
+    a, b = engine.new_cache(model, ids.shape[1]), engine.new_cache(model, ids.shape[1])
+    engine.forward(a, ids[:, :prefix])
+    engine.forward(b, ids[:, :prefix])
+    chained = engine.forward(a, ids[:, prefix:]).logits
+    steps = [engine.forward(b, ids[:, j : j + 1]).logits for j in range(prefix, ids.shape[1])]
+    return chained, torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("which", ["tiny", "varied"])
+def test_fp32_logits_and_hidden_layers_match_hugging_face(which, tiny, varied):
+    v = tiny if which == "tiny" else varied
+    ids = _ids(v, 20)
+    with torch.no_grad():
+        ref = v.model(ids, output_hidden_states=True)
+    cache = engine.new_cache(v.model, 40)
+    out = engine.forward(cache, ids[:, :12], hidden_layers=[0, 1, -1])
+    assert torch.allclose(out.logits, ref.logits[:, :12], atol=1e-4)
+    want = torch.cat([ref.hidden_states[i][:, :12] for i in (0, 1, -1)], dim=-1)
+    assert torch.allclose(out.hidden, want, atol=1e-4)
+    # The rest as a tree through the HF path and ours: same logits at every node.
+    buf = tree_buffers(from_medusa_choices(CHOICES))
+    nodes = _ids(v, buf.mask.shape[0], seed=5)
+    hf_cache = kv.new_cache()
+    kv.forward(v.model, hf_cache, ids[:, :12])
+    hf_tree = kv.forward(v.model, hf_cache, nodes, buf.positions, buf.mask)
+    ours = engine.forward(cache, nodes, buf.positions, buf.mask)
+    assert torch.allclose(ours.logits, hf_tree.logits, atol=1e-4)
+    assert torch.allclose(ours.hidden, hf_tree.hidden, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_bf16", "varied", "varied_bf16"])
+def test_one_forward_over_n_tokens_gives_the_bits_of_n_steps(which, tiny, varied, varied_bf16):
+    v = {"tiny": tiny, "varied": varied, "varied_bf16": varied_bf16}.get(which)
+    if which == "tiny_bf16":
+        from models.verifier import build_tiny
+
+        v = build_tiny(dtype="bfloat16", device="cpu")
+    ids = _ids(v, 30, seed=1)
+    chained, steps = _chain_and_steps(v.model, ids, 10)
+    assert torch.equal(chained, steps)
+
+
+@pytest.mark.parametrize("which", ["varied", "varied_bf16"])
+def test_tree_forward_and_commit_give_the_bits_of_a_plain_forward(which, varied, varied_bf16):
+    v = varied if which == "varied" else varied_bf16
+    tree = from_medusa_choices(CHOICES)
+    buf = tree_buffers(tree)
+    prefix, nodes = _ids(v, 13, seed=2), _ids(v, tree.num_nodes, seed=3)
+    size = prefix.shape[1] + tree.num_nodes + 1
+
+    def plain(path: torch.Tensor):
+        cache = engine.new_cache(v.model, size)
+        engine.forward(cache, prefix)
+        return cache, engine.forward(cache, nodes[:, path])
+
+    cache = engine.new_cache(v.model, size)
+    engine.forward(cache, prefix)
+    out = engine.forward(cache, nodes, buf.positions, buf.mask, hidden_layers=[1, -1])
+    for row in buf.retrieve:  # every root-to-leaf path, off the first branch included
+        path = row[row >= 0]
+        _, ref = plain(path)
+        assert torch.equal(out.logits[:, path], ref.logits)
+    path = buf.retrieve[-2][buf.retrieve[-2] >= 0]  # (1,0,0): nodes scattered after the prefix
+    assert path.tolist() != list(range(len(path)))
+    engine.commit(cache, prefix.shape[1], path[None])
+    ref_cache, _ = plain(path)
+    assert engine.cache_length(cache) == engine.cache_length(ref_cache) == prefix.shape[1] + len(path)
+    n = engine.cache_length(cache)
+    assert torch.equal(cache.k[:, :, :, :n], ref_cache.k[:, :, :, :n])
+    assert torch.equal(cache.v[:, :, :, :n], ref_cache.v[:, :, :, :n])
+    nxt = torch.tensor([[321]])
+    assert torch.equal(engine.forward(cache, nxt).logits, engine.forward(ref_cache, nxt).logits)
+
+
+def test_errors_name_the_size_and_the_fix(tiny):
+    cache = engine.new_cache(tiny.model, 8)  # rounded up to one key block
+    with pytest.raises(UserError, match="holds 64 tokens"):
+        engine.forward(cache, _ids(tiny, 65))
+    buf = tree_buffers(chain(engine.WINDOW))
+    with pytest.raises(UserError, match="deep"):
+        engine.forward(cache, _ids(tiny, engine.WINDOW + 1), buf.positions, buf.mask)
+    with pytest.raises(UserError, match="do not describe a tree"):
+        engine.forward(cache, _ids(tiny, 3), torch.tensor([0, 1, 1]), torch.ones(3, 3, dtype=torch.bool))
+
+
+def test_refuses_a_verifier_whose_block_it_does_not_run():
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # q/k norms inside attention: not the Llama block
+
+    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    with pytest.raises(UserError, match="model_type='qwen3'"):
+        engine.new_cache(Qwen3ForCausalLM(config), 8)
+
+
+@pytest.mark.slow
+def test_default_verifier_bf16_chain_and_tree_are_bitwise_the_steps(cache_dir):
+    from models.verifier import load_smollm2
+
+    v = load_smollm2(cache_dir=cache_dir, dtype="bfloat16", device="cpu")
+    ids = v.tokenizer(
+        "Explain why the sky is blue in two sentences. Sunlight is made of many colours, and the molecules of the air "
+        "scatter the short blue waves far more than the long red ones, so blue light reaches the eye from every side.",
+        return_tensors="pt",
+    ).input_ids
+    chained, steps = _chain_and_steps(v.model, ids, ids.shape[1] - 16)
+    assert torch.equal(chained, steps)
+    tree = from_medusa_choices(CHOICES)
+    buf = tree_buffers(tree)
+    cache = engine.new_cache(v.model, ids.shape[1] + tree.num_nodes)
+    engine.forward(cache, ids[:, :10])
+    out = engine.forward(cache, ids[:, 10 : 10 + tree.num_nodes], buf.positions, buf.mask)
+    path = buf.retrieve[-2][buf.retrieve[-2] >= 0]
+    ref = engine.new_cache(v.model, ids.shape[1] + tree.num_nodes)
+    engine.forward(ref, ids[:, :10])
+    assert torch.equal(out.logits[:, path], engine.forward(ref, ids[:, 10 : 10 + tree.num_nodes][:, path]).logits)
