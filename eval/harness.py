@@ -219,7 +219,8 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
-    meta = {"method": run.method, "verifier": run.verifier.name, "checkpoint": str(cfg.checkpoint)}
+    meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
+            "checkpoint": str(cfg.checkpoint)}
     setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}

@@ -23,7 +23,7 @@ from models.wandb_mode import wandb_mode
 
 METHODS = ("baseline", "speculative", "hf_generate", "hf_prompt_lookup")
 REPORT_KEYS = (
-    "method", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
+    "method", "tree", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
     "speedup", "speedup_vs_hf_generate", "greedy_match", "by_category",
 )
