@@ -1,4 +1,5 @@
-"""The decode loops: plain greedy (our baseline, one token per verifier forward) and speculative decoding.
+"""The decode loops: plain greedy and plain sampling (our baselines, one token per verifier forward) and
+speculative decoding, greedy or sampled (eval.sampling: exact for the warped verifier distribution).
 
 Both share the cache code in eval.kv, so their difference is the drafting alone. Speculative decoding costs one
 verifier forward per round: the outputs at the last accepted node (its logits choose the next root, its hidden
@@ -19,6 +20,7 @@ from torch import Tensor
 from eval import kv
 from eval.accept import greedy_accept, mean_accept_length, per_position_acceptance
 from eval.drafters import Draft, Drafter
+from eval.sampling import SamplingConfig, check_draft_p, sample_accept, typical_accept, warp
 from eval.tree import Tree, TreeBuffers, tree_buffers, truncate
 from models.errors import UserError
 from models.verifier import Verifier
@@ -92,7 +94,7 @@ def _truncate(draft: Draft, depth: int) -> tuple[Draft, Tensor]:
     """`draft` without its nodes deeper than `depth`, and the kept nodes' indices (K,) in `draft.tree`."""
     tree, keep = truncate(draft.tree, depth)
     index = torch.tensor(keep, device=draft.tokens.device)
-    return Draft(tree=tree, tokens=draft.tokens[:, index]), index
+    return Draft(tree=tree, tokens=draft.tokens[:, index], p=None if draft.p is None else draft.p[:, index]), index
 
 
 def _check_inputs(verifier: Verifier, input_ids: Tensor, max_new_tokens: int, tree_nodes: int) -> None:
@@ -141,6 +143,43 @@ def greedy_decode(
     return _result(input_ids, out, forwards, lengths, 0, timer, start)
 
 
+def _sampled(sampling: SamplingConfig | None) -> SamplingConfig | None:
+    """None for greedy decoding (no config, or temperature 0)."""
+    return None if sampling is None or sampling.greedy else sampling
+
+
+def _draw(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
+    """One token per row from the warped verifier distribution. (B, V) -> (B,)"""
+    probs = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def sample_decode(
+    verifier: Verifier, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
+    sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+) -> DecodeResult:
+    """Plain sampling from the warped verifier, one forward per token, through the same cache code: the baseline
+    sampled speculative decoding is compared with (same distribution, so speed is the only difference).
+    Temperature 0 (or no config) is greedy_decode."""
+    if _sampled(sampling) is None:
+        return greedy_decode(verifier, input_ids, max_new_tokens, eos_token_id)
+    _check_inputs(verifier, input_ids, max_new_tokens, 1)
+    start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
+    cache, forwards, lengths = kv.new_cache(), 0, []
+    token = input_ids
+    while not out.done:
+        # 1. One forward over the new token (the whole prompt the first time); 2. draw the next from warped q.
+        with timer("verify"):
+            step = kv.forward(verifier.model, cache, token)
+        forwards += 1
+        token = _draw(step.logits[:, -1], sampling, generator)[:, None]  # (B, 1)
+        if forwards > 1:
+            lengths.append(torch.zeros(token.shape[0], dtype=torch.long, device=token.device))
+        out.extend(token)
+    return _result(input_ids, out, forwards, lengths, 0, timer, start)
+
+
 @torch.no_grad()
 def speculative_decode(
     verifier: Verifier,
@@ -148,9 +187,17 @@ def speculative_decode(
     input_ids: Tensor,
     max_new_tokens: int,
     eos_token_id: int | Sequence[int] | None = None,
+    sampling: SamplingConfig | None = None,
+    generator: torch.Generator | None = None,
 ) -> DecodeResult:
-    """Greedy speculative decoding with any drafter, over the chain or tree it proposes: token for token the output
-    of plain greedy decoding with the verifier, in fewer verifier forwards when the drafts are good."""
+    """Speculative decoding with any drafter, over the chain or tree it proposes.
+
+    Greedy (sampling None or temperature 0): token for token the output of plain greedy decoding with the verifier.
+    Sampled: recursive rejection sampling (eval.sampling.sample_accept), whose output follows the warped verifier
+    distribution exactly, as sample_decode's does (not the same tokens: other random draws). With
+    `sampling.typical`, Medusa's typical acceptance instead: lossy. Fewer verifier forwards when the drafts are good.
+    generator: the random source of the acceptance rule and the first token (the drafter has its own)."""
+    sampling = _sampled(sampling)
     _check_inputs(verifier, input_ids, max_new_tokens, drafter.max_nodes)
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     model, cache, lengths = verifier.model, kv.new_cache(), []
@@ -163,7 +210,8 @@ def speculative_decode(
     with timer("verify"):
         step = kv.forward(model, cache, input_ids, hidden_layers=layers)
     forwards = 1
-    root = step.logits[:, -1].argmax(dim=-1)  # (B,)
+    last = step.logits[:, -1]  # (B, V)
+    root = last.argmax(dim=-1) if sampling is None else _draw(last, sampling, generator)  # (B,)
     hidden = step.hidden  # (B, T, len(layers) * D)
     sequence = torch.cat([input_ids, root[:, None]], dim=1)  # (B, T+1); the root is not in the cache yet
     out.extend(root)
@@ -186,9 +234,19 @@ def speculative_decode(
             step = kv.forward(model, cache, draft.tokens, buf.positions, buf.mask, layers)  # logits (B, N, V)
         forwards += 1
 
-        # 4. Accept the longest path that matches the verifier's argmax; the verifier adds one token after it.
+        # 4. Accept: greedy, the longest path that matches the verifier's argmax; sampled, the recursive rejection
+        #    walk over the tree. Either way the verifier adds one token after the accepted path.
         with timer("accept"):
-            acc = greedy_accept(buf.retrieve, draft.tokens, step.logits)
+            if sampling is None:
+                acc = greedy_accept(buf.retrieve, draft.tokens, step.logits)
+            else:
+                q = warp(step.logits, sampling.temperature, sampling.top_p, sampling.top_k)  # (B, N, V)
+                if sampling.typical:
+                    acc = typical_accept(buf.retrieve, draft.tokens, q, sampling.posterior_threshold,
+                                         sampling.posterior_alpha, generator)
+                else:
+                    check_draft_p(draft.p, draft.tokens, q.shape[-1])
+                    acc = sample_accept(buf.retrieve, draft.tree.parents, draft.tokens, q, draft.p, generator)
             num = int(acc.num_accepted[0])
             nodes = buf.retrieve[acc.path, : num + 1]  # (B, 1+A): root, then the accepted drafts
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from eval.sampling import SamplingConfig, warp
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy, auto_tree, chain, describe, tree_buffers
 from models.eagle import EAGLE_NETS, NAMES
 from models.errors import UserError
@@ -28,10 +29,13 @@ from models.verifier import Verifier
 @dataclass
 class Draft:
     """One round's proposal: the tree it fills (fixed, or grown this round) and a token per node, (B, N);
-    node 0 is the root."""
+    node 0 is the root. p: (B, N, V) the warped distribution each node's token was drawn from (row 0 unused), when
+    the drafter sampled its proposals; None for deterministic (top-k) drafts, which the sampling rule treats as
+    one-hot p (eval.sampling)."""
 
     tree: Tree
     tokens: Tensor
+    p: Tensor | None = None
 
 
 @runtime_checkable
@@ -70,11 +74,16 @@ class Drafter(Protocol):
 class MedusaDrafter:
     """Medusa (Cai et al., 2024): head k (0-based) reads M_q's hidden state at the token before the root and
     predicts the token k+1 places after the root; its rank-r token fills every tree node at depth k+1 with rank r.
-    The tree is fixed: the same shape every round."""
+    The tree is fixed: the same shape every round.
+
+    sampling: with a SamplingConfig of temperature > 0, proposals are sampled instead of top-k: every node at depth
+    d is an independent draw from head d-1's warped softmax, which `Draft.p` carries (eval.sampling's tree rule is
+    exact for such i.i.d. siblings)."""
 
     feature_layers = (-1,)
 
-    def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: nn.Module | None = None, policy: str = "tree") -> None:
+    def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: nn.Module | None = None, policy: str = "tree",
+                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None) -> None:
         if tree.max_depth > heads.num_heads:
             raise UserError(
                 f"The tree is {tree.max_depth} drafts deep but the Medusa export has {heads.num_heads} heads; "
@@ -90,9 +99,11 @@ class MedusaDrafter:
         self._depth = tree_buffers(tree).positions[1:].to(device)  # (N-1,) depth of each draft node
         self._rank = torch.tensor(tree.ranks[1:], dtype=torch.long, device=device)  # (N-1,)
         self._topk = max(tree.ranks[1:], default=-1) + 1
+        self.sampling = None if sampling is None or sampling.greedy else sampling
+        self.generator = generator
 
     def describe(self) -> dict[str, Any]:
-        return {"policy": self.policy, **describe(self.tree)}
+        return {"policy": self.policy, "proposals": "sampled" if self.sampling else "topk", **describe(self.tree)}
 
     @torch.no_grad()
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
@@ -109,9 +120,23 @@ class MedusaDrafter:
             head_logits = self.lm_head(feats.to(self.lm_head.weight.dtype))  # (B, K, V)
         else:
             head_logits = torch.stack([self.heads.head_logits(h, k) for k in range(depth)], dim=1)  # (B, K, V)
+        if self.sampling is not None:
+            return self._sample(root, head_logits)
         top = head_logits.topk(self._topk, dim=-1).indices  # (B, K, R)
         drafts = top[:, self._depth - 1, self._rank]  # (B, N-1): node i takes rank[i] of head depth[i]-1
         return Draft(tree=self.tree, tokens=torch.cat([root, drafts.to(root.dtype)], dim=1))  # (B, N)
+
+    def _sample(self, root: Tensor, head_logits: Tensor) -> Draft:
+        """Each draft node an independent draw from its head's warped distribution. (B, K, V) -> Draft with p."""
+        s = self.sampling
+        probs = warp(head_logits, s.temperature, s.top_p, s.top_k)  # (B, K, V)
+        bsz, depth = root.shape[0], self._depth - 1  # (N-1,) head of each node
+        drafts = torch.empty(bsz, depth.numel(), dtype=root.dtype, device=root.device)
+        for k in range(self.tree.max_depth):
+            at = (depth == k).nonzero()[:, 0]  # the nodes head k fills
+            drafts[:, at] = torch.multinomial(probs[:, k], at.numel(), replacement=True, generator=self.generator)
+        p = torch.cat([torch.zeros_like(probs[:, :1]), probs[:, depth]], dim=1)  # (B, N, V), row 0 unused
+        return Draft(tree=self.tree, tokens=torch.cat([root, drafts], dim=1), p=p)
 
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         pass  # Medusa heads keep no state between rounds
@@ -134,9 +159,11 @@ def medusa_tree(policy: TreePolicy, heads: MedusaHeads, topk_accuracy: list[list
 
 
 def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpoint: str | Path | None = None,
-                 net: nn.Module | None = None) -> Drafter:
+                 net: nn.Module | None = None, sampling: SamplingConfig | None = None,
+                 generator: torch.Generator | None = None) -> Drafter:
     """A drafter for `verifier` proposing trees under the policy `tree`, from an export (checkpoint=<dir>; `kind`
-    None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it)."""
+    None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it). With `sampling`
+    (temperature > 0) it samples its proposals from its warped distribution instead of taking the top-k."""
     if (checkpoint is None) == (net is None):
         raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
     if kind is not None and kind not in DRAFTER_KINDS:
@@ -153,10 +180,11 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
     if kind == "medusa":
         shape, name = medusa_tree(tree, net, config.get("medusa_topk_accuracy"))
         # A shared head is the verifier's own lm_head: the export's copy is the same weights (fingerprint-checked).
-        return MedusaDrafter(net, shape, lm_head=verifier.lm_head if net.share_lm_head else None, policy=name)
+        return MedusaDrafter(net, shape, lm_head=verifier.lm_head if net.share_lm_head else None, policy=name,
+                             sampling=sampling, generator=generator)
     from eval.eagle import EagleDrafter  # eval.eagle imports this module for Draft
 
-    return EagleDrafter(net, verifier, tree)
+    return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator)
 
 
 DRAFTER_KINDS = ("medusa", *EAGLE_NETS)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from eval.drafters import Draft
+from eval.sampling import SamplingConfig, warp
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy
 from models.eagle import EagleNet
 from models.errors import UserError
@@ -49,9 +50,14 @@ class EagleDrafter:
     """EAGLE-1 / EAGLE-3 drafter for the drafter protocol (eval.drafters.Drafter), with its own KV cache.
 
     tree: a Chain, an AutoTree budget or a DynamicTree (see `dynamic_policy`).
+    sampling: with a SamplingConfig of temperature > 0, a chain's drafts are sampled from the drafter's warped
+        softmax at their parent instead of its argmax, and `Draft.p` carries that distribution over the verifier's
+        vocabulary (EAGLE-3's draft vocabulary mapped through d2t, every other token 0). Chains only: a dynamic
+        tree keeps its deterministic top-k drafts, which the sampling rule treats as one-hot p.
     """
 
-    def __init__(self, net: EagleNet, verifier: Verifier, tree: TreePolicy = DEFAULT) -> None:
+    def __init__(self, net: EagleNet, verifier: Verifier, tree: TreePolicy = DEFAULT,
+                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None) -> None:
         self.net = net.eval().requires_grad_(False)
         self.embed, self.lm_head = verifier.model.get_input_embeddings(), verifier.lm_head
         self.policy = tree
@@ -62,10 +68,16 @@ class EagleDrafter:
         self._k: Tensor | None = None  # (B, H_kv, P, hd) step-0 keys of the committed positions 0..P-1
         self._v: Tensor | None = None
         self._next: int | None = None  # positions the next round must bring (1 + accepted), for a sync check
+        self.sampling = None if sampling is None or sampling.greedy else sampling
+        self.generator, self.vocab_size = generator, int(verifier.vocab_size)
+        if self.sampling is not None and self.topk > 1:
+            raise UserError(f"Sampled EAGLE proposals are drawn along a chain, but tree={type(tree).__name__} grows a "
+                            f"top-{self.topk} tree; use tree=chain, or keep top-k drafts (sampled_drafts=false), "
+                            f"which the sampling rule verifies exactly as well.")
 
     def describe(self) -> dict[str, Any]:
         policy = {Chain: "chain", AutoTree: "auto", DynamicTree: "dynamic"}[type(self.policy)]
-        return {"policy": policy, "dynamic": self.topk > 1, "size": self.size, "depth": self.max_depth,
+        return {"policy": policy, "proposals": "sampled" if self.sampling else "topk", "dynamic": self.topk > 1, "size": self.size, "depth": self.max_depth,
                 "topk": self.topk, "max_nodes": self.max_nodes}
 
     @property
@@ -151,6 +163,41 @@ class EagleDrafter:
                     ranks=(-1,) + tuple(int(r) for r in rank[keep]))
         return tree, tok[keep]
 
+    def _full_probs(self, out: Tensor) -> Tensor:
+        """The drafter's warped distribution over the verifier's vocabulary. (m, D) -> (m, V)"""
+        logits = self.net.logits(out[None], self.lm_head).float()[0]  # (m, Vd)
+        if logits.shape[-1] != self.vocab_size:  # EAGLE-3: draft ids -> verifier ids, the rest impossible
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            ids = self.net.draft_to_target(torch.arange(logits.shape[-1], device=logits.device))
+            logits = full.index_copy_(1, ids, logits)
+        s = self.sampling
+        return warp(logits, s.temperature, s.top_p, s.top_k)
+
+    def _sample_chain(self, root_out: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+        """A chain of `depth` drafts, each drawn from the warped softmax at its parent; the same forwards as
+        `_expand` with topk 1 (node d at position P-1+d, seeing the cache and the chain before it).
+        Returns verifier-vocabulary tokens (depth,) and their distributions (depth, V)."""
+        dev, pos0 = root_out.device, self.cache_length - 1
+        out, tokens, probs = root_out, [], []
+        sk = sv = None
+        for d in range(1, depth + 1):
+            p = self._full_probs(out)  # (1, V)
+            tok = torch.multinomial(p, 1, generator=self.generator)[0]  # (1,) verifier id
+            tokens.append(tok)
+            probs.append(p)
+            if d == depth:
+                break
+            f = 0 if sk is None else sk.shape[2]
+            mask = torch.ones(1, 1, 1, self.cache_length + f + 1, dtype=torch.bool, device=dev)
+            past_k = self._k if sk is None else torch.cat([self._k, sk], dim=2)
+            past_v = self._v if sv is None else torch.cat([self._v, sv], dim=2)
+            pos = torch.full((1, 1), pos0 + d, device=dev)
+            step, k, v = self.net.step(out[None], self.embed(tok[None]), pos, mask, past_k, past_v)  # (1, 1, D)
+            sk = k if sk is None else torch.cat([sk, k], dim=2)
+            sv = v if sv is None else torch.cat([sv, v], dim=2)
+            out = step[0]  # (1, D)
+        return torch.cat(tokens), torch.cat(probs)
+
     @torch.no_grad()
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
         """Extend the drafter's cache with M_q's newly committed features, then grow this round's tree."""
@@ -160,6 +207,11 @@ class EagleDrafter:
         root = input_ids[:, -1:]  # (1, 1)
         if self.size == 0:
             return Draft(tree=Tree(parents=(-1,), ranks=(-1,)), tokens=root)
+        if self.sampling is not None:
+            tokens, p = self._sample_chain(root_out, self.max_depth)  # (n,), (n, V)
+            tree = Tree(parents=tuple(range(-1, len(tokens))), ranks=(-1,) + (0,) * len(tokens))
+            p = torch.cat([torch.zeros_like(p[:1]), p])[None]  # (1, N, V), row 0 unused
+            return Draft(tree=tree, tokens=torch.cat([root, tokens.to(root.dtype)[None]], dim=1), p=p)
         built, draft_ids = self._expand(root_out, self.depth, self.topk, self.size)
         tokens = torch.cat([root, self.net.draft_to_target(draft_ids).to(root.dtype)[None]], dim=1)  # (1, N)
         return Draft(tree=built, tokens=tokens)

@@ -1,9 +1,11 @@
 """The evaluation harness behind `python -m eval`: load an export and its verifier, then decode every prompt with
 four methods, interleaved in one process so that they share the machine's state:
 
-- `baseline`: our plain greedy decoding, one verifier forward per token, through the same cache code;
-- `speculative`: greedy speculative decoding with the exported drafter over the configured chain or tree;
-- `hf_generate`: Hugging Face `model.generate`, greedy, as an outside reference;
+- `baseline`: our plain greedy decoding (plain sampling when temperature > 0), one verifier forward per token,
+  through the same cache code;
+- `speculative`: speculative decoding with the exported drafter over the configured chain or tree, greedy or
+  sampled (eval.sampling: exact rejection sampling, or Medusa's lossy typical acceptance when typical=true);
+- `hf_generate`: Hugging Face `model.generate`, greedy or sampled alike, as an outside reference;
 - `hf_prompt_lookup`: the same with `prompt_lookup_num_tokens`, HF's own drafter-free speculation.
 
 Each prompt yields one `Sample`; eval.report turns samples into report.json, profile.json, a table, plots and a W&B
@@ -26,7 +28,8 @@ from transformers import GenerationConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
-from eval.decode import DecodeResult, greedy_decode, speculative_decode
+from eval.decode import DecodeResult, sample_decode, speculative_decode
+from eval.sampling import SamplingConfig
 from hydra.utils import instantiate
 
 from eval.drafters import Drafter, make_drafter
@@ -56,15 +59,21 @@ class Runner:
     """Decodes one prompt with every method and times each (wall clock around the whole call, so that our loops and
     HF's are measured the same way)."""
 
-    def __init__(self, verifier: Verifier, drafter: Drafter, max_new_tokens: int, lookup: int) -> None:
+    def __init__(self, verifier: Verifier, drafter: Drafter, max_new_tokens: int, lookup: int,
+                 sampling: SamplingConfig | None = None, seed: int = 0) -> None:
         self.verifier, self.drafter, self.max_new = verifier, drafter, max_new_tokens
+        self.sampling = None if sampling is None or sampling.greedy else sampling
+        self.generator = torch.Generator(verifier.device).manual_seed(seed)
         gen_eos = verifier.model.generation_config.eos_token_id
         eos = {verifier.tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.eos = sorted(e for e in eos if e is not None)
         # Every field that could change greedy output is set here, so the checkpoint's generation_config.json
         # (which fills unset fields) cannot leak a repetition penalty or a sampling default into the reference.
+        s = self.sampling
+        sample = dict(do_sample=False) if s is None else dict(do_sample=True, temperature=s.temperature,
+                                                              top_p=s.top_p, top_k=s.top_k)
         common = dict(
-            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
+            max_new_tokens=max_new_tokens, **sample, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
             min_new_tokens=0, eos_token_id=self.eos, pad_token_id=verifier.tokenizer.pad_token_id, use_cache=True,
         )
         self.hf_config = GenerationConfig(**common)
@@ -84,8 +93,8 @@ class Runner:
         seconds, outputs, results = {}, {}, {}
         v, n = self.verifier, self.max_new
         calls = {
-            "baseline": lambda: greedy_decode(v, x, n, self.eos),
-            "speculative": lambda: speculative_decode(v, self.drafter, x, n, self.eos),
+            "baseline": lambda: sample_decode(v, x, n, self.eos, self.sampling, self.generator),
+            "speculative": lambda: speculative_decode(v, self.drafter, x, n, self.eos, self.sampling, self.generator),
             "hf_generate": lambda: self._hf(x, self.hf_config),
             "hf_prompt_lookup": lambda: self._hf(x, self.lookup_config),
         }
@@ -189,12 +198,36 @@ def setup(cfg: DictConfig) -> Setup:
                         f"(architectures={config.get('architectures')}).")
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
     policy = instantiate(cfg.tree, _convert_="all")
+    sampling = sampling_config(cfg)
+    proposals = sampling if bool(cfg.get("sampled_drafts", False)) else None
     try:
-        drafter = make_drafter(kind, verifier, policy, checkpoint=export)
+        drafter = make_drafter(kind, verifier, policy, checkpoint=export, sampling=proposals,
+                               generator=torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1))
     except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
         raise VerifierMismatchError(str(e).replace("verifier.path=", "verifier_path=")) from None
     method = f"{kind}/{drafter.describe()['policy']}-{drafter.max_nodes - 1}"
     return Setup(verifier, drafter, method, convs)
+
+
+def sampling_config(cfg: DictConfig) -> SamplingConfig:
+    """temperature / top_p / top_k / typical from the config, checked (SamplingConfig raises one UserError each)."""
+    values = {k: cfg.get(k, d) for k, d in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0))}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{key}={value!r} must be a number.")
+    return SamplingConfig(float(values["temperature"]), float(values["top_p"]), values["top_k"],
+                          bool(cfg.get("typical", False)), float(cfg.get("posterior_threshold", 0.09)),
+                          float(cfg.get("posterior_alpha", 0.3)))
+
+
+def sampling_record(cfg: DictConfig) -> dict[str, Any]:
+    """report.json's `sampling`: the settings and whether the speculative output keeps the verifier's distribution
+    (`exact`); typical acceptance is marked lossy."""
+    s = sampling_config(cfg)
+    rule = "greedy" if s.greedy else "typical (lossy)" if s.typical else "rejection sampling (exact)"
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "rule": rule,
+            "exact": s.greedy or not s.typical, "lossy": not s.greedy and s.typical,
+            "sampled_drafts": bool(cfg.get("sampled_drafts", False)) and not s.greedy}
 
 
 def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
@@ -210,17 +243,19 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use float32 (exact greedy match) or bfloat16 "
                         f"(fast on CPUs with AMX). float16 would also change the verifier's fingerprint, which is "
                         f"taken in bfloat16.")
+    sampling = sampling_config(cfg)  # bad temperature / top_p / top_k fail before anything loads
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
     try:
         run = setup(cfg)
-        runner = Runner(run.verifier, run.drafter, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens))
+        runner = Runner(run.verifier, run.drafter, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens),
+                        sampling, int(cfg.seed))
         samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
-            "checkpoint": str(cfg.checkpoint)}
+            "checkpoint": str(cfg.checkpoint), "sampling": sampling_record(cfg)}
     setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}

@@ -25,7 +25,7 @@ METHODS = ("baseline", "speculative", "hf_generate", "hf_prompt_lookup")
 REPORT_KEYS = (
     "method", "tree", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
-    "speedup", "speedup_vs_hf_generate", "greedy_match", "by_category",
+    "speedup", "speedup_vs_hf_generate", "greedy_match", "sampling", "by_category",
 )
 PARTS = ("verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times buckets; the rest of total_s is "other"
 
@@ -82,10 +82,16 @@ def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
 
 
 def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int) -> dict[str, Any]:
-    """report.json: `meta` (method, verifier, checkpoint), the metrics overall, and the same per category."""
+    """report.json: `meta` (method, tree, verifier, checkpoint, sampling), the metrics overall, and the same per
+    category."""
     categories = sorted({s.category for s in samples})
     by_category = {c: metrics([s for s in samples if s.category == c], depth) for c in categories}
     report = {**meta, **metrics(samples, depth), "by_category": by_category}
+    report.setdefault("sampling", {"temperature": 0.0, "rule": "greedy", "exact": True, "lossy": False})
+    if report["sampling"].get("rule", "greedy") != "greedy":
+        # Sampled outputs equal the sampled baseline's only by chance: greedy_match is null, not a misleading 0.
+        for m in [report, *by_category.values()]:
+            m["greedy_match"] = None
     return {k: report[k] for k in REPORT_KEYS}
 
 
@@ -122,12 +128,21 @@ def build_profile(samples: Sequence[Sample], setting: Mapping[str, Any]) -> dict
     }
 
 
+def _match(report: Mapping[str, Any]) -> str:
+    """The headline's exactness: greedy match, or the sampling rule (LOSSY for typical acceptance)."""
+    if report["greedy_match"] is not None:
+        return f"greedy match {report['greedy_match']:.0%}"
+    s = report["sampling"]
+    return (f"sampled at temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}: {s['rule']}"
+            + (" -- LOSSY: output does not follow the verifier's distribution" if s.get("lossy") else ""))
+
+
 def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console: Console | None = None) -> None:
     """The terminal view: methods side by side, per category, and where the speculative loop spends its time."""
     console = console or Console()
     alpha = ", ".join(f"{a:.2f}" for a in report["accept_rate_per_position"])
     console.print(f"[bold]{report['method']}[/] on {report['verifier']}: {report['num_prompts']} prompts, "
-                  f"tau {report['tau']:.3f}, alpha_k [{alpha}], greedy match {report['greedy_match']:.0%}")
+                  f"tau {report['tau']:.3f}, alpha_k [{alpha}], {_match(report)}")
     rates = {"speculative": report["tokens_per_s"], "baseline": report["baseline_tokens_per_s"],
              "hf_generate": report["hf_generate_tokens_per_s"],
              "hf_prompt_lookup": report["hf_prompt_lookup_tokens_per_s"]}
@@ -144,7 +159,8 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
     for c, m in report["by_category"].items():
         a1 = m["accept_rate_per_position"][0] if m["accept_rate_per_position"] else 0.0
         cats.add_row(c, str(m["num_prompts"]), f"{m['tau']:.2f}", f"{a1:.2f}", f"{m['tokens_per_s']:.1f}",
-                     f"{m['speedup']:.2f}x", f"{m['speedup_vs_hf_generate']:.2f}x", f"{m['greedy_match']:.0%}")
+                     f"{m['speedup']:.2f}x", f"{m['speedup_vs_hf_generate']:.2f}x",
+                     "-" if m["greedy_match"] is None else f"{m['greedy_match']:.0%}")
     console.print(cats)
     times = Table(title="where the time goes: seconds (share)")
     for col in ("loop", "verify", "draft", "accept", "commit", "other", "total", "ms/fwd"):

@@ -32,7 +32,7 @@ from models.medusa import MedusaHeads
 from models.verifier import Verifier
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
-METRIC_KEYS = set(REPORT_KEYS) - {"method", "verifier", "checkpoint", "by_category"}
+METRIC_KEYS = set(REPORT_KEYS) - {"method", "tree", "verifier", "checkpoint", "sampling", "by_category"}
 FAST = ["threads=1", "max_new_tokens=12", "wandb.mode=disabled"]
 
 
@@ -164,7 +164,7 @@ def run_objects(verifier: Verifier, drafter: Drafter, out: Path, num_prompts: in
     runner = Runner(verifier, drafter, max_new_tokens=16, lookup=10)
     convs = select_prompts(load_conversations("builtin", split="eval"), num_prompts)
     samples = run_prompts(runner, convs, multi_turn=False, warmup=False, progress=False)
-    meta = {"method": "test", "verifier": verifier.name, "checkpoint": "-"}
+    meta = {"method": "test", "tree": drafter.describe(), "verifier": verifier.name, "checkpoint": "-"}
     report = write_outputs(samples, meta, {"max_new_tokens": 16}, drafter.max_depth, out, {"mode": "disabled"})
     return report, json.loads((out / "profile.json").read_text())
 
