@@ -91,6 +91,8 @@ def test_lookup_takes_the_longest_then_earliest_match():
     seq = [5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 5, 6, 7]
     assert lookup(seq, 3, max_ngram_size=3) == [8, 9, 1]  # (5, 6, 7) first occurs at 0
     assert lookup(seq, 10, max_ngram_size=3) == [8, 9, 1, 2, 6, 7, 3, 5, 6, 7]
+    assert lookup([5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7], 2) == [8, 5]  # the earliest of two matches, as HF
+    assert lookup([1, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7], 2) == [9, 5]  # the 3-gram before the earlier 2-gram
     assert lookup([4, 1, 2, 9, 1, 2], 2, max_ngram_size=3) == [9, 1]  # no 3-gram (4, 1, 2) ... falls to (1, 2)
     assert lookup([4, 1, 2, 9, 1, 2], 2, max_ngram_size=3, min_ngram_size=3) == []
     assert lookup([1, 2, 3], 4) == []
