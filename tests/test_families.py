@@ -158,6 +158,8 @@ def test_graft_accepts_what_either_tree_would(varied):
     assert accepted(tight, {7: 30, 30: 31, 31: 10, 10: 5}) == 3 and accepted(tight, {7: 20, 20: 21}) == 1
     again, _ = graft(primary, Draft(tree=chain(2), tokens=torch.tensor([[7, 10, 11]])), budget=6)
     assert again.tree == primary.tree  # a chain already in the tree merges into it: nothing dropped
+    small, _ = graft(primary, Draft(tree=chain(2), tokens=torch.tensor([[7, 10, 11]])), budget=3)
+    assert small.tokens.tolist() == [[7, 10, 11]]  # the grafted path survives the cut though it adds no node
 
 
 @pytest.mark.parametrize("case", ["lookup_wins", "draft_model_wins"])
