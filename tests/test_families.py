@@ -27,11 +27,12 @@ from eval.drafters import Draft, make_drafter
 from eval.hybrid import HybridDrafter, graft
 from eval.lookahead import LookaheadDrafter
 from eval.lookup import PromptLookupDrafter, lookup
-from eval.tree import AutoTree, Chain, chain, from_medusa_choices, tree_buffers
+from eval.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices, tree_buffers
 from models.errors import UserError
 from models.export import save_export
 from models.medusa import MedusaHeads
 from models.verifier import build_tiny
+from test_eagle_decode import random_net
 
 TEXT = ["The quick brown fox jumps over the lazy dog.", "Write a short poem about rivers and the sea, please."]
 
@@ -71,6 +72,9 @@ DRAFTERS = {
     "lookahead": lambda v: LookaheadDrafter(window=4, ngram=3, guesses=3),
     "lookahead_pool_from_prompt": lambda v: LookaheadDrafter(window=4, ngram=3, guesses=3, pool_from_prompt=True),
     "hybrid_medusa": lambda v: HybridDrafter(_random_medusa(v), PromptLookupDrafter(Chain(), num_tokens=3)),
+    "hybrid_eagle3": lambda v: HybridDrafter(make_drafter("eagle3", v, DynamicTree(size=8, depth=3, topk=4),
+                                                          net=random_net("eagle3", v)),
+                                             PromptLookupDrafter(Chain(), num_tokens=3)),
     "hybrid_draft_model": lambda v: HybridDrafter(make_draft_model_drafter(v, Chain(3), layers=1),
                                                   PromptLookupDrafter(Chain(), num_tokens=3), budget=7),
 }
