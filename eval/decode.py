@@ -261,6 +261,8 @@ def speculative_decode(
 
         # 7. Reuse this forward's outputs at the accepted nodes for the next round, and tell the drafter.
         hidden = step.hidden[:, nodes[0]]  # (B, 1+A, len(layers) * D)
+        if kept is None and hasattr(drafter, "observe"):  # optional: lookahead learns from the logits at its nodes
+            drafter.observe(draft.tokens, step.logits)
         drafter.accepted(acc.num_accepted, nodes if kept is None else kept[nodes])  # in the drafter's own tree
 
     return _result(input_ids, out, forwards, lengths, drafter.max_depth, timer, start)

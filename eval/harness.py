@@ -32,7 +32,8 @@ from eval.decode import DecodeResult, sample_decode, speculative_decode
 from eval.sampling import SamplingConfig
 from hydra.utils import instantiate
 
-from eval.drafters import Drafter, make_drafter
+from eval.drafters import Drafter
+from eval.families import NEEDS_EXPORT, method_name
 from eval.report import Sample, write_outputs
 from models.errors import UserError, VerifierMismatchError
 from models.export import export_kind, export_verifier, read_config
@@ -178,35 +179,71 @@ class Setup:
     convs: list[Conversation]
 
 
-def setup(cfg: DictConfig) -> Setup:
-    """Load prompts first (a bad prompt file fails in a second), then the verifier the export names, then the
-    drafter with its tree policy (it refuses an export made for another verifier, or a tree it cannot draft)."""
-    if OmegaConf.is_missing(cfg, "checkpoint"):
-        raise UserError("checkpoint=<export dir> is required: the `export/` directory train.py printed, e.g. "
-                        "python -m eval checkpoint=outputs/medusa-smollm2/export.")
-    convs = select_prompts(load_conversations(str(cfg.prompts), split="eval"), cfg.num_prompts)
-    export = Path(str(cfg.checkpoint)).expanduser()
-    config = read_config(export)
-    source = cfg.verifier_path or export_verifier(config)
+def _verifier_source(cfg: DictConfig, export: Path | None) -> Any:
+    """verifier_path when given, else the verifier the export names, else the default verifier (smollm2)."""
+    source = cfg.verifier_path
+    if not source and export is not None:
+        source = export_verifier(read_config(export))
+        if not source:
+            raise UserError(f"checkpoint={str(export)!r} names no verifier; pass verifier_path=<the verifier>.")
     if OmegaConf.is_config(source):  # verifier_path={loader: tiny, seed: 1} on the command line
         source = OmegaConf.to_container(source, resolve=True)
-    if not source:
-        raise UserError(f"checkpoint={str(export)!r} names no verifier; pass verifier_path=<the verifier>.")
-    kind = export_kind(config)
-    if kind is None:
-        raise UserError(f"checkpoint={str(export)!r} is neither a Medusa nor an EAGLE export "
-                        f"(architectures={config.get('architectures')}).")
-    verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
-    policy = instantiate(cfg.tree, _convert_="all")
-    sampling = sampling_config(cfg)
-    proposals = sampling if bool(cfg.get("sampled_drafts", False)) else None
+    return source or "smollm2"
+
+
+def build_drafter(cfg: DictConfig, drafter_cfg: DictConfig, verifier: Verifier, export: Path | None) -> Drafter:
+    """Instantiate one family's factory (conf/drafter/*.yaml) and call it with the verifier, tree and export; with
+    `sampled_drafts`, the Medusa / EAGLE families also get the warped sampling settings for their proposals."""
+    factory = instantiate(drafter_cfg, _convert_="all")
+    proposals = {}
+    if bool(cfg.get("sampled_drafts", False)):
+        if family_of(drafter_cfg) not in NEEDS_EXPORT:
+            raise UserError(f"sampled_drafts=true applies to the Medusa and EAGLE drafters (an export), not to "
+                            f"drafter={family_of(drafter_cfg)}; drop sampled_drafts.")
+        proposals = {"sampling": sampling_config(cfg),
+                     "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
     try:
-        drafter = make_drafter(kind, verifier, policy, checkpoint=export, sampling=proposals,
-                               generator=torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1))
+        return factory(verifier, instantiate(cfg.tree, _convert_="all"), export, **proposals)
     except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
         raise VerifierMismatchError(str(e).replace("verifier.path=", "verifier_path=")) from None
-    method = f"{kind}/{drafter.describe()['policy']}-{drafter.max_nodes - 1}"
-    return Setup(verifier, drafter, method, convs)
+
+
+def family_of(drafter_cfg: DictConfig) -> str:
+    """The family a drafter config builds: its factory's name (eval.families), the export's kind for `export`."""
+    name = str(drafter_cfg._target_).rsplit(".", 1)[-1]
+    return str(drafter_cfg.get("kind") or "export") if name == "export" else name
+
+
+def export_dir(cfg: DictConfig, family: str) -> Path | None:
+    """checkpoint=<export dir>, required by the export-based families, refused as a list outside method=all."""
+    value = None if OmegaConf.is_missing(cfg, "checkpoint") else cfg.checkpoint
+    if value is None:
+        if family in NEEDS_EXPORT:
+            raise UserError("checkpoint=<export dir> is required: the `export/` directory train.py printed, e.g. "
+                            "python -m eval checkpoint=outputs/medusa-smollm2/export. Drafters that need no export: "
+                            "drafter=draft_model, drafter=prompt_lookup, drafter=lookahead.")
+        return None
+    if OmegaConf.is_list(value):
+        raise UserError(f"checkpoint={list(value)} is a list; one run takes one export (a list only with method=all).")
+    return Path(str(value)).expanduser()
+
+
+def setup(cfg: DictConfig) -> Setup:
+    """Load prompts first (a bad prompt file fails in a second), then the verifier (the export's, `verifier_path`,
+    else the default), then the drafter with its tree policy (it refuses an export made for another verifier, or a
+    tree it cannot draft)."""
+    family = family_of(cfg.drafter)
+    export = export_dir(cfg, family)
+    if export is not None and family == "export":
+        config = read_config(export)
+        if export_kind(config) is None:
+            raise UserError(f"checkpoint={str(export)!r} is neither a Medusa nor an EAGLE export "
+                            f"(architectures={config.get('architectures')}).")
+        family = export_kind(config)
+    convs = select_prompts(load_conversations(str(cfg.prompts), split="eval"), cfg.num_prompts)
+    verifier = load_verifier(_verifier_source(cfg, export), str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
+    drafter = build_drafter(cfg, cfg.drafter, verifier, export)
+    return Setup(verifier, drafter, method_name(family, drafter), convs)
 
 
 def sampling_config(cfg: DictConfig) -> SamplingConfig:
@@ -247,6 +284,13 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
+    if str(cfg.get("method", "single")) == "all":
+        from eval.compare import compare
+
+        try:
+            return compare(cfg, progress)
+        finally:
+            torch.set_num_threads(threads)
     try:
         run = setup(cfg)
         runner = Runner(run.verifier, run.drafter, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens),
@@ -255,7 +299,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
-            "checkpoint": str(cfg.checkpoint), "sampling": sampling_record(cfg)}
+            "checkpoint": None if cfg.checkpoint is None else str(cfg.checkpoint), "sampling": sampling_record(cfg)}
     setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}

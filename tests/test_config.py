@@ -15,7 +15,7 @@ from helpers import ROOT, compose_train
 REQUIRED = {"verifier=hf": ["verifier.path=some/model"], "data=sharegpt": ["data.source=conv.json"]}
 
 
-EVAL_GROUPS = {"tree"}  # groups of conf/eval.yaml; every other group belongs to conf/train.yaml
+EVAL_GROUPS = {"tree", "drafter"}  # groups of conf/eval.yaml; every other group belongs to conf/train.yaml
 
 
 def group_options(eval_groups: bool = False) -> list[str]:
@@ -52,7 +52,12 @@ def test_compose_every_eval_option(override):
         cfg = compose(config_name="eval", overrides=[override, "checkpoint=some/export", "output_dir=out"])
     resolved = OmegaConf.to_container(cfg, resolve=True)
     policy = {"chain": "Chain", "auto": "AutoTree", "dynamic": "DynamicTree", "medusa_choices": "from_medusa_choices"}
-    assert resolved["tree"]["_target_"].rsplit(".", 1)[1] == policy[override.split("=")[1]]
+    group, option = override.split("=")
+    if group == "tree":
+        assert resolved["tree"]["_target_"].rsplit(".", 1)[1] == policy[option]
+    else:  # every drafter is a factory partial in eval.families; medusa/eagle/eagle3 name the export kind
+        assert resolved["drafter"]["_target_"].rsplit(".", 1)[1] in {option, "export"}
+        assert resolved["drafter"]["_partial_"] is True
     assert {"checkpoint", "prompts", "num_prompts", "max_new_tokens", "dtype", "threads"} <= set(resolved)
 
 

@@ -1,0 +1,271 @@
+"""Every drafter family beside Medusa and EAGLE: a draft model (a truncated copy of the verifier), prompt lookup,
+lookahead, and the hybrid that grafts prompt lookup into another drafter's tree.
+
+Greedy speculative decoding must give plain greedy's output token for token whatever a drafter proposes, so the
+exactness tests run each drafter on the varied tiny verifier (whose output never repeats) over two prompts with the
+same drafter object (its state must follow a new prompt). The acceptance tests use verifiers built for the case: the
+plain tiny verifier repeats one token (prompt lookup and lookahead have something to find), a 4-layer varied verifier
+whose last two layers barely change the residual (its first two layers are a good draft model, its first one is not).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from helpers import ROOT, varied_llama
+from eval.accept import greedy_accept
+from eval.decode import greedy_decode, speculative_decode
+from eval.draft_model import DraftModelDrafter, load_draft_model, make_draft_model_drafter
+from eval.drafters import Draft, make_drafter
+from eval.hybrid import HybridDrafter, graft
+from eval.lookahead import LookaheadDrafter
+from eval.lookup import PromptLookupDrafter, lookup
+from eval.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices, tree_buffers
+from models.errors import UserError
+from models.export import save_export
+from models.medusa import MedusaHeads
+from models.verifier import build_tiny
+from test_eagle_decode import random_net
+
+TEXT = ["The quick brown fox jumps over the lazy dog.", "Write a short poem about rivers and the sea, please."]
+
+
+@pytest.fixture(scope="module")
+def varied():
+    return varied_llama()
+
+
+@pytest.fixture(scope="module")
+def shallow(cache_dir):
+    """4 varied layers, the last two scaled down to 1% of their output: the first two decide the next token."""
+    v = build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", num_layers=4, seed=1, layer_std=0.3)
+    with torch.no_grad():
+        for layer in v.model.model.layers[2:]:
+            layer.self_attn.o_proj.weight.mul_(0.01)
+            layer.mlp.down_proj.weight.mul_(0.01)
+    return v
+
+
+def _ids(verifier, text: str) -> torch.Tensor:
+    return torch.tensor([verifier.tokenizer(text).input_ids])
+
+
+def _random_medusa(verifier):
+    heads = MedusaHeads(verifier.hidden_size, verifier.vocab_size, num_heads=3)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return make_drafter("medusa", verifier, from_medusa_choices([[0], [1], [0, 0], [0, 1], [0, 0, 0]]), net=heads)
+
+
+DRAFTERS = {
+    "draft_model": lambda v: make_draft_model_drafter(v, Chain(3), layers=1),
+    "prompt_lookup": lambda v: PromptLookupDrafter(Chain(), num_tokens=4),
+    "lookahead": lambda v: LookaheadDrafter(window=4, ngram=3, guesses=3),
+    "lookahead_pool_from_prompt": lambda v: LookaheadDrafter(window=4, ngram=3, guesses=3, pool_from_prompt=True),
+    "hybrid_medusa": lambda v: HybridDrafter(_random_medusa(v), PromptLookupDrafter(Chain(), num_tokens=3)),
+    "hybrid_eagle3": lambda v: HybridDrafter(make_drafter("eagle3", v, DynamicTree(size=8, depth=3, topk=4),
+                                                          net=random_net("eagle3", v)),
+                                             PromptLookupDrafter(Chain(), num_tokens=3)),
+    "hybrid_draft_model": lambda v: HybridDrafter(make_draft_model_drafter(v, Chain(3), layers=1),
+                                                  PromptLookupDrafter(Chain(), num_tokens=3), budget=7),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_each_family_gives_plain_greedy_output(varied, name, one_thread):
+    drafter = DRAFTERS[name](varied)
+    for text in TEXT:  # the same drafter object on a second prompt: its state must start over
+        x = _ids(varied, text)
+        want = greedy_decode(varied, x, 30).tokens
+        got = speculative_decode(varied, drafter, x, 30)
+        assert torch.equal(got.tokens, want), name
+        assert got.num_forwards <= 31
+
+
+def test_lookup_takes_the_longest_then_earliest_match():
+    seq = [5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 5, 6, 7]
+    assert lookup(seq, 3, max_ngram_size=3) == [8, 9, 1]  # (5, 6, 7) first occurs at 0
+    assert lookup(seq, 10, max_ngram_size=3) == [8, 9, 1, 2, 6, 7, 3, 5, 6, 7]
+    assert lookup([5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7], 2) == [8, 5]  # the earliest of two matches, as HF
+    assert lookup([1, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7], 2) == [9, 5]  # the 3-gram before the earlier 2-gram
+    assert lookup([4, 1, 2, 9, 1, 2], 2, max_ngram_size=3) == [9, 1]  # no 3-gram (4, 1, 2) ... falls to (1, 2)
+    assert lookup([4, 1, 2, 9, 1, 2], 2, max_ngram_size=3, min_ngram_size=3) == []
+    assert lookup([1, 2, 3], 4) == []
+
+
+def test_prompt_lookup_accepts_when_the_text_repeats(tiny, one_thread):
+    """The plain tiny verifier mostly repeats the prompt's last token, which the prompt holds nowhere else: lookup
+    must find the repetition in the generated text (a lookup over the prompt alone would draft nothing)."""
+    x = _ids(tiny, TEXT[0])
+    want = greedy_decode(tiny, x, 40).tokens
+    assert x[0].tolist().count(want[0, 0].item()) == 1
+    got = speculative_decode(tiny, PromptLookupDrafter(Chain(), num_tokens=6), x, 40)
+    assert torch.equal(got.tokens, want)
+    assert got.tau > 1.5
+
+
+def test_lookahead_pool_fills_from_jacobi_steps(tiny, one_thread):
+    x = _ids(tiny, TEXT[0])
+    drafter = LookaheadDrafter(window=4, ngram=3, guesses=3)
+    got = speculative_decode(tiny, drafter, x, 40)
+    assert torch.equal(got.tokens, greedy_decode(tiny, x, 40).tokens)
+    assert drafter.pool and got.tau > 1.5
+
+
+def test_truncated_copy_accepts_when_its_layers_decide(shallow, one_thread):
+    x = _ids(shallow, TEXT[0])
+    want = greedy_decode(shallow, x, 40).tokens
+    taus = {}
+    for k in (1, 2):
+        drafter = make_draft_model_drafter(shallow, Chain(4), layers=k)
+        got = speculative_decode(shallow, drafter, x, 40)
+        assert torch.equal(got.tokens, want)
+        taus[k] = got.tau
+        # Rolled back: the draft cache holds verified tokens only, as many as its keys.
+        seq = torch.cat([x, got.tokens], dim=1)[0].tolist()
+        assert drafter.cached == seq[: len(drafter.cached)]
+        assert drafter.cache.get_seq_length() == len(drafter.cached)
+    assert taus[2] > 3.0 and taus[1] < 1.5, taus  # two layers decide the token here, one does not
+
+
+def test_graft_accepts_what_either_tree_would(varied):
+    """One round, crafted logits: the verifier follows the grafted chain in one case, the primary's second branch
+    in the other; the merged tree accepts as much as the better part. Within the primary's own node budget the
+    grafted chain stays whole and the primary keeps its first (best) nodes."""
+    v = varied.vocab_size
+    primary = Draft(tree=from_medusa_choices([[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+                    tokens=torch.tensor([[7, 10, 20, 11, 21, 12]]))  # paths 10-11-12 and 20-21
+    extra = Draft(tree=chain(3), tokens=torch.tensor([[7, 30, 31, 10]]))
+
+    def accepted(d: Draft, follow: dict[int, int]) -> int:
+        logits = torch.zeros(1, d.tree.num_nodes, v)
+        for i, t in enumerate(d.tokens[0].tolist()):
+            logits[0, i, follow.get(t, 0)] = 1.0  # the verifier's next token after t
+        return int(greedy_accept(tree_buffers(d.tree).retrieve, d.tokens, logits).num_accepted[0])
+
+    merged, origin = graft(primary, extra, budget=9)
+    assert merged.tree.num_nodes == 9 and origin.count(-1) == 3 and origin[:6] == list(range(6))
+    for follow in ({7: 30, 30: 31, 31: 10, 10: 5}, {7: 20, 20: 21, 21: 99}, {7: 10, 10: 11, 11: 12}):
+        both = max(accepted(primary, follow), accepted(extra, follow))
+        assert accepted(merged, follow) >= both > 0, follow
+    tight, origin = graft(primary, extra, budget=primary.tree.num_nodes)
+    assert tight.tree.num_nodes == 6 and origin == [0, 1, 2, -1, -1, -1]
+    assert accepted(tight, {7: 30, 30: 31, 31: 10, 10: 5}) == 3 and accepted(tight, {7: 20, 20: 21}) == 1
+    again, _ = graft(primary, Draft(tree=chain(2), tokens=torch.tensor([[7, 10, 11]])), budget=6)
+    assert again.tree == primary.tree  # a chain already in the tree merges into it: nothing dropped
+    small, _ = graft(primary, Draft(tree=chain(2), tokens=torch.tensor([[7, 10, 11]])), budget=3)
+    assert small.tokens.tolist() == [[7, 10, 11]]  # the grafted path survives the cut though it adds no node
+
+
+@pytest.mark.parametrize("case", ["lookup_wins", "draft_model_wins"])
+def test_hybrid_is_at_least_as_good_as_each_part(tiny, shallow, case, one_thread):
+    """On the repeating tiny verifier prompt lookup drafts well and random Medusa heads badly; on `shallow` a
+    two-layer draft model drafts well and lookup finds nothing. The hybrid's tau is at least the better part's."""
+    if case == "lookup_wins":
+        v, primary = tiny, lambda: _random_medusa(tiny)
+    else:
+        v, primary = shallow, lambda: make_draft_model_drafter(shallow, Chain(4), layers=2)
+    x = _ids(v, TEXT[0])
+    want = greedy_decode(v, x, 40).tokens
+    parts = {"primary": primary(), "lookup": PromptLookupDrafter(Chain(), num_tokens=4)}
+    taus = {}
+    for name, d in [*parts.items(), ("hybrid", HybridDrafter(primary(), PromptLookupDrafter(Chain(), num_tokens=4),
+                                                             budget=10))]:
+        got = speculative_decode(v, d, x, 40)
+        assert torch.equal(got.tokens, want), name
+        taus[name] = got.tau
+    assert taus["hybrid"] >= max(taus["primary"], taus["lookup"]) - 1e-6, taus
+    assert max(taus.values()) > 1.5, taus
+
+
+def test_draft_model_with_another_vocabulary_is_refused(varied, tmp_path):
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(UserError, match="different vocabulary"):
+        DraftModelDrafter(other, varied, Chain(3))
+    # Same size but one more token in the tokenizer: the ids would not mean the verifier's.
+    model_dir = tmp_path / "other"
+    tokenizer = _tokenizer_with_extra(varied, model_dir)
+    same = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    same.save_pretrained(model_dir)
+    with pytest.raises(UserError, match="different vocabulary"):
+        load_draft_model(varied, str(model_dir))
+
+
+def _tokenizer_with_extra(verifier, directory: Path):
+    import copy
+
+    tokenizer = copy.deepcopy(verifier.tokenizer)
+    tokenizer.add_tokens(["<not-in-the-verifier>"])
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def test_bad_shapes_are_refused(varied):
+    with pytest.raises(UserError, match="does not fit a draft model"):
+        make_draft_model_drafter(varied, AutoTree(8), layers=1)
+    with pytest.raises(UserError, match="keeps between 1 and 1"):
+        make_draft_model_drafter(varied, Chain(3), layers=2)
+    with pytest.raises(UserError, match="min_ngram_size"):
+        PromptLookupDrafter(Chain(), max_ngram_size=1, min_ngram_size=2)
+    with pytest.raises(UserError, match="cannot hold"):
+        HybridDrafter(make_draft_model_drafter(varied, Chain(2), layers=1), PromptLookupDrafter(Chain(), 5))
+
+
+def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eval", *args, "threads=1", "wandb.mode=disabled",
+                           f"output_dir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["medusa without export", "draft model with another vocabulary"])
+def test_cli_bad_input_is_one_clear_error(varied, tmp_path, case):
+    if case == "medusa without export":
+        args, expected = ["drafter=medusa", "verifier_path={loader: tiny}"], "checkpoint=<export dir> is required"
+    else:
+        _tokenizer_with_extra(varied, tmp_path / "other")
+        LlamaForCausalLM(LlamaConfig(vocab_size=len(varied.tokenizer) + 1, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1)).save_pretrained(tmp_path / "other")
+        args = ["drafter=draft_model", f"drafter.path={tmp_path / 'other'}", "verifier_path={loader: tiny}"]
+        expected = "different vocabulary"
+    proc = _cli(args, tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+
+    export = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3), varied, tmp_path / "m",
+                         {"medusa_topk_accuracy": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4]]})
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[
+            "method=all", f"checkpoint={export}", "num_prompts=2", "max_new_tokens=10", "threads=1", "warmup=false",
+            "wandb.mode=disabled", "drafter=draft_model", "drafter.layers=1", f"output_dir={tmp_path / 'out'}"])
+    report = evaluate(cfg, progress=False)
+    assert json.loads((tmp_path / "out" / "report.json").read_text()) == report
+    assert (tmp_path / "out" / "families.png").stat().st_size > 0
+    families = {m.split("/")[0] for m in report["methods"]}
+    assert families == {"baseline", "medusa", "draft_model", "prompt_lookup", "lookahead", "hybrid", "hf_generate",
+                        "hf_prompt_lookup", "hf_assisted"}
+    assert report["trees"]["draft_model/chain-4"]["draft_model"].endswith("[:1]")  # drafter= kept its options
+    for name, row in report["methods"].items():
+        assert row["greedy_match"] == 1.0, name
+        assert row["tokens_per_s"] > 0 and (row["tau"] is None) == (name in ("baseline", "hf_generate",
+                                                                            "hf_prompt_lookup", "hf_assisted"))
+    assert set(report["by_category"]) and all(set(r) == set(report["methods"]) for r in report["by_category"].values())
