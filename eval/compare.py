@@ -30,7 +30,7 @@ from eval.accept import mean_accept_length
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Drafter
 from eval.families import family_config, method_name
-from eval.harness import Runner, _verifier_source, build_drafter, family_of, run_prompts
+from eval.harness import Runner, verifier_source_of, build_drafter, family_of, run_prompts
 from eval.report import Sample
 from models.errors import UserError
 from models.export import export_kind, read_config
@@ -162,7 +162,7 @@ def compare(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     raw = cfg.checkpoint
     exports = [] if raw is None else [Path(str(p)).expanduser() for p in (raw if OmegaConf.is_list(raw) else [raw])]
     convs = select_prompts(load_conversations(str(cfg.prompts), split="eval"), cfg.num_prompts)
-    verifier = load_verifier(_verifier_source(cfg, exports[0] if exports else None), str(cfg.dtype),
+    verifier = load_verifier(verifier_source_of(cfg, exports[0] if exports else None), str(cfg.dtype),
                              str(cfg.device), cfg.get("cache_dir"))
     drafters = build_drafters(cfg, verifier, exports)
     assistant = next((d for name, d in drafters.items() if name.startswith("draft_model/")), None)

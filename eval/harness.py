@@ -179,7 +179,7 @@ class Setup:
     convs: list[Conversation]
 
 
-def _verifier_source(cfg: DictConfig, export: Path | None) -> Any:
+def verifier_source_of(cfg: DictConfig, export: Path | None) -> Any:
     """verifier_path when given, else the verifier the export names, else the default verifier (smollm2)."""
     source = cfg.verifier_path
     if not source and export is not None:
@@ -241,7 +241,7 @@ def setup(cfg: DictConfig) -> Setup:
                             f"(architectures={config.get('architectures')}).")
         family = export_kind(config)
     convs = select_prompts(load_conversations(str(cfg.prompts), split="eval"), cfg.num_prompts)
-    verifier = load_verifier(_verifier_source(cfg, export), str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
+    verifier = load_verifier(verifier_source_of(cfg, export), str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
     drafter = build_drafter(cfg, cfg.drafter, verifier, export)
     return Setup(verifier, drafter, method_name(family, drafter), convs)
 
