@@ -86,7 +86,7 @@ def plot(rows: list[dict], alphas: list[float], c: float, best: dict, path: Path
     right.axhline(1, color="gray", lw=0.8, ls=":")
     right.set_xlabel("draft length N")
     right.set_ylabel("speedup E[tau] / (1 + N c)")
-    right.set_title(f"c = {c:.3f} ({note}); * = best N", fontsize=9)
+    right.set_title(f"c = {c:.3f} ({note})\n* = best N", fontsize=8)
     right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
