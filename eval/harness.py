@@ -26,7 +26,7 @@ from transformers import GenerationConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
-from eval.decode import DecodeResult, greedy_decode, speculative_decode
+from eval.decode import ENGINES, DecodeResult, greedy_decode, speculative_decode, use_engine
 from hydra.utils import instantiate
 
 from eval.drafters import Drafter, make_drafter
@@ -56,8 +56,9 @@ class Runner:
     """Decodes one prompt with every method and times each (wall clock around the whole call, so that our loops and
     HF's are measured the same way)."""
 
-    def __init__(self, verifier: Verifier, drafter: Drafter, max_new_tokens: int, lookup: int) -> None:
-        self.verifier, self.drafter, self.max_new = verifier, drafter, max_new_tokens
+    def __init__(self, verifier: Verifier, drafter: Drafter, max_new_tokens: int, lookup: int,
+                 engine: str = "auto") -> None:
+        self.verifier, self.drafter, self.max_new, self.engine = verifier, drafter, max_new_tokens, engine
         gen_eos = verifier.model.generation_config.eos_token_id
         eos = {verifier.tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.eos = sorted(e for e in eos if e is not None)
@@ -84,8 +85,8 @@ class Runner:
         seconds, outputs, results = {}, {}, {}
         v, n = self.verifier, self.max_new
         calls = {
-            "baseline": lambda: greedy_decode(v, x, n, self.eos),
-            "speculative": lambda: speculative_decode(v, self.drafter, x, n, self.eos),
+            "baseline": lambda: greedy_decode(v, x, n, self.eos, engine=self.engine),
+            "speculative": lambda: speculative_decode(v, self.drafter, x, n, self.eos, engine=self.engine),
             "hf_generate": lambda: self._hf(x, self.hf_config),
             "hf_prompt_lookup": lambda: self._hf(x, self.lookup_config),
         }
@@ -210,17 +211,22 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use float32 (exact greedy match) or bfloat16 "
                         f"(fast on CPUs with AMX). float16 would also change the verifier's fingerprint, which is "
                         f"taken in bfloat16.")
+    if str(cfg.get("engine", "auto")) not in ENGINES:
+        raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine where it is "
+                        f"exact and faster, hf: Hugging Face's forward).")
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
     try:
         run = setup(cfg)
-        runner = Runner(run.verifier, run.drafter, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens))
+        engine = str(cfg.get("engine", "auto"))
+        runner = Runner(run.verifier, run.drafter, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens), engine)
         samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     meta = {"method": run.method, "verifier": run.verifier.name, "checkpoint": str(cfg.checkpoint)}
     setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
+               "engine": "engine" if use_engine(run.verifier, engine) else "hf",
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}
     return write_outputs(samples, meta, setting, run.drafter.max_depth, Path(str(cfg.output_dir)), cfg.wandb)
