@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from data.prompts import Conversation, load_conversations, select_prompts
 from eval.decode import ENGINES, DecodeResult, greedy_decode, speculative_decode, use_engine
 from hydra.utils import instantiate
 
+from eval import cost
 from eval.drafters import Drafter, make_drafter
 from eval.report import Sample, write_outputs
 from models.errors import UserError, VerifierMismatchError
@@ -168,6 +169,9 @@ class Setup:
     drafter: Drafter
     method: str
     convs: list[Conversation]
+    curves: list[cost.Curve] = field(default_factory=list)  # the verifier's cost curves (profile=true, size=auto)
+    predicted: cost.Plan | None = None  # what the first curve predicts for this drafter
+    auto_size: bool = False
 
 
 def setup(cfg: DictConfig) -> Setup:
@@ -190,12 +194,15 @@ def setup(cfg: DictConfig) -> Setup:
                         f"(architectures={config.get('architectures')}).")
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
     policy = instantiate(cfg.tree, _convert_="all")
+    prefix = lambda: prompt_ids(verifier.tokenizer, _turns(convs[0])[0])  # noqa: E731  a real prefix for the curve
+    policy, curves, planned = cost.for_run(cfg, source, verifier, kind, config, policy, prefix)
     try:
         drafter = make_drafter(kind, verifier, policy, checkpoint=export)
     except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
         raise VerifierMismatchError(str(e).replace("verifier.path=", "verifier_path=")) from None
     method = f"{kind}/{drafter.describe()['policy']}-{drafter.max_nodes - 1}"
-    return Setup(verifier, drafter, method, convs)
+    predicted = cost.predict(kind, config, drafter, curves[0]) if curves else None
+    return Setup(verifier, drafter, method, convs, curves, predicted, planned is not None)
 
 
 def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
@@ -229,4 +236,16 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
                "engine": "engine" if use_engine(run.verifier, engine) else "hf",
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}
-    return write_outputs(samples, meta, setting, run.drafter.max_depth, Path(str(cfg.output_dir)), cfg.wandb)
+    if run.predicted is not None:
+        setting["cost_model"] = {**asdict(run.predicted), "tree_size_auto": run.auto_size,
+                                 "note": "verify time from the cost curve, draft time excluded"}
+    out_dir = Path(str(cfg.output_dir))
+    if run.curves:
+        cost.write(run.curves, out_dir, f"{run.verifier.name}: verifier forward cost")
+    report = write_outputs(samples, meta, setting, run.drafter.max_depth, out_dir, cfg.wandb)
+    if run.predicted is not None:
+        p = run.predicted
+        print(f"speedup: predicted {p.predicted_speedup:.2f}x from the cost curve ({p.size} drafts, E[tokens/round] "
+              f"{p.expected_tokens:.2f}, verify {p.verify_ms:.1f} ms vs step {p.step_ms:.1f} ms, draft time excluded)"
+              f"{' [tree.size=auto]' if run.auto_size else ''}; measured {report['speedup']:.2f}x")
+    return report
