@@ -16,7 +16,6 @@ plain decoding is E[tokens](s) * t(1) / t(s + 1), draft time excluded (the repor
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -41,7 +40,7 @@ def _timed(fn, reps: int) -> float:
         start = time.perf_counter()
         fn()
         out.append(time.perf_counter() - start)
-    return statistics.median(out) * 1e3  # ms
+    return min(out) * 1e3  # ms: the least of the reps, what the machine does when nothing else runs
 
 
 def machine(dtypes: Sequence[str] = ("float32", "bfloat16"), reps: int = 3) -> dict[str, Any]:
@@ -82,8 +81,8 @@ def _tree(n: int) -> Tree:
 
 def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] = SIZES, engine: str = "auto",
                   reps: int = 3) -> list[float]:
-    """Median ms of one verifier forward over n tokens (a one-token step for n = 1, a tree of n nodes otherwise)
-    after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops' path (eval.decode)."""
+    """Least ms (of `reps`) of one verifier forward over n tokens (a one-token step for n = 1, a tree of n nodes
+    otherwise) after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops' path (eval.decode)."""
     from eval.decode import _Verify  # eval.decode imports nothing from here
 
     if max(sizes) > 64 or min(sizes) < 1:
@@ -280,3 +279,34 @@ def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[s
             curves += [measure(other, prefix, int(t), engine) for t in cfg.get("profile_threads") or [threads]
                        if (other_dtype, int(t)) != (dtype, threads)]
     return policy, curves, planned
+
+
+# -- the evaluation dtype: bf16 where the machine computes it natively ----------------------------------------------
+
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def auto_dtype(device: str, flags: set[str] | None = None) -> tuple[str, str]:
+    """`dtype: auto`: bfloat16 where this machine has bf16 matmul units (a GPU that supports it; a CPU with AMX or
+    AVX512-BF16), float32 elsewhere; returns (dtype, the reason, for the report). bf16 speculative decoding is exact
+    through eval.engine (tests/test_exact_bf16.py), so this only changes speed."""
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", f"GPU {torch.cuda.get_device_name()} supports bf16"
+        return "float32", f"GPU {torch.cuda.get_device_name()} has no bf16 support"
+    found = sorted((cpu_flags() if flags is None else flags) & set(BF16_CPU_FLAGS))
+    if found:
+        return "bfloat16", f"CPU has {' and '.join(found)} (bf16 matmuls in hardware)"
+    return "float32", f"CPU has neither {' nor '.join(BF16_CPU_FLAGS)} (bf16 would be emulated, slower than fp32)"

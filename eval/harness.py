@@ -214,10 +214,15 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
             raise UserError(f"{key}={cfg[key]!r} must be a whole number.")
     if int(cfg.max_new_tokens) < 1:
         raise UserError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1.")
+    dtype_reason = "set in the config"
+    if str(cfg.dtype) == "auto":
+        dtype, dtype_reason = cost.auto_dtype(str(cfg.device))
+        cfg.dtype = dtype
+        print(f"dtype: {dtype} ({dtype_reason})")
     if str(cfg.dtype) not in EVAL_DTYPES:
-        raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use float32 (exact greedy match) or bfloat16 "
-                        f"(fast on CPUs with AMX). float16 would also change the verifier's fingerprint, which is "
-                        f"taken in bfloat16.")
+        raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use auto, float32 or bfloat16 (bf16 is "
+                        f"exact through eval.engine, faster on CPUs with AMX or AVX512-BF16). float16 would also change "
+                        f"the verifier's fingerprint, which is taken in bfloat16.")
     if str(cfg.get("engine", "auto")) not in ENGINES:
         raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine where it is "
                         f"exact and faster, hf: Hugging Face's forward).")
@@ -233,7 +238,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     meta = {"method": run.method, "verifier": run.verifier.name, "checkpoint": str(cfg.checkpoint)}
     setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
-               "engine": "engine" if use_engine(run.verifier, engine) else "hf",
+               "dtype_reason": dtype_reason, "engine": "engine" if use_engine(run.verifier, engine) else "hf",
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}
     if run.predicted is not None:

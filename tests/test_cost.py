@@ -48,6 +48,17 @@ def test_auto_size_needs_the_exports_estimates():
         AutoTree(size="big")
 
 
+def test_auto_dtype_is_bf16_only_with_bf16_units(tmp_path):
+    assert cost.auto_dtype("cpu", {"fpu", "avx512f", "avx512_bf16"}) == (
+        "bfloat16", "CPU has avx512_bf16 (bf16 matmuls in hardware)")
+    assert cost.auto_dtype("cpu", {"amx_bf16", "amx_tile", "avx512_bf16"})[0] == "bfloat16"
+    dtype, reason = cost.auto_dtype("cpu", {"fpu", "avx2", "avx512f"})
+    assert dtype == "float32" and "neither amx_bf16 nor avx512_bf16" in reason
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512_bf16 avx2\nbugs\t\t: spectre\n")
+    assert cost.cpu_flags(str(cpuinfo)) == {"fpu", "sse", "avx512_bf16", "avx2"}
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_profile_and_auto_size_in_the_harness(tiny, tmp_path):
     from hydra import compose, initialize_config_dir
@@ -62,13 +73,18 @@ def test_profile_and_auto_size_in_the_harness(tiny, tmp_path):
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose(config_name="eval", overrides=[
             f"checkpoint={export}", "threads=1", "max_new_tokens=8", "num_prompts=2", "wandb.mode=disabled",
-            "tree.size=auto", "profile=true", "profile_dtypes=[float32,bfloat16]", "profile_threads=[1]",
+            "tree.size=auto", "profile=true", "profile_dtypes=[float32,bfloat16]", "profile_threads=[1]", "dtype=auto",
             f"output_dir={out}"])
     evaluate(cfg, progress=False)
     profile = json.loads((out / "profile.json").read_text())
     curves = json.loads((out / "cost_curve.json").read_text())
-    assert [(c["dtype"], c["threads"]) for c in curves] == [("float32", 1), ("bfloat16", 1)]
-    assert [c["path"] for c in curves] == ["hf", "engine"]  # auto: HF in fp32 on a CPU, the engine in bf16
+    dtype, reason = cost.auto_dtype("cpu")  # this machine's choice, which the run records
+    assert (profile["dtype"], profile["dtype_reason"]) == (dtype, reason)
+    other = {"float32": "bfloat16", "bfloat16": "float32"}[dtype]
+    assert [(c["dtype"], c["threads"]) for c in curves] == [(dtype, 1), (other, 1)]  # the run's own curve first
+    path = {"float32": "hf", "bfloat16": "engine"}  # auto: HF in fp32 on a CPU, the engine in bf16
+    assert [c["path"] for c in curves] == [path[dtype], path[other]]
+    assert profile["engine"] == path[dtype]
     first = curves[0]
     assert first["sizes"] == list(cost.SIZES) and all(t > 0 for t in first["ms"])
     assert all(b > 0 for b in first["bound_memory_ms"] + first["bound_compute_ms"])
