@@ -82,7 +82,8 @@ def _tree(n: int) -> Tree:
 def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] = SIZES, engine: str = "auto",
                   reps: int = 3) -> list[float]:
     """Least ms (of `reps`) of one verifier forward over n tokens (a one-token step for n = 1, a tree of n nodes
-    otherwise) after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops' path (eval.decode)."""
+    otherwise) after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops' path
+    (eval.decode)."""
     from eval.decode import _Verify  # eval.decode imports nothing from here
 
     if max(sizes) > 64 or min(sizes) < 1:

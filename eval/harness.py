@@ -221,8 +221,8 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         print(f"dtype: {dtype} ({dtype_reason})")
     if str(cfg.dtype) not in EVAL_DTYPES:
         raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use auto, float32 or bfloat16 (bf16 is "
-                        f"exact through eval.engine, faster on CPUs with AMX or AVX512-BF16). float16 would also change "
-                        f"the verifier's fingerprint, which is taken in bfloat16.")
+                        f"exact through eval.engine, faster on CPUs with AMX or AVX512-BF16). float16 would also "
+                        f"change the verifier's fingerprint, which is taken in bfloat16.")
     if str(cfg.get("engine", "auto")) not in ENGINES:
         raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine where it is "
                         f"exact and faster, hf: Hugging Face's forward).")
