@@ -1,7 +1,9 @@
 """The decode loops: plain greedy and plain sampling (our baselines, one token per verifier forward) and
 speculative decoding, greedy or sampled (eval.sampling: exact for the warped verifier distribution).
 
-Both share the cache code in eval.kv, so their difference is the drafting alone. Speculative decoding costs one
+Both share one verifier path, so their difference is the drafting alone: eval.engine (batch-invariant forward,
+preallocated KV cache; exact in bf16) for the Llama-family verifiers it runs, else Hugging Face's forward through
+eval.kv (`engine=auto|engine|hf`, see `use_engine`). Speculative decoding costs one
 verifier forward per round: the outputs at the last accepted node (its logits choose the next root, its hidden
 state feeds the drafter) come out of the tree forward itself, never from an extra forward.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from eval import engine as fast
 from eval import kv
 from eval.accept import greedy_accept, mean_accept_length, per_position_acceptance
 from eval.drafters import Draft, Drafter
@@ -97,6 +100,63 @@ def _truncate(draft: Draft, depth: int) -> tuple[Draft, Tensor]:
     return Draft(tree=tree, tokens=draft.tokens[:, index], p=None if draft.p is None else draft.p[:, index]), index
 
 
+ENGINES = ("auto", "engine", "hf")
+TREE_ROOM = 64  # cache slots past prompt + max_new_tokens: both loops size the engine cache alike (exactness)
+
+
+def use_engine(verifier: Verifier, engine: str = "auto") -> bool:
+    """Whether the decode loops run eval.engine (True) or HF's forward via eval.kv (False). `engine`: "engine"
+    (refuses verifiers it does not run), "hf", or "auto": the engine for the model types it runs, except in float32 on
+    a CPU, where HF's forward is already batch-invariant and was measured faster (README, exact verification)."""
+    if engine not in ENGINES:
+        raise UserError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
+    if engine != "auto":
+        return engine == "engine"
+    model = verifier.model
+    dtype = model.get_input_embeddings().weight.dtype
+    if getattr(model.config, "model_type", None) not in fast.SUPPORTED:
+        return False
+    return not (dtype == torch.float32 and verifier.device.type == "cpu")
+
+
+class _Verify:
+    """The verifier's forward and KV cache for one decode, through eval.engine or eval.kv (same calls)."""
+
+    def __init__(self, verifier: Verifier, engine: str, max_length: int, tree_nodes: int, tree_depth: int) -> None:
+        self.model, self.fast = verifier.model, use_engine(verifier, engine)
+        if not self.fast:
+            self.cache = kv.new_cache()
+            return
+        if tree_nodes > TREE_ROOM or tree_depth >= fast.WINDOW:
+            raise UserError(f"The engine verifies trees of at most {TREE_ROOM} nodes and depth {fast.WINDOW - 1}; "
+                            f"this drafter proposes up to {tree_nodes} nodes, {tree_depth} deep. Use a smaller "
+                            f"tree (tree.size, tree.depth), or engine=hf (not exact in bfloat16).")
+        self.cache = fast.new_cache(_engine(self.model), max_length + TREE_ROOM)
+
+    def forward(self, tokens: Tensor, positions=None, mask=None, layers=None) -> kv.ForwardOutput:
+        if self.fast:
+            return fast.forward(self.cache, tokens, positions, mask, layers)
+        return kv.forward(self.model, self.cache, tokens, positions, mask, layers)
+
+    def commit(self, prefix_len: int, nodes: Tensor) -> None:
+        (fast if self.fast else kv).commit(self.cache, prefix_len, nodes)
+
+    @property
+    def length(self) -> int:
+        return (fast if self.fast else kv).cache_length(self.cache)
+
+
+def _engine(model: torch.nn.Module) -> fast.Engine:
+    """One fast.Engine (fused weight copies) per model, kept on the model and rebuilt if its weights were replaced
+    (e.g. `.to(dtype)`); the weights are frozen while decoding, so their storage identifies them."""
+    key = tuple((p.data_ptr(), p.dtype, p.device) for p in model.parameters())
+    hit = model.__dict__.get("_specdraft_engine")
+    if hit is None or hit[0] != key:
+        hit = (key, fast.Engine(model))
+        model.__dict__["_specdraft_engine"] = hit
+    return hit[1]
+
+
 def _check_inputs(verifier: Verifier, input_ids: Tensor, max_new_tokens: int, tree_nodes: int) -> None:
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise UserError(f"input_ids must be (batch, length) with length >= 1; got shape {tuple(input_ids.shape)}.")
@@ -124,17 +184,21 @@ def _result(
 
 @torch.no_grad()
 def greedy_decode(
-    verifier: Verifier, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None
+    verifier: Verifier,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | Sequence[int] | None = None,
+    engine: str = "auto",
 ) -> DecodeResult:
     """Plain greedy decoding, one verifier forward per token, through the same cache code as speculative_decode."""
     _check_inputs(verifier, input_ids, max_new_tokens, 1)
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
-    cache, forwards, lengths = kv.new_cache(), 0, []
+    cache, forwards, lengths = _Verify(verifier, engine, input_ids.shape[1] + max_new_tokens, 1, 0), 0, []
     token = input_ids
     while not out.done:
         # 1. One forward over the new token (the whole prompt the first time); 2. its argmax is the next token.
         with timer("verify"):
-            step = kv.forward(verifier.model, cache, token)
+            step = cache.forward(token)
         forwards += 1
         token = step.logits[:, -1:].argmax(dim=-1)  # (B, 1)
         if forwards > 1:
@@ -157,21 +221,21 @@ def _draw(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator |
 @torch.no_grad()
 def sample_decode(
     verifier: Verifier, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
-    sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+    sampling: SamplingConfig | None = None, generator: torch.Generator | None = None, engine: str = "auto",
 ) -> DecodeResult:
     """Plain sampling from the warped verifier, one forward per token, through the same cache code: the baseline
     sampled speculative decoding is compared with (same distribution, so speed is the only difference).
     Temperature 0 (or no config) is greedy_decode."""
     if _sampled(sampling) is None:
-        return greedy_decode(verifier, input_ids, max_new_tokens, eos_token_id)
+        return greedy_decode(verifier, input_ids, max_new_tokens, eos_token_id, engine)
     _check_inputs(verifier, input_ids, max_new_tokens, 1)
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
-    cache, forwards, lengths = kv.new_cache(), 0, []
+    cache, forwards, lengths = _Verify(verifier, engine, input_ids.shape[1] + max_new_tokens, 1, 0), 0, []
     token = input_ids
     while not out.done:
         # 1. One forward over the new token (the whole prompt the first time); 2. draw the next from warped q.
         with timer("verify"):
-            step = kv.forward(verifier.model, cache, token)
+            step = cache.forward(token)
         forwards += 1
         token = _draw(step.logits[:, -1], sampling, generator)[:, None]  # (B, 1)
         if forwards > 1:
@@ -189,6 +253,7 @@ def speculative_decode(
     eos_token_id: int | Sequence[int] | None = None,
     sampling: SamplingConfig | None = None,
     generator: torch.Generator | None = None,
+    engine: str = "auto",
 ) -> DecodeResult:
     """Speculative decoding with any drafter, over the chain or tree it proposes.
 
@@ -200,7 +265,8 @@ def speculative_decode(
     sampling = _sampled(sampling)
     _check_inputs(verifier, input_ids, max_new_tokens, drafter.max_nodes)
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
-    model, cache, lengths = verifier.model, kv.new_cache(), []
+    length = input_ids.shape[1] + max_new_tokens
+    cache, lengths = _Verify(verifier, engine, length, drafter.max_nodes, drafter.max_depth), []
     buffers: dict[Tree, TreeBuffers] = {}
     layers = drafter.feature_layers  # the verifier hidden states the drafter reads (EAGLE-3: three layers)
     if out.done:
@@ -208,7 +274,7 @@ def speculative_decode(
 
     # 1. Prefill: one forward over the prompt. Its last logits give the first root; its hidden states feed the drafter.
     with timer("verify"):
-        step = kv.forward(model, cache, input_ids, hidden_layers=layers)
+        step = cache.forward(input_ids, layers=layers)
     forwards = 1
     last = step.logits[:, -1]  # (B, V)
     root = last.argmax(dim=-1) if sampling is None else _draw(last, sampling, generator)  # (B,)
@@ -227,11 +293,11 @@ def speculative_decode(
         if draft.tree not in buffers:
             buffers[draft.tree] = tree_buffers(draft.tree, device=input_ids.device)
         buf = buffers[draft.tree]
-        prefix_len = kv.cache_length(cache)
+        prefix_len = cache.length
 
         # 3. Verify: one forward over all nodes, each seeing the cached prefix and its own ancestors.
         with timer("verify"):
-            step = kv.forward(model, cache, draft.tokens, buf.positions, buf.mask, layers)  # logits (B, N, V)
+            step = cache.forward(draft.tokens, buf.positions, buf.mask, layers)  # logits (B, N, V)
         forwards += 1
 
         # 4. Accept: greedy, the longest path that matches the verifier's argmax; sampled, the recursive rejection
@@ -252,7 +318,7 @@ def speculative_decode(
 
         # 5. Commit: the cache keeps the root and the accepted drafts, contiguous after the prefix.
         with timer("commit"):
-            kv.commit(cache, prefix_len, nodes)
+            cache.commit(prefix_len, nodes)
 
         # 6. Emit the accepted drafts and the verifier's next token, which becomes the next root.
         new = torch.cat([draft.tokens[:, nodes[0, 1:]], acc.next_token[:, None]], dim=1)  # (B, A+1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +28,19 @@ from transformers import GenerationConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
-from eval.decode import DecodeResult, sample_decode, speculative_decode
-from eval.sampling import SamplingConfig
-from hydra.utils import instantiate
-
+from eval import cost
+from eval.decode import ENGINES, DecodeResult, sample_decode, speculative_decode, use_engine
 from eval.drafters import Drafter
 from eval.families import NEEDS_EXPORT, method_name
+from eval.sampling import SamplingConfig
+from hydra.utils import instantiate
 from eval.report import Sample, write_outputs
 from models.errors import UserError, VerifierMismatchError
 from models.export import export_kind, export_verifier, read_config
 from models.verifier import Verifier, load_verifier
 
 EVAL_DTYPES = ("float32", "bfloat16")
+EXPORT_KINDS = ("medusa", "eagle", "eagle3")  # the families whose export carries acceptance estimates
 
 
 def check_length(verifier: Verifier, ids: list[int], max_new_tokens: int, where: str) -> None:
@@ -61,8 +62,8 @@ class Runner:
     HF's are measured the same way)."""
 
     def __init__(self, verifier: Verifier, drafter: Drafter, max_new_tokens: int, lookup: int,
-                 sampling: SamplingConfig | None = None, seed: int = 0) -> None:
-        self.verifier, self.drafter, self.max_new = verifier, drafter, max_new_tokens
+                 sampling: SamplingConfig | None = None, seed: int = 0, engine: str = "auto") -> None:
+        self.verifier, self.drafter, self.max_new, self.engine = verifier, drafter, max_new_tokens, engine
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.generator = torch.Generator(verifier.device).manual_seed(seed)
         gen_eos = verifier.model.generation_config.eos_token_id
@@ -94,8 +95,9 @@ class Runner:
         seconds, outputs, results = {}, {}, {}
         v, n = self.verifier, self.max_new
         calls = {
-            "baseline": lambda: sample_decode(v, x, n, self.eos, self.sampling, self.generator),
-            "speculative": lambda: speculative_decode(v, self.drafter, x, n, self.eos, self.sampling, self.generator),
+            "baseline": lambda: sample_decode(v, x, n, self.eos, self.sampling, self.generator, engine=self.engine),
+            "speculative": lambda: speculative_decode(v, self.drafter, x, n, self.eos, self.sampling, self.generator,
+                                                      engine=self.engine),
             "hf_generate": lambda: self._hf(x, self.hf_config),
             "hf_prompt_lookup": lambda: self._hf(x, self.lookup_config),
         }
@@ -177,6 +179,9 @@ class Setup:
     drafter: Drafter
     method: str
     convs: list[Conversation]
+    curves: list[cost.Curve] = field(default_factory=list)  # the verifier's cost curves (profile=true, size=auto)
+    predicted: cost.Plan | None = None  # what the first curve predicts for this drafter
+    auto_size: bool = False
 
 
 def verifier_source_of(cfg: DictConfig, export: Path | None) -> Any:
@@ -191,9 +196,11 @@ def verifier_source_of(cfg: DictConfig, export: Path | None) -> Any:
     return source or "smollm2"
 
 
-def build_drafter(cfg: DictConfig, drafter_cfg: DictConfig, verifier: Verifier, export: Path | None) -> Drafter:
-    """Instantiate one family's factory (conf/drafter/*.yaml) and call it with the verifier, tree and export; with
-    `sampled_drafts`, the Medusa / EAGLE families also get the warped sampling settings for their proposals."""
+def build_drafter(cfg: DictConfig, drafter_cfg: DictConfig, verifier: Verifier, export: Path | None,
+                  policy: Any = None) -> Drafter:
+    """Instantiate one family's factory (conf/drafter/*.yaml) and call it with the verifier, the tree policy (`policy`,
+    else conf/tree's) and the export; with `sampled_drafts`, the Medusa / EAGLE families also get the warped sampling
+    settings for their proposals."""
     factory = instantiate(drafter_cfg, _convert_="all")
     proposals = {}
     if bool(cfg.get("sampled_drafts", False)):
@@ -203,7 +210,7 @@ def build_drafter(cfg: DictConfig, drafter_cfg: DictConfig, verifier: Verifier, 
         proposals = {"sampling": sampling_config(cfg),
                      "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
     try:
-        return factory(verifier, instantiate(cfg.tree, _convert_="all"), export, **proposals)
+        return factory(verifier, policy or instantiate(cfg.tree, _convert_="all"), export, **proposals)
     except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
         raise VerifierMismatchError(str(e).replace("verifier.path=", "verifier_path=")) from None
 
@@ -234,16 +241,21 @@ def setup(cfg: DictConfig) -> Setup:
     tree it cannot draft)."""
     family = family_of(cfg.drafter)
     export = export_dir(cfg, family)
+    config = read_config(export) if export is not None else {}
     if export is not None and family == "export":
-        config = read_config(export)
         if export_kind(config) is None:
             raise UserError(f"checkpoint={str(export)!r} is neither a Medusa nor an EAGLE export "
                             f"(architectures={config.get('architectures')}).")
         family = export_kind(config)
     convs = select_prompts(load_conversations(str(cfg.prompts), split="eval"), cfg.num_prompts)
-    verifier = load_verifier(verifier_source_of(cfg, export), str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
-    drafter = build_drafter(cfg, cfg.drafter, verifier, export)
-    return Setup(verifier, drafter, method_name(family, drafter), convs)
+    source = verifier_source_of(cfg, export)
+    verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
+    policy = instantiate(cfg.tree, _convert_="all")
+    prefix = lambda: prompt_ids(verifier.tokenizer, _turns(convs[0])[0])  # noqa: E731  a real prefix for the curve
+    policy, curves, planned = cost.for_run(cfg, source, verifier, family, config, policy, prefix)
+    drafter = build_drafter(cfg, cfg.drafter, verifier, export, policy)
+    predicted = cost.predict(family, config, drafter, curves[0]) if curves and family in EXPORT_KINDS else None
+    return Setup(verifier, drafter, method_name(family, drafter), convs, curves, predicted, planned is not None)
 
 
 def sampling_config(cfg: DictConfig) -> SamplingConfig:
@@ -276,10 +288,18 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
             raise UserError(f"{key}={cfg[key]!r} must be a whole number.")
     if int(cfg.max_new_tokens) < 1:
         raise UserError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1.")
+    dtype_reason = "set in the config"
+    if str(cfg.dtype) == "auto":
+        dtype, dtype_reason = cost.auto_dtype(str(cfg.device))
+        cfg.dtype = dtype
+        print(f"dtype: {dtype} ({dtype_reason})")
     if str(cfg.dtype) not in EVAL_DTYPES:
-        raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use float32 (exact greedy match) or bfloat16 "
-                        f"(fast on CPUs with AMX). float16 would also change the verifier's fingerprint, which is "
-                        f"taken in bfloat16.")
+        raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use auto, float32 or bfloat16 (bf16 is "
+                        f"exact through eval.engine, faster on CPUs with AMX or AVX512-BF16). float16 would also "
+                        f"change the verifier's fingerprint, which is taken in bfloat16.")
+    if str(cfg.get("engine", "auto")) not in ENGINES:
+        raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine where it is "
+                        f"exact and faster, hf: Hugging Face's forward).")
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k fail before anything loads
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
@@ -293,14 +313,28 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
             torch.set_num_threads(threads)
     try:
         run = setup(cfg)
+        engine = str(cfg.get("engine", "auto"))
         runner = Runner(run.verifier, run.drafter, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens),
-                        sampling, int(cfg.seed))
+                        sampling, int(cfg.seed), engine)
         samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
             "checkpoint": None if cfg.checkpoint is None else str(cfg.checkpoint), "sampling": sampling_record(cfg)}
     setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
+               "dtype_reason": dtype_reason, "engine": "engine" if use_engine(run.verifier, engine) else "hf",
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}
-    return write_outputs(samples, meta, setting, run.drafter.max_depth, Path(str(cfg.output_dir)), cfg.wandb)
+    if run.predicted is not None:
+        setting["cost_model"] = {**asdict(run.predicted), "tree_size_auto": run.auto_size,
+                                 "note": "verify time from the cost curve, draft time excluded"}
+    out_dir = Path(str(cfg.output_dir))
+    if run.curves:
+        cost.write(run.curves, out_dir, f"{run.verifier.name}: verifier forward cost")
+    report = write_outputs(samples, meta, setting, run.drafter.max_depth, out_dir, cfg.wandb)
+    if run.predicted is not None:
+        p = run.predicted
+        print(f"speedup: predicted {p.predicted_speedup:.2f}x from the cost curve ({p.size} drafts, E[tokens/round] "
+              f"{p.expected_tokens:.2f}, verify {p.verify_ms:.1f} ms vs step {p.step_ms:.1f} ms, draft time excluded)"
+              f"{' [tree.size=auto]' if run.auto_size else ''}; measured {report['speedup']:.2f}x")
+    return report

@@ -106,11 +106,17 @@ class Chain:
 class AutoTree:
     """The `size` draft nodes of highest expected acceptance by the drafter's own estimates: Medusa grows a fixed
     tree from its export's per-head top-k accuracies (`auto_tree`); EAGLE grows an EAGLE-2 dynamic tree of at most
-    `size` nodes each round from its scores (default depth and topk). `size=0` drafts nothing: plain decoding."""
+    `size` nodes each round from its scores (default depth and topk). `size=0` drafts nothing: plain decoding.
+    `size="auto"`: the budget that maximises expected tokens/s from the verifier's measured cost curve and the
+    drafter's acceptance estimates (eval.cost.best_size; the harness resolves it before building the drafter)."""
 
-    size: int = 16
+    size: int | str = 16
 
     def __post_init__(self) -> None:
+        if isinstance(self.size, str):
+            if self.size != "auto":
+                raise UserError(f"tree.size={self.size!r} must be a whole number of draft nodes or 'auto'.")
+            return
         if self.size < 0:
             raise UserError(f"tree.size={self.size} must be >= 0 (0 drafts nothing).")
 

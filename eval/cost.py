@@ -1,0 +1,313 @@
+"""The verifier's cost curve and the machine's bound, and the tree size they make best (`tree.size=auto`).
+
+A speculative round costs one verifier forward over the tree's N nodes; it pays when the drafts it accepts outweigh
+how much more that forward costs than a one-token step. `forward_curve` measures that forward for N = 1..64 tokens
+after a real prefix, through the path the decode loops use (eval.decode: eval.engine or HF), and `machine` measures
+what this machine allows: a step must read every weight once (weight bytes / read bandwidth) and do 2 FLOPs per
+weight and token (FLOPs / matmul peak), so the bound is the larger of the two.
+
+With a drafter's acceptance estimates, E[tokens per round](s) for a tree of s drafts is 1 + the sum of its nodes'
+path-acceptance probabilities (Medusa: eval.tree.auto_tree's node values from the export's top-k table; EAGLE: a
+chain from the export's per-step top-1 accuracies `val_step_top1`, which says nothing about siblings, so it never
+asks for more nodes than its depth). The best size maximises E[tokens](s) / t(s + 1); the predicted speedup over
+plain decoding is E[tokens](s) * t(1) / t(s + 1), draft time excluded (the report measures it apart).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eval.tree import Tree, _rank_probs, auto_tree, tree_buffers
+from models.errors import UserError
+from models.verifier import Verifier
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)  # measured; the rest interpolated
+SHAPE_TABLE = [[0.6, 0.75, 0.8, 0.85]] * 4  # the shape of the measured trees: bushy, 4 deep, like a Medusa tree
+
+
+def _timed(fn, reps: int) -> float:
+    fn()  # warm
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return min(out) * 1e3  # ms: the least of the reps, what the machine does when nothing else runs
+
+
+def machine(dtypes: Sequence[str] = ("float32", "bfloat16"), reps: int = 3) -> dict[str, Any]:
+    """Read bandwidth (GB/s, a 256 MiB sum) and matmul peak per dtype (GFLOP/s, 1024x2048 @ 2048x2048), measured with
+    the current thread count."""
+    big = torch.ones(64 * 2**20)
+    read_ms = min(_timed(lambda: big.sum(), reps) for _ in range(2))
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "read_gbs": big.numel() * 4 / read_ms / 1e6,
+                           "peak_gflops": {}}
+    del big
+    for name in dtypes:
+        dt = getattr(torch, name)
+        a, b = torch.randn(1024, 2048).to(dt), torch.randn(2048, 2048).to(dt)
+        ms = min(_timed(lambda: a @ b, reps) for _ in range(2))
+        out["peak_gflops"][name] = 2 * 1024 * 2048 * 2048 / ms / 1e6
+    return out
+
+
+def bound_ms(verifier: Verifier, tokens: int, prefix: int, mach: dict[str, Any]) -> tuple[float, float]:
+    """(memory bound, compute bound) in ms for one forward over `tokens` after `prefix` cached ones."""
+    model = verifier.model
+    dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+    params = {p.data_ptr(): p for p in model.parameters()}.values()  # a tied head once
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+    matmul_weights = sum(p.numel() for p in params if p.ndim == 2) - (0 if tied else embed.numel())
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 4 * tokens * (prefix + tokens) * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
+    flops = 2 * tokens * matmul_weights + attention
+    return weight_bytes / mach["read_gbs"] / 1e6, flops / mach["peak_gflops"][dtype] / 1e6
+
+
+def _tree(n: int) -> Tree:
+    return auto_tree(SHAPE_TABLE, n - 1)
+
+
+def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] = SIZES, engine: str = "auto",
+                  reps: int = 3) -> list[float]:
+    """Least ms (of `reps`) of one verifier forward over n tokens (a one-token step for n = 1, a tree of n nodes
+    otherwise) after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops' path
+    (eval.decode)."""
+    from eval.decode import _Verify  # eval.decode imports nothing from here
+
+    if max(sizes) > 64 or min(sizes) < 1:
+        raise UserError(f"profile sizes must lie in 1..64; got {list(sizes)}.")
+    prefix = prefix_ids.shape[1]
+    cache = _Verify(verifier, engine, prefix + 1, max(sizes), _tree(max(sizes)).max_depth)
+    cache.forward(prefix_ids)
+    tokens = prefix_ids[:, -1:].repeat(1, max(sizes))  # which tokens does not change the cost
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    out = []
+    for n in sizes:
+        buf = tree_buffers(_tree(n))
+
+        def step() -> None:
+            if n == 1:
+                cache.forward(tokens[:, :1])
+            else:
+                cache.forward(tokens[:, :n], buf.positions, buf.mask)
+            cache.commit(prefix, empty)  # back to the prefix
+
+        out.append(_timed(step, reps))
+    return out
+
+
+def interpolate(sizes: Sequence[int], ms: Sequence[float], n: int) -> float:
+    """Linear interpolation of the curve at n tokens (clamped at its ends)."""
+    if n <= sizes[0]:
+        return ms[0]
+    for (a, ta), (b, tb) in zip(zip(sizes, ms), zip(sizes[1:], ms[1:])):
+        if n <= b:
+            return ta + (tb - ta) * (n - a) / (b - a)
+    return ms[-1]
+
+
+# -- acceptance estimates --------------------------------------------------------------------------------------------
+
+def tree_values(tree: Tree, topk_accuracy: Sequence[Sequence[float]]) -> list[float]:
+    """Each draft node's path-acceptance probability from a Medusa top-k table (eval.tree.auto_tree's node value);
+    a rank the table lacks counts as never right."""
+    probs = _rank_probs(topk_accuracy)
+    values = []
+    for path in tree.paths[1:]:
+        v = 1.0
+        for depth, rank in enumerate(path):
+            row = probs[depth] if depth < len(probs) else []
+            v *= row[rank] if rank < len(row) else 0.0
+        values.append(v)
+    return values
+
+
+def acceptance_table(kind: str, config: dict[str, Any]) -> list[list[float]] | None:
+    """The drafter's acceptance estimates as a cumulative top-k table (Medusa: its own; EAGLE: top-1 per step, as a
+    conditional chain), or None when the export records none."""
+    if kind == "medusa":
+        return config.get("medusa_topk_accuracy") or None
+    top1 = config.get("val_step_top1")
+    return [[float(p)] for p in top1] if top1 else None
+
+
+def expected_tokens(table: Sequence[Sequence[float]], size: int) -> float:
+    """E[tokens per round] of the best `size`-draft tree under `table`: 1 (the bonus) + its nodes' values."""
+    return 1.0 + sum(tree_values(auto_tree(table, size), table)) if size else 1.0
+
+
+@dataclass
+class Plan:
+    """What the cost curve predicts for one tree: drafts, E[tokens per round], verify ms, predicted speedup."""
+
+    size: int
+    expected_tokens: float
+    verify_ms: float
+    step_ms: float
+    predicted_speedup: float
+
+
+def plan(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int) -> Plan:
+    verify = interpolate(sizes, ms, drafts + 1)
+    step = interpolate(sizes, ms, 1)
+    return Plan(drafts, round(expected, 4), round(verify, 3), round(step, 3), round(expected * step / verify, 4))
+
+
+def best_size(sizes: Sequence[int], ms: Sequence[float], table: Sequence[Sequence[float]],
+              max_nodes: int = 64) -> Plan:
+    """The draft budget s in 0..max_nodes-1 that maximises E[tokens](s) / t(s + 1) (ties: the smaller s)."""
+    plans = [plan(sizes, ms, expected_tokens(table, s), s) for s in range(max_nodes)]
+    return max(plans, key=lambda p: (p.predicted_speedup, -p.size))
+
+
+# -- the curve as a product: measure, write, plot --------------------------------------------------------------------
+
+@dataclass
+class Curve:
+    dtype: str
+    threads: int
+    path: str  # "engine" | "hf"
+    sizes: list[int]
+    ms: list[float]
+    bound_memory_ms: list[float]
+    bound_compute_ms: list[float]
+    machine: dict[str, Any]
+
+
+def measure(verifier: Verifier, prefix_ids: Tensor, threads: int, engine: str = "auto",
+            sizes: Sequence[int] = SIZES, reps: int = 3) -> Curve:
+    """One curve with `threads` threads (restored after), beside this machine's bound."""
+    from eval.decode import use_engine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dtype = str(verifier.model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+        mach = machine((dtype,))
+        ms = forward_curve(verifier, prefix_ids, sizes, engine, reps)
+    finally:
+        torch.set_num_threads(before)
+    bounds = [bound_ms(verifier, n, prefix_ids.shape[1], mach) for n in sizes]
+    return Curve(dtype, threads, "engine" if use_engine(verifier, engine) else "hf", list(sizes),
+                 [round(t, 3) for t in ms], [round(b[0], 3) for b in bounds], [round(b[1], 3) for b in bounds], mach)
+
+
+def write(curves: Sequence[Curve], out_dir: Path, title: str = "") -> list[Path]:
+    """cost_curve.json and cost_curve.png (time per forward against tokens, each curve beside its bound)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "cost_curve.json").write_text(json.dumps([asdict(c) for c in curves], indent=2))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, c in enumerate(curves):
+        color = f"C{i}"
+        label = f"{c.dtype}, {c.threads} thread(s), {c.path}"
+        ax.plot(c.sizes, c.ms, "o-", color=color, label=label)
+        bound = [max(m, f) for m, f in zip(c.bound_memory_ms, c.bound_compute_ms)]
+        ax.plot(c.sizes, bound, "--", color=color, alpha=0.7, label=f"bound ({c.machine['read_gbs']:.0f} GB/s, "
+                f"{c.machine['peak_gflops'][c.dtype]:.0f} GFLOP/s)")
+    ax.set(xlabel="tokens in the forward (tree nodes)", ylabel="ms per verifier forward", ylim=(0, None),
+           title=title or "verifier forward cost beside the machine's bound")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    png = out_dir / "cost_curve.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return [out_dir / "cost_curve.json", png]
+
+
+# -- the harness's use: tree.size=auto, and the predicted speedup beside the measured one ---------------------------
+
+def auto_size(kind: str, config: dict[str, Any], curve: Curve) -> Plan:
+    """The best draft budget for this export on this curve (`tree.size=auto`)."""
+    table = acceptance_table(kind, config)
+    if table is None:
+        need = "medusa_topk_accuracy" if kind == "medusa" else "val_step_top1"
+        raise UserError(f"tree.size=auto needs the export's acceptance estimates ({need} in its config.json), and "
+                        f"this export has none. Give a number (tree.size=16), or re-export with a current train.py.")
+    return best_size(curve.sizes, curve.ms, table)
+
+
+def predict(kind: str, config: dict[str, Any], drafter: Any, curve: Curve) -> Plan | None:
+    """What the curve predicts for the drafter as built (Medusa: its fixed tree; EAGLE: its node budget, as a
+    chain estimate), or None without acceptance estimates."""
+    table = acceptance_table(kind, config)
+    if table is None:
+        return None
+    if kind == "medusa":
+        tree = drafter.tree
+        return plan(curve.sizes, curve.ms, 1.0 + sum(tree_values(tree, table)), tree.num_drafts)
+    return plan(curve.sizes, curve.ms, expected_tokens(table, drafter.size), drafter.size)
+
+
+def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[str, Any], policy: Any,
+            prefix_ids: Any) -> tuple[Any, list[Curve], Plan | None]:
+    """`python -m eval`'s curves: with profile=true or tree.size=auto, the run's dtype and threads first (the one
+    tree.size=auto and the prediction use), then with profile=true every other `profile_dtypes` x `profile_threads`.
+    Returns the tree policy (size resolved), the curves and the plan tree.size=auto chose (or None)."""
+    from eval.tree import AutoTree
+    from models.verifier import load_verifier
+
+    auto = isinstance(policy, AutoTree) and policy.size == "auto"
+    if not (cfg.get("profile") or auto):
+        return policy, [], None
+    prefix = torch.tensor([prefix_ids()], device=verifier.device)
+    engine, threads, dtype = str(cfg.get("engine", "auto")), int(cfg.threads), str(cfg.dtype)
+    curves = [measure(verifier, prefix, threads, engine)]
+    planned = None
+    if auto:
+        planned = auto_size(kind, config, curves[0])
+        policy = AutoTree(size=planned.size)
+    if cfg.get("profile"):
+        for other_dtype in cfg.get("profile_dtypes") or [dtype]:
+            other = verifier if other_dtype == dtype else load_verifier(source, str(other_dtype), str(cfg.device),
+                                                                        cfg.get("cache_dir"))
+            curves += [measure(other, prefix, int(t), engine) for t in cfg.get("profile_threads") or [threads]
+                       if (other_dtype, int(t)) != (dtype, threads)]
+    return policy, curves, planned
+
+
+# -- the evaluation dtype: bf16 where the machine computes it natively ----------------------------------------------
+
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def auto_dtype(device: str, flags: set[str] | None = None) -> tuple[str, str]:
+    """`dtype: auto`: bfloat16 where this machine has bf16 matmul units (a GPU that supports it; a CPU with AMX or
+    AVX512-BF16), float32 elsewhere; returns (dtype, the reason, for the report). bf16 speculative decoding is exact
+    through eval.engine (tests/test_exact_bf16.py), so this only changes speed."""
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", f"GPU {torch.cuda.get_device_name()} supports bf16"
+        return "float32", f"GPU {torch.cuda.get_device_name()} has no bf16 support"
+    found = sorted((cpu_flags() if flags is None else flags) & set(BF16_CPU_FLAGS))
+    if found:
+        return "bfloat16", f"CPU has {' and '.join(found)} (bf16 matmuls in hardware)"
+    return "float32", f"CPU has neither {' nor '.join(BF16_CPU_FLAGS)} (bf16 would be emulated, slower than fp32)"

@@ -1,0 +1,96 @@
+"""The cost curve as a feature (issue 10): tree.size=auto picks the node budget the verifier's cost curve and the
+drafter's acceptance estimates predict best, and `python -m eval profile=true` writes the curve beside the bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT
+from eval import cost
+from eval.tree import AutoTree, auto_tree, chain
+from models.errors import UserError
+from models.export import save_export
+from models.medusa import MedusaHeads
+
+ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
+SIZES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_expected_tokens_are_the_tree_node_values():
+    tree = auto_tree(ACCURACY, 3)  # (0,), (0, 0), (1,) by value: 0.6, 0.6 * 0.45, 0.15
+    assert cost.tree_values(tree, ACCURACY) == pytest.approx([0.6, 0.15, 0.27])
+    assert cost.expected_tokens(ACCURACY, 3) == pytest.approx(1 + 0.6 + 0.27 + 0.15)
+    assert cost.tree_values(chain(5), ACCURACY)[-1] == 0.0  # no fifth head in the table: never right
+    eagle = cost.acceptance_table("eagle3", {"val_step_top1": [0.7, 0.5]})
+    assert cost.expected_tokens(eagle, 10) == pytest.approx(1 + 0.7 + 0.35)  # a chain: siblings unknown
+
+
+def test_best_size_follows_the_curve():
+    flat_then_steep = [10, 10, 10, 10, 10, 20, 40]  # free up to 16 tokens, then linear
+    plan = cost.best_size(SIZES, flat_then_steep, ACCURACY)
+    assert plan.size == 15 and plan.verify_ms == 10  # every free node, none that costs
+    assert plan.predicted_speedup == pytest.approx(cost.expected_tokens(ACCURACY, 15), abs=1e-4)
+    linear = [float(n) for n in SIZES]  # a forward costs its tokens: no tree pays
+    assert cost.best_size(SIZES, linear, ACCURACY).size == 0
+    free = [10.0] * len(SIZES)
+    assert cost.best_size(SIZES, free, ACCURACY).size == 63
+
+
+def test_auto_size_needs_the_exports_estimates():
+    curve = cost.Curve("float32", 1, "hf", SIZES, [10.0] * 7, [], [], {})
+    with pytest.raises(UserError, match="val_step_top1"):
+        cost.auto_size("eagle", {}, curve)
+    with pytest.raises(UserError, match="'auto'"):
+        AutoTree(size="big")
+
+
+def test_auto_dtype_is_bf16_only_with_bf16_units(tmp_path):
+    assert cost.auto_dtype("cpu", {"fpu", "avx512f", "avx512_bf16"}) == (
+        "bfloat16", "CPU has avx512_bf16 (bf16 matmuls in hardware)")
+    assert cost.auto_dtype("cpu", {"amx_bf16", "amx_tile", "avx512_bf16"})[0] == "bfloat16"
+    dtype, reason = cost.auto_dtype("cpu", {"fpu", "avx2", "avx512f"})
+    assert dtype == "float32" and "neither amx_bf16 nor avx512_bf16" in reason
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512_bf16 avx2\nbugs\t\t: spectre\n")
+    assert cost.cpu_flags(str(cpuinfo)) == {"fpu", "sse", "avx512_bf16", "avx2"}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_profile_and_auto_size_in_the_harness(tiny, tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+
+    export = save_export(MedusaHeads(tiny.hidden_size, tiny.vocab_size, num_heads=4), tiny, tmp_path / "export",
+                         {"medusa_topk_accuracy": ACCURACY})
+    out = tmp_path / "run"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[
+            f"checkpoint={export}", "threads=1", "max_new_tokens=8", "num_prompts=2", "wandb.mode=disabled",
+            "tree.size=auto", "profile=true", "profile_dtypes=[float32,bfloat16]", "profile_threads=[1]", "dtype=auto",
+            f"output_dir={out}"])
+    evaluate(cfg, progress=False)
+    profile = json.loads((out / "profile.json").read_text())
+    curves = json.loads((out / "cost_curve.json").read_text())
+    dtype, reason = cost.auto_dtype("cpu")  # this machine's choice, which the run records
+    assert (profile["dtype"], profile["dtype_reason"]) == (dtype, reason)
+    other = {"float32": "bfloat16", "bfloat16": "float32"}[dtype]
+    assert [(c["dtype"], c["threads"]) for c in curves] == [(dtype, 1), (other, 1)]  # the run's own curve first
+    path = {"float32": "hf", "bfloat16": "engine"}  # auto: HF in fp32 on a CPU, the engine in bf16
+    assert [c["path"] for c in curves] == [path[dtype], path[other]]
+    assert profile["engine"] == path[dtype]
+    first = curves[0]
+    assert first["sizes"] == list(cost.SIZES) and all(t > 0 for t in first["ms"])
+    assert all(b > 0 for b in first["bound_memory_ms"] + first["bound_compute_ms"])
+    model = profile["cost_model"]
+    expected = cost.best_size(first["sizes"], first["ms"], ACCURACY)
+    assert model["tree_size_auto"] and model["size"] == expected.size
+    assert profile["tree"]["num_nodes"] == expected.size + 1  # the drafter was built with the chosen budget
+    assert model["predicted_speedup"] == expected.predicted_speedup
+    assert Path(out / "cost_curve.png").stat().st_size > 10_000
