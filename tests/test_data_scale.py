@@ -138,3 +138,69 @@ def test_killed_selfdistill_resumes_from_its_shards(tiny, tmp_path, capsys):
     assert "resuming, 2 of 3 shards" in capsys.readouterr().out
     assert resumed["input_ids"] == whole["input_ids"] and resumed["id"] == whole["id"]
     assert not (cache / "selfdistill-shards" / shards.name).exists()  # joined, then removed
+
+
+KILL_HIDDEN_AFTER_ONE_SHARD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import data.hidden_cache as hc
+    import datasets
+    from models.verifier import build_tiny
+    from contextlib import contextmanager
+    real = hc.atomic_dir
+    @contextmanager
+    def dying_atomic_dir(path):
+        with real(path) as tmp:
+            yield tmp
+        os.kill(os.getpid(), signal.SIGKILL)  # killed right after the first shard
+    hc.atomic_dir = dying_atomic_dir
+    v = build_tiny(cache_dir=os.environ["SPECDRAFT_CACHE"], dtype="float32", device="cpu")
+    ds = datasets.load_from_disk({data!r})
+    hc.build_hidden_cache(v, ds, [0, -1], {cache!r}, shard_rows=2)
+""")
+
+
+def test_killed_hidden_cache_resumes(tiny, tmp_path, capsys):
+    from data.hidden_cache import build_hidden_cache, load_hidden
+
+    convs = load_conversations("builtin", split="train", limit=5)
+    ds = build_selfdistill(tiny, convs, tmp_path / "sd", max_new_tokens=4, batch_size=5)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    ds = __import__("datasets").load_from_disk(str(tmp_path / "ds"))
+    child = subprocess.run([sys.executable, "-c", KILL_HIDDEN_AFTER_ONE_SHARD.format(
+        root=str(ROOT), data=str(tmp_path / "ds"), cache=str(tmp_path / "killed"))],
+        capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr[-2000:]
+    assert "GiB" in child.stdout  # the size is printed before any work
+    resumed = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "killed", shard_rows=2)
+    assert "resuming, 1 of 3 shards" in capsys.readouterr().out
+    whole = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "whole", shard_rows=2)
+    for row in range(len(ds)):
+        a, b = load_hidden(resumed, row), load_hidden(whole, row)
+        assert a.shape == (2, len(ds[row]["input_ids"]), tiny.hidden_size) and torch.equal(a, b)
+
+
+def test_registry_licences_and_chat_prompts(tmp_path):
+    """The evals wheel's LICENSE.md marks non-commercial data folders; those are left out by default."""
+    import zipfile
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from registry_prompts import evals_prompts
+
+    licence = ("MIT License\n\n### Dataset Licenses\n\n#### Free\n- **Location**: evals/registry/data/free\n"
+               "    - **License**: MIT License\n\n#### Tom\n- **Location**: evals/registry/data/tom\n"
+               "    - **License**: Creative Commons Attribution-NonCommercial 4.0 International\n"
+               "    - **License**: Creative Commons Attribution 4.0\n")
+    wheel = tmp_path / "evals.whl"
+    chat = {"input": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]}
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("evals-3.0.1.post1.dist-info/LICENSE.md", licence)
+        z.writestr("evals/registry/data/free/samples.jsonl", "\n".join(json.dumps(chat) for _ in range(5)))
+        z.writestr("evals/registry/data/tom/samples.jsonl", json.dumps({"input": "Where is the ball?"}))
+        z.writestr("evals/registry/data/plain/samples.jsonl", json.dumps({"input": "Say hi.", "ideal": "hi"}))
+    rows, info = evals_prompts(wheel, per_set=3, include_nc=False)
+    assert info["noncommercial_folders"] == ["tom"]
+    assert [r["category"] for r in rows] == ["evals/free"] * 3 + ["evals/plain"]
+    assert rows[0]["messages"] == chat["input"] and rows[0]["licence"] == "MIT License"
+    rows, _ = evals_prompts(wheel, per_set=3, include_nc=True)
+    assert "evals/tom" in {r["category"] for r in rows}
