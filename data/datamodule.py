@@ -51,7 +51,7 @@ class DistillDataModule(L.LightningDataModule):
 
     Args:
         mode: `selfdistill` (the verifier answers the prompts) or `sharegpt` (train on the conversations as given).
-        source: `builtin` (its train split), a prompt/conversation file, a saved `datasets` directory, a Hub dataset
+        source: one source or a list of them (concatenated): `builtin` (its train split), a prompt/conversation file, a saved `datasets` directory, a Hub dataset
             id (`datasets.load_dataset`, split `hub_split`), or `selfgen` (the verifier writes the prompts,
             settings in `selfgen`: see data.selfgen.selfgen_conversations).
         shard_size: self-distillation writes a shard every `shard_size` prompts; a killed build resumes.
@@ -69,7 +69,7 @@ class DistillDataModule(L.LightningDataModule):
         verifier: Verifier,
         cache_dir: str,
         mode: str = "selfdistill",
-        source: str = "builtin",
+        source: str | list[str] = "builtin",
         limit: int | None = None,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
@@ -90,7 +90,7 @@ class DistillDataModule(L.LightningDataModule):
         super().__init__()
         if mode not in MODES:
             raise UserError(f"data.mode={mode!r} is not one of {MODES}.")
-        if source == "humaneval":
+        if source == "humaneval" or (not isinstance(source, str) and "humaneval" in list(source)):
             raise UserError("data.source=humaneval: HumanEval is kept for evaluation (python -m eval prompts=humaneval) "
                             "and is not a training source. Use builtin, a question.jsonl or a ShareGPT file.")
         self.verifier = verifier
@@ -120,12 +120,16 @@ class DistillDataModule(L.LightningDataModule):
 
     def conversations(self) -> list[Conversation]:
         """The training conversations: from the source, decontaminated against every eval prompt, then limited."""
-        if self.source == "selfgen":
-            if self.mode != "selfdistill":
-                raise UserError("data.source=selfgen makes prompts only; use it with data.mode=selfdistill.")
-            convs = selfgen_conversations(self.verifier, self.cache_dir, **self.selfgen)
-        else:
-            convs = load_conversations(self.source, split="train", hub_split=self.hub_split)
+        sources = [self.source] if isinstance(self.source, str) else list(self.source)
+        convs = []
+        for source in sources:
+            if source == "selfgen":
+                if self.mode != "selfdistill":
+                    raise UserError("data.source=selfgen makes prompts only; use it with data.mode=selfdistill.")
+                convs += selfgen_conversations(self.verifier, self.cache_dir, **self.selfgen)
+            else:
+                convs += load_conversations(str(Path(source).expanduser()) if Path(source).expanduser().exists()
+                                            else source, split="train", hub_split=self.hub_split)
         if self.decontaminate:
             guard = EvalGuard(eval_prompt_texts(self.eval_prompts))
             keep = apply_filters([c.user_turns[0] if c.user_turns else "" for c in convs], None, guard, None,

@@ -63,19 +63,17 @@ def generate_prompts(verifier: Verifier, num: int, temperature: float = 1.0, top
                      topics: list[str] | None = None, on_done=None) -> list[dict[str, str]]:
     """`num` raw user turns sampled from the verifier: [{"prompt", "category"}], unfiltered."""
     tok = verifier.tokenizer
-    groups: dict[str | None, list[int]] = {}
     assignment = [(topics[i % len(topics)] if topics else None) for i in range(num)]
-    for i, t in enumerate(assignment):
-        groups.setdefault(t, []).append(i)
-    texts: list[str] = [""] * num
-    for g, (topic, idx) in enumerate(groups.items()):
-        prefix, stops = user_header(tok, steer(topic))
-        answers = generate_refill(verifier, [prefix] * len(idx), max_new_tokens, temperature, top_p, batch_size,
-                                  seed * 1000 + g, stop_ids=stops, on_done=on_done)
-        for i, a in zip(idx, answers):
-            ended = a and a[-1] in stops
-            # an unfinished turn (hit max_new_tokens) is marked so the length filter can drop it
-            texts[i] = tok.decode(a[:-1] if ended else a, skip_special_tokens=True).strip() + ("" if ended else " \u2026")
+    headers = {t: user_header(tok, steer(t)) for t in set(assignment)}
+    stops = sorted({s for _, st in headers.values() for s in st})
+    # one refill run over every sample: the topic prefixes differ, the engine takes prompts of any length
+    answers = generate_refill(verifier, [headers[t][0] for t in assignment], max_new_tokens, temperature, top_p,
+                              batch_size, seed, stop_ids=stops, on_done=on_done)
+    texts = []
+    for a in answers:
+        ended = bool(a) and a[-1] in stops
+        # an unfinished turn (hit max_new_tokens) is marked so it can be dropped
+        texts.append(tok.decode(a[:-1] if ended else a, skip_special_tokens=True).strip() + ("" if ended else " \u2026"))
     return [{"prompt": t, "category": f"selfgen/{a or 'any'}"} for t, a in zip(texts, assignment)]
 
 

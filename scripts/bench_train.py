@@ -83,10 +83,13 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is faster on a shared, loaded box)")
     ap.add_argument("--generation-only", action="store_true", help="skip the training benchmark")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="only this verifier dtype (generation)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.generation_only:
         load = load_smollm2 if args.verifier == "smollm2" else build_tiny

@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--per-set", type=int, default=200, help="at most this many prompts per eval set file")
     ap.add_argument("--include-noncommercial", action="store_true")
     ap.add_argument("--eval-prompts", nargs="*", default=[], help="extra eval files to decontaminate against")
+    ap.add_argument("--chitchat", type=int, default=None, help="at most this many chitchat prompts")
     ap.add_argument("--sources", nargs="*", default=["evals", "chitchat"], choices=["evals", "chitchat"])
     args = ap.parse_args()
 
@@ -146,7 +147,7 @@ def main() -> None:
                 print(f"[evals]   {folder}: {'; '.join(ls)}")
             rows += recs
         if "chitchat" in args.sources:
-            recs = chitchat_prompts(fetch("chitchat-dataset==0.9.0", Path(tmp)))
+            recs = chitchat_prompts(fetch("chitchat-dataset==0.9.0", Path(tmp)))[: args.chitchat]
             print(f"[chitchat] {len(recs)} prompts (MIT)")
             rows += recs
     guard = EvalGuard(eval_prompt_texts(args.eval_prompts))

@@ -172,8 +172,12 @@ def test_killed_hidden_cache_resumes(tiny, tmp_path, capsys):
         capture_output=True, text=True, timeout=300)
     assert child.returncode == -9, child.stderr[-2000:]
     assert "GiB" in child.stdout  # the size is printed before any work
+    (entry,) = list((tmp_path / "killed" / "hidden").iterdir())
+    first = entry / "00000" / "0.safetensors"
+    before = first.stat().st_mtime_ns
     resumed = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "killed", shard_rows=2)
     assert "resuming, 1 of 3 shards" in capsys.readouterr().out
+    assert first.stat().st_mtime_ns == before  # the finished shard was kept, not recomputed
     whole = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "whole", shard_rows=2)
     for row in range(len(ds)):
         a, b = load_hidden(resumed, row), load_hidden(whole, row)
