@@ -57,7 +57,7 @@ def test_filters_drop_degenerate_contaminated_and_near_duplicate_prompts():
     texts = ["How do I bake sourdough bread at home with a simple starter?",   # kept
              "How do I bake sourdough bread at home with a simple starter please?",  # near-duplicate of 0
              "Hi",                                                              # too short
-             "go go go go go go go go go go go go",                             # repeated n-grams
+             "I want to go go go go go go go go go go go go go",                # repeated n-grams
              "Объясните, пожалуйста, как работает фотосинтез в растениях",      # non-Latin
              "Qual è la ricetta migliore per preparare una pizza napoletana",   # not English
              "What is the capital of France, and why did it become the capital?",  # eval prompt
@@ -208,3 +208,19 @@ def test_registry_licences_and_chat_prompts(tmp_path):
     assert rows[0]["messages"] == chat["input"] and rows[0]["licence"] == "MIT License"
     rows, _ = evals_prompts(wheel, per_set=3, include_nc=True)
     assert "evals/tom" in {r["category"] for r in rows}
+
+
+def test_training_sources_are_concatenated_and_decontaminated(tiny, tmp_path, capsys):
+    from data.datamodule import DistillDataModule
+
+    eval_prompt = load_conversations("builtin", split="eval")[0].user_turns[0]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps({"prompt": "Describe a quiet morning in a small fishing village."}) + "\n"
+                 + json.dumps({"prompt": eval_prompt + " "}) + "\n")  # an eval prompt, one space apart
+    b.write_text(json.dumps({"prompt": "List three uses of baking soda around the house."}) + "\n")
+    mt = tmp_path / "question.jsonl"
+    mt.write_text(json.dumps({"question_id": 1, "turns": ["List three uses of baking soda around the house!"]}) + "\n")
+    dm = DistillDataModule(tiny, str(tmp_path), source=[str(a), str(b)], eval_prompts=[str(mt)])
+    convs = dm.conversations()
+    assert [c.user_turns[0] for c in convs] == ["Describe a quiet morning in a small fishing village."]
+    assert "3 in, 1 kept (matches an eval prompt: 2)" in capsys.readouterr().out
