@@ -155,7 +155,7 @@ def test_offline_hidden_state_cache_matches_online(tiny, tmp_path, capsys):
     dm.prepare_data()
     dm.setup("fit")
     assert "GiB in" in capsys.readouterr().out  # the disk size is announced before caching
-    assert len(list(dm.hidden_path.glob("*.safetensors"))) == 12
+    assert len(list(dm.hidden_path.glob("*/*.safetensors"))) == 12  # one file per sequence, in shard folders
     batch = next(iter(dm.train_dataloader()))
     assert batch["hidden"].shape[:3] == (4, len(module.hidden_layers), batch["input_ids"].shape[1])
     torch.manual_seed(0)
