@@ -191,20 +191,7 @@ def greedy_decode(
     engine: str = "auto",
 ) -> DecodeResult:
     """Plain greedy decoding, one verifier forward per token, through the same cache code as speculative_decode."""
-    _check_inputs(verifier, input_ids, max_new_tokens, 1)
-    start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
-    cache, forwards, lengths = _Verify(verifier, engine, input_ids.shape[1] + max_new_tokens, 1, 0), 0, []
-    token = input_ids
-    while not out.done:
-        # 1. One forward over the new token (the whole prompt the first time); 2. its argmax is the next token.
-        with timer("verify"):
-            step = cache.forward(token)
-        forwards += 1
-        token = step.logits[:, -1:].argmax(dim=-1)  # (B, 1)
-        if forwards > 1:
-            lengths.append(torch.zeros(token.shape[0], dtype=torch.long, device=token.device))
-        out.extend(token)
-    return _result(input_ids, out, forwards, lengths, 0, timer, start)
+    return sample_decode(verifier, input_ids, max_new_tokens, eos_token_id, None, None, engine)
 
 
 def _sampled(sampling: SamplingConfig | None) -> SamplingConfig | None:
@@ -223,21 +210,22 @@ def sample_decode(
     verifier: Verifier, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
     sampling: SamplingConfig | None = None, generator: torch.Generator | None = None, engine: str = "auto",
 ) -> DecodeResult:
-    """Plain sampling from the warped verifier, one forward per token, through the same cache code: the baseline
-    sampled speculative decoding is compared with (same distribution, so speed is the only difference).
-    Temperature 0 (or no config) is greedy_decode."""
-    if _sampled(sampling) is None:
-        return greedy_decode(verifier, input_ids, max_new_tokens, eos_token_id, engine)
+    """Plain decoding, one verifier forward per token, through the same cache code as speculative_decode: greedy
+    (no config, or temperature 0), else a draw from the warped verifier -- the baseline each speculative mode is
+    compared with (same output law, so speed is the only difference)."""
+    sampling = _sampled(sampling)
     _check_inputs(verifier, input_ids, max_new_tokens, 1)
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     cache, forwards, lengths = _Verify(verifier, engine, input_ids.shape[1] + max_new_tokens, 1, 0), 0, []
     token = input_ids
     while not out.done:
-        # 1. One forward over the new token (the whole prompt the first time); 2. draw the next from warped q.
+        # 1. One forward over the new token (the whole prompt the first time); 2. the next token: the argmax, or a
+        #    draw from warped q.
         with timer("verify"):
             step = cache.forward(token)
         forwards += 1
-        token = _draw(step.logits[:, -1], sampling, generator)[:, None]  # (B, 1)
+        last = step.logits[:, -1]  # (B, V)
+        token = (last.argmax(dim=-1) if sampling is None else _draw(last, sampling, generator))[:, None]  # (B, 1)
         if forwards > 1:
             lengths.append(torch.zeros(token.shape[0], dtype=torch.long, device=token.device))
         out.extend(token)
