@@ -223,3 +223,64 @@ def test_training_sources_are_concatenated_and_decontaminated(tiny, tmp_path, ca
     convs = dm.conversations()
     assert [c.user_turns[0] for c in convs] == ["Describe a quiet morning in a small fishing village."]
     assert "3 in, 1 kept (matches an eval prompt: 2)" in capsys.readouterr().out
+
+
+def test_decode_attention_equals_sdpa_for_one_token_queries():
+    """The data builder's one-token attention (grouped matmuls) against PyTorch SDPA with the KV heads repeated:
+    GQA head grouping, a left-padding mask (bool and additive) and no mask; longer queries go to SDPA itself."""
+    from data.generate import decode_attention
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups, is_causal = 3, True
+
+    g = torch.Generator().manual_seed(0)
+    bsz, heads, kv_heads, dim, keys = 4, 6, 2, 16, 11
+    q = torch.randn(bsz, heads, 1, dim, generator=g)
+    k, v = torch.randn(bsz, kv_heads, keys, dim, generator=g), torch.randn(bsz, kv_heads, keys, dim, generator=g)
+    pad = torch.ones(bsz, 1, 1, keys, dtype=torch.bool)
+    pad[1, ..., :3] = False  # row 1 is left-padded by 3, row 3 by 7
+    pad[3, ..., :7] = False
+    rep = lambda t: t.repeat_interleave(3, dim=1)  # noqa: E731 - head h reads KV head h // 3
+    for mask in (None, pad, torch.zeros(pad.shape).masked_fill(~pad, float("-inf"))):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=mask, scale=0.3)
+        out, _ = decode_attention(Attn(), q, k, v, mask, scaling=0.3)
+        assert out.shape == (bsz, 1, heads, dim)
+        torch.testing.assert_close(out.transpose(1, 2), ref, atol=1e-5, rtol=1e-5)
+    long_q = torch.randn(bsz, heads, 5, dim, generator=g)
+    causal = torch.ones(5, keys, dtype=torch.bool).tril(keys - 5)[None, None].expand(bsz, 1, 5, keys)
+    out, _ = decode_attention(Attn(), long_q, k, v, causal, scaling=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(long_q, rep(k), rep(v), attn_mask=causal, scale=0.3)
+    torch.testing.assert_close(out.transpose(1, 2), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_inside_the_model_keeps_the_logits(one_thread):
+    """A left-padded batch's decode step on the varied verifier: the logits under `decode_attention_for` equal the
+    model's own SDPA logits (HF's mask format reaches the function as it expects); its own attention after."""
+    from transformers import DynamicCache
+
+    from data.generate import decode_attention_for
+
+    v = varied_llama()
+    lengths = [9, 4, 13]
+    ids = torch.zeros(3, 13, dtype=torch.long)
+    mask = torch.zeros(3, 13, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, 13 - n :] = torch.arange(5, 5 + n) * (r + 3) % 200
+        mask[r, 13 - n :] = 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+
+    def step() -> torch.Tensor:
+        cache = DynamicCache(config=v.model.config)
+        out = v.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        full = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+        pos = torch.tensor(lengths)[:, None]
+        return v.model(input_ids=nxt, attention_mask=full, position_ids=pos, cache=out.past_key_values).logits
+
+    with torch.no_grad():
+        ref = step()
+        with decode_attention_for(v.model):
+            assert v.model.config._attn_implementation == "specdraft_decode"
+            got = step()
+    assert v.model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
