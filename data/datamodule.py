@@ -110,37 +110,42 @@ class DistillDataModule(L.LightningDataModule):
 
     def build(self) -> datasets.Dataset:
         """The full tokenised dataset (generated and cached on first use for self-distillation)."""
-        convs = self.conversations()
+        convs, groups = self.conversations(with_groups=True)
         if self.mode == "sharegpt":
             return build_sharegpt(self.verifier, convs, self.max_length)
         return build_selfdistill(
             self.verifier, convs, self.cache_dir, self.max_new_tokens, self.temperature,
-            self.gen_batch_size, self.seed, self.max_length, self.shard_size,
+            self.gen_batch_size, self.seed, self.max_length, self.shard_size, groups=groups,
         )
 
-    def conversations(self) -> list[Conversation]:
-        """The training conversations: from the source, decontaminated against every eval prompt, then limited."""
+    def conversations(self, with_groups: bool = False) -> list[Conversation] | tuple[list[Conversation], list[int]]:
+        """The training conversations: from each source in turn, decontaminated against every eval prompt, then
+        limited. `with_groups`: also the number each source contributes, in order (None after `limit`, which mixes
+        them), so self-distillation shards never straddle two sources and a source's shards serve any build."""
         sources = [self.source] if isinstance(self.source, str) else list(self.source)
-        convs = []
+        convs: list[Conversation] = []
+        groups: list[int] | None = []
+        guard = EvalGuard(eval_prompt_texts(self.eval_prompts)) if self.decontaminate else None
         for source in sources:
             if source == "selfgen":
                 if self.mode != "selfdistill":
                     raise UserError("data.source=selfgen makes prompts only; use it with data.mode=selfdistill.")
-                convs += selfgen_conversations(self.verifier, self.cache_dir, **self.selfgen)
+                part = selfgen_conversations(self.verifier, self.cache_dir, **self.selfgen)
             else:
-                convs += load_conversations(str(Path(source).expanduser()) if Path(source).expanduser().exists()
-                                            else source, split="train", hub_split=self.hub_split)
-        if self.decontaminate:
-            guard = EvalGuard(eval_prompt_texts(self.eval_prompts))
-            keep = apply_filters([c.user_turns[0] if c.user_turns else "" for c in convs], None, guard, None,
-                                 f"{self.source} against the eval prompts")
-            convs = [convs[i] for i in keep]
+                part = load_conversations(str(Path(source).expanduser()) if Path(source).expanduser().exists()
+                                          else source, split="train", hub_split=self.hub_split)
+            if guard is not None:
+                keep = apply_filters([c.user_turns[0] if c.user_turns else "" for c in part], None, guard, None,
+                                     f"{source} against the eval prompts")
+                part = [part[i] for i in keep]
+            convs += part
+            groups.append(len(part))
         if self.limit is not None:
-            convs = select_prompts(convs, self.limit)
+            convs, groups = select_prompts(convs, self.limit), None
         if not convs:
             raise UserError(f"data.source={self.source!r}: no conversations left after decontamination. Check "
                             f"data.eval_prompts and the source.")
-        return convs
+        return (convs, groups) if with_groups else convs
 
     def prepare_data(self) -> None:
         # Rank 0 generates and caches; setup() on every rank reads the caches.

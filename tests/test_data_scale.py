@@ -131,12 +131,24 @@ def test_killed_selfdistill_resumes_from_its_shards(tiny, tmp_path, capsys):
     child = subprocess.run([sys.executable, "-c", KILL_AFTER_TWO_SHARDS.format(root=str(ROOT), cache=str(cache))],
                            capture_output=True, text=True, timeout=300)
     assert child.returncode == -9, child.stderr[-2000:]
-    (shards,) = list((cache / "selfdistill-shards").iterdir())
-    assert sorted(p.name for p in shards.iterdir() if not p.name.startswith(".")) == ["00000", "00001"]
+    finished = [p for p in (cache / "selfdistill-shards").iterdir() if not p.name.startswith(".")]
+    assert len(finished) == 2 and all((p / "dataset_info.json").is_file() for p in finished)
     resumed = build_selfdistill(tiny, convs, cache, **kw)
     assert "resuming, 2 of 3 shards" in capsys.readouterr().out
     assert resumed["input_ids"] == whole["input_ids"] and resumed["id"] == whole["id"]
-    assert not (cache / "selfdistill-shards" / shards.name).exists()  # joined, then removed
+
+
+def test_a_source_added_later_reuses_the_first_sources_shards(tiny, tmp_path, capsys):
+    """Shards are named by their own prompts, and never straddle two sources: a build with a second source after
+    the first reuses every shard of the first, and its first rows are the first build's rows."""
+    first = load_conversations("builtin", split="train", limit=7)
+    second = load_conversations("builtin", split="train")[20:24]
+    kw = dict(max_new_tokens=6, temperature=1.0, batch_size=3, shard_size=3)
+    alone = build_selfdistill(tiny, first, tmp_path, groups=[7], **kw)
+    capsys.readouterr()
+    both = build_selfdistill(tiny, first + second, tmp_path, groups=[7, 4], **kw)
+    assert "resuming, 3 of 5 shards" in capsys.readouterr().out  # 7 -> 3+3+1, 4 -> 3+1
+    assert both["input_ids"][:7] == alone["input_ids"] and len(both) == 11
 
 
 KILL_HIDDEN_AFTER_ONE_SHARD = textwrap.dedent("""
@@ -222,7 +234,9 @@ def test_training_sources_are_concatenated_and_decontaminated(tiny, tmp_path, ca
     dm = DistillDataModule(tiny, str(tmp_path), source=[str(a), str(b)], eval_prompts=[str(mt)])
     convs = dm.conversations()
     assert [c.user_turns[0] for c in convs] == ["Describe a quiet morning in a small fishing village."]
-    assert "3 in, 1 kept (matches an eval prompt: 2)" in capsys.readouterr().out
+    out = capsys.readouterr().out  # counted per source
+    assert "a.jsonl against the eval prompts: 2 in, 1 kept (matches an eval prompt: 1)" in out
+    assert "b.jsonl against the eval prompts: 1 in, 0 kept (matches an eval prompt: 1)" in out
 
 
 def test_decode_attention_equals_sdpa_for_one_token_queries():

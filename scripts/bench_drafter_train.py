@@ -1,0 +1,129 @@
+"""Training throughput of each drafter from cached verifier hidden states (offline mode), and what bounds it.
+
+    python scripts/bench_drafter_train.py                        # Medusa, EAGLE-1, EAGLE-3 on the default verifier
+    python scripts/bench_drafter_train.py --drafters eagle3 --batch-size 16 --seq-len 512 --steps 6
+
+One batch of `batch_size` sequences of `seq_len` tokens (the first 40% a prompt, the rest assistant tokens, as in
+self-distilled data), its hidden states computed once by the verifier and fed as the `hidden` cache tensor the data
+module gives in offline mode; then forward + backward + optimizer step of each drafter's training step under bf16
+autocast, the first step untimed. Prints tokens/s (all tokens, and assistant tokens: the ones with targets), the
+matmul FLOPs per assistant token the step needs, the GFLOP/s that implies, and this machine's bf16 matmul rate on
+the head's shape, measured in the same process: their ratio says how close a step is to the arithmetic. Nothing here
+is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.verifier import build_tiny, load_smollm2  # noqa: E402
+from train.eagle import EagleModule  # noqa: E402
+from train.medusa import MedusaModule  # noqa: E402
+
+
+def make_module(kind: str, verifier, args: argparse.Namespace):
+    opt = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
+    if kind == "medusa":
+        return MedusaModule(verifier, optimizer=opt, num_heads=args.medusa_heads)
+    if kind == "eagle":
+        return EagleModule(verifier, optimizer=opt, kind="eagle", ttt_steps=1)
+    aux = [1, verifier.num_layers // 2, verifier.num_layers - 1] if verifier.num_layers >= 3 else [0, 1]
+    module = EagleModule(verifier, optimizer=opt, kind="eagle3", ttt_steps=args.ttt_steps,
+                         draft_vocab_size=min(args.draft_vocab, verifier.vocab_size), aux_layer_ids=aux)
+    return module
+
+
+def flops_per_token(kind: str, verifier, module, args: argparse.Namespace) -> float:
+    """Matmul FLOPs per assistant token of one training step (forward 2mnk; backward 2x that for trained weights,
+    1x for frozen ones whose input needs a gradient)."""
+    d, v = verifier.hidden_size, verifier.vocab_size
+    head = 2 * d * v
+    if kind == "medusa":
+        block = 2 * d * d * module.hparams.num_layers
+        return args.medusa_heads * (3 * block + 2 * head)  # frozen shared head: forward + input gradient
+    net = module.net
+    layer = sum(2 * p.numel() for n, p in net.layer.named_parameters() if p.dim() == 2)
+    fc = 2 * net.fc.weight.numel()
+    if kind == "eagle":  # q over the full vocabulary (no grad) + the draft's own logits (frozen head, input grad)
+        return 3 * (fc + layer) + head + 2 * head
+    draft_head = 2 * d * net.draft_vocab_size
+    return 3 * fc + args.ttt_steps * 3 * (layer + draft_head) + head  # + q over the full vocabulary once
+
+
+def matmul_rate(m: int, k: int, n: int) -> float:
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 2 * m * k * n * 5 / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--verifier", choices=["smollm2", "tiny"], default="smollm2")
+    ap.add_argument("--drafters", nargs="+", default=["medusa", "eagle", "eagle3"])
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=384)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--medusa-heads", type=int, default=4)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load = load_smollm2 if args.verifier == "smollm2" else build_tiny
+    verifier = load(cache_dir=args.cache_dir, dtype="bfloat16", device="cpu")
+    bsz, seq = args.batch_size, args.seq_len
+    ids = torch.randint(0, verifier.vocab_size, (bsz, seq))
+    loss_mask = torch.zeros(bsz, seq, dtype=torch.long)
+    loss_mask[:, int(0.4 * seq) :] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    with torch.no_grad():
+        out = verifier.model.get_decoder()(input_ids=ids, output_hidden_states=True, use_cache=False)
+    assistant = int(loss_mask.sum())
+    print(f"verifier={args.verifier} batch={bsz}x{seq} ({assistant} assistant tokens) threads={torch.get_num_threads()} "
+          f"torch={torch.__version__} load={os.getloadavg()[0]:.1f}")
+    print(f"{'drafter':<10}{'s/step':>8}{'tok/s':>9}{'asst tok/s':>12}{'MFLOP/tok':>11}{'GFLOP/s':>9}{'peak':>7}"
+          f"{'of peak':>9}")
+    for kind in args.drafters:
+        module = make_module(kind, verifier, args)
+        layers = module.hidden_layers
+        batch["hidden"] = torch.stack([out.hidden_states[i] for i in layers], dim=1).to(torch.bfloat16)  # (B, L, T, D)
+        if kind == "eagle3":
+            module.net.set_draft_vocab(torch.randperm(verifier.vocab_size)[: module.net.draft_vocab_size])
+        opt = module.configure_optimizers()
+        elapsed = 0.0
+        for step in range(args.steps + 1):
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if kind == "medusa":
+                    loss = module.model_step(batch)[0]
+                else:
+                    loss = module._loss(module.model_step(batch, module.hparams.ttt_steps, train=True)["losses"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step:
+                elapsed += time.perf_counter() - t0
+        per_step = elapsed / args.steps
+        flops = flops_per_token(kind, verifier, module, args)
+        rate = flops * assistant / per_step
+        peak = matmul_rate(assistant, verifier.hidden_size, verifier.vocab_size // 4)
+        print(f"{kind:<10}{per_step:>8.2f}{bsz * seq / per_step:>9.0f}{assistant / per_step:>12.0f}{flops / 1e6:>11.0f}"
+              f"{rate / 1e9:>9.1f}{peak / 1e9:>7.0f}{rate / peak:>9.0%}")
+
+
+if __name__ == "__main__":
+    main()
