@@ -109,7 +109,7 @@ def main() -> None:
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 if kind == "medusa":
-                    loss = module.model_step(batch)[0]
+                    loss = module.model_step(batch, train=True)[0]
                 else:
                     loss = module._loss(module.model_step(batch, module.hparams.ttt_steps, train=True)["losses"])
             loss.backward()

@@ -30,6 +30,7 @@ from models.eagle import NAMES, Eagle1Net, Eagle3Net, build_eagle, unroll
 from models.errors import NonFiniteLossError, UserError
 from models.export import save_export
 from models.verifier import Verifier
+from train.fused_head import frozen_head_ce
 from train.safety import last_good_advice
 
 
@@ -105,6 +106,16 @@ class EagleModule(L.LightningModule):
         for j, (out_h, valid) in enumerate(unroll(self.net, feats, ids, attn, loss_mask, embed, steps)):
             # Targets: q at position t+j+1 (predicting x_{t+j+2}), where x_{t+j+2} is an assistant token.
             bi, ti = valid.nonzero(as_tuple=True)
+            hit = torch.zeros_like(valid)
+            if train and targets is None and bi.numel():
+                # EAGLE-1 training: fused cross-entropy to q through the frozen lm_head (train/fused_head.py)
+                per_row, p_arg, q_arg = frozen_head_ce(out_h[bi, ti], lm_head.weight, teacher=final[bi, ti + j + 1])
+                reg = F.smooth_l1_loss(out_h[bi, ti].float(), final[bi, ti + j + 1].float())
+                losses.append(self.hparams.feature_weight * reg + self.hparams.ce_weight * per_row.mean())
+                hit[bi, ti] = p_arg == q_arg
+                correct.append(hit)
+                valid_at.append(valid)
+                continue
             with torch.no_grad():
                 if targets is None:  # EAGLE-1: q over the full vocabulary, at this step's positions only
                     q_logits = lm_head(final[bi, ti + j + 1]).float()  # (N, V)
@@ -122,21 +133,22 @@ class EagleModule(L.LightningModule):
                 reg = F.smooth_l1_loss(out_h[bi, ti].float(), final[bi, ti + j + 1].float()) if bi.numel() else ce * 0
                 step_loss = self.hparams.feature_weight * reg + self.hparams.ce_weight * ce
             losses.append(step_loss if bi.numel() else p_logits.sum() * 0.0)
-            hit = torch.zeros_like(valid)
             hit[bi, ti] = self.net.draft_to_target(p_logits.argmax(-1)) == q_arg
+            correct.append(hit)
+            valid_at.append(valid)
+            if train:  # ranks and confidences are validation's (a full-vocabulary pass each)
+                continue
             rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
             rank[bi, ti] = self.net.target_rank(p_logits.detach(), q_arg)
-            correct.append(hit)
             ranks.append(rank)
-            valid_at.append(valid)
-            if not train:  # the draft's confidence in its top-1, to compare with how often it is right
-                conf = torch.zeros(valid.shape, device=valid.device)
-                conf[bi, ti] = p_logits.detach().softmax(-1).amax(-1)
-                confs.append(conf)
-        # (S, B, n) each; rank: 0 = M_q's argmax is the draft's top-1, vocab_size = invalid or outside the vocabulary
-        out = {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at),
-               "rank": torch.stack(ranks)}
-        return out | ({"confidence": torch.stack(confs)} if confs else {})
+            # the draft's confidence in its top-1, to compare with how often it is right
+            conf = torch.zeros(valid.shape, device=valid.device)
+            conf[bi, ti] = p_logits.detach().softmax(-1).amax(-1)
+            confs.append(conf)
+        # (S, B, n) each; rank (validation): 0 = M_q's argmax is the draft's top-1, vocab_size = invalid or outside
+        # the draft vocabulary
+        out = {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at)}
+        return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
 
     @torch.no_grad()
     def draft_vocab_targets(self, final: Tensor, loss_mask: Tensor) -> dict[str, Tensor]:

@@ -21,6 +21,7 @@ from data.hidden_cache import gather_layers
 from models.errors import NonFiniteLossError, UserError
 from models.export import save_export
 from models.medusa import MedusaHeads, medusa_targets
+from train.fused_head import frozen_head_ce
 from models.verifier import Verifier
 from train.safety import last_good_advice
 
@@ -72,8 +73,10 @@ class MedusaModule(L.LightningModule):
     hidden_layers = [-1]  # verifier hidden states training reads: the final-normed last layer (the lm_head input)
 
     # -- the shared step -------------------------------------------------------------------------------------------
-    def model_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
-        """Returns (loss, per-head losses, per-head top-1..top-10 hit counts (K, TOPK), per-head counts (K,))."""
+    def model_step(self, batch: dict[str, Tensor], train: bool = False) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
+        """Returns (loss, per-head losses, per-head hit counts (K, TOPK): top-1..top-10 in validation, top-1 only in
+        training (K, 1), per-head counts (K,)). Training with the shared frozen head runs the fused, chunked
+        cross-entropy (train/fused_head.py): same loss and gradient, without the (N, V) tensors."""
         if self.verifier.device != self.device:
             self.verifier.to(self.device)
         hidden = gather_layers(batch, self.hidden_layers, self.verifier, [-1])[-1]  # (B, T, D), no grad
@@ -83,12 +86,20 @@ class MedusaModule(L.LightningModule):
         head_losses, hits, counts = [], [], []
         for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], K)):
             tgt = targets[valid]  # (N,)
+            if train and self.heads.share_lm_head and tgt.numel():
+                per_row, arg, _ = frozen_head_ce(self.heads.head_features(hidden[valid], k), lm_head.weight, labels=tgt)
+                ce = per_row.mean()
+                loss = loss + self.hparams.decay**k * ce
+                head_losses.append(ce.detach())
+                hits.append((arg == tgt).float().sum()[None])
+                counts.append(torch.tensor(float(tgt.numel()), device=self.device))
+                continue
             logits = self.heads.head_logits(hidden[valid], k, lm_head).float()  # (N, V): only assistant targets
             ce = F.cross_entropy(logits, tgt) if tgt.numel() else logits.sum() * 0.0
             loss = loss + self.hparams.decay**k * ce
             head_losses.append(ce.detach())
             with torch.no_grad():
-                top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices  # (N, TOPK)
+                top = logits.topk(min(1 if train else TOPK, logits.shape[-1]), dim=-1).indices  # (N, TOPK)
                 hit_at = (top == tgt[:, None]).float().sum(0).cumsum(0)  # hits within top-1..top-TOPK
                 hits.append(hit_at)
                 counts.append(torch.tensor(float(tgt.numel()), device=self.device))
@@ -101,7 +112,7 @@ class MedusaModule(L.LightningModule):
                 self.log(f"train/head{k + 1}_top1", hits[k, 0] / counts[k].clamp(min=1), batch_size=bsz)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, head_losses, hits, counts = self.model_step(batch)
+        loss, head_losses, hits, counts = self.model_step(batch, train=True)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"training diverged at step {self.global_step}: the training loss is {loss.item()}. "

@@ -1,0 +1,78 @@
+"""The fused, chunked cross-entropy through a frozen head (train/fused_head.py) against plain autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.fused_head import frozen_head_ce
+
+
+@pytest.mark.parametrize("chunk", [3, 64])  # several chunks, and one
+def test_loss_and_gradient_equal_autograd_for_labels_and_for_a_teacher(chunk):
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 10, 8, 37
+    weight = torch.randn(v, d, generator=g)
+    labels = torch.randint(0, v, (n,), generator=g)
+    teacher = torch.randn(n, d, generator=g)
+    for kind in ("labels", "teacher"):
+        h1 = torch.randn(n, d, generator=g, requires_grad=True)
+        h2 = h1.detach().clone().requires_grad_(True)
+        w = torch.rand(n, generator=g)  # a weighted sum, so a wrong backward scale shows
+        logits = h1 @ weight.T
+        if kind == "labels":
+            ref = F.cross_entropy(logits, labels, reduction="none")
+            got, arg, target = frozen_head_ce(h2, weight, labels=labels, chunk=chunk)
+            assert torch.equal(target, labels)
+        else:
+            q = (teacher @ weight.T).softmax(-1)
+            ref = -(q * logits.log_softmax(-1)).sum(-1)
+            got, arg, target = frozen_head_ce(h2, weight, teacher=teacher, chunk=chunk)
+            assert torch.equal(target, q.argmax(-1))
+        (ref * w).sum().backward()
+        (got * w).sum().backward()
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h2.grad, h1.grad, atol=1e-5, rtol=1e-5)
+        assert torch.equal(arg, logits.argmax(-1))
+
+
+def test_medusa_training_step_loss_equals_the_unfused_one():
+    """MedusaModule's training path (fused) and validation path (plain logits) give the same per-head losses."""
+    from helpers import varied_llama
+    from train.medusa import MedusaModule
+
+    v = varied_llama()
+    module = MedusaModule(v, optimizer=lambda params: torch.optim.AdamW(params), num_heads=3)
+    for block in module.heads.blocks:  # non-zero blocks, so each head differs
+        for layer in block.layers:
+            torch.nn.init.normal_(layer.weight, std=0.2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, v.vocab_size, (2, 24), generator=g)
+    mask = torch.zeros_like(ids)
+    mask[:, 8:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+    fused = module.model_step(batch, train=True)
+    plain = module.model_step(batch, train=False)
+    torch.testing.assert_close(torch.stack(fused[1]), torch.stack(plain[1]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused[2][:, 0], plain[2][:, 0])  # top-1 hits
+
+
+def test_eagle1_training_step_losses_equal_the_unfused_ones():
+    """EagleModule's EAGLE-1 training path (fused cross-entropy to q) and its validation path (plain logits) give
+    the same loss at every unrolled step, and the same top-1 hits."""
+    from helpers import varied_llama
+    from train.eagle import EagleModule
+
+    v = varied_llama()
+    torch.manual_seed(0)
+    module = EagleModule(v, optimizer=lambda params: torch.optim.AdamW(params), kind="eagle", noise=0.0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, v.vocab_size, (2, 20), generator=g)
+    mask = torch.zeros_like(ids)
+    mask[:, 6:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+    fused = module.model_step(batch, 3, train=True)
+    plain = module.model_step(batch, 3, train=False)
+    torch.testing.assert_close(torch.stack(fused["losses"]), torch.stack(plain["losses"]), atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused["correct"], plain["correct"]) and fused["correct"].any()
