@@ -23,14 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor
-from transformers import GenerationConfig
 
 from data.prompts import load_conversations, select_prompts
 from eval.accept import mean_accept_length
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Drafter
 from eval.families import family_config, method_name
-from eval.harness import Runner, verifier_source_of, build_drafter, family_of, run_prompts
+from eval.harness import Runner, assistant_of, verifier_source_of, build_drafter, family_of, run_prompts
 from eval.report import Sample
 from models.errors import UserError
 from models.export import export_kind, read_config
@@ -52,16 +51,9 @@ class FamilyRunner:
 
     def __init__(self, verifier: Verifier, drafters: dict[str, Drafter], max_new_tokens: int, lookup: int,
                  assistant: Any | None = None, assistant_tokens: int = 4) -> None:
-        self.hf = Runner(verifier, next(iter(drafters.values())), max_new_tokens, lookup)
-        self.verifier, self.drafters, self.max_new, self.assistant = verifier, drafters, max_new_tokens, assistant
-        self.assisted_config = GenerationConfig(**self.hf.hf_config.to_diff_dict() | dict(
-            num_assistant_tokens=assistant_tokens, num_assistant_tokens_schedule="constant",
-            assistant_confidence_threshold=0.0))
-
-    def _assisted(self, x: Tensor) -> list[int]:
-        out = self.verifier.model.generate(x, attention_mask=torch.ones_like(x), assistant_model=self.assistant,
-                                           generation_config=self.assisted_config)
-        return out[0, x.shape[1]:].tolist()
+        self.hf = Runner(verifier, next(iter(drafters.values())), max_new_tokens, lookup,
+                         assistant=assistant, assistant_tokens=assistant_tokens)
+        self.verifier, self.drafters, self.max_new = verifier, drafters, max_new_tokens
 
     def decode(self, ids: list[int], prompt_id: str = "", category: str = "", turn: int = 0) -> FamilySample:
         x = torch.tensor([ids], device=self.verifier.device)  # (1, T)
@@ -71,8 +63,8 @@ class FamilyRunner:
             calls[name] = lambda d=drafter: speculative_decode(v, d, x, n, eos)
         calls["hf_generate"] = lambda: self.hf._hf(x, self.hf.hf_config)
         calls["hf_prompt_lookup"] = lambda: self.hf._hf(x, self.hf.lookup_config)
-        if self.assistant is not None:
-            calls["hf_assisted"] = lambda: self._assisted(x)
+        if self.hf.assistant is not None:
+            calls["hf_assisted"] = lambda: self.hf._assisted(x)
         seconds, outputs, results = {}, {}, {}
         for method, call in calls.items():
             self.hf._sync()
@@ -165,9 +157,9 @@ def compare(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     verifier = load_verifier(verifier_source_of(cfg, exports[0] if exports else None), str(cfg.dtype),
                              str(cfg.device), cfg.get("cache_dir"))
     drafters = build_drafters(cfg, verifier, exports)
-    assistant = next((d for name, d in drafters.items() if name.startswith("draft_model/")), None)
+    assistant, depth = next((assistant_of(d) for d in drafters.values() if assistant_of(d)[0] is not None), (None, 0))
     runner = FamilyRunner(verifier, drafters, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens),
-                          getattr(assistant, "model", None), getattr(assistant, "depth", 4))
+                          assistant, depth)
     samples = run_prompts(runner, convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
     methods = [*drafters, *(r for r in REFERENCES if samples and r in samples[0].outputs)]
     categories = sorted({s.category for s in samples})

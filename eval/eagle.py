@@ -13,7 +13,9 @@ from M_q's true features (the rollback EAGLE does).
 Trees: one growth procedure for every policy. From the root, expand the `topk` children of the `topk` best frontier
 nodes by cumulative log-probability, one batched drafter forward per depth, then keep the `size` best of all drafted
 nodes (a child never beats its parent, so the kept set is a tree). A chain is topk 1; `AutoTree(size)` is a dynamic
-tree with the default depth and topk (the README's EAGLE section says how those were measured).
+tree with the default depth and topk (the README's EAGLE section says how those were measured). Sampled drafts
+(sampled_drafts=true) grow the same frontier, but draw children without replacement and keep every one drawn, the
+budget spent layer by layer (`EagleDrafter._sample_tree` says why that keeps the sampling rule exact).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 
 from eval.drafters import Draft
-from eval.sampling import SamplingConfig, warp
+from eval.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy
 from models.eagle import EagleNet
 from models.errors import UserError
@@ -50,10 +52,10 @@ class EagleDrafter:
     """EAGLE-1 / EAGLE-3 drafter for the drafter protocol (eval.drafters.Drafter), with its own KV cache.
 
     tree: a Chain, an AutoTree budget or a DynamicTree (see `dynamic_policy`).
-    sampling: with a SamplingConfig of temperature > 0, a chain's drafts are sampled from the drafter's warped
-        softmax at their parent instead of its argmax, and `Draft.p` carries that distribution over the verifier's
-        vocabulary (EAGLE-3's draft vocabulary mapped through d2t, every other token 0). Chains only: a dynamic
-        tree keeps its deterministic top-k drafts, which the sampling rule treats as one-hot p.
+    sampling: with a SamplingConfig of temperature > 0, drafts are sampled from the drafter's warped softmax at
+        their parent instead of taken by rank, siblings without replacement (`_sample_tree`), and `Draft.p` carries
+        the distribution each was drawn from over the verifier's vocabulary (EAGLE-3's draft vocabulary mapped
+        through d2t, every other token 0). Without it, top-k drafts, which the sampling rule treats as one-hot p.
     """
 
     def __init__(self, net: EagleNet, verifier: Verifier, tree: TreePolicy = DEFAULT,
@@ -70,10 +72,6 @@ class EagleDrafter:
         self._next: int | None = None  # positions the next round must bring (1 + accepted), for a sync check
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.generator, self.vocab_size = generator, int(verifier.vocab_size)
-        if self.sampling is not None and self.topk > 1:
-            raise UserError(f"Sampled EAGLE proposals are drawn along a chain, but tree={type(tree).__name__} grows a "
-                            f"top-{self.topk} tree; use tree=chain, or keep top-k drafts (sampled_drafts=false), "
-                            f"which the sampling rule verifies exactly as well.")
 
     def describe(self) -> dict[str, Any]:
         policy = {Chain: "chain", AutoTree: "auto", DynamicTree: "dynamic"}[type(self.policy)]
@@ -110,58 +108,37 @@ class EagleDrafter:
 
     # -- 2. drafting -------------------------------------------------------------------------------------------------
     def _expand(self, root_out: Tensor, depth: int, topk: int, total: int) -> tuple[Tree, Tensor]:
-        """Grow the tree under the root; returns (tree, draft-vocab tokens (N-1,))."""
-        dev, pos0 = root_out.device, self.cache_length - 1  # the root's step-0 output sits at position P-1
+        """Grow the tree under the root from top-k drafts; returns (tree, verifier-vocabulary tokens (N-1,))."""
+        dev = root_out.device
+        fed = _Fed(self, root_out)
         logp = self.net.logits(root_out, self.lm_head).float().log_softmax(-1)  # (1, Vd)
         top = logp.topk(topk, dim=-1)  # the root's children
         # Candidates in creation order (parents first): draft token, cumulative log-prob, parent (-1 = root), rank.
         tok, score = top.indices[0], top.values[0]  # (C,)
         parent, rank = torch.full((topk,), -1, device=dev), torch.arange(topk, device=dev)
-        out_of, slot_of = {-1: root_out[0]}, {}  # per fed candidate: output, key slot
-        sk = sv = None  # keys of the fed nodes (1, H_kv, F, hd)
-        anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # (F, F) ancestor-or-self among fed nodes
         layer_lo = 0
         for d in range(1, depth):
             # 1. Frontier: the topk best nodes of the deepest layer by cumulative log-prob.
             layer = score[layer_lo:]
             pick = (layer.topk(min(topk, layer.numel())).indices + layer_lo).sort().values.tolist()
-            m, f = len(pick), 0 if sk is None else sk.shape[2]
-            # 2. One drafter forward over the frontier: (token, parent's output) at position P-1+d, each node
-            #    seeing the cache, its fed ancestors and itself (the training unroll's step-d mask).
-            ids = self.net.draft_to_target(tok[pick])[None]  # (1, m)
-            hid = torch.stack([out_of[int(parent[c])] for c in pick])[None]  # (1, m, D)
-            mine = torch.zeros(m, f + m, dtype=torch.bool, device=dev)
-            for j, c in enumerate(pick):
-                if int(parent[c]) >= 0:
-                    mine[j, :f] = anc[slot_of[int(parent[c])]]
-                mine[j, f + j] = True
-                slot_of[c] = f + j
-            anc = torch.cat([torch.cat([anc, anc.new_zeros(f, m)], dim=1), mine], dim=0)  # (F+m, F+m)
-            mask = torch.cat([mine.new_ones(m, self.cache_length), mine], dim=1)[None, None]  # (1, 1, m, P+F+m)
-            past_k = self._k if sk is None else torch.cat([self._k, sk], dim=2)
-            past_v = self._v if sv is None else torch.cat([self._v, sv], dim=2)
-            pos = torch.full((1, m), pos0 + d, device=dev)
-            out, k, v = self.net.step(hid, self.embed(ids), pos, mask, past_k, past_v)  # out (1, m, D)
-            sk = k if sk is None else torch.cat([sk, k], dim=2)
-            sv = v if sv is None else torch.cat([sv, v], dim=2)
+            # 2. One drafter forward over the frontier (eval.eagle._Fed).
+            out = fed.feed(pick, self.net.draft_to_target(tok[pick]), [int(parent[c]) for c in pick], d)  # (m, D)
             # 3. Their children: topk each, scored by the cumulative log-prob of the whole path.
-            logits = self.net.logits(out, self.lm_head).float()[0]  # (m, Vd)
+            logits = self.net.logits(out[None], self.lm_head).float()[0]  # (m, Vd)
             top = logits.topk(topk, dim=-1)
             lse = logits.logsumexp(dim=-1, keepdim=True)  # (m, 1): log_softmax of the top-k alone
-            for j, c in enumerate(pick):
-                out_of[c] = out[0, j]
             child = score[pick][:, None] + (top.values - lse).clamp(max=0)  # (m, topk), <= the parent's score
             layer_lo = tok.numel()
             tok = torch.cat([tok, top.indices.flatten()])
             score = torch.cat([score, child.flatten()])
             parent = torch.cat([parent, torch.tensor(pick, device=dev).repeat_interleave(topk)])
-            rank = torch.cat([rank, torch.arange(topk, device=dev).repeat(m)])
+            rank = torch.cat([rank, torch.arange(topk, device=dev).repeat(len(pick))])
         # 4. Rerank: the `total` best candidates. Stable, so on a tie a parent (created first) stays ahead.
         keep = score.sort(descending=True, stable=True).indices[:total].sort().values  # back in creation order
         node_of = {-1: 0} | {c: i + 1 for i, c in enumerate(keep.tolist())}
         tree = Tree(parents=(-1,) + tuple(node_of[int(parent[c])] for c in keep),
                     ranks=(-1,) + tuple(int(r) for r in rank[keep]))
-        return tree, tok[keep]
+        return tree, self.net.draft_to_target(tok[keep])
 
     def _full_probs(self, out: Tensor) -> Tensor:
         """The drafter's warped distribution over the verifier's vocabulary. (m, D) -> (m, V)"""
@@ -173,30 +150,58 @@ class EagleDrafter:
         s = self.sampling
         return warp(logits, s.temperature, s.top_p, s.top_k)
 
-    def _sample_chain(self, root_out: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-        """A chain of `depth` drafts, each drawn from the warped softmax at its parent; the same forwards as
-        `_expand` with topk 1 (node d at position P-1+d, seeing the cache and the chain before it).
-        Returns verifier-vocabulary tokens (depth,) and their distributions (depth, V)."""
-        dev, pos0 = root_out.device, self.cache_length - 1
-        out, tokens, probs = root_out, [], []
-        sk = sv = None
+    def _sample_tree(self, root_out: Tensor, depth: int, topk: int, total: int) -> tuple[Tree, Tensor, Tensor]:
+        """Grow the tree under the root from sampled drafts; returns (tree, verifier-vocabulary tokens (N-1,), the
+        distribution each was drawn from (N-1, V)). A chain is topk 1.
+
+        Each expanded node u draws its m_u children one after another without replacement from its warped p_u
+        (eval.sampling.without_replacement), and child i carries p_u with its earlier siblings removed
+        (eval.sampling.sibling_proposals): what recursive rejection sampling needs to stay exact. Every sampled child
+        is kept: pruning a child by its own token (as the top-k growth's rerank does) would bias the kept ones away
+        from p_u. The shape depends on the drafts in one way only: m_u = min(topk, p_u's support, budget left) is
+        fixed before u's children are drawn (sufficient; whether child i exists may depend on its earlier siblings,
+        never on itself or later ones), from the drafts of u's layer and above (the frontier is the topk best
+        nodes of a layer by cumulative log p, any deterministic function of them would do; the node budget is spent
+        layer by layer, best parent first). Given those, u's children are a fresh draw from p_u, so at every node the
+        children the walk tries follow the p it is handed. Spending the budget breadth-first matters: were a deeper
+        node's group allowed to claim budget before u's, whether that node was expanded (which depends on u's
+        children's scores) would decide m_u."""
+        dev = root_out.device
+        fed = _Fed(self, root_out)
+        # Candidates in creation order (parents first, siblings together): token (verifier id), parent (-1 = root),
+        # the distribution it was drawn from, cumulative log p.
+        tokens: list[int] = []
+        parents: list[int] = []
+        dists: list[Tensor] = []
+        scores: list[float] = []
+        left, frontier, outs = total, [-1], root_out  # budget; the nodes to expand and their outputs (m, D)
         for d in range(1, depth + 1):
-            p = self._full_probs(out)  # (1, V)
-            tok = torch.multinomial(p, 1, generator=self.generator)[0]  # (1,) verifier id
-            tokens.append(tok)
-            probs.append(p)
-            if d == depth:
+            # 1. Children of the frontier, best parent first while the budget lasts, all drawn before any is fed.
+            p = self._full_probs(outs)  # (m, V)
+            base = [0.0 if c < 0 else scores[c] for c in frontier]
+            layer_lo = len(tokens)
+            for j in sorted(range(len(frontier)), key=lambda j: -base[j]):  # stable: creation order on ties
+                if left == 0:
+                    break
+                kids = without_replacement(p[j], min(topk, left), self.generator)  # (m_u,) in draw order
+                dists.extend(sibling_proposals(p[j], kids))
+                scores.extend((base[j] + p[j, kids].double().log()).tolist())
+                tokens.extend(kids.tolist())
+                parents.extend([frontier[j]] * len(kids))
+                left -= len(kids)
+            layer = list(range(layer_lo, len(tokens)))
+            if d == depth or left == 0 or not layer:
                 break
-            f = 0 if sk is None else sk.shape[2]
-            mask = torch.ones(1, 1, 1, self.cache_length + f + 1, dtype=torch.bool, device=dev)
-            past_k = self._k if sk is None else torch.cat([self._k, sk], dim=2)
-            past_v = self._v if sv is None else torch.cat([self._v, sv], dim=2)
-            pos = torch.full((1, 1), pos0 + d, device=dev)
-            step, k, v = self.net.step(out[None], self.embed(tok[None]), pos, mask, past_k, past_v)  # (1, 1, D)
-            sk = k if sk is None else torch.cat([sk, k], dim=2)
-            sv = v if sv is None else torch.cat([sv, v], dim=2)
-            out = step[0]  # (1, D)
-        return torch.cat(tokens), torch.cat(probs)
+            # 2. The next frontier: the topk best of this layer by cumulative log p, fed in one drafter forward.
+            frontier = sorted(sorted(layer, key=lambda c: -scores[c])[:topk])
+            ids = torch.tensor([tokens[c] for c in frontier], device=dev)
+            outs = fed.feed(frontier, ids, [parents[c] for c in frontier], d)
+        ranks, seen = [], {}
+        for parent in parents:
+            seen[parent] = seen.get(parent, -1) + 1
+            ranks.append(seen[parent])
+        tree = Tree(parents=(-1,) + tuple(c + 1 for c in parents), ranks=(-1,) + tuple(ranks))
+        return tree, torch.tensor(tokens, device=dev), torch.stack(dists)
 
     @torch.no_grad()
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
@@ -208,15 +213,49 @@ class EagleDrafter:
         if self.size == 0:
             return Draft(tree=Tree(parents=(-1,), ranks=(-1,)), tokens=root)
         if self.sampling is not None:
-            tokens, p = self._sample_chain(root_out, self.max_depth)  # (n,), (n, V)
-            tree = Tree(parents=tuple(range(-1, len(tokens))), ranks=(-1,) + (0,) * len(tokens))
+            tree, drafts, p = self._sample_tree(root_out, self.depth, self.topk, self.size)  # (n,), (n, V)
             p = torch.cat([torch.zeros_like(p[:1]), p])[None]  # (1, N, V), row 0 unused
-            return Draft(tree=tree, tokens=torch.cat([root, tokens.to(root.dtype)[None]], dim=1), p=p)
-        built, draft_ids = self._expand(root_out, self.depth, self.topk, self.size)
-        tokens = torch.cat([root, self.net.draft_to_target(draft_ids).to(root.dtype)[None]], dim=1)  # (1, N)
-        return Draft(tree=built, tokens=tokens)
+            return Draft(tree=tree, tokens=torch.cat([root, drafts.to(root.dtype)[None]], dim=1), p=p)
+        tree, drafts = self._expand(root_out, self.depth, self.topk, self.size)
+        return Draft(tree=tree, tokens=torch.cat([root, drafts.to(root.dtype)[None]], dim=1))  # (1, N)
 
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         """Roll back to the accepted prefix. The cache already holds committed positions only (drafted keys never
         enter it), so this records that the next round brings 1 + num_accepted new positions."""
         self._next = 1 + int(num_accepted[0])
+
+
+class _Fed:
+    """The drafted nodes fed to the drafter within one `propose`: their keys, outputs and ancestor masks. Drafted
+    keys never enter the drafter's cache (module docstring)."""
+
+    def __init__(self, drafter: EagleDrafter, root_out: Tensor) -> None:
+        self.drafter, dev = drafter, root_out.device
+        self.out_of, self.slot_of = {-1: root_out[0]}, {}  # per fed node: output (D,), key slot
+        self.k = self.v = None  # (1, H_kv, F, hd)
+        self.anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # (F, F) ancestor-or-self among fed nodes
+
+    def feed(self, nodes: list[int], ids: Tensor, parents: list[int], depth: int) -> Tensor:
+        """One drafter forward over `nodes` (their verifier-vocabulary tokens `ids` (m,), parents -1 = the root), all
+        at `depth`: (token, parent's output) at position P-1+depth, each seeing the cache, its fed ancestors and
+        itself (the training unroll's step-d mask). Returns their outputs. (m, D)"""
+        d = self.drafter
+        m, f = len(nodes), 0 if self.k is None else self.k.shape[2]
+        mine = torch.zeros(m, f + m, dtype=torch.bool, device=ids.device)
+        for j, (c, parent) in enumerate(zip(nodes, parents)):
+            if parent >= 0:
+                mine[j, :f] = self.anc[self.slot_of[parent]]
+            mine[j, f + j] = True
+            self.slot_of[c] = f + j
+        self.anc = torch.cat([torch.cat([self.anc, self.anc.new_zeros(f, m)], dim=1), mine], dim=0)  # (F+m, F+m)
+        mask = torch.cat([mine.new_ones(m, d.cache_length), mine], dim=1)[None, None]  # (1, 1, m, P+F+m)
+        past_k = d._k if self.k is None else torch.cat([d._k, self.k], dim=2)
+        past_v = d._v if self.v is None else torch.cat([d._v, self.v], dim=2)
+        pos = torch.full((1, m), d.cache_length - 1 + depth, device=ids.device)
+        hid = torch.stack([self.out_of[parent] for parent in parents])[None]  # (1, m, D)
+        out, k, v = d.net.step(hid, d.embed(ids[None]), pos, mask, past_k, past_v)  # out (1, m, D)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        for j, c in enumerate(nodes):
+            self.out_of[c] = out[0, j]
+        return out[0]

@@ -49,7 +49,10 @@ def draft_model(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, de
     return make_draft_model_drafter(verifier, Chain(depth), path=path, layers=layers)
 
 
-def prompt_lookup(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, num_tokens: int = 10,
+LOOKUP_TOKENS = 10  # prompt lookup's chain length (conf/drafter/prompt_lookup.yaml), and the hybrid's by default
+
+
+def prompt_lookup(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, num_tokens: int = LOOKUP_TOKENS,
                   max_ngram_size: int = 3, min_ngram_size: int = 1) -> Drafter:
     from eval.lookup import PromptLookupDrafter
 
@@ -63,14 +66,17 @@ def lookahead(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, wind
     return LookaheadDrafter(window, ngram, guesses, pool_from_prompt)
 
 
-def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: str | Path | None, num_tokens: int = 5,
+def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: str | Path | None, num_tokens: int | None = None,
            max_ngram_size: int = 3, min_ngram_size: int = 1, budget: int | None = None, **proposals: Any) -> Drafter:
     """The export's drafter (Medusa / EAGLE, under `tree`) with prompt-lookup chains of up to `num_tokens` grafted
-    in, within `budget` nodes (null: the export drafter's own node count)."""
+    in, within `budget` nodes (null: the export drafter's own node count). num_tokens null: as long as prompt
+    lookup's own chain (LOOKUP_TOKENS), or what the budget holds beside the root when that is less."""
     from eval.hybrid import HybridDrafter
     from eval.lookup import PromptLookupDrafter
 
     primary = make_drafter(None, verifier, tree, checkpoint=_export(checkpoint, "hybrid"), **proposals)
+    if num_tokens is None:
+        num_tokens = max(min(LOOKUP_TOKENS, (primary.max_nodes if budget is None else budget) - 1), 1)
     return HybridDrafter(primary, PromptLookupDrafter(Chain(num_tokens), num_tokens, max_ngram_size, min_ngram_size),
                          budget)
 

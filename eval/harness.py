@@ -6,7 +6,9 @@ four methods, interleaved in one process so that they share the machine's state:
 - `speculative`: speculative decoding with the exported drafter over the configured chain or tree, greedy or
   sampled (eval.sampling: exact rejection sampling, or Medusa's lossy typical acceptance when typical=true);
 - `hf_generate`: Hugging Face `model.generate`, greedy or sampled alike, as an outside reference;
-- `hf_prompt_lookup`: the same with `prompt_lookup_num_tokens`, HF's own drafter-free speculation.
+- `hf_prompt_lookup`: the same with `prompt_lookup_num_tokens`, HF's own drafter-free speculation;
+- `hf_assisted` (drafter=draft_model only): HF assisted generation with the same draft model as `assistant_model`
+  and a constant `num_assistant_tokens` = its depth.
 
 Each prompt yields one `Sample`; eval.report turns samples into report.json, profile.json, a table, plots and a W&B
 run. `evaluate(cfg)` is the whole command.
@@ -57,12 +59,22 @@ def check_length(verifier: Verifier, ids: list[int], max_new_tokens: int, where:
         )
 
 
+def assistant_of(drafter: Drafter) -> tuple[Any | None, int]:
+    """The draft model HF assisted generation can use as `assistant_model` and its depth, or (None, 0) for a drafter
+    that is no draft model."""
+    from eval.draft_model import DraftModelDrafter
+
+    return (drafter.model, drafter.depth) if isinstance(drafter, DraftModelDrafter) else (None, 0)
+
+
 class Runner:
     """Decodes one prompt with every method and times each (wall clock around the whole call, so that our loops and
-    HF's are measured the same way)."""
+    HF's are measured the same way). With `assistant` (a draft model), HF assisted generation joins the references,
+    proposing a constant `assistant_tokens` per round."""
 
     def __init__(self, verifier: Verifier, drafter: Drafter, max_new_tokens: int, lookup: int,
-                 sampling: SamplingConfig | None = None, seed: int = 0, engine: str = "auto") -> None:
+                 sampling: SamplingConfig | None = None, seed: int = 0, engine: str = "auto",
+                 assistant: Any | None = None, assistant_tokens: int = 4) -> None:
         self.verifier, self.drafter, self.max_new, self.engine = verifier, drafter, max_new_tokens, engine
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.generator = torch.Generator(verifier.device).manual_seed(seed)
@@ -80,6 +92,14 @@ class Runner:
         )
         self.hf_config = GenerationConfig(**common)
         self.lookup_config = GenerationConfig(**common, prompt_lookup_num_tokens=lookup)
+        self.assistant = assistant
+        if assistant is not None:
+            # A constant number of drafts (HF's default schedule adapts it) and no early stop on confidence: the
+            # chain our draft-model drafter proposes. HF reads these from the assistant's own generation_config
+            # (set on the config passed to generate, they are silently ignored).
+            assistant.generation_config.update(num_assistant_tokens=assistant_tokens,
+                                               num_assistant_tokens_schedule="constant",
+                                               assistant_confidence_threshold=0.0)
 
     def _sync(self) -> None:
         if self.verifier.device.type == "cuda":
@@ -87,6 +107,11 @@ class Runner:
 
     def _hf(self, ids: Tensor, config: GenerationConfig) -> list[int]:
         out = self.verifier.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return out[0, ids.shape[1]:].tolist()
+
+    def _assisted(self, ids: Tensor) -> list[int]:
+        out = self.verifier.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=self.assistant,
+                                           generation_config=self.hf_config)
         return out[0, ids.shape[1]:].tolist()
 
     def decode(self, ids: list[int], prompt_id: str = "", category: str = "", turn: int = 0) -> Sample:
@@ -101,6 +126,8 @@ class Runner:
             "hf_generate": lambda: self._hf(x, self.hf_config),
             "hf_prompt_lookup": lambda: self._hf(x, self.lookup_config),
         }
+        if self.assistant is not None:
+            calls["hf_assisted"] = lambda: self._assisted(x)
         for method, call in calls.items():
             self._sync()
             start = time.perf_counter()
@@ -314,8 +341,9 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     try:
         run = setup(cfg)
         engine = str(cfg.get("engine", "auto"))
+        assistant, depth = assistant_of(run.drafter)
         runner = Runner(run.verifier, run.drafter, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens),
-                        sampling, int(cfg.seed), engine)
+                        sampling, int(cfg.seed), engine, assistant, depth)
         samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting

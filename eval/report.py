@@ -22,10 +22,12 @@ from eval.accept import mean_accept_length, per_position_acceptance
 from models.wandb_mode import wandb_mode
 
 METHODS = ("baseline", "speculative", "hf_generate", "hf_prompt_lookup")
+ASSISTED = "hf_assisted"  # HF assisted generation with the run's draft model: drafter=draft_model runs only
 REPORT_KEYS = (
     "method", "tree", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
-    "speedup", "speedup_vs_hf_generate", "greedy_match", "sampling", "by_category",
+    "speedup", "speedup_vs_hf_generate", "greedy_match",
+    "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "sampling", "by_category",
 )
 PARTS = ("verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times buckets; the rest of total_s is "other"
 
@@ -57,15 +59,22 @@ class Sample:
         return self.outputs[method] == self.outputs["baseline"]
 
 
+def methods_of(samples: Sequence[Sample]) -> tuple[str, ...]:
+    """METHODS, and hf_assisted where the run measured it."""
+    return METHODS + ((ASSISTED,) if samples and ASSISTED in samples[0].outputs else ())
+
+
 def _rate(samples: Sequence[Sample], method: str) -> float:
     seconds = sum(s.seconds[method] for s in samples)
     return sum(s.new_tokens[method] for s in samples) / seconds if seconds > 0 else 0.0
 
 
 def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
-    """The report's metric keys over `samples` (all of them, or one category's)."""
+    """The report's metric keys over `samples` (all of them, or one category's); the hf_assisted ones are null when
+    the run had no draft model."""
     lengths = torch.cat([s.accept_lengths for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
-    rate = {m: _rate(samples, m) for m in METHODS}
+    rate = {m: _rate(samples, m) for m in methods_of(samples)}
+    assisted = ASSISTED in rate
     return {
         "num_prompts": len(samples),
         "new_tokens": sum(s.new_tokens["speculative"] for s in samples),
@@ -78,6 +87,10 @@ def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
         "speedup": round(rate["speculative"] / rate["baseline"], 4) if rate["baseline"] else 0.0,
         "speedup_vs_hf_generate": round(rate["speculative"] / rate["hf_generate"], 4) if rate["hf_generate"] else 0.0,
         "greedy_match": round(sum(s.matches("speculative") for s in samples) / max(len(samples), 1), 4),
+        "hf_assisted_tokens_per_s": round(rate[ASSISTED], 2) if assisted else None,
+        "hf_assisted_speedup": round(rate[ASSISTED] / rate["baseline"], 4) if assisted and rate["baseline"] else None,
+        "hf_assisted_greedy_match":
+            round(sum(s.matches(ASSISTED) for s in samples) / max(len(samples), 1), 4) if assisted else None,
     }
 
 
@@ -91,7 +104,7 @@ def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int)
     if report["sampling"].get("rule", "greedy") != "greedy":
         # Sampled outputs equal the sampled baseline's only by chance: greedy_match is null, not a misleading 0.
         for m in [report, *by_category.values()]:
-            m["greedy_match"] = None
+            m["greedy_match"] = m["hf_assisted_greedy_match"] = None
     return {k: report[k] for k in REPORT_KEYS}
 
 
@@ -117,8 +130,9 @@ def build_profile(samples: Sequence[Sample], setting: Mapping[str, Any]) -> dict
     return {
         **setting,
         "time_breakdown": {loop: _breakdown(samples, loop) for loop in ("speculative", "baseline")},
-        "wall_s": {m: round(sum(s.seconds[m] for s in samples), 4) for m in METHODS},
-        "match_plain_greedy": {m: round(sum(s.matches(m) for s in samples) / max(len(samples), 1), 4) for m in METHODS},
+        "wall_s": {m: round(sum(s.seconds[m] for s in samples), 4) for m in methods_of(samples)},
+        "match_plain_greedy": {m: round(sum(s.matches(m) for s in samples) / max(len(samples), 1), 4)
+                               for m in methods_of(samples)},
         "per_prompt": [
             {"id": s.id, "category": s.category, "turn": s.turn, "prompt_tokens": s.prompt_tokens,
              "new_tokens": s.new_tokens, "seconds": {m: round(v, 4) for m, v in s.seconds.items()},
@@ -146,6 +160,8 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
     rates = {"speculative": report["tokens_per_s"], "baseline": report["baseline_tokens_per_s"],
              "hf_generate": report["hf_generate_tokens_per_s"],
              "hf_prompt_lookup": report["hf_prompt_lookup_tokens_per_s"]}
+    if report["hf_assisted_tokens_per_s"] is not None:
+        rates[ASSISTED] = report["hf_assisted_tokens_per_s"]
     table = Table(title="tokens/s, measured side by side")
     for col in ("method", "tokens/s", "speculative speedup", "= plain greedy"):
         table.add_column(col, justify="left" if col == "method" else "right")
@@ -203,7 +219,9 @@ def save_plots(samples: Sequence[Sample], report: Mapping[str, Any], out_dir: Pa
     names = ["speculative", "baseline", "hf_generate", "hf_prompt_lookup"]
     values = [report["tokens_per_s"], report["baseline_tokens_per_s"], report["hf_generate_tokens_per_s"],
               report["hf_prompt_lookup_tokens_per_s"]]
-    ax.bar(names, values, color=["tab:green", "tab:blue", "tab:gray", "tab:gray"])
+    if report["hf_assisted_tokens_per_s"] is not None:
+        names, values = names + [ASSISTED], values + [report["hf_assisted_tokens_per_s"]]
+    ax.bar(names, values, color=["tab:green", "tab:blue"] + ["tab:gray"] * (len(names) - 2))
     ax.set(ylabel="tokens/s", title=f"speedup {report['speedup']:.2f}x over plain greedy")
     ax.tick_params(axis="x", labelsize=7)
     paths.append(_save(fig, out_dir / "tokens_per_s.png"))
@@ -241,10 +259,11 @@ def log_wandb(
     first = next(iter(report["by_category"].values()), {})
     cols = ["category", *[k for k, v in first.items() if not isinstance(v, list)]]
     by_cat = wandb.Table(columns=cols, data=[[c, *[m[k] for k in cols[1:]]] for c, m in report["by_category"].items()])
+    methods = list(profile["wall_s"])
     rows = [[p["id"], p["category"], p["turn"], p["prompt_tokens"], p["new_tokens"]["speculative"], p["tau"],
-             p["greedy_match"], *[p["seconds"][m] for m in METHODS]] for p in profile["per_prompt"]]
+             p["greedy_match"], *[p["seconds"][m] for m in methods]] for p in profile["per_prompt"]]
     prompts = wandb.Table(columns=["id", "category", "turn", "prompt_tokens", "new_tokens", "tau", "greedy_match",
-                                   *[f"{m}_s" for m in METHODS]], data=rows)
+                                   *[f"{m}_s" for m in methods]], data=rows)
     images = {f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}
     run.log({**scalars, "eval/by_category": by_cat, "eval/prompts": prompts, **images})
     run.summary.update(scalars)

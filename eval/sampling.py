@@ -17,6 +17,14 @@ independent draws from their p_c (sampled drafts), and when they are chosen dete
 one-hot on x, the acceptance probability is r(x) and the residual is r with x zeroed, renormalised. A chain is the
 tree whose nodes have one child each, where the rule is Leviathan / Chen's exactly.
 
+Siblings sampled without replacement (Jeon et al., 2024, "Recursive Speculative Decoding: Accelerating LLM Inference
+via Sampling Without Replacement"; SpecTr, Sun et al., 2023, for the optimal-transport view): the rule above needs
+each child's token drawn from its own p_c given everything tried before it. For siblings x_1, x_2, ... drawn one
+after another without replacement from the drafter's p, that is sibling i's `p_i` = p with x_1..x_{i-1} removed and
+renormalised (`sibling_proposals`); `without_replacement` draws them (Gumbel-top-k, whose order is exactly that
+sequential law). The one-step argument holds for any p_i as long as x_i ~ p_i given what came before: the walk
+emits y with probability min(p_i(y), r_i(y)) + (1 - sum min(p_i, r_i)) * norm(max(r_i - p_i, 0))(y) = r_i(y).
+
 Every acceptance probability and residual depends only on the draft, not on the coin flips before it (siblings are
 tried in a fixed order), so `rejection_plan` computes them all at once; `sample_accept` walks the plan with coins and
 `outcome_distribution` gives the exact law of where the walk stops and what it emits (the tests' exact check).
@@ -87,6 +95,26 @@ def residual(r: Tensor, p: Tensor) -> Tensor:
     left = (r - p).clamp(min=0)
     total = left.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, left / total.clamp(min=torch.finfo(left.dtype).tiny), r)
+
+
+def without_replacement(p: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
+    """Up to k distinct tokens drawn one after another without replacement from p (V,), in draw order: the k largest
+    of log p + Gumbel noise (Gumbel-top-k; Kool et al., 2019). Fewer than k when p has fewer nonzero tokens. (m,)"""
+    support = p.nonzero()[:, 0]  # noise for these alone: top-k / top-p leave few, and the rest can never be drawn
+    u = torch.rand(support.shape, generator=generator, device=p.device, dtype=torch.float64)
+    keys = p[support].double().log() - (-u.clamp(min=1e-300).log()).log()  # log p + Gumbel(0, 1)
+    return support[keys.topk(min(k, support.numel())).indices]
+
+
+def sibling_proposals(p: Tensor, tokens: Tensor) -> Tensor:
+    """The distribution each of `tokens` (m,), drawn in order without replacement from p (V,), was drawn from:
+    row i is p with tokens[:i] removed, renormalised -- what the rule must be given as sibling i's p. (m, V)"""
+    m = tokens.shape[0]
+    earlier = torch.ones(m, m, dtype=torch.bool, device=p.device).tril(-1)  # (m, m): j < i
+    removed = torch.zeros(m, p.shape[-1], dtype=p.dtype, device=p.device)
+    removed[:, tokens] = earlier.to(p.dtype)  # row i: 1 at tokens[j] for every j < i
+    left = p[None] * (1 - removed)
+    return left / left.sum(dim=-1, keepdim=True)
 
 
 def children_table(parents: tuple[int, ...] | list[int]) -> Tensor:

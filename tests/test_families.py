@@ -187,6 +187,25 @@ def test_hybrid_is_at_least_as_good_as_each_part(tiny, shallow, case, one_thread
     assert max(taus.values()) > 1.5, taus
 
 
+def test_hybrid_grafts_chains_as_long_as_prompt_lookup_within_its_budget(varied, tmp_path):
+    """conf/drafter/hybrid.yaml's default grafts prompt-lookup chains as long as drafter=prompt_lookup's own (a
+    shorter chain cost the hybrid tau on translation, where the answer copies the prompt), capped by the budget."""
+    from eval import families
+    from omegaconf import OmegaConf
+
+    export = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3), varied, tmp_path / "m",
+                         {"medusa_topk_accuracy": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4]]})
+    defaults = {k: v for k, v in OmegaConf.load(families.CONF / "hybrid.yaml").items() if not k.startswith("_")}
+    lookup = families.prompt_lookup(varied, Chain(), **{k: v for k, v in OmegaConf.load(
+        families.CONF / "prompt_lookup.yaml").items() if not k.startswith("_")})
+    hybrid = families.hybrid(varied, AutoTree(size=12), export, **defaults)
+    assert hybrid.max_nodes == 13 and hybrid.extra.num_tokens == lookup.num_tokens == 10
+    small = families.hybrid(varied, AutoTree(size=4), export, **defaults)  # 5 nodes: the root and 4 grafted drafts
+    assert small.max_nodes == 5 and small.extra.num_tokens == 4
+    x = _ids(varied, TEXT[0] + " " + TEXT[0])  # the text repeats: the lookup chain is found and fits
+    assert torch.equal(speculative_decode(varied, hybrid, x, 20).tokens, greedy_decode(varied, x, 20).tokens)
+
+
 def test_draft_model_with_another_vocabulary_is_refused(varied, tmp_path):
     other = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))

@@ -337,3 +337,40 @@ def test_smoke_export_on_the_default_verifier_end_to_end(tmp_path):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert list(report) == list(REPORT_KEYS) and report["verifier"] == "SmolLM2-135M-Instruct"
     assert report["greedy_match"] == 1.0 and report["tau"] >= 1.0 and report["new_tokens"] > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_draft_model_run_measures_hf_assisted_generation(varied, tmp_path):
+    """drafter=draft_model: HF assisted generation with the same draft model (constant num_assistant_tokens = its
+    depth) joins the references in report.json; other drafters leave those keys null."""
+    from eval.draft_model import make_draft_model_drafter
+    from eval.tree import Chain
+
+    tiny_varied = "verifier_path={loader: tiny, seed: 1, layer_std: 0.3}"
+    report, profile = run_eval(["drafter=draft_model", "drafter.layers=1", "drafter.depth=3", tiny_varied,
+                                "num_prompts=2", "warmup=false"], tmp_path / "cli")
+    for metrics in [report, *report["by_category"].values()]:
+        assert metrics["hf_assisted_tokens_per_s"] > 0 and metrics["hf_assisted_greedy_match"] == 1.0
+        assert metrics["hf_assisted_speedup"] == pytest.approx(
+            metrics["hf_assisted_tokens_per_s"] / metrics["baseline_tokens_per_s"], rel=1e-2)
+    assert profile["match_plain_greedy"]["hf_assisted"] == 1.0 and profile["wall_s"]["hf_assisted"] > 0
+    other, _ = run_eval(["drafter=prompt_lookup", tiny_varied, "num_prompts=1", "warmup=false"], tmp_path / "other")
+    assert other["hf_assisted_tokens_per_s"] is other["hf_assisted_greedy_match"] is None
+
+    # The reference really drafts with our draft model, `depth` tokens a round: count its forwards and the verifier's.
+    depth = 3
+    drafter = make_draft_model_drafter(varied, Chain(depth), layers=1)
+    calls = {"draft": 0, "verify": 0}
+    hooks = [drafter.model.register_forward_hook(lambda *_: calls.__setitem__("draft", calls["draft"] + 1)),
+             varied.model.register_forward_hook(lambda *_: calls.__setitem__("verify", calls["verify"] + 1))]
+    runner = Runner(varied, drafter, max_new_tokens=16, lookup=10, assistant=drafter.model, assistant_tokens=depth)
+    ids = varied.tokenizer("Write a short poem about rivers and the sea.").input_ids
+    try:
+        x = torch.tensor([ids])
+        out = runner._assisted(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out == runner.decode(ids).outputs["baseline"]
+    # Each round: `depth` draft forwards (fewer only near max_new_tokens), then one verifier forward.
+    assert (depth - 1) * calls["verify"] < calls["draft"] <= depth * calls["verify"], calls

@@ -354,7 +354,7 @@ def test_sampled_rounds_negative_control_accept_all_fails(real_verifier, monkeyp
 
 
 @pytest.mark.parametrize("kind", ["medusa-tree-sampled", "eagle-chain-sampled", "eagle3-chain-sampled",
-                                  "eagle-tree-topk"])
+                                  "eagle-tree-topk", "eagle-tree-sampled", "eagle3-tree-sampled"])
 def test_sampled_speculative_decode_runs_with_every_drafter(real_verifier, kind):
     from eval.decode import sample_decode, speculative_decode
 
@@ -388,16 +388,6 @@ def test_temperature_zero_is_the_greedy_path(real_verifier):
         assert torch.equal(sample_decode(real_verifier, ids, 12, sampling=cfg).tokens, greedy)
 
 
-def test_sampled_eagle_proposals_need_a_chain(real_verifier):
-    from eval.drafters import make_drafter
-    from eval.tree import DynamicTree
-    from models.eagle import build_eagle
-
-    with pytest.raises(UserError, match="tree=chain"):
-        make_drafter("eagle", real_verifier, DynamicTree(), net=build_eagle("eagle", real_verifier),
-                     sampling=SamplingConfig(0.7))
-
-
 @pytest.mark.parametrize("override", ["temperature=-0.5", "top_p=0", "top_p=1.2", "top_k=-3", "temperature=hot"])
 def test_harness_refuses_bad_sampling_options(override):
     from omegaconf import OmegaConf
@@ -420,3 +410,179 @@ def test_harness_sampling_record_marks_typical_lossy():
     assert exact["exact"] and not exact["lossy"]
     lossy = sampling_record(OmegaConf.create({"temperature": 0.7, "typical": True}))
     assert lossy["lossy"] and not lossy["exact"] and "lossy" in lossy["rule"]
+
+
+# -- 4. EAGLE dynamic trees with sampled drafts: siblings drawn without replacement ---------------------------------
+# Exact: the real EagleDrafter (a random EAGLE-3 net with a 4-token draft vocabulary on the varied tiny verifier, q
+# warped to top-k 4, so that every draft can be enumerated) proposes once per outcome of its draws, each draw scripted in turn (every ordered
+# choice without replacement, weighted by the sequential law the Gumbel-top-k sampler has); the rule's exact law of
+# the first two tokens must be warped q. Statistical: the Gumbel sampler itself drives a dynamic tree on the small
+# World (the best-scoring first child is expanded), 20k rounds through `sample_accept`, chi-square against q.
+
+DYNAMIC = {"t1": SamplingConfig(1.0, 1.0, 4), "t0.7-top_p0.9": SamplingConfig(0.7, 0.9, 4)}
+
+
+def _scripted_rounds(verifier, cfg: SamplingConfig, monkeypatch) -> tuple[list, list[float], torch.Tensor]:
+    """Every draft the sampled dynamic tree can propose after a fixed root: (drafts, their probabilities, seq)."""
+    import eval.eagle as eagle
+    from eval import kv
+    from eval.drafters import make_drafter
+    from eval.tree import DynamicTree
+    from models.eagle import build_eagle
+
+    gen = torch.Generator().manual_seed(7)
+    net = build_eagle("eagle3", verifier, draft_vocab_size=4, aux_layer_ids=[0, 1])
+    ids = torch.tensor([verifier.tokenizer("The capital of France is")["input_ids"]])
+    with torch.no_grad():
+        for prm in net.parameters():
+            if prm.ndim == 2:
+                prm.copy_(torch.randn(prm.shape, generator=gen) * 0.1)
+        step = kv.forward(verifier.model, kv.new_cache(), ids, hidden_layers=net.feature_layers)
+        seq = torch.cat([ids, step.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        # A 4-token draft vocabulary: the verifier's 4 likeliest tokens after the root, so drafts and q overlap (a
+        # random drafter over the whole vocabulary is rejected every time, and any rule then looks exact).
+        net.set_draft_vocab(verifier.model(seq).logits[0, -1].topk(4).indices)
+    # 2 children of the root; both expanded; the budget of 5 gives the better-scoring one 2 children, the other 1.
+    drafter = make_drafter("eagle3", verifier, DynamicTree(size=5, depth=2, topk=2), net=net, sampling=cfg)
+
+    script: list[int] = []
+    drafts, weights = [], []
+    while True:
+        sizes, weight = [], [1.0]
+
+        def scripted(p, k, generator=None):
+            support = p.nonzero()[:, 0].tolist()
+            options = list(itertools.permutations(support, min(k, len(support))))
+            t = len(sizes)
+            sizes.append(len(options))
+            choice = options[script[t] if t < len(script) else 0]
+            taken = 0.0
+            for x in choice:  # the sequential law of draws without replacement
+                weight[0] *= float(p[x]) / (1 - taken)
+                taken += float(p[x])
+            return torch.tensor(choice, dtype=torch.long)
+
+        monkeypatch.setattr(eagle, "without_replacement", scripted)
+        with torch.no_grad():
+            drafts.append(drafter.propose(seq, step.hidden))
+        weights.append(weight[0])
+        full = script + [0] * (len(sizes) - len(script))
+        while full and full[-1] + 1 >= sizes[len(full) - 1]:  # the next outcome, odometer style
+            full.pop()
+        if not full:
+            break
+        script = full[:-1] + [full[-1] + 1]
+    monkeypatch.undo()
+    return drafts, weights, seq
+
+
+def _exact_dynamic_law(verifier, cfg: SamplingConfig, monkeypatch, control: str | None = None) -> tuple:
+    """(law of the first two tokens (U+1, U+1), the verifier's own, number of outcomes) on a compressed vocabulary."""
+    import eval.eagle as eagle
+
+    if control == "iid_siblings":  # every sibling handed the undepleted p: the rule's i.i.d. assumption
+        monkeypatch.setattr(eagle, "sibling_proposals", lambda p, kids: p.expand(len(kids), -1))
+    drafts, weights, seq = _scripted_rounds(verifier, cfg, monkeypatch)  # (undoes the control's patch too)
+    with torch.no_grad():
+        q0 = warp(verifier.model(seq).logits[:, -1], cfg.temperature, cfg.top_p, cfg.top_k)[0]
+        firsts = {(int(a),) for a in q0.nonzero()[:, 0]}
+        paths = set(firsts)
+        for d in drafts:
+            paths |= set(_paths(d.tree.parents, d.tokens[0].tolist())[1:])
+        q_of = {(): q0}  # warped q after seq + path, for every path of depth 1 or 2
+        for path in sorted(paths):
+            if path not in q_of:
+                logits = verifier.model(torch.cat([seq, torch.tensor([path])], dim=1)).logits[:, -1]
+                q_of[path] = warp(logits, cfg.temperature, cfg.top_p, cfg.top_k)[0]
+    keep = _compress(torch.stack(list(q_of.values())), *[d.p[0, 1:] for d in drafts])
+    index = torch.full((verifier.vocab_size,), keep.numel(), dtype=torch.long)
+    index[keep] = torch.arange(keep.numel())
+    u = keep.numel() + 1
+    pad = lambda t: torch.cat([t[..., keep], torch.zeros(*t.shape[:-1], 1)], dim=-1).double()  # noqa: E731
+    law = torch.zeros(u, u, dtype=torch.float64)
+    q1 = {y: pad(q_of[(int(keep[y]),)]) for y in range(keep.numel()) if (int(keep[y]),) in q_of}
+    for d, w in zip(drafts, weights):
+        parents, toks = d.tree.parents, d.tokens[0].tolist()
+        node_paths = _paths(parents, toks)
+        q = torch.stack([pad(q_of[path]) for path in node_paths])[None]  # (1, N, U)
+        p = pad(d.p[0])[None]
+        plan = sampling.rejection_plan(parents, index[d.tokens], q, p)
+        if control == "accept_all":
+            plan = RejectionPlan(torch.ones_like(plan.accept_prob), plan.final, plan.children)
+        _, stop = outcome_distribution(plan)
+        for i, path in enumerate(node_paths):
+            if not path:
+                for y in range(keep.numel()):
+                    if stop[0, 0, y] > 0:
+                        law[y] += w * stop[0, 0, y] * q1[y]
+            elif len(path) == 1:
+                law[index[path[0]]] += w * stop[0, i]
+            else:
+                law[index[path[0]], index[path[1]]] += w * stop[0, i].sum()
+    target = torch.zeros(u, u, dtype=torch.float64)
+    for y in range(keep.numel()):
+        if y in q1:
+            target[y] = pad(q0)[y] * q1[y]
+    return law, target, len(drafts)
+
+
+@pytest.mark.parametrize("setting", DYNAMIC)
+def test_eagle_dynamic_tree_sampled_exact_law_is_warped_q(real_verifier, monkeypatch, setting):
+    law, target, outcomes = _exact_dynamic_law(real_verifier, DYNAMIC[setting], monkeypatch)
+    assert outcomes >= 20  # the tree really varies: ordered sibling draws, and which parent gets two children
+    assert abs(law.sum().item() - 1) < 1e-5
+    torch.testing.assert_close(law, target, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("control", ["iid_siblings", "accept_all"])
+def test_eagle_dynamic_tree_sampled_negative_controls_fail(real_verifier, monkeypatch, control):
+    law, target, _ = _exact_dynamic_law(real_verifier, DYNAMIC["t1"], monkeypatch, control)
+    assert (law - target).abs().max() > 1e-3, (law - target).abs().max()
+
+
+def _dynamic_world_pairs(setting: tuple[float, float, int], seed: int, iid: bool = False):
+    """20k rounds on the World: the root draws 3 children without replacement from p1 (Gumbel-top-k), the one with
+    the highest p1 draws 2 from p2; each sibling handed `sibling_proposals` (or, with `iid`, the undepleted p)."""
+    from eval.sampling import sibling_proposals, without_replacement
+    from eval.tree import Tree, tree_buffers
+
+    world = World(seed, setting)
+    gen = torch.Generator().manual_seed(seed)
+    by_shape: dict[tuple, list] = {}
+    for _ in range(SAMPLES):
+        first = without_replacement(world.p1, 3, gen)
+        best = int(world.p1[first].argmax())
+        second = without_replacement(world.p2[first[best]], 2, gen)
+        parents = (-1,) + (0,) * len(first) + (1 + best,) * len(second)  # fewer where top-p leaves fewer tokens
+        sib = lambda p, kids: p.expand(len(kids), -1) if iid else sibling_proposals(p, kids)  # noqa: E731
+        p = torch.cat([torch.zeros(1, V, dtype=torch.float64), sib(world.p1, first), sib(world.p2[first[best]], second)])
+        by_shape.setdefault(parents, []).append((torch.cat([torch.zeros(1, dtype=torch.long), first, second]), p))
+    spec = []
+    for parents, rows in by_shape.items():
+        tokens = torch.stack([t for t, _ in rows])  # (B, N)
+        p = torch.stack([p for _, p in rows])  # (B, N, V)
+        paths = [_paths(parents, t.tolist()) for t in tokens]
+        q = torch.stack([torch.stack([world.q_at(path) for path in ps]) for ps in paths])
+        ranks = (-1, *range(parents.count(0)), *range(len(parents) - 1 - parents.count(0)))
+        retrieve = tree_buffers(Tree(parents=parents, ranks=ranks)).retrieve
+        acc = sampling.sample_accept(retrieve, parents, tokens, q, p, gen)
+        b = torch.arange(len(rows))
+        first_tok = torch.where(acc.num_accepted >= 1, tokens[b, retrieve[acc.path, 1].clamp(min=0)], acc.next_token)
+        second_tok = torch.where(acc.num_accepted >= 2, tokens[b, retrieve[acc.path, 2].clamp(min=0)], acc.next_token)
+        stopped = acc.num_accepted == 0  # the second token is the next round's first, from q
+        after = torch.multinomial(world.q1[first_tok], 1, generator=gen)[:, 0]
+        spec.append(torch.stack([first_tok, torch.where(stopped, after, second_tok)], dim=1))
+    z1 = torch.multinomial(world.q0, SAMPLES, replacement=True, generator=gen)
+    direct = torch.stack([z1, torch.multinomial(world.q1[z1], 1, generator=gen)[:, 0]], dim=1)
+    return torch.cat(spec), direct
+
+
+@pytest.mark.parametrize("setting", ["t1", "t0.7", "t1-top_p0.9"])
+def test_dynamic_tree_sampled_without_replacement_follows_the_verifier(setting):
+    spec, direct = _dynamic_world_pairs(SETTINGS[setting], seed=5)
+    assert _chi2_p(spec, direct) > 0.01
+
+
+def test_dynamic_tree_sampled_with_iid_siblings_fails():
+    spec, direct = _dynamic_world_pairs(SETTINGS["t1"], seed=5, iid=True)
+    assert _chi2_p(spec, direct) < 1e-6
