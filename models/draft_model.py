@@ -64,7 +64,6 @@ def save_draft_model(draft: nn.Module, verifier: Any, path: str | Path, extra: d
     """Write `draft` as a standalone float32 HF checkpoint with the verifier's tokenizer, and INFO (fingerprint,
     verifier description, `extra`), atomically; returns the directory."""
     standalone = copy.deepcopy(draft).float().cpu()  # the shared embeddings and head become its own (tied as before)
-    standalone.config.torch_dtype = torch.float32
     info = {"verifier_fingerprint": verifier.fingerprint, "verifier": verifier.source, "verifier_name": verifier.name,
             "num_hidden_layers": int(standalone.config.num_hidden_layers), **(extra or {})}
     with atomic_dir(path) as tmp:
