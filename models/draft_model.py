@@ -34,7 +34,8 @@ def truncate(model: nn.Module, layers: int, own: bool = False, key: str = "draft
     blocks = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(blocks, nn.ModuleList):
         raise UserError(f"{key}={layers}: a truncated copy needs a decoder with `model.layers` (Llama-like); "
-                        f"{type(model).__name__} has none. Use a small model with the verifier's tokenizer instead.")
+                        f"{type(model).__name__} has none. Use drafter.path=<a small model with the verifier's "
+                        f"tokenizer> instead.")
     total = len(blocks)
     if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers < total:
         raise UserError(f"{key}={layers!r}: the verifier has {total} layers; a truncated copy keeps between "
@@ -55,8 +56,8 @@ def truncate(model: nn.Module, layers: int, own: bool = False, key: str = "draft
     draft.lm_head = model.lm_head
     left = [n for n, t in [*draft.named_parameters(), *draft.named_buffers()] if t.is_meta]
     if left:
-        raise UserError(f"A truncated copy of {type(model).__name__} left {left[:3]} unset; use a small model with "
-                        f"the verifier's tokenizer instead.")
+        raise UserError(f"A truncated copy of {type(model).__name__} left {left[:3]} unset; use "
+                        f"drafter.path=<a small model with the verifier's tokenizer> instead.")
     return draft.eval()
 
 
