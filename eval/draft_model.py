@@ -3,7 +3,8 @@ verifier's tokenizer proposes a chain of N tokens, one at a time, with its own K
 
 Offline default: a truncated copy of the verifier M_q (its first k decoder layers, then its final norm and lm_head;
 the layers are shared, not copied), i.e. self-speculative drafting (Zhang et al., 2024, "Draft & Verify", which
-skips layers; here the skipped layers are the last ones). `path=` loads a real small model instead.
+skips layers; here the skipped layers are the last ones). `path=` loads a real small model instead, or a draft
+model distilled by `python train.py model=draft_model` (its export names the verifier it was trained for).
 
 Cache and rollback: the drafter remembers which tokens its cache holds. Each round it keeps the longest prefix that
 agrees with the tokens so far (eval.kv.commit with nothing after the prefix: a crop,
@@ -14,7 +15,6 @@ verifier kept, so rejected drafts never stay cached; the prefix check makes a ne
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -23,8 +23,9 @@ from torch import Tensor, nn
 from eval import kv
 from eval.drafters import Draft
 from eval.tree import Chain, TreePolicy, chain
+from models.draft_model import read_draft_info, truncate
 from models.errors import UserError
-from models.verifier import Verifier
+from models.verifier import Verifier, check_fingerprint
 
 DEFAULT_DEPTH = 4
 
@@ -32,30 +33,7 @@ DEFAULT_DEPTH = 4
 def truncated_copy(verifier: Verifier, layers: int) -> nn.Module:
     """The verifier's first `layers` decoder layers with its embeddings, final norm and lm_head, sharing its weights
     (no extra memory): a causal LM that runs under HF's own forward and cache."""
-    model = verifier.model
-    blocks = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise UserError(f"drafter.layers={layers}: a truncated copy needs a decoder with `model.layers` (Llama-like); "
-                        f"{type(model).__name__} has none. Pass drafter.path=<a small model> instead.")
-    total = len(blocks)
-    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers < total:
-        raise UserError(f"drafter.layers={layers!r}: the verifier has {total} layers; a truncated copy keeps between "
-                        f"1 and {total - 1} of them.")
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types)[:layers]
-    with torch.device("meta"):
-        draft = type(model)(config)
-    draft.model.layers = nn.ModuleList(blocks[:layers])  # the same modules: layer_idx 0..k-1, as the cache expects
-    for name in ("embed_tokens", "norm", "rotary_emb"):
-        setattr(draft.model, name, getattr(model.model, name))
-    draft.lm_head = model.lm_head
-    left = [n for n, t in [*draft.named_parameters(), *draft.named_buffers()] if t.is_meta]
-    if left:
-        raise UserError(f"A truncated copy of {type(model).__name__} left {left[:3]} unset; pass drafter.path=<a small "
-                        f"model> instead.")
-    return draft.eval()
+    return truncate(verifier.model, layers, own=False, key="drafter.layers")
 
 
 def check_vocabulary(verifier: Verifier, model: nn.Module, tokenizer: Any | None, where: str) -> None:
@@ -88,6 +66,9 @@ def load_draft_model(verifier: Verifier, path: str | None = None, layers: int = 
         raise UserError(f"drafter.path={path!r} could not be loaded as a causal LM with a tokenizer ({e}). Give a "
                         f"Hub id or a local checkpoint directory.") from None
     check_vocabulary(verifier, model, tokenizer, repr(path))
+    info = read_draft_info(path)
+    if info is not None:  # distilled by train.py for one verifier: refuse it for another
+        check_fingerprint(info["verifier_fingerprint"], verifier, f"the draft model drafter.path={str(path)!r}")
     return model.to(verifier.device).eval().requires_grad_(False), str(path)
 
 

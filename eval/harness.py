@@ -37,6 +37,7 @@ from eval.families import NEEDS_EXPORT, method_name
 from eval.sampling import SamplingConfig
 from hydra.utils import instantiate
 from eval.report import Sample, write_outputs
+from models.draft_model import read_draft_info
 from models.errors import UserError, VerifierMismatchError
 from models.export import export_kind, export_verifier, read_config
 from models.verifier import Verifier, load_verifier
@@ -212,12 +213,16 @@ class Setup:
 
 
 def verifier_source_of(cfg: DictConfig, export: Path | None) -> Any:
-    """verifier_path when given, else the verifier the export names, else the default verifier (smollm2)."""
+    """verifier_path when given, else the verifier the export names (or a distilled drafter.path), else the default
+    verifier (smollm2)."""
     source = cfg.verifier_path
     if not source and export is not None:
         source = export_verifier(read_config(export))
         if not source:
             raise UserError(f"checkpoint={str(export)!r} names no verifier; pass verifier_path=<the verifier>.")
+    path = cfg.drafter.get("path") if not source and family_of(cfg.drafter) == "draft_model" else None
+    if path:
+        source = (read_draft_info(path) or {}).get("verifier")
     if OmegaConf.is_config(source):  # verifier_path={loader: tiny, seed: 1} on the command line
         source = OmegaConf.to_container(source, resolve=True)
     return source or "smollm2"
