@@ -75,4 +75,5 @@ def test_eagle1_training_step_losses_equal_the_unfused_ones():
     fused = module.model_step(batch, 3, train=True)
     plain = module.model_step(batch, 3, train=False)
     torch.testing.assert_close(torch.stack(fused["losses"]), torch.stack(plain["losses"]), atol=1e-5, rtol=1e-5)
-    assert torch.equal(fused["correct"], plain["correct"]) and fused["correct"].any()
+    assert torch.equal(fused["correct"], plain["correct"]) and torch.equal(fused["valid"], plain["valid"])
+    assert fused["valid"].any()
