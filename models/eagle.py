@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.eagle_layers import DraftDecoderLayer, RMSNorm
+from models.eagle_layers import DraftDecoderLayer, RMSNorm, UnrollMask
 from models.errors import UserError
 from models.verifier import Verifier
 
@@ -282,13 +282,13 @@ def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tens
     """
     bsz, n = feats.shape[:2]
     positions = torch.arange(n, device=input_ids.device)[None].expand(bsz, n)
-    valid_keys = attention_mask[:, :n].bool()
+    causal = unroll_mask(attention_mask[:, :n].bool(), 0)  # (B, 1, n, n): step 0's keys; later steps add a diagonal
     hidden, past_k, past_v = feats, None, None
     for j in range(steps):
         tok, valid = step_inputs(input_ids, loss_mask, j)  # (B, n) each
         with torch.no_grad():
             emb = embed(tok)
-        out, k, v = net.step(hidden, emb, positions + j, unroll_mask(valid_keys, j), past_k, past_v)
+        out, k, v = net.step(hidden, emb, positions + j, UnrollMask(causal, j), past_k, past_v)
         past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
         past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
         yield out, valid

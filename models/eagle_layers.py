@@ -8,6 +8,8 @@ and tree masks at decode time, and a KV cache it can roll back. Names follow Lla
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -43,6 +45,37 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
 
 
+@dataclass(frozen=True)
+class UnrollMask:
+    """The attention pattern of unrolled training step `step` (EAGLE-3's training-time test), kept factored: query t
+    sees the step-0 keys s <= t that are not padding (`causal`, (B, 1, n, n) bool) and, for each later step, only
+    that step's key at its own position t. `models.eagle.unroll_mask` is the same pattern as one dense
+    (B, 1, n, (step + 1) n) mask; attending through it costs (step + 1) n^2 per head, where this form costs n^2 + step n."""
+
+    causal: Tensor
+    step: int
+
+
+def unrolled_attention(q: Tensor, keys: Tensor, values: Tensor, mask: UnrollMask, scale: float) -> Tensor:
+    """Attention of q (B, H, n, hd) over keys/values (B, H_kv, (step + 1) n, hd) laid out step by step, under
+    `mask`: one (n x n) score block against the step-0 keys plus, per later step, the score of each query with that
+    step's key at its own position (a row-wise dot product), softmaxed together. Returns (B, H, n, hd)."""
+    bsz, heads, n, hd = q.shape
+    kv_heads, steps = keys.shape[1], mask.step + 1
+    group = heads // kv_heads
+    qg = q.reshape(bsz, kv_heads, group, n, hd)
+    k = keys.reshape(bsz, kv_heads, steps, n, hd)
+    v = values.reshape(bsz, kv_heads, steps, n, hd)
+    causal = torch.matmul(qg, k[:, :, :1].transpose(-1, -2)).float() * scale  # (B, H_kv, G, n, n)
+    causal = causal.masked_fill(~mask.causal[:, :, None], float("-inf"))
+    diag = (qg[:, :, :, None] * k[:, :, None, 1:]).sum(-1).float() * scale  # (B, H_kv, G, step, n)
+    probs = torch.cat([causal, diag.transpose(-1, -2)], dim=-1).softmax(-1).to(q.dtype)  # (B, H_kv, G, n, n + step)
+    out = torch.matmul(probs[..., :n], v[:, :, :1])  # (B, H_kv, G, n, hd)
+    if mask.step:
+        out = out + (probs[..., n:].transpose(-1, -2)[..., None] * v[:, :, None, 1:]).sum(3)
+    return out.reshape(bsz, heads, n, hd)
+
+
 class DraftAttention(nn.Module):
     """Multi-head attention (GQA) over the current tokens plus any past keys/values the caller passes in."""
 
@@ -65,7 +98,7 @@ class DraftAttention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None = None,
                 past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, in); positions (B, T); mask (B, 1, T, S_past + T) bool, True = may attend.
+        """x (B, T, in); positions (B, T); mask (B, 1, T, S_past + T) bool, True = may attend, or an UnrollMask.
 
         Returns (output (B, T, D), k, v) where k, v are this call's own keys/values (B, H_kv, T, hd), so the
         caller decides what to keep (a cache, or the keys of one unrolled training step).
@@ -77,8 +110,11 @@ class DraftAttention(nn.Module):
         k, v = self.project_kv(x, positions)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)  # (B, H_kv, S, hd)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        if isinstance(mask, UnrollMask):
+            out = unrolled_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, self.head_dim**-0.5)
+        else:
+            out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)
         return self.o_proj(out), k, v
 

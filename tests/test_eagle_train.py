@@ -219,3 +219,27 @@ def test_validation_ranks_agree_with_top1_hits(tiny, kind):
         assert ((rank[valid] < 64) | (rank[valid] == vocab)).all()
     assert ((conf[valid] > 0) & (conf[valid] <= 1)).all()
     assert "confidence" not in module.model_step(batch, 1, train=True)  # training skips the extra softmax
+
+
+def test_factored_unroll_attention_equals_the_dense_mask():
+    """Training-time-test attention through UnrollMask (a step-0 causal block plus one diagonal per later step)
+    gives the outputs and gradients of SDPA under the dense `unroll_mask`, with GQA and a right-padded row."""
+    from models.eagle_layers import DraftAttention, UnrollMask
+
+    torch.manual_seed(0)
+    attn = DraftAttention(in_dim=12, hidden_size=12, num_heads=4, num_kv_heads=2, head_dim=6, rope_theta=10000.0)
+    bsz, n = 2, 7
+    valid = torch.ones(bsz, n, dtype=torch.bool)
+    valid[1, 5:] = False
+    positions = torch.arange(n)[None].expand(bsz, n)
+    causal = unroll_mask(valid, 0)
+    for step in range(4):
+        x = torch.randn(bsz, n, 12, requires_grad=True)
+        past_k = torch.randn(bsz, 2, step * n, 6) if step else None
+        past_v = torch.randn(bsz, 2, step * n, 6) if step else None
+        dense, _, _ = attn(x, positions + step, unroll_mask(valid, step), past_k, past_v)
+        (gd,) = torch.autograd.grad(dense.square().sum(), x)
+        factored, _, _ = attn(x, positions + step, UnrollMask(causal, step), past_k, past_v)
+        (gf,) = torch.autograd.grad(factored.square().sum(), x)
+        torch.testing.assert_close(factored, dense, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gf, gd, atol=1e-4, rtol=1e-4)
