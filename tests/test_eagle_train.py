@@ -126,6 +126,13 @@ def test_fast_dev_run(train_script, tmp_path, tiny, model):
 
     net, config = loaded.net, loaded.config
     assert net.kind == model and config["trained_steps"] == 1
+    # the training data it saw, for learning curves: assistant tokens of the training split
+    from hydra.utils import instantiate
+
+    dm = instantiate(cfg.data, verifier=tiny)
+    dm.setup("fit")
+    assert config["train_tokens"] == sum(sum(m) for m in dm.train_set["loss_mask"]) > 0
+    assert config["train_sequences"] == len(dm.train_set)
 
 
 def test_eagle3_learns_and_logs_step_accuracies(train_script, tmp_path):

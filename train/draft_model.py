@@ -26,6 +26,7 @@ from data.hidden_cache import gather_layers
 from models.draft_model import save_draft_model, truncate
 from models.errors import NonFiniteLossError, UserError
 from models.verifier import Verifier
+from train.export import data_record
 from train.safety import last_good_advice
 
 
@@ -155,5 +156,6 @@ class DraftModelModule(L.LightningModule):
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
         """A plain HF checkpoint of the draft (k layers) with the verifier's tokenizer and fingerprint."""
-        extra = {"trained_steps": int(self.global_step), **{k.replace("/", "_"): v for k, v in self.val_metrics.items()}}
+        extra = {"trained_steps": int(self.global_step), **{k.replace("/", "_"): v for k, v in self.val_metrics.items()},
+                 **data_record(self._trainer)}
         return save_draft_model(self.draft, self.verifier, path, extra)

@@ -31,6 +31,7 @@ from models.errors import NonFiniteLossError, UserError
 from models.export import save_export
 from models.verifier import Verifier
 from train.fused_head import frozen_head_ce
+from train.export import data_record
 from train.safety import last_good_advice
 
 
@@ -226,5 +227,5 @@ class EagleModule(L.LightningModule):
 
     def export(self, path: str | Path) -> Path:
         extra = {**self.val_summary, "trained_steps": int(self.global_step), "drafter": NAMES[self.net.kind],
-                 "draft_vocab_coverage": self.draft_vocab_coverage}
+                 "draft_vocab_coverage": self.draft_vocab_coverage, **data_record(self._trainer)}
         return save_export(self.net, self.verifier, path, extra)

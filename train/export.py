@@ -11,6 +11,16 @@ from lightning.pytorch.callbacks import Callback
 from train.safety import DivergenceError, DivergenceGuard, last_good_advice
 
 
+def data_record(trainer: L.Trainer | None) -> dict[str, int]:
+    """What an export records of its training data: `train_tokens`, the assistant tokens (the ones with targets) of
+    the training split, and `train_sequences`; empty when the module runs without a trainer's data module."""
+    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+    ds = getattr(dm, "train_set", None)
+    if ds is None:
+        return {}
+    return {"train_tokens": int(sum(sum(m) for m in ds["loss_mask"])), "train_sequences": len(ds)}
+
+
 class ExportOnFitEnd(Callback):
     """Calls `pl_module.export(dirpath)` once training ends (on global rank 0 only), never from a diverged state:
     if a DivergenceGuard saw the run diverge or a weight is not finite, the previous export stays."""

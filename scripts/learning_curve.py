@@ -1,0 +1,156 @@
+"""The learning curve: tau and teacher-forced chain accuracy of drafters trained on more and more verifier tokens.
+
+    python scripts/learning_curve.py outputs/eagle-40k/export outputs/eagle-250k/export ... \
+        --tree-sizes 16 24 --num-prompts 20 --max-new-tokens 128 --out outputs/learning_curve
+
+Every export is decoded greedily on the same built-in eval prompts (never trained on) with the verifier in float32,
+once per node budget (`tree=auto` of that size: the same budget for every drafter), and its output is checked
+against plain greedy decoding token for token. tau is pooled over all rounds of all prompts (tokens per verifier
+forward). Chain accuracy per depth is teacher-forced on the verifier's own answers to the same prompts
+(scripts/drafter_accuracy.py's tables: P(depth d right | depths 1..d-1 right)). The training-token count of each
+export is its config's `train_tokens` (assistant tokens in its training split), or `--tokens`.
+
+Writes learning_curve.json, learning_curve.md (the table) and learning_curve.png (tau against training tokens, one
+line per drafter family and budget), and logs the table and plot to W&B (offline unless an account is configured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data.chat import prompt_ids  # noqa: E402
+from data.datamodule import collate  # noqa: E402
+from data.prompts import load_conversations, select_prompts  # noqa: E402
+from data.selfdistill import build_selfdistill  # noqa: E402
+from eval.accept import mean_accept_length  # noqa: E402
+from eval.decode import greedy_decode, speculative_decode  # noqa: E402
+from eval.drafters import make_drafter  # noqa: E402
+from eval.offline import acceptance_tables  # noqa: E402
+from eval.tree import AutoTree  # noqa: E402
+from models.export import KIND_NAMES, export_kind, export_verifier, load_export, read_config  # noqa: E402
+from models.verifier import load_verifier  # noqa: E402
+from scripts.drafter_accuracy import eagle_ranks, medusa_ranks  # noqa: E402
+
+
+def chain_accuracy(export: Path, verifier, rows: list[dict[str, Any]], depth: int) -> list[float]:
+    """Teacher-forced P(depth d right | 1..d-1 right), d = 1..depth, on the verifier's answers `rows`."""
+    loaded = load_export(export, verifier)
+    ranks, valids, masks = [], [], []
+    for i in range(0, len(rows), 8):
+        batch = collate(rows[i : i + 8], verifier.tokenizer.pad_token_id or 0)
+        with torch.no_grad():
+            r, v, _ = (medusa_ranks(loaded.net, verifier, batch, depth) if loaded.kind == "medusa"
+                       else eagle_ranks(loaded.net, verifier, batch, depth))
+        ranks += list(r.unbind(1))
+        valids += list(v.unbind(1))
+        masks += list(batch["loss_mask"].unbind(0))
+    width = max(m.shape[0] for m in masks)
+    fit = lambda xs, fill: torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=fill)  # noqa: E731
+                                        for x in xs], dim=-2)
+    res = acceptance_tables(fit(ranks, verifier.vocab_size), fit(valids, False), fit(masks, 0))
+    return [float(a) for a in res["chain_conditional"]]
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for family in sorted({r["drafter"] for r in results}):
+        for size in sorted({s for r in results for s in r["tau"]}, key=int):
+            pts = sorted((r["train_tokens"], r["tau"][size]) for r in results if r["drafter"] == family)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{family}, {size} nodes")
+    ax.set(xscale="log", xlabel="training tokens (assistant tokens, log scale)", ylabel="tau (tokens per verifier call)",
+           title="tau on the built-in eval split, fp32, exact")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("exports", nargs="+")
+    ap.add_argument("--tokens", type=int, nargs="*", help="training tokens of each export (default: its train_tokens)")
+    ap.add_argument("--tree-sizes", type=int, nargs="+", default=[16, 24])
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=5, help="depths of teacher-forced chain accuracy")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cache-dir", default="~/.cache/specdraft")
+    ap.add_argument("--out", default="outputs/learning_curve")
+    ap.add_argument("--wandb", default=None, help="online | offline | disabled (default: the project's rule)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    exports = [Path(e).expanduser() for e in args.exports]
+    configs = [read_config(e) for e in exports]
+    tokens = args.tokens or [c.get("train_tokens") for c in configs]
+    if len(tokens) != len(exports) or any(t is None for t in tokens):
+        sys.exit(f"training tokens unknown for {[str(e) for e, t in zip(exports, tokens) if t is None]}: exports "
+                 f"written before `train_tokens` was recorded need --tokens, one per export")
+    verifier = load_verifier(export_verifier(configs[0]), "float32", "cpu", args.cache_dir)
+    convs = select_prompts(load_conversations("builtin", split="eval"), args.num_prompts)
+    prompts = [torch.tensor([prompt_ids(verifier.tokenizer, c.messages)]) for c in convs]
+    eos = verifier.tokenizer.eos_token_id
+    t0 = time.perf_counter()
+    plain = [greedy_decode(verifier, x, args.max_new_tokens, eos).tokens[0].tolist() for x in prompts]
+    print(f"plain greedy: {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s")
+    answers = list(build_selfdistill(verifier, convs, args.cache_dir, max_new_tokens=args.max_new_tokens,
+                                     batch_size=16).with_format("python"))
+    results = []
+    for export, config, n_tokens in zip(exports, configs, tokens):
+        row: dict[str, Any] = {"export": str(export), "drafter": KIND_NAMES.get(export_kind(config), str(export_kind(config))),
+                               "train_tokens": int(n_tokens), "tau": {}, "greedy_match": {}}
+        for size in args.tree_sizes:
+            drafter = make_drafter(None, verifier, AutoTree(size), checkpoint=export)
+            t0 = time.perf_counter()
+            outs = [speculative_decode(verifier, drafter, x, args.max_new_tokens, eos) for x in prompts]
+            row["tau"][str(size)] = mean_accept_length(torch.cat([o.accept_lengths.flatten() for o in outs]))
+            row["greedy_match"][str(size)] = sum(o.tokens[0].tolist() == p for o, p in zip(outs, plain)) / len(plain)
+            print(f"{export}: {size} nodes, tau {row['tau'][str(size)]:.3f}, greedy match "
+                  f"{row['greedy_match'][str(size)]:.0%} ({time.perf_counter() - t0:.0f} s)")
+        row["chain_accuracy"] = chain_accuracy(export, verifier, answers, args.depth)
+        results.append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learning_curve.json").write_text(json.dumps(results, indent=2))
+    head = ["drafter", "training tokens", *(f"tau @{s}" for s in args.tree_sizes), "greedy match",
+            *(f"acc d{d + 1}" for d in range(args.depth))]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(results, key=lambda r: (r["drafter"], r["train_tokens"])):
+        lines.append("| " + " | ".join([r["drafter"], f"{r['train_tokens']:,}",
+                                        *(f"{r['tau'][str(s)]:.2f}" for s in args.tree_sizes),
+                                        f"{min(r['greedy_match'].values()):.0%}",
+                                        *(f"{a:.2f}" for a in r["chain_accuracy"])]) + " |")
+    (out / "learning_curve.md").write_text("\n".join(lines) + "\n")
+    plot(results, out / "learning_curve.png")
+    print("\n".join(lines))
+    print(f"written: {out}/learning_curve.json, .md, .png")
+
+    from models.wandb_mode import wandb_mode
+
+    import wandb
+
+    run = wandb.init(project="specdraft", job_type="learning_curve", dir=str(out), mode=wandb_mode(args.wandb),
+                     config={"tree_sizes": args.tree_sizes, "num_prompts": args.num_prompts,
+                             "max_new_tokens": args.max_new_tokens})
+    table = wandb.Table(columns=head, data=[line.strip("| ").split(" | ") for line in lines[2:]])
+    run.log({"learning_curve/table": table, "learning_curve/plot": wandb.Image(str(out / "learning_curve.png"))})
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()

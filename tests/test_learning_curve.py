@@ -1,0 +1,40 @@
+"""scripts/learning_curve.py end to end on tiny exports: tau per node budget, exactness, chain accuracy, outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from helpers import ROOT, varied_llama
+from models.eagle import build_eagle
+from models.export import save_export
+from models.medusa import MedusaHeads
+
+
+def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
+    v = varied_llama()
+    torch.manual_seed(0)
+    save_export(build_eagle("eagle", v), v, tmp_path / "eagle", {"train_tokens": 1000})
+    heads = MedusaHeads(v.hidden_size, v.vocab_size, num_heads=2)
+    table = [[0.5, 0.7, 0.8], [0.3, 0.5, 0.6]]  # per-head top-k accuracies, which tree=auto builds from
+    save_export(heads, v, tmp_path / "medusa", {"train_tokens": 4000, "medusa_topk_accuracy": table})
+    out = tmp_path / "curve"
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "scripts/learning_curve.py", str(tmp_path / "eagle"), str(tmp_path / "medusa"),
+                           "--tree-sizes", "3", "6", "--num-prompts", "3", "--max-new-tokens", "12", "--depth", "2",
+                           "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "learning_curve.json").read_text())
+    assert [(r["drafter"], r["train_tokens"]) for r in rows] == [("EAGLE-1", 1000), ("Medusa", 4000)]
+    for r in rows:
+        assert set(r["tau"]) == {"3", "6"} and all(t >= 1.0 for t in r["tau"].values())
+        assert all(m == 1.0 for m in r["greedy_match"].values())  # exact against plain greedy
+        assert len(r["chain_accuracy"]) == 2 and all(0.0 <= a <= 1.0 for a in r["chain_accuracy"])
+    assert (out / "learning_curve.png").stat().st_size > 0
+    table = (out / "learning_curve.md").read_text()
+    assert "| EAGLE-1 | 1,000 |" in table and "| Medusa | 4,000 |" in table
