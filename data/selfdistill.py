@@ -154,15 +154,28 @@ def build_selfdistill(
     groups = list(groups) if groups else [len(convs)]
     if sum(groups) != len(convs) or any(g < 0 for g in groups):
         raise ValueError(f"groups {groups} do not add up to the {len(convs)} conversations")
+    tok = verifier.tokenizer
+    prompts = [prompt_ids(tok, first_turn(c)) for c in convs]
+    # A prompt that fills max_length leaves no room for an answer token in its row: it is not answered, its row is
+    # dropped (a registry prompt of 47,618 tokens, prefilled in a batch of 48, once took a build past 24 GB).
+    too_long = [len(p) >= max_length for p in prompts]
+    if all(too_long):
+        raise UserError(f"self-distillation: all {len(convs)} prompts have max_length={max_length} tokens or more "
+                        f"(shortest {min(map(len, prompts))}), so no row would have assistant tokens. Raise "
+                        f"data.max_length.")
+    if any(too_long):
+        print(f"[data] self-distillation: {sum(too_long)} of {len(convs)} prompts have max_length={max_length} tokens "
+              f"or more (longest {max(map(len, prompts))}): not answered, left out. Raise data.max_length to keep them.")
     plan: list[tuple[int, int, Path]] = []  # (start, end, shard folder)
     offset = 0
     for size in groups:
         for index, start in enumerate(range(offset, offset + size, shard_size)):
             end = min(start + shard_size, offset + size)
-            shard_key = cache_key(verifier, convs[start:end], settings | {"seed": seed + index})
+            dropped = sum(too_long[start:end])  # in the key only where it changes the shard
+            shard_key = cache_key(verifier, convs[start:end], settings | {"seed": seed + index}
+                                  | ({"too_long_dropped": dropped} if dropped else {}))
             plan.append((start, end, root / "selfdistill-shards" / shard_key))
         offset += size
-    tok = verifier.tokenizer
     done = [(s, e) for s, e, folder in plan if (folder / "dataset_info.json").is_file()]
     if done:
         print(f"[data] self-distillation: resuming, {len(done)} of {len(plan)} shards already in "
@@ -179,15 +192,17 @@ def build_selfdistill(
     for start, end, shard in plan:
         if (start, end) in done:
             continue
-        part = convs[start:end]
-        prompts = [prompt_ids(tok, first_turn(c)) for c in part]
+        keep = [i for i in range(start, end) if not too_long[i]]
+        part, part_prompts = [convs[i] for i in keep], [prompts[i] for i in keep]
+        bar.update(end - start - len(keep))
         shard_seed = seed + _index_in_group(start, groups, shard_size)
-        answers = generate_refill(verifier, prompts, max_new_tokens, temperature, top_p, batch_size, shard_seed,
+        answers = generate_refill(verifier, part_prompts, max_new_tokens, temperature, top_p, batch_size, shard_seed,
                                   on_done=on_done)
         with atomic_dir(shard) as tmp:
-            datasets.Dataset.from_dict(_rows(part, prompts, answers, max_length), features=FEATURES).save_to_disk(str(tmp))
+            datasets.Dataset.from_dict(_rows(part, part_prompts, answers, max_length),
+                                       features=FEATURES).save_to_disk(str(tmp))
     bar.close()
-    shards = [datasets.load_from_disk(str(folder)) for _, _, folder in plan]
+    shards = [d for d in (datasets.load_from_disk(str(folder)) for _, _, folder in plan) if len(d)]
     ds = datasets.concatenate_datasets(shards) if len(shards) > 1 else shards[0]
     with atomic_dir(path) as tmp:
         ds.save_to_disk(str(tmp))

@@ -107,9 +107,14 @@ def test_selfdistill_answers_with_the_verifiers_tokens_and_caches(tiny, tmp_path
 
 def test_no_assistant_tokens_is_refused(tiny, tmp_path):
     convs = load_conversations("builtin", split="train", limit=2)
-    ds = build_selfdistill(tiny, convs, tmp_path, max_new_tokens=4, max_length=20)  # prompts alone exceed 20 tokens
+    with pytest.raises(UserError, match="no row would have assistant tokens. Raise data.max_length"):
+        build_selfdistill(tiny, convs, tmp_path, max_new_tokens=4, max_length=20)  # prompts alone exceed 20 tokens
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7], [5, 6, 7, 8]], "loss_mask": [[0, 1, 1], [0, 0, 1, 0]]})
+    check_has_targets(ds, 2, "builtin")  # position 2 of row 0 is an assistant token
     with pytest.raises(UserError, match="no assistant tokens"):
-        check_has_targets(ds, 2, "builtin")
+        check_has_targets(ds, 3, "builtin")  # none 3 positions in
 
 
 def test_humaneval_is_not_a_training_source(tiny, tmp_path):

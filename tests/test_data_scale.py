@@ -298,3 +298,16 @@ def test_decode_attention_inside_the_model_keeps_the_logits(one_thread):
             got = step()
     assert v.model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_prompts_longer_than_max_length_are_left_out_not_prefilled(tiny, tmp_path, capsys):
+    """A prompt with no room for an answer in max_length is neither answered nor kept (a 47k-token registry prompt
+    once took a batched prefill past the machine's memory); the others are built as usual."""
+    from dataclasses import replace
+
+    convs = load_conversations("builtin", split="train", limit=4)
+    convs[2] = replace(convs[2], messages=[{"role": "user", "content": "word " * 400}])
+    ds = build_selfdistill(tiny, convs, tmp_path, max_new_tokens=4, batch_size=2, shard_size=2, max_length=96)
+    assert "1 of 4 prompts have max_length=96 tokens or more" in capsys.readouterr().out
+    assert ds["id"] == [convs[i].id for i in (0, 1, 3)]
+    assert all(sum(m) > 0 for m in ds["loss_mask"])
