@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--cache-dir", default="~/.cache/specdraft")
     ap.add_argument("--out", default="outputs/learning_curve")
     ap.add_argument("--wandb", default=None, help="online | offline | disabled (default: the project's rule)")
+    ap.add_argument("--include", nargs="*", default=[], help="learning_curve.json files of earlier runs with the same "
+                    "settings: their rows join the table and the plot (a curve built export by export)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     exports = [Path(e).expanduser() for e in args.exports]
@@ -124,6 +126,8 @@ def main() -> None:
                   f"{row['greedy_match'][str(size)]:.0%} ({time.perf_counter() - t0:.0f} s)")
         row["chain_accuracy"] = chain_accuracy(export, verifier, answers, args.depth)
         results.append(row)
+    for earlier in args.include:
+        results += [r for r in json.loads(Path(earlier).read_text()) if r["export"] not in {x["export"] for x in results}]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning_curve.json").write_text(json.dumps(results, indent=2))

@@ -22,15 +22,20 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     heads = MedusaHeads(v.hidden_size, v.vocab_size, num_heads=2)
     table = [[0.5, 0.7, 0.8], [0.3, 0.5, 0.6]]  # per-head top-k accuracies, which tree=auto builds from
     save_export(heads, v, tmp_path / "medusa", {"train_tokens": 4000, "medusa_topk_accuracy": table})
-    out = tmp_path / "curve"
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "scripts/learning_curve.py", str(tmp_path / "eagle"), str(tmp_path / "medusa"),
-                           "--tree-sizes", "3", "6", "--num-prompts", "3", "--max-new-tokens", "12", "--depth", "2",
-                           "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def run(export: str, out, *extra: str) -> None:
+        proc = subprocess.run([sys.executable, "scripts/learning_curve.py", str(tmp_path / export), "--tree-sizes", "3",
+                               "6", "--num-prompts", "3", "--max-new-tokens", "12", "--depth", "2", "--cache-dir",
+                               str(tmp_path / "cache"), "--out", str(out), *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run("eagle", tmp_path / "first")  # a curve built export by export: the second run includes the first's rows
+    out = tmp_path / "curve"
+    run("medusa", out, "--include", str(tmp_path / "first" / "learning_curve.json"))
     rows = json.loads((out / "learning_curve.json").read_text())
-    assert [(r["drafter"], r["train_tokens"]) for r in rows] == [("EAGLE-1", 1000), ("Medusa", 4000)]
+    assert sorted((r["drafter"], r["train_tokens"]) for r in rows) == [("EAGLE-1", 1000), ("Medusa", 4000)]
     for r in rows:
         assert set(r["tau"]) == {"3", "6"} and all(t >= 1.0 for t in r["tau"].values())
         assert all(m == 1.0 for m in r["greedy_match"].values())  # exact against plain greedy
