@@ -12,12 +12,10 @@ sequences (token-weighted). Export: a plain HF checkpoint with the verifier fing
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,6 +24,7 @@ from data.hidden_cache import gather_layers
 from models.draft_model import save_draft_model, truncate
 from models.errors import NonFiniteLossError, UserError
 from models.verifier import Verifier
+from train.base import DrafterModule
 from train.export import data_record
 from train.safety import last_good_advice
 
@@ -44,7 +43,7 @@ def kl_and_agreement(q_logits: Tensor, p_logits: Tensor) -> tuple[Tensor, Tensor
     return kl, q_logits.argmax(-1) == p_logits.argmax(-1)
 
 
-class DraftModelModule(L.LightningModule):
+class DraftModelModule(DrafterModule):
     """Args:
         verifier: the frozen M_q, held by reference (never in checkpoints or hyperparameters).
         optimizer: partial torch optimizer (`_partial_: true`).
@@ -75,7 +74,6 @@ class DraftModelModule(L.LightningModule):
         self.norm: nn.Module = draft.model.norm.train()
         self._draft = (draft,)
         self._val: list[Tensor] | None = None
-        self._tick: float | None = None
         self.val_metrics: dict[str, float] = {}
 
     @property
@@ -118,13 +116,6 @@ class DraftModelModule(L.LightningModule):
         self.log("train/top1", agree / n, batch_size=bsz)
         return loss
 
-    def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._tick = time.perf_counter()
-
-    def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
-        tokens = batch["attention_mask"].sum().item()
-        self.log("train/tokens_per_s", tokens / (time.perf_counter() - self._tick), batch_size=1)
-
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         _, kl_sum, agree = self.model_step(batch)
         n = next_token_positions(batch["loss_mask"]).sum().to(kl_sum)
@@ -141,17 +132,6 @@ class DraftModelModule(L.LightningModule):
             self.log(key, value, prog_bar=True)
         if not self.trainer.sanity_checking:
             self.val_metrics = metrics
-
-    # -- optimisation ----------------------------------------------------------------------------------------------
-    def configure_optimizers(self) -> Any:
-        opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
-        if self.scheduler_factory is None:
-            return opt
-        total = int(self.trainer.estimated_stepping_batches)
-        sched = self.scheduler_factory(
-            opt, num_warmup_steps=int(self.hparams.warmup_ratio * total), num_training_steps=max(total, 1)
-        )
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -31,6 +30,7 @@ from models.errors import NonFiniteLossError, UserError
 from models.export import save_export
 from models.verifier import Verifier
 from train.fused_head import frozen_head_ce
+from train.base import DrafterModule
 from train.export import data_record
 from train.safety import last_good_advice
 
@@ -41,7 +41,7 @@ def draft_vocab_from_counts(counts: Tensor, size: int) -> tuple[Tensor, float]:
     return top, float(counts[top].sum() / counts.sum().clamp(min=1))
 
 
-class EagleModule(L.LightningModule):
+class EagleModule(DrafterModule):
     """Args:
         verifier: the frozen M_q, held by reference (never in checkpoints).
         kind: `eagle` (EAGLE-1) or `eagle3` (EAGLE-3).
@@ -67,7 +67,6 @@ class EagleModule(L.LightningModule):
         self.draft_vocab_coverage: float | None = None
         self._val: dict[str, Tensor] = {}
         self.val_summary: dict[str, Any] = {}
-        self._tick = 0.0
 
     @property
     def hidden_layers(self) -> list[int]:
@@ -182,13 +181,6 @@ class EagleModule(L.LightningModule):
         self.log("train/step0_top1", c[0].sum() / v[0].sum().clamp(min=1), batch_size=bsz)
         return loss
 
-    def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._tick = time.perf_counter()
-
-    def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self.log("train/tokens_per_s", batch["attention_mask"].sum().item() / (time.perf_counter() - self._tick),
-                 batch_size=1)
-
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         steps = max(self.hparams.ttt_steps, self.hparams.val_steps)
         res = self.model_step(batch, steps, train=False)
@@ -215,16 +207,7 @@ class EagleModule(L.LightningModule):
         if not self.trainer.sanity_checking:
             self.val_summary = {"val_step_top1": acc.tolist(), "estimated_tau": float(tau)}
 
-    # -- optimisation and export -----------------------------------------------------------------------------------
-    def configure_optimizers(self) -> Any:
-        opt = self.optimizer_factory(params=[p for p in self.net.parameters() if p.requires_grad])
-        if self.scheduler_factory is None:
-            return opt
-        total = int(self.trainer.estimated_stepping_batches)
-        sched = self.scheduler_factory(opt, num_warmup_steps=int(self.hparams.warmup_ratio * total),
-                                       num_training_steps=max(total, 1))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
+    # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
         extra = {**self.val_summary, "trained_steps": int(self.global_step), "drafter": NAMES[self.net.kind],
                  "draft_vocab_coverage": self.draft_vocab_coverage, **data_record(self._trainer)}

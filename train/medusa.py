@@ -7,12 +7,10 @@ the export, where tree construction at decode time reads it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,13 +21,14 @@ from models.export import save_export
 from models.medusa import MedusaHeads, medusa_targets
 from train.fused_head import frozen_head_ce
 from models.verifier import Verifier
+from train.base import DrafterModule
 from train.export import data_record
 from train.safety import last_good_advice
 
 TOPK = 10  # accuracies recorded for tree construction: top-1 .. top-10 per head
 
 
-class MedusaModule(L.LightningModule):
+class MedusaModule(DrafterModule):
     """Args:
         verifier: the frozen M_q, held by reference (never in checkpoints or hyperparameters).
         num_heads: K, the number of heads (head k predicts token t+k+1).
@@ -69,7 +68,6 @@ class MedusaModule(L.LightningModule):
         )
         self.topk_accuracy: list[list[float]] | None = None
         self._val_hits: Tensor | None = None
-        self._tick: float | None = None
 
     hidden_layers = [-1]  # verifier hidden states training reads: the final-normed last layer (the lm_head input)
 
@@ -124,13 +122,6 @@ class MedusaModule(L.LightningModule):
         self._log_heads("train", head_losses, hits, counts, bsz)
         return loss
 
-    def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._tick = time.perf_counter()
-
-    def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
-        tokens = batch["attention_mask"].sum().item()
-        self.log("train/tokens_per_s", tokens / (time.perf_counter() - self._tick), batch_size=1)
-
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         loss, head_losses, hits, counts = self.model_step(batch)
         bsz = batch["input_ids"].shape[0]
@@ -153,17 +144,6 @@ class MedusaModule(L.LightningModule):
         if not self.trainer.sanity_checking:
             self.topk_accuracy = acc.tolist()
         self._val_hits = None
-
-    # -- optimisation ----------------------------------------------------------------------------------------------
-    def configure_optimizers(self) -> Any:
-        opt = self.optimizer_factory(params=[p for p in self.heads.parameters() if p.requires_grad])
-        if self.scheduler_factory is None:
-            return opt
-        total = int(self.trainer.estimated_stepping_batches)
-        sched = self.scheduler_factory(
-            opt, num_warmup_steps=int(self.hparams.warmup_ratio * total), num_training_steps=max(total, 1)
-        )
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
