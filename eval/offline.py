@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
+
+from data.datamodule import collate
+from data.hidden_cache import gather_layers
+from models.eagle import EagleNet, target_rank, unroll
+from models.medusa import medusa_targets
+from models.verifier import Verifier
 
 TOPK = (1, 2, 4, 8, 16)
 
@@ -64,3 +71,76 @@ def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tupl
         "tau_rounds": tokens / max(rounds, 1),
         "positions": int(v0.sum()),
     }
+
+
+# -- ranks of the verifier's tokens under each drafter (teacher-forced), the input of acceptance_tables -------------
+
+def _rank_rows(logits: Tensor, targets: Tensor, valid: Tensor, vocab: int, rank_of) -> tuple[Tensor, Tensor]:
+    """(B, T) ranks of `targets` where `valid` (vocab elsewhere), and the draft's top-1 probability there."""
+    rank = torch.full(valid.shape, vocab, dtype=torch.long)
+    rank[valid] = rank_of(logits, targets)
+    conf = torch.zeros(valid.shape)
+    conf[valid] = logits.softmax(-1).amax(-1)
+    return rank, conf
+
+
+def medusa_ranks(heads: Any, verifier: Verifier, batch: dict[str, Tensor], depth: int) -> tuple[Tensor, ...]:
+    """(D, B, T) ranks of x_{t+d+1} under head d, validity, and the head's top-1 probability."""
+    hidden = gather_layers(batch, [-1], verifier, [-1])[-1]  # (B, T, D)
+    vocab = verifier.vocab_size
+    ranks, valids, confs = [], [], []
+    for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)):
+        if k >= depth:
+            break
+        logits = heads.head_logits(hidden[valid], k, verifier.lm_head).float()  # (N, V)
+        rank, conf = _rank_rows(logits, targets[valid], valid, vocab, target_rank)
+        ranks.append(rank)
+        valids.append(valid)
+        confs.append(conf)
+    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
+
+
+def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], depth: int) -> tuple[Tensor, ...]:
+    """The same for an EAGLE drafter, unrolled `depth` steps exactly as in training; the target of step j at
+    position t is M_q's argmax at t+j+1."""
+    layers = list(dict.fromkeys([*net.feature_layers, -1]))
+    states = gather_layers(batch, layers, verifier, layers)
+    ids, n = batch["input_ids"], batch["input_ids"].shape[1] - 1
+    q_arg = verifier.lm_head(states[-1]).argmax(-1)  # (B, T): M_q's greedy token after each position
+    embed, vocab = verifier.model.get_input_embeddings(), verifier.vocab_size
+    ranks, valids, confs = [], [], []
+    steps = unroll(net, net.features(states)[:, :n], ids, batch["attention_mask"], batch["loss_mask"].bool(), embed,
+                   depth)
+    for j, (out, valid) in enumerate(steps):
+        bi, ti = valid.nonzero(as_tuple=True)
+        logits = net.logits(out[bi, ti], verifier.lm_head).float()  # (N, V_draft)
+        rank, conf = _rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
+        pad = lambda x, v: torch.cat([x, x.new_full((x.shape[0], 1), v)], dim=1)  # (B, n) -> (B, T)
+        ranks.append(pad(rank, vocab))
+        valids.append(pad(valid, False))
+        confs.append(pad(conf, 0.0))
+    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
+
+
+def score_export(kind: str, net: Any, verifier: Verifier, rows: list[dict[str, Any]], depth: int,
+                 bf16: bool = False, batch_size: int = 8) -> dict[str, Any]:
+    """acceptance_tables for one drafter (`kind` "medusa" or an EAGLE kind) over tokenised answers `rows`
+    (input_ids + loss_mask, e.g. the verifier's own answers to held-out prompts), teacher-forced `depth` deep.
+    `bf16`: under bf16 autocast, as training's bf16-mixed runs it."""
+    ranks, valids, confs, masks = [], [], [], []
+    for i in range(0, len(rows), batch_size):
+        batch = collate(rows[i : i + batch_size], verifier.tokenizer.pad_token_id or 0)
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            r, v, c = (medusa_ranks(net, verifier, batch, depth) if kind == "medusa"
+                       else eagle_ranks(net, verifier, batch, depth))
+        ranks += list(r.unbind(1))
+        valids += list(v.unbind(1))
+        confs += list(c.unbind(1))
+        masks += list(batch["loss_mask"].unbind(0))
+    width = max(m.shape[0] for m in masks)
+
+    def fit(xs: list[Tensor], fill: Any) -> Tensor:
+        return torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=fill) for x in xs], dim=-2)
+
+    return acceptance_tables(fit(ranks, verifier.vocab_size), fit(valids, False), fit(masks, 0),
+                             confidence=fit(confs, 0.0))

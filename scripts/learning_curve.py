@@ -7,7 +7,7 @@ Every export is decoded greedily on the same built-in eval prompts (never traine
 once per node budget (`tree=auto` of that size: the same budget for every drafter), and its output is checked
 against plain greedy decoding token for token. tau is pooled over all rounds of all prompts (tokens per verifier
 forward). Chain accuracy per depth is teacher-forced on the verifier's own answers to the same prompts
-(scripts/drafter_accuracy.py's tables: P(depth d right | depths 1..d-1 right)). The training-token count of each
+(eval/offline.py's tables, as scripts/drafter_accuracy.py prints them: P(depth d right | depths 1..d-1 right)). The training-token count of each
 export is its config's `train_tokens` (assistant tokens in its training split), or `--tokens`.
 
 Writes learning_curve.json, learning_curve.md (the table) and learning_curve.png (tau against training tokens, one
@@ -29,36 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.chat import prompt_ids  # noqa: E402
-from data.datamodule import collate  # noqa: E402
 from data.prompts import load_conversations, select_prompts  # noqa: E402
 from data.selfdistill import build_selfdistill  # noqa: E402
 from eval.accept import mean_accept_length  # noqa: E402
 from eval.decode import greedy_decode, speculative_decode  # noqa: E402
 from eval.drafters import make_drafter  # noqa: E402
-from eval.offline import acceptance_tables  # noqa: E402
+from eval.offline import score_export  # noqa: E402
 from eval.tree import AutoTree  # noqa: E402
 from models.export import KIND_NAMES, export_kind, export_verifier, load_export, read_config  # noqa: E402
 from models.verifier import load_verifier  # noqa: E402
-from scripts.drafter_accuracy import eagle_ranks, medusa_ranks  # noqa: E402
-
-
-def chain_accuracy(export: Path, verifier, rows: list[dict[str, Any]], depth: int) -> list[float]:
-    """Teacher-forced P(depth d right | 1..d-1 right), d = 1..depth, on the verifier's answers `rows`."""
-    loaded = load_export(export, verifier)
-    ranks, valids, masks = [], [], []
-    for i in range(0, len(rows), 8):
-        batch = collate(rows[i : i + 8], verifier.tokenizer.pad_token_id or 0)
-        with torch.no_grad():
-            r, v, _ = (medusa_ranks(loaded.net, verifier, batch, depth) if loaded.kind == "medusa"
-                       else eagle_ranks(loaded.net, verifier, batch, depth))
-        ranks += list(r.unbind(1))
-        valids += list(v.unbind(1))
-        masks += list(batch["loss_mask"].unbind(0))
-    width = max(m.shape[0] for m in masks)
-    fit = lambda xs, fill: torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=fill)  # noqa: E731
-                                        for x in xs], dim=-2)
-    res = acceptance_tables(fit(ranks, verifier.vocab_size), fit(valids, False), fit(masks, 0))
-    return [float(a) for a in res["chain_conditional"]]
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -124,7 +103,9 @@ def main() -> None:
             row["greedy_match"][str(size)] = sum(o.tokens[0].tolist() == p for o, p in zip(outs, plain)) / len(plain)
             print(f"{export}: {size} nodes, tau {row['tau'][str(size)]:.3f}, greedy match "
                   f"{row['greedy_match'][str(size)]:.0%} ({time.perf_counter() - t0:.0f} s)")
-        row["chain_accuracy"] = chain_accuracy(export, verifier, answers, args.depth)
+        loaded = load_export(export, verifier)
+        tables = score_export(loaded.kind, loaded.net, verifier, answers, args.depth)
+        row["chain_accuracy"] = [float(a) for a in tables["chain_conditional"]]
         results.append(row)
     for earlier in args.include:
         results += [r for r in json.loads(Path(earlier).read_text()) if r["export"] not in {x["export"] for x in results}]
