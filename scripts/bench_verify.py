@@ -3,8 +3,8 @@
     python scripts/bench_verify.py [--dtype float32 bfloat16] [--threads 1 2] [--rounds 7] [--compile]
 
 For each dtype and thread count: a plain one-token step and a 17-node tree verify after a 128-token prefix, through
-both paths, interleaved in rounds (the machine is shared: the ratio of medians is the figure to read, the spread
-says how noisy it was); HF `generate` greedy per token beside our engine's greedy loop. Then the bound: weight bytes
+both paths, interleaved in rounds, and in bf16 the engine without prepacked weights (F.linear) beside it (the
+machine is shared: the ratio of medians is the figure to read, the spread says how noisy it was); HF `generate` greedy per token beside our engine's greedy loop. Then the bound: weight bytes
 over measured read bandwidth, and bf16 / fp32 matmul peaks.
 """
 
@@ -70,8 +70,11 @@ def main() -> None:
             torch.set_num_threads(threads)
             hf = kv.new_cache()
             kv.forward(model, hf, prefix)
-            ours = engine.new_cache(model, PREFIX + 64 + NODES)
+            packed, unpacked = engine.Engine(model), engine.Engine(model, pack=False)  # prepacked (bf16 CPU) or not
+            ours = engine.new_cache(packed, PREFIX + 64 + NODES)
             engine.forward(ours, prefix)
+            plain = engine.new_cache(unpacked, PREFIX + 64 + NODES)
+            engine.forward(plain, prefix)
 
             def hf_step():
                 kv.forward(model, hf, one)
@@ -88,7 +91,14 @@ def main() -> None:
             def our_tree():
                 engine.forward(ours, nodes, buf.positions, buf.mask)
 
+            def plain_step():
+                engine.forward(plain, one)
+                plain.length = PREFIX
+
             cases = {"hf step": hf_step, "hf tree": hf_tree, "engine step": our_step, "engine tree": our_tree}
+            if packed.pack:  # the engine's weights through F.linear, as before prepacking
+                cases |= {"unpacked step": plain_step,
+                          "unpacked tree": lambda: engine.forward(plain, nodes, buf.positions, buf.mask)}
             if args.compile:
                 compiled = torch.compile(engine.forward, dynamic=True)
                 t0 = time.perf_counter()
@@ -117,6 +127,10 @@ def main() -> None:
             print(f"  tree/step: hf {med['hf tree'] / med['hf step']:.2f}x, engine "
                   f"{med['engine tree'] / med['engine step']:.2f}x; engine/hf: step {med['engine step'] / med['hf step']:.2f}x, "
                   f"tree {med['engine tree'] / med['hf tree']:.2f}x")
+            if packed.pack:
+                print(f"  prepacked weights: step {med['unpacked step'] / med['engine step']:.2f}x, tree "
+                      f"{med['unpacked tree'] / med['engine tree']:.2f}x faster than F.linear (unpacked tree/step "
+                      f"{med['unpacked tree'] / med['unpacked step']:.2f}x)")
             # HF generate (greedy) against our greedy loop, per token, same prompt.
             new = 32
             attention_mask = torch.ones_like(prefix)
@@ -127,7 +141,7 @@ def main() -> None:
                                do_sample=False, pad_token_id=v.tokenizer.eos_token_id)
                 gen_ms.append((time.perf_counter() - t0) / new * 1e3)
                 t0 = time.perf_counter()
-                cache = engine.new_cache(model, PREFIX + new)
+                cache = engine.new_cache(packed, PREFIX + new)
                 tok = engine.forward(cache, prefix).logits[:, -1:].argmax(-1)
                 for _ in range(new - 1):
                     tok = engine.forward(cache, tok).logits[:, -1:].argmax(-1)

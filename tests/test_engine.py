@@ -128,6 +128,38 @@ def test_refuses_a_verifier_whose_block_it_does_not_run():
         engine.new_cache(Qwen3ForCausalLM(config), 8)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's prepacked linear needs mkldnn")
+def test_bf16_prepacked_weights_compute_the_same_layer_with_biases():
+    """In bf16 on CPU the engine runs every weight through oneDNN's prepacked kernel; it must compute the same
+    model as F.linear on the plain weights (biases included: a Qwen2 block with large q/k/v biases), and the
+    batch-invariance probe must have run on that kernel."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 1.0)
+    model.to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for pack in (True, False):
+        e = engine.Engine(model, pack=pack)
+        assert e.pack is pack and e.layers[0]["qkv"].packed is pack and e.lm_head.packed is pack
+        cache = engine.new_cache(e, 32)
+        assert (e.dtype, True) in {(k[0], k[-1]) for k in engine._MIN_ROWS} or not pack
+        out[pack] = torch.cat([engine.forward(cache, ids[:, :20]).logits, engine.forward(cache, ids[:, 20:21]).logits], 1)
+    with torch.no_grad():
+        ref = model.float()(ids[:, :21]).logits
+    err_packed = (out[True].float() - ref).abs().max()
+    err_plain = (out[False].float() - ref).abs().max()
+    assert err_packed <= 2 * err_plain + 1e-3, (err_packed, err_plain)
+    assert torch.allclose(out[True].float(), out[False].float(), atol=0.1, rtol=0.02)
+
+
 @pytest.mark.slow
 def test_default_verifier_bf16_chain_and_tree_are_bitwise_the_steps(cache_dir):
     from models.verifier import load_smollm2
