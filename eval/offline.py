@@ -144,3 +144,21 @@ def score_export(kind: str, net: Any, verifier: Verifier, rows: list[dict[str, A
 
     return acceptance_tables(fit(ranks, verifier.vocab_size), fit(valids, False), fit(masks, 0),
                              confidence=fit(confs, 0.0))
+
+
+@torch.no_grad()
+def verifier_top1(verifier: Verifier, rows: list[dict[str, Any]], batch_size: int = 8) -> float:
+    """The verifier's mean top-1 probability (T = 1) at the positions that predict its own answer tokens (the
+    next token is an assistant token): how sure M_q is of its greedy choice there. A ceiling indicator for greedy
+    drafting: where M_q itself spreads its mass, its argmax is hard for any drafter to predict."""
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        batch = collate(rows[i : i + batch_size], verifier.tokenizer.pad_token_id or 0)
+        hidden = gather_layers(batch, [-1], verifier, [-1])[-1][:, :-1]  # (B, T-1, D): predicts tokens 1..T-1
+        predicts_answer = batch["loss_mask"][:, 1:].bool()
+        top1 = verifier.lm_head(hidden[predicts_answer]).float().softmax(-1).amax(-1)
+        total += float(top1.sum())
+        count += top1.numel()
+    if not count:
+        raise ValueError("verifier_top1 needs rows with at least one assistant token (loss_mask).")
+    return total / count

@@ -8,7 +8,8 @@ once per node budget (`tree=auto` of that size: the same budget for every drafte
 against plain greedy decoding token for token. tau is pooled over all rounds of all prompts (tokens per verifier
 forward). Chain accuracy per depth is teacher-forced on the verifier's own answers to the same prompts
 (eval/offline.py's tables, as scripts/drafter_accuracy.py prints them: P(depth d right | depths 1..d-1 right)). The training-token count of each
-export is its config's `train_tokens` (assistant tokens in its training split), or `--tokens`.
+export is its config's `train_tokens` (assistant tokens in its training split), or `--tokens`. Beside them, the
+verifier's mean top-1 probability on its own answers (eval.offline.verifier_top1): a ceiling indicator.
 
 Writes learning_curve.json, learning_curve.md (the table) and learning_curve.png (tau against training tokens, one
 line per drafter family and budget), and logs the table and plot to W&B (offline unless an account is configured).
@@ -34,7 +35,7 @@ from data.selfdistill import build_selfdistill  # noqa: E402
 from eval.accept import mean_accept_length  # noqa: E402
 from eval.decode import greedy_decode, speculative_decode  # noqa: E402
 from eval.drafters import make_drafter  # noqa: E402
-from eval.offline import score_export  # noqa: E402
+from eval.offline import score_export, verifier_top1  # noqa: E402
 from eval.tree import AutoTree  # noqa: E402
 from models.export import KIND_NAMES, export_kind, export_verifier, load_export, read_config  # noqa: E402
 from models.verifier import load_verifier  # noqa: E402
@@ -91,6 +92,8 @@ def main() -> None:
     print(f"plain greedy: {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s")
     answers = list(build_selfdistill(verifier, convs, args.cache_dir, max_new_tokens=args.max_new_tokens,
                                      batch_size=16).with_format("python"))
+    ceiling = verifier_top1(verifier, answers)
+    print(f"verifier's mean top-1 probability on its own answers (T=1): {ceiling:.3f}")
     results = []
     for export, config, n_tokens in zip(exports, configs, tokens):
         row: dict[str, Any] = {"export": str(export), "drafter": KIND_NAMES.get(export_kind(config), str(export_kind(config))),
@@ -106,6 +109,7 @@ def main() -> None:
         loaded = load_export(export, verifier)
         tables = score_export(loaded.kind, loaded.net, verifier, answers, args.depth)
         row["chain_accuracy"] = [float(a) for a in tables["chain_conditional"]]
+        row["verifier_top1"] = ceiling
         results.append(row)
     for earlier in args.include:
         results += [r for r in json.loads(Path(earlier).read_text()) if r["export"] not in {x["export"] for x in results}]
@@ -120,6 +124,8 @@ def main() -> None:
                                         *(f"{r['tau'][str(s)]:.2f}" for s in args.tree_sizes),
                                         f"{min(r['greedy_match'].values()):.0%}",
                                         *(f"{a:.2f}" for a in r["chain_accuracy"])]) + " |")
+    lines += ["", f"The verifier's mean top-1 probability on its own answers to these prompts (T=1): {ceiling:.3f} "
+              "(a ceiling indicator: where it is low, M_q's argmax is hard to predict for any drafter)."]
     (out / "learning_curve.md").write_text("\n".join(lines) + "\n")
     plot(results, out / "learning_curve.png")
     print("\n".join(lines))
@@ -132,8 +138,9 @@ def main() -> None:
     run = wandb.init(project="specdraft", job_type="learning_curve", dir=str(out), mode=wandb_mode(args.wandb),
                      config={"tree_sizes": args.tree_sizes, "num_prompts": args.num_prompts,
                              "max_new_tokens": args.max_new_tokens})
-    table = wandb.Table(columns=head, data=[line.strip("| ").split(" | ") for line in lines[2:]])
-    run.log({"learning_curve/table": table, "learning_curve/plot": wandb.Image(str(out / "learning_curve.png"))})
+    table = wandb.Table(columns=head, data=[line.strip("| ").split(" | ") for line in lines[2:] if line.startswith("|")])
+    run.log({"learning_curve/table": table, "learning_curve/plot": wandb.Image(str(out / "learning_curve.png")),
+             "learning_curve/verifier_top1": ceiling})
     run.finish()
 
 

@@ -40,6 +40,9 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
         assert set(r["tau"]) == {"3", "6"} and all(t >= 1.0 for t in r["tau"].values())
         assert all(m == 1.0 for m in r["greedy_match"].values())  # exact against plain greedy
         assert len(r["chain_accuracy"]) == 2 and all(0.0 <= a <= 1.0 for a in r["chain_accuracy"])
+        assert 1 / v.vocab_size < r["verifier_top1"] <= 1.0  # the ceiling indicator, same verifier for both runs
+    assert rows[0]["verifier_top1"] == rows[1]["verifier_top1"]
     assert (out / "learning_curve.png").stat().st_size > 0
     table = (out / "learning_curve.md").read_text()
     assert "| EAGLE-1 | 1,000 |" in table and "| Medusa | 4,000 |" in table
+    assert f"(T=1): {rows[0]['verifier_top1']:.3f}" in table

@@ -49,3 +49,29 @@ def test_acceptance_tables_refuse_empty_answers():
     with pytest.raises(ValueError, match="empty"):
         acceptance_tables(torch.zeros(1, 1, 4, dtype=torch.long), torch.zeros(1, 1, 4, dtype=torch.bool),
                           torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_verifier_top1_is_the_mean_top1_probability_where_the_answer_is_predicted(cache_dir):
+    """Brute force through the model's own forward: at each t whose next token is an assistant token, the max of
+    softmax(logits[t]); a sharper head (logits x 3) raises it."""
+    from eval.offline import verifier_top1
+    from models.verifier import build_tiny
+
+    v = build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", layer_std=0.3, initializer_range=0.2)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, start in ((9, 4), (14, 6)):
+        ids = torch.randint(0, v.vocab_size, (n,), generator=gen)
+        rows.append({"input_ids": ids.tolist(), "loss_mask": [0] * start + [1] * (n - start)})
+    want = []
+    with torch.no_grad():
+        for r in rows:
+            probs = v.model(torch.tensor([r["input_ids"]])).logits[0].softmax(-1).amax(-1)
+            want += [probs[t] for t in range(len(r["input_ids"]) - 1) if r["loss_mask"][t + 1]]
+    expected = float(torch.stack(want).mean())
+    assert verifier_top1(v, rows) == pytest.approx(expected, rel=1e-5)
+    with torch.no_grad():
+        v.lm_head.weight.mul_(3.0)
+    assert verifier_top1(v, rows) > expected
+    with pytest.raises(ValueError, match="assistant token"):
+        verifier_top1(v, [{"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}])
