@@ -9,7 +9,8 @@ against plain greedy decoding token for token. tau is pooled over all rounds of 
 forward). Chain accuracy per depth is teacher-forced on the verifier's own answers to the same prompts
 (eval/offline.py's tables, as scripts/drafter_accuracy.py prints them: P(depth d right | depths 1..d-1 right)). The training-token count of each
 export is its config's `train_tokens` (assistant tokens in its training split), or `--tokens`. Beside them, the
-verifier's mean top-1 probability on its own answers (eval.offline.verifier_top1): a ceiling indicator.
+verifier's mean top-1 probability on its own answers (eval.offline.verifier_top1): a ceiling indicator; and the
+export's `train_depth1_top1` (its last epoch's depth-1 accuracy on training batches): next to acc d1, the gap.
 
 Writes learning_curve.json, learning_curve.md (the table) and learning_curve.png (tau against training tokens, one
 line per drafter family and budget), and logs the table and plot to W&B (offline unless an account is configured).
@@ -110,6 +111,7 @@ def main() -> None:
         tables = score_export(loaded.kind, loaded.net, verifier, answers, args.depth)
         row["chain_accuracy"] = [float(a) for a in tables["chain_conditional"]]
         row["verifier_top1"] = ceiling
+        row["train_depth1_top1"] = config.get("train_depth1_top1")  # last epoch's, on training batches
         results.append(row)
     for earlier in args.include:
         results += [r for r in json.loads(Path(earlier).read_text()) if r["export"] not in {x["export"] for x in results}]
@@ -117,13 +119,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning_curve.json").write_text(json.dumps(results, indent=2))
     head = ["drafter", "training tokens", *(f"tau @{s}" for s in args.tree_sizes), "greedy match",
-            *(f"acc d{d + 1}" for d in range(args.depth))]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in sorted(results, key=lambda r: (r["drafter"], r["train_tokens"])):
-        lines.append("| " + " | ".join([r["drafter"], f"{r['train_tokens']:,}",
-                                        *(f"{r['tau'][str(s)]:.2f}" for s in args.tree_sizes),
-                                        f"{min(r['greedy_match'].values()):.0%}",
-                                        *(f"{a:.2f}" for a in r["chain_accuracy"])]) + " |")
+            *(f"acc d{d + 1}" for d in range(args.depth)), "train d1"]
+    cells = [[r["drafter"], f"{r['train_tokens']:,}", *(f"{r['tau'][str(s)]:.2f}" for s in args.tree_sizes),
+              f"{min(r['greedy_match'].values()):.0%}", *(f"{a:.2f}" for a in r["chain_accuracy"]),
+              "" if r.get("train_depth1_top1") is None else f"{r['train_depth1_top1']:.2f}"]
+             for r in sorted(results, key=lambda r: (r["drafter"], r["train_tokens"]))]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(c) + " |" for c in cells)]
     lines += ["", f"The verifier's mean top-1 probability on its own answers to these prompts (T=1): {ceiling:.3f} "
               "(a ceiling indicator: where it is low, M_q's argmax is hard to predict for any drafter)."]
     (out / "learning_curve.md").write_text("\n".join(lines) + "\n")
@@ -138,7 +139,7 @@ def main() -> None:
     run = wandb.init(project="specdraft", job_type="learning_curve", dir=str(out), mode=wandb_mode(args.wandb),
                      config={"tree_sizes": args.tree_sizes, "num_prompts": args.num_prompts,
                              "max_new_tokens": args.max_new_tokens})
-    table = wandb.Table(columns=head, data=[line.strip("| ").split(" | ") for line in lines[2:] if line.startswith("|")])
+    table = wandb.Table(columns=head, data=cells)
     run.log({"learning_curve/table": table, "learning_curve/plot": wandb.Image(str(out / "learning_curve.png")),
              "learning_curve/verifier_top1": ceiling})
     run.finish()

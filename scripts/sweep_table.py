@@ -5,7 +5,8 @@
 
 Columns: the overrides that differ between jobs (read from each job's .hydra/overrides.yaml), then the validation
 figures the export carries: for EAGLE drafters the unrolled per-step top-1 (`val_step_top1`, step 1 = depth 1) and
-`estimated_tau`; for Medusa each head's top-1 (`medusa_topk_accuracy[k][0]`); the steps trained. A job without an
+`estimated_tau`; for Medusa each head's top-1 (`medusa_topk_accuracy[k][0]`); the last epoch's depth-1 training
+accuracy (`train_depth1_top1`: the train/held-out gap); the steps trained. A job without an
 export (still running, failed) is listed as such. Writes sweep.md and sweep.json in the sweep directory and prints
 the table; the whole grid is reported, best first by depth-1 accuracy, never only the winner.
 """
@@ -31,6 +32,7 @@ def job_row(job: Path) -> dict[str, Any]:
     row["status"] = "done"
     row["trained_steps"] = config.get("trained_steps")
     row["train_tokens"] = config.get("train_tokens")
+    row["train_depth1_top1"] = config.get("train_depth1_top1")
     if "val_step_top1" in config:
         row["depth_top1"] = [float(x) for x in config["val_step_top1"]]
         row["estimated_tau"] = config.get("estimated_tau")
@@ -42,16 +44,18 @@ def job_row(job: Path) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]], depth: int = 3) -> list[str]:
     keys = sorted({k for r in rows for k in r["overrides"]})
     swept = [k for k in keys if len({r["overrides"].get(k) for r in rows}) > 1]
-    head = ["job", *swept, *(f"top-1 d{d + 1}" for d in range(depth)), "est. tau", "steps"]
+    head = ["job", *swept, *(f"top-1 d{d + 1}" for d in range(depth)), "train d1", "est. tau", "steps"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = sorted(rows, key=lambda r: -(r.get("depth_top1") or [-1.0])[0])
     for r in order:
         accs = r.get("depth_top1") or []
         cells = [r["job"], *(r["overrides"].get(k, "") for k in swept)]
         if r["status"] != "done":
-            cells += [r["status"]] + [""] * (depth + 1)
+            cells += [r["status"]] + [""] * (depth + 2)
         else:
             cells += [f"{accs[d]:.3f}" if d < len(accs) else "" for d in range(depth)]
+            train = r.get("train_depth1_top1")
+            cells += [f"{train:.3f}" if train is not None else ""]
             cells += [f"{r['estimated_tau']:.2f}" if r.get("estimated_tau") is not None else "", str(r["trained_steps"])]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

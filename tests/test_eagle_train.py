@@ -150,6 +150,8 @@ def test_eagle3_learns_and_logs_step_accuracies(train_script, tmp_path):
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert sum(losses[-3:]) < 0.7 * sum(losses[:3]), losses
     assert any(r.get("val/step3_top1") for r in rows) and any(r.get("val/estimated_tau") for r in rows)
+    epochs = [float(r["train/epoch_depth1_top1"]) for r in rows if r.get("train/epoch_depth1_top1")]
+    assert len(epochs) == 8 and config["train_depth1_top1"] == pytest.approx(epochs[-1]) and epochs[-1] > epochs[0]
 
 
 def test_offline_hidden_state_cache_matches_online(tiny, tmp_path, capsys):

@@ -33,7 +33,7 @@ def test_multirun_grid_one_directory_per_job_and_the_table(tmp_path):
     rows = json.loads((sweep / "sweep.json").read_text())
     assert [r["overrides"]["model.optimizer.lr"] for r in rows] == ["0.001", "0.03", "1.0"]
     assert [r["status"] for r in rows] == ["done", "done", "no export (running or failed)"]
-    assert all(len(r["depth_top1"]) == 5 for r in rows[:2])
+    assert all(len(r["depth_top1"]) == 5 and 0 <= r["train_depth1_top1"] <= 1 for r in rows[:2])
     md = (sweep / "sweep.md").read_text()
     assert "| job | model.optimizer.lr | top-1 d1 |" in md  # only the swept key is a column
     assert md.count("\n| ") == 3  # 3 jobs under the header

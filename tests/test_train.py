@@ -52,6 +52,10 @@ def test_loss_goes_down_when_overfitting(train_script, tmp_path):
     config = json.loads((export / "config.json").read_text())
     table = config["medusa_topk_accuracy"]
     assert len(table) == 4 and all(len(row) == 10 and row == sorted(row) for row in table)
+    # The last epoch's depth-1 training accuracy (head 1, top-1), the one logged at that epoch's end.
+    epochs = _series(_metrics(tmp_path), "train/epoch_depth1_top1")
+    assert len(epochs) == 12 and config["train_depth1_top1"] == pytest.approx(epochs[-1])
+    print("train d1 per epoch", epochs, "val head1", table[0][0])
 
 
 def test_resume_from_last_checkpoint(train_script, tmp_path):
@@ -153,3 +157,31 @@ def test_killed_training_resumes_with_ckpt_path_last(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert torch.load(last, weights_only=False)["global_step"] == killed_at + 2
     assert (tmp_path / "export" / "config.json").is_file()
+
+
+def test_train_depth1_top1_is_the_last_epochs_tally(tmp_path):
+    """DrafterModule.count_depth1 tallies one epoch's batches, reset at each epoch start: with 0 hits in epoch 0
+    and 1+2+3 of 3 x 4 positions in epoch 1 the record is 0.5 (a tally never reset would give 0.25)."""
+    import functools
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from train.base import DrafterModule
+
+    class Counting(DrafterModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+            self.optimizer_factory = functools.partial(torch.optim.SGD, lr=0.1)
+            self.scheduler_factory = None
+
+        def training_step(self, batch, batch_idx):
+            self.count_depth1(torch.tensor(float(self.current_epoch * (batch_idx + 1))), torch.tensor(4.0))
+            return (self.w**2).sum()
+
+    data = DataLoader([{"attention_mask": torch.ones(3)}] * 3, batch_size=1)
+    module = Counting()
+    L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=tmp_path).fit(module, data)
+    assert module.train_summary == {"train_depth1_top1": 0.5}

@@ -1,5 +1,6 @@
 """What every drafter training module shares: AdamW-style optimizer over the trainable parameters with a warmup
-schedule, and the `train/tokens_per_s` log. The verifier is a plain object (never a submodule), so `parameters()`
+schedule, the `train/tokens_per_s` log, and the depth-1 training accuracy of the last epoch that exports record
+(`train_depth1_top1`, beside the validation figures: the train/held-out gap says whether data or capacity limits). The verifier is a plain object (never a submodule), so `parameters()`
 are the drafter's own."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
 from torch import Tensor
 
 
@@ -16,6 +18,8 @@ class DrafterModule(L.LightningModule):
     taking (optimizer, num_warmup_steps, num_training_steps), or None) and save `warmup_ratio` in their hparams."""
 
     _tick = 0.0
+    _train_d1: Tensor | None = None  # (hits, positions) of depth-1 top-1 over this epoch's training batches
+    train_summary: dict[str, float] = {}
 
     def configure_optimizers(self) -> Any:
         opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
@@ -32,3 +36,20 @@ class DrafterModule(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
         tokens = batch["attention_mask"].sum().item()
         self.log("train/tokens_per_s", tokens / (time.perf_counter() - self._tick), batch_size=1)
+
+    def count_depth1(self, hits: Tensor, positions: Tensor) -> None:
+        """Add a training batch's depth-1 top-1 hits and scored positions to this epoch's tally."""
+        step = torch.stack([hits.detach().float().sum(), positions.detach().float().sum()])
+        self._train_d1 = step if self._train_d1 is None else self._train_d1 + step
+
+    def on_train_epoch_start(self) -> None:
+        self._train_d1 = None
+
+    def on_train_epoch_end(self) -> None:
+        if self._train_d1 is None:
+            return
+        hits, positions = self.trainer.strategy.reduce(self._train_d1, reduce_op="sum").tolist()
+        if positions:
+            # Measured on the batches as trained (EAGLE: noisy input features), while the weights moved over the epoch.
+            self.train_summary = {"train_depth1_top1": hits / positions}
+            self.log("train/epoch_depth1_top1", hits / positions)

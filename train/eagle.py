@@ -179,6 +179,7 @@ class EagleModule(DrafterModule):
             self.log(f"train/step{j}_loss", l, batch_size=bsz)
         c, v = res["correct"], res["valid"]
         self.log("train/step0_top1", c[0].sum() / v[0].sum().clamp(min=1), batch_size=bsz)
+        self.count_depth1(c[0].sum(), v[0].sum())
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -209,6 +210,6 @@ class EagleModule(DrafterModule):
 
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
-        extra = {**self.val_summary, "trained_steps": int(self.global_step), "drafter": NAMES[self.net.kind],
+        extra = {**self.val_summary, **self.train_summary, "trained_steps": int(self.global_step), "drafter": NAMES[self.net.kind],
                  "draft_vocab_coverage": self.draft_vocab_coverage, **data_record(self._trainer)}
         return save_export(self.net, self.verifier, path, extra)

@@ -120,6 +120,7 @@ class MedusaModule(DrafterModule):
         bsz = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bsz)
         self._log_heads("train", head_losses, hits, counts, bsz)
+        self.count_depth1(hits[0, 0], counts[0])
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -149,5 +150,5 @@ class MedusaModule(DrafterModule):
     def export(self, path: str | Path) -> Path:
         """Write the heads in vLLM's Medusa layout, with the verifier fingerprint and per-head top-k accuracies."""
         extra = {"medusa_topk_accuracy": self.topk_accuracy, "trained_steps": int(self.global_step),
-                 **data_record(self._trainer)}
+                 **self.train_summary, **data_record(self._trainer)}
         return save_export(self.heads, self.verifier, path, extra)
