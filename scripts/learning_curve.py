@@ -64,7 +64,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("exports", nargs="+")
+    ap.add_argument("exports", nargs="*", help="exports to decode (none: only merge the --include files)")
     ap.add_argument("--tokens", type=int, nargs="*", help="training tokens of each export (default: its train_tokens)")
     ap.add_argument("--tree-sizes", type=int, nargs="+", default=[16, 24])
     ap.add_argument("--num-prompts", type=int, default=20)
@@ -84,6 +84,10 @@ def main() -> None:
     if len(tokens) != len(exports) or any(t is None for t in tokens):
         sys.exit(f"training tokens unknown for {[str(e) for e, t in zip(exports, tokens) if t is None]}: exports "
                  f"written before `train_tokens` was recorded need --tokens, one per export")
+    if not exports:
+        if not args.include:
+            sys.exit("nothing to do: give exports to decode, or --include files to merge")
+        return report([], args)
     verifier = load_verifier(export_verifier(configs[0]), "float32", "cpu", args.cache_dir)
     convs = select_prompts(load_conversations("builtin", split="eval"), args.num_prompts)
     prompts = [torch.tensor([prompt_ids(verifier.tokenizer, c.messages)]) for c in convs]
@@ -113,6 +117,11 @@ def main() -> None:
         row["verifier_top1"] = ceiling
         row["train_depth1_top1"] = config.get("train_depth1_top1")  # last epoch's, on training batches
         results.append(row)
+    report(results, args)
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Join the rows of --include files, then write the JSON, the table, the plot and the W&B run."""
     for earlier in args.include:
         results += [r for r in json.loads(Path(earlier).read_text()) if r["export"] not in {x["export"] for x in results}]
     out = Path(args.out)
@@ -125,8 +134,11 @@ def main() -> None:
               "" if r.get("train_depth1_top1") is None else f"{r['train_depth1_top1']:.2f}"]
              for r in sorted(results, key=lambda r: (r["drafter"], r["train_tokens"]))]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(c) + " |" for c in cells)]
-    lines += ["", f"The verifier's mean top-1 probability on its own answers to these prompts (T=1): {ceiling:.3f} "
-              "(a ceiling indicator: where it is low, M_q's argmax is hard to predict for any drafter)."]
+    ceilings = sorted({r["verifier_top1"] for r in results if r.get("verifier_top1") is not None})
+    ceiling = ceilings[0] if len(ceilings) == 1 else None
+    if ceiling is not None:
+        lines += ["", f"The verifier's mean top-1 probability on its own answers to these prompts (T=1): {ceiling:.3f} "
+                  "(a ceiling indicator: where it is low, M_q's argmax is hard to predict for any drafter)."]
     (out / "learning_curve.md").write_text("\n".join(lines) + "\n")
     plot(results, out / "learning_curve.png")
     print("\n".join(lines))
@@ -141,7 +153,7 @@ def main() -> None:
                              "max_new_tokens": args.max_new_tokens})
     table = wandb.Table(columns=head, data=cells)
     run.log({"learning_curve/table": table, "learning_curve/plot": wandb.Image(str(out / "learning_curve.png")),
-             "learning_curve/verifier_top1": ceiling})
+             **({} if ceiling is None else {"learning_curve/verifier_top1": ceiling})})
     run.finish()
 
 

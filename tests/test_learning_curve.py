@@ -46,3 +46,12 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     table = (out / "learning_curve.md").read_text()
     assert "| EAGLE-1 | 1,000 |" in table and "| Medusa | 4,000 |" in table
     assert f"(T=1): {rows[0]['verifier_top1']:.3f}" in table
+    merged = tmp_path / "merged"  # no exports: only merge curves run apart (e.g. one per machine core)
+    proc = subprocess.run([sys.executable, "scripts/learning_curve.py", "--tree-sizes", "3", "6", "--depth", "2",
+                           "--out", str(merged), "--include", str(tmp_path / "first" / "learning_curve.json"),
+                           str(out / "learning_curve.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_export = lambda rs: sorted(rs, key=lambda r: r["export"])
+    assert by_export(json.loads((merged / "learning_curve.json").read_text())) == by_export(rows)  # each export once
+    assert (merged / "learning_curve.md").read_text() == table
