@@ -135,3 +135,31 @@ def test_limit_takes_every_category():
 def test_limit_below_one_is_refused():
     with pytest.raises(UserError, match="at least 1"):
         load_conversations("builtin", split="train", limit=0)
+
+
+def test_group_by_length_batches_pad_less_and_cover_every_row_once(tiny, tmp_path):
+    from data.datamodule import DistillDataModule
+
+    rng = __import__("random").Random(0)
+    recs = [{"id": str(i), "conversations": [{"from": "human", "value": "Say it."},
+                                             {"from": "gpt", "value": " ".join(["word"] * rng.randint(1, 300))}]}
+            for i in range(320)]
+    (tmp_path / "sg.json").write_text(json.dumps(recs))
+
+    def epoch(group: bool) -> tuple[float, list[list[int]]]:
+        dm = DistillDataModule(tiny, str(tmp_path), mode="sharegpt", source=str(tmp_path / "sg.json"), batch_size=4,
+                               val_fraction=0.1, group_by_length=group)
+        dm.setup("fit")
+        real = padded = 0
+        rows = []
+        for batch in dm.train_dataloader():
+            real += int(batch["attention_mask"].sum())
+            padded += batch["attention_mask"].numel()
+            rows.append(sorted(batch["attention_mask"].sum(1).tolist()))
+        return real / padded, rows
+
+    plain, plain_rows = epoch(False)
+    grouped, grouped_rows = epoch(True)
+    assert grouped > 0.85 and plain < 0.7, (grouped, plain)
+    flat = lambda rows: sorted(x for r in rows for x in r)
+    assert flat(grouped_rows) == flat(plain_rows) and len(flat(grouped_rows)) == 288  # every train row once
