@@ -180,7 +180,10 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
     if kind == "medusa":
         shape, name = medusa_tree(tree, net, config.get("medusa_topk_accuracy"))
         # A shared head is the verifier's own lm_head: the export's copy is the same weights (fingerprint-checked).
-        return MedusaDrafter(net, shape, lm_head=verifier.lm_head if net.share_lm_head else None, policy=name,
+        from eval.engine import packed_head  # prepacked in bf16 on CPU
+
+        lm_head = packed_head(verifier.lm_head) if net.share_lm_head else None
+        return MedusaDrafter(net, shape, lm_head=lm_head, policy=name,
                              sampling=sampling, generator=generator)
     from eval.eagle import EagleDrafter  # eval.eagle imports this module for Draft
 

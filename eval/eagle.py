@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from eval.drafters import Draft
+from eval.engine import packed_head
 from eval.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy
 from models.eagle import EagleNet
@@ -61,7 +62,7 @@ class EagleDrafter:
     def __init__(self, net: EagleNet, verifier: Verifier, tree: TreePolicy = DEFAULT,
                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None) -> None:
         self.net = net.eval().requires_grad_(False)
-        self.embed, self.lm_head = verifier.model.get_input_embeddings(), verifier.lm_head
+        self.embed, self.lm_head = verifier.model.get_input_embeddings(), packed_head(verifier.lm_head)
         self.policy = tree
         grow = dynamic_policy(tree)
         self.size, self.depth, self.topk = grow.size, grow.depth, min(grow.topk, net.draft_vocab_size)
@@ -107,8 +108,11 @@ class EagleDrafter:
         return out[:, -1]
 
     # -- 2. drafting -------------------------------------------------------------------------------------------------
-    def _expand(self, root_out: Tensor, depth: int, topk: int, total: int) -> tuple[Tree, Tensor]:
-        """Grow the tree under the root from top-k drafts; returns (tree, verifier-vocabulary tokens (N-1,))."""
+    def _expand(self, root_out: Tensor, depth: int, topk: int, total: int,
+                bound_frontier: bool = True) -> tuple[Tree, Tensor]:
+        """Grow the tree under the root from top-k drafts; returns (tree, verifier-vocabulary tokens (N-1,)).
+        `bound_frontier=False` expands the topk best nodes of every layer, as EAGLE-2 does: the same tree (tested),
+        at the cost of topk drafter rows and vocabulary-head rows per layer instead of min(topk, total - depth)."""
         dev = root_out.device
         fed = _Fed(self, root_out)
         logp = self.net.logits(root_out, self.lm_head).float().log_softmax(-1)  # (1, Vd)
@@ -118,9 +122,16 @@ class EagleDrafter:
         parent, rank = torch.full((topk,), -1, device=dev), torch.arange(topk, device=dev)
         layer_lo = 0
         for d in range(1, depth):
-            # 1. Frontier: the topk best nodes of the deepest layer by cumulative log-prob.
+            # 1. Frontier: the topk best nodes of the deepest layer (depth d) by cumulative log-prob, and no more
+            #    than total - d of them. For a child of a node of layer rank r to be kept, the kept set must hold the
+            #    r better nodes of its layer, the node, its d - 1 ancestors (each scores at least as high) and the
+            #    child: r + d + 1 <= total. So the rest can never have a kept child, and expanding them would only
+            #    cost drafter rows and vocabulary-wide head rows; at total <= d nothing deeper can be kept.
             layer = score[layer_lo:]
-            pick = (layer.topk(min(topk, layer.numel())).indices + layer_lo).sort().values.tolist()
+            width = min(topk, total - d, layer.numel()) if bound_frontier else min(topk, layer.numel())
+            if width <= 0:
+                break
+            pick = (layer.topk(width).indices + layer_lo).sort().values.tolist()
             # 2. One drafter forward over the frontier (eval.eagle._Fed).
             out = fed.feed(pick, self.net.draft_to_target(tok[pick]), [int(parent[c]) for c in pick], d)  # (m, D)
             # 3. Their children: topk each, scored by the cumulative log-prob of the whole path.

@@ -226,3 +226,26 @@ def test_export_round_trip_and_kind_mismatch(varied, tmp_path, kind):
         make_drafter(other, varied, DynamicTree(), net=net)
     with pytest.raises(UserError, match="exactly one of"):
         make_drafter(kind, varied, DynamicTree())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bounded_frontier_grows_the_same_dynamic_tree(varied, kind):
+    """Expanding at most total - d frontier nodes at depth d (what propose does) keeps exactly the tree and tokens
+    that expanding the topk best of every layer (EAGLE-2's rule) keeps, for budgets below, at and above topk. (A
+    frontier of one node fails it; the bound's own tightness, a rare configuration with random nets, rests on the
+    argument in EagleDrafter._expand.)"""
+    for seed in range(4):
+        net = random_net(kind, varied, seed=seed)
+        with torch.no_grad():  # flatter drafts, so that second-best branches win places in the budget
+            for p in net.parameters():
+                p.mul_(0.3)
+        drafter = EagleDrafter(net, varied, DynamicTree(size=8, depth=4, topk=6))
+        ids = varied.tokenizer(PROMPTS[seed % len(PROMPTS)], return_tensors="pt").input_ids
+        step = kv.forward(varied.model, kv.new_cache(), ids, hidden_layers=drafter.feature_layers)
+        seq = torch.cat([ids, step.logits[:, -1:].argmax(-1)], dim=1)
+        root_out = drafter._extend(seq, step.hidden)
+        for depth, topk, total in [(4, 6, 1), (4, 6, 2), (4, 6, 3), (4, 4, 4), (3, 4, 5), (5, 3, 7), (3, 6, 12)]:
+            bounded = drafter._expand(root_out, depth, topk, total)
+            full = drafter._expand(root_out, depth, topk, total, bound_frontier=False)
+            assert bounded[0] == full[0] and torch.equal(bounded[1], full[1]), (seed, depth, topk, total)
+            assert bounded[0].num_drafts == total
