@@ -130,7 +130,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     head = ["drafter", "training tokens", *(f"tau @{s}" for s in args.tree_sizes), "greedy match",
             *(f"acc d{d + 1}" for d in range(args.depth)), "train d1"]
     cells = [[r["drafter"], f"{r['train_tokens']:,}", *(f"{r['tau'][str(s)]:.2f}" for s in args.tree_sizes),
-              f"{min(r['greedy_match'].values()):.0%}", *(f"{a:.2f}" for a in r["chain_accuracy"]),
+              f"{min(r['greedy_match'].values()):.0%}", *(f"{a:.2f}" for a in r["chain_accuracy"][: args.depth]),
+              *[""] * (args.depth - len(r["chain_accuracy"][: args.depth])),  # Medusa: as deep as its heads
               "" if r.get("train_depth1_top1") is None else f"{r['train_depth1_top1']:.2f}"]
              for r in sorted(results, key=lambda r: (r["drafter"], r["train_tokens"]))]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(c) + " |" for c in cells)]
