@@ -1,7 +1,7 @@
 """What every drafter training module shares: AdamW-style optimizer over the trainable parameters with a warmup
 schedule, the `train/tokens_per_s` log, and the depth-1 training accuracy of the last epoch that exports record
-(`train_depth1_top1`, beside the validation figures: the train/held-out gap says whether data or capacity limits). The verifier is a plain object (never a submodule), so `parameters()`
-are the drafter's own."""
+(`train_depth1_top1`, beside the validation figures: the train/held-out gap says whether data or capacity limits).
+The verifier is a plain object (never a submodule), so `parameters()` are the drafter's own."""
 
 from __future__ import annotations
 
