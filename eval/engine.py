@@ -107,13 +107,22 @@ class Linear:
 
 
 def packed_head(lm_head: nn.Module) -> nn.Module | Linear:
-    """The verifier's vocabulary head for drafters that reuse it (EAGLE-1, Medusa with a shared head): a prepacked
-    `Linear` where `can_pack` holds (bf16 on CPU: a one-row 49k-wide head 10.7 -> ~6 ms here), else the module."""
+    """The verifier's vocabulary head, for the engine and for drafters that reuse it (EAGLE-1, Medusa with a shared
+    head): a prepacked `Linear` where `can_pack` holds (bf16 on CPU: a one-row 49k-wide head 10.7 -> ~6 ms here),
+    else the module."""
     weight = lm_head.weight.detach()
     if not can_pack(weight):
         return lm_head
-    with torch.no_grad():
-        return Linear(weight, None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach(), True)
+    # One packed copy per head, kept on the module (the engine and every drafter share it), rebuilt if the weights
+    # were replaced (e.g. `.to(dtype)`); the weights are frozen while decoding, so their storage identifies them.
+    key = (weight.data_ptr(), weight.dtype)
+    hit = lm_head.__dict__.get("_specdraft_packed")
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()
+            hit = (key, Linear(weight, bias, True))
+        lm_head.__dict__["_specdraft_packed"] = hit
+    return hit[1]
 
 
 class Engine:
@@ -142,7 +151,8 @@ class Engine:
         self.rotary = decoder.rotary_emb
         self.layers = []
         with torch.no_grad():
-            self.lm_head = Linear(model.get_output_embeddings().weight.detach(), None, self.pack)
+            head = model.get_output_embeddings()
+            self.lm_head = packed_head(head) if self.pack else Linear(head.weight.detach(), None, False)
             for layer in decoder.layers:
                 att, mlp = layer.self_attn, layer.mlp
                 qkv = [att.q_proj, att.k_proj, att.v_proj]
