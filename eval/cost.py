@@ -9,15 +9,18 @@ weight and token (FLOPs / matmul peak), so the bound is the larger of the two.
 With a drafter's acceptance estimates, E[tokens per round](s) for a tree of s drafts is 1 + the sum of its nodes'
 path-acceptance probabilities (Medusa: eval.tree.auto_tree's node values from the export's top-k table; EAGLE: a
 chain from the export's per-step top-1 accuracies `val_step_top1`, which says nothing about siblings, so it never
-asks for more nodes than its depth). The best size maximises E[tokens](s) / t(s + 1); the predicted speedup over
-plain decoding is E[tokens](s) * t(1) / t(s + 1), draft time excluded (the report measures it apart).
+asks for more nodes than its depth). A round also pays the drafter: `draft_curve` measures d(s), the ms one round's
+drafting takes for s drafts on the same prefix (EAGLE: feeding the round's new features, then growing s nodes; Medusa:
+its heads and top-k, the same for every s). The best size maximises E[tokens](s) / (t(s + 1) + d(s)); the predicted
+speedup over plain decoding is E[tokens](s) * t(1) / (t(s + 1) + d(s)). What else a round costs (acceptance, commit,
+Python) is not in it; the report measures every part apart.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +37,22 @@ SHAPE_TABLE = [[0.6, 0.75, 0.8, 0.85]] * 4  # the shape of the measured trees: b
 
 
 def _timed(fn, reps: int) -> float:
-    fn()  # warm
-    out = []
-    for _ in range(reps):
-        start = time.perf_counter()
+    return _interleaved([fn], reps)[0]
+
+
+def _interleaved(fns: Sequence[Callable[[], Any]], reps: int) -> list[float]:
+    """ms of each of `fns`: all warmed once, then timed in `reps` rounds, each round calling every fn once, and the
+    least of the rounds kept (what the machine does when nothing else runs). Interleaving makes the sizes of a curve
+    comparable on a shared machine: a burst of load lands on every size alike instead of on a few."""
+    for fn in fns:
         fn()
-        out.append(time.perf_counter() - start)
-    return min(out) * 1e3  # ms: the least of the reps, what the machine does when nothing else runs
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [b * 1e3 for b in best]
 
 
 def machine(dtypes: Sequence[str] = ("float32", "bfloat16"), reps: int = 3) -> dict[str, Any]:
@@ -81,7 +93,7 @@ def _tree(n: int) -> Tree:
 
 def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] = SIZES, engine: str = "auto",
                   reps: int = 3) -> list[float]:
-    """Least ms (of `reps`) of one verifier forward over n tokens (a one-token step for n = 1, a tree of n nodes
+    """Least ms (of `reps` interleaved rounds) of one verifier forward over n tokens (a one-token step for n = 1, a tree of n nodes
     otherwise) after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops' path
     (eval.decode)."""
     from eval.decode import _Verify  # eval.decode imports nothing from here
@@ -93,19 +105,48 @@ def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] =
     cache.forward(prefix_ids)
     tokens = prefix_ids[:, -1:].repeat(1, max(sizes))  # which tokens does not change the cost
     empty = torch.zeros(1, 0, dtype=torch.long)
-    out = []
-    for n in sizes:
+
+    def step(n: int) -> Callable[[], None]:
         buf = tree_buffers(_tree(n))
 
-        def step() -> None:
+        def run() -> None:
             if n == 1:
                 cache.forward(tokens[:, :1])
             else:
                 cache.forward(tokens[:, :n], buf.positions, buf.mask)
             cache.commit(prefix, empty)  # back to the prefix
 
-        out.append(_timed(step, reps))
-    return out
+        return run
+
+    return _interleaved([step(n) for n in sizes], reps)
+
+
+def draft_curve(verifier: Verifier, drafter: Any, prefix_ids: Tensor, sizes: Sequence[int] = SIZES,
+                engine: str = "auto", reps: int = 3) -> list[float] | None:
+    """Least ms (of `reps` interleaved rounds) of one round's drafting with s = n - 1 drafts, for each n in `sizes`, after the prefix
+    `prefix_ids` (1, P) in steady state (the previous round accepted nothing, so one new position comes in). EAGLE:
+    `EagleDrafter.trial` (its layer over the new features, then growing s nodes, each depth a drafter forward and a
+    head over the frontier); Medusa: one `propose`, the same for every s (its heads run once a round whatever the
+    tree; the tree only indexes their top-k). None for other drafters."""
+    from eval.decode import _Verify
+    from eval.drafters import MedusaDrafter
+    from eval.eagle import EagleDrafter
+
+    if not isinstance(drafter, (MedusaDrafter, EagleDrafter)):
+        return None
+    layers = drafter.feature_layers
+    cache = _Verify(verifier, engine, prefix_ids.shape[1] + 1, 1, 1)
+    root = prefix_ids[:, -1:]  # which token does not change the cost
+    if isinstance(drafter, MedusaDrafter):
+        hidden = cache.forward(prefix_ids, layers=layers).hidden
+        seq = torch.cat([prefix_ids, root], dim=1)
+        one = _timed(lambda: drafter.propose(seq, hidden), reps)
+        return [round(one, 3)] * len(sizes)
+    drafter.propose(prefix_ids, cache.forward(prefix_ids[:, :-1], layers=layers).hidden)  # the prefill
+    drafter.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    new = cache.forward(prefix_ids[:, -1:], layers=layers).hidden  # (1, 1, D): the last prefix position
+    seq = torch.cat([prefix_ids, root], dim=1)
+    return [round(t, 3) for t in _interleaved([lambda n=n: drafter.trial(seq, new, n - 1) for n in sizes], reps)]
 
 
 def interpolate(sizes: Sequence[int], ms: Sequence[float], n: int) -> float:
@@ -157,18 +198,25 @@ class Plan:
     verify_ms: float
     step_ms: float
     predicted_speedup: float
+    draft_ms: float = 0.0
 
 
-def plan(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int) -> Plan:
+def plan(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int,
+         draft: Sequence[float] | None = None) -> Plan:
+    """The prediction for `drafts` drafts: verify time t(drafts + 1) and, with a draft curve `draft` (ms at the same
+    `sizes`, as n = drafts + 1 nodes), the round's drafting time d(drafts); no drafting at 0 drafts."""
     verify = interpolate(sizes, ms, drafts + 1)
     step = interpolate(sizes, ms, 1)
-    return Plan(drafts, round(expected, 4), round(verify, 3), round(step, 3), round(expected * step / verify, 4))
+    spent = interpolate(sizes, draft, drafts + 1) if draft is not None and drafts > 0 else 0.0
+    return Plan(drafts, round(expected, 4), round(verify, 3), round(step, 3),
+                round(expected * step / (verify + spent), 4), round(spent, 3))
 
 
 def best_size(sizes: Sequence[int], ms: Sequence[float], table: Sequence[Sequence[float]],
-              max_nodes: int = 64) -> Plan:
-    """The draft budget s in 0..max_nodes-1 that maximises E[tokens](s) / t(s + 1) (ties: the smaller s)."""
-    plans = [plan(sizes, ms, expected_tokens(table, s), s) for s in range(max_nodes)]
+              max_nodes: int = 64, draft: Sequence[float] | None = None) -> Plan:
+    """The draft budget s in 0..max_nodes-1 that maximises E[tokens](s) / (t(s + 1) + d(s)) (ties: the smaller s);
+    without a draft curve, d = 0."""
+    plans = [plan(sizes, ms, expected_tokens(table, s), s, draft) for s in range(max_nodes)]
     return max(plans, key=lambda p: (p.predicted_speedup, -p.size))
 
 
@@ -233,17 +281,18 @@ def write(curves: Sequence[Curve], out_dir: Path, title: str = "") -> list[Path]
 
 # -- the harness's use: tree.size=auto, and the predicted speedup beside the measured one ---------------------------
 
-def auto_size(kind: str, config: dict[str, Any], curve: Curve) -> Plan:
-    """The best draft budget for this export on this curve (`tree.size=auto`)."""
+def auto_size(kind: str, config: dict[str, Any], curve: Curve, draft: Sequence[float] | None = None) -> Plan:
+    """The best draft budget for this export on this curve and the drafter's draft curve (`tree.size=auto`)."""
     table = acceptance_table(kind, config)
     if table is None:
         need = "medusa_topk_accuracy" if kind == "medusa" else "val_step_top1"
         raise UserError(f"tree.size=auto needs the export's acceptance estimates ({need} in its config.json), and "
                         f"this export has none. Give a number (tree.size=16), or re-export with a current train.py.")
-    return best_size(curve.sizes, curve.ms, table)
+    return best_size(curve.sizes, curve.ms, table, draft=draft)
 
 
-def predict(kind: str, config: dict[str, Any], drafter: Any, curve: Curve) -> Plan | None:
+def predict(kind: str, config: dict[str, Any], drafter: Any, curve: Curve,
+            draft: Sequence[float] | None = None) -> Plan | None:
     """What the curve predicts for the drafter as built (Medusa: its fixed tree; EAGLE: its node budget, as a
     chain estimate), or None without acceptance estimates."""
     table = acceptance_table(kind, config)
@@ -251,35 +300,51 @@ def predict(kind: str, config: dict[str, Any], drafter: Any, curve: Curve) -> Pl
         return None
     if kind == "medusa":
         tree = drafter.tree
-        return plan(curve.sizes, curve.ms, 1.0 + sum(tree_values(tree, table)), tree.num_drafts)
-    return plan(curve.sizes, curve.ms, expected_tokens(table, drafter.size), drafter.size)
+        return plan(curve.sizes, curve.ms, 1.0 + sum(tree_values(tree, table)), tree.num_drafts, draft)
+    return plan(curve.sizes, curve.ms, expected_tokens(table, drafter.size), drafter.size, draft)
 
 
 def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[str, Any], policy: Any,
-            prefix_ids: Any) -> tuple[Any, list[Curve], Plan | None]:
-    """`python -m eval`'s curves: with profile=true or tree.size=auto, the run's dtype and threads first (the one
-    tree.size=auto and the prediction use), then with profile=true every other `profile_dtypes` x `profile_threads`.
-    Returns the tree policy (size resolved), the curves and the plan tree.size=auto chose (or None)."""
+            prefix_ids: Any, build: Callable[[Any], Any]) -> tuple[Any, list[Curve], Plan | None, list[float] | None]:
+    """`python -m eval`'s curves and its drafter. With profile=true or tree.size=auto: the run's dtype and threads
+    first (the curve tree.size=auto and the prediction use) and the drafter's draft curve with the same threads, then
+    with profile=true every other `profile_dtypes` x `profile_threads`. `build(policy)` makes the drafter; for
+    tree.size=auto a probe drafter with the largest budget is timed first, then the drafter is built with the budget
+    chosen. Returns the drafter, the curves, the plan tree.size=auto chose (or None) and the draft curve (or None)."""
     from eval.tree import AutoTree
     from models.verifier import load_verifier
 
     auto = isinstance(policy, AutoTree) and policy.size == "auto"
     if not (cfg.get("profile") or auto):
-        return policy, [], None
+        return build(policy), [], None, None
     prefix = torch.tensor([prefix_ids()], device=verifier.device)
     engine, threads, dtype = str(cfg.get("engine", "auto")), int(cfg.threads), str(cfg.dtype)
     curves = [measure(verifier, prefix, threads, engine)]
-    planned = None
+
+    def drafting(drafter: Any) -> list[float] | None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return draft_curve(verifier, drafter, prefix, curves[0].sizes, engine)
+        finally:
+            torch.set_num_threads(before)
+
+    planned, draft = None, None
     if auto:
-        planned = auto_size(kind, config, curves[0])
+        auto_size(kind, config, curves[0])  # refuses an export without acceptance estimates before anything is built
+        draft = drafting(build(AutoTree(size=max(SIZES) - 1)))
+        planned = auto_size(kind, config, curves[0], draft)
         policy = AutoTree(size=planned.size)
+    drafter = build(policy)
+    if draft is None:
+        draft = drafting(drafter)
     if cfg.get("profile"):
         for other_dtype in cfg.get("profile_dtypes") or [dtype]:
             other = verifier if other_dtype == dtype else load_verifier(source, str(other_dtype), str(cfg.device),
                                                                         cfg.get("cache_dir"))
             curves += [measure(other, prefix, int(t), engine) for t in cfg.get("profile_threads") or [threads]
                        if (other_dtype, int(t)) != (dtype, threads)]
-    return policy, curves, planned
+    return drafter, curves, planned, draft
 
 
 # -- the evaluation dtype: bf16 where the machine computes it natively ----------------------------------------------

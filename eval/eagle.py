@@ -230,6 +230,21 @@ class EagleDrafter:
         tree, drafts = self._expand(root_out, self.depth, self.topk, self.size)
         return Draft(tree=tree, tokens=torch.cat([root, drafts.to(root.dtype)[None]], dim=1))  # (1, N)
 
+    @torch.no_grad()
+    def trial(self, input_ids: Tensor, hidden: Tensor, drafts: int) -> Tree | None:
+        """One round's drafting as `propose` does it (feed the new features, grow `drafts` nodes), leaving the
+        drafter's cache as it was: what eval.cost.draft_curve times for each budget."""
+        keys = self._k, self._v
+        try:
+            root_out = self._extend(input_ids, hidden)
+            if drafts == 0:
+                return None
+            if self.sampling is not None:
+                return self._sample_tree(root_out, self.depth, self.topk, drafts)[0]
+            return self._expand(root_out, self.depth, self.topk, drafts)[0]
+        finally:
+            self._k, self._v = keys
+
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         """Roll back to the accepted prefix. The cache already holds committed positions only (drafted keys never
         enter it), so this records that the next round brings 1 + num_accepted new positions."""

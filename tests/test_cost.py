@@ -40,6 +40,19 @@ def test_best_size_follows_the_curve():
     assert cost.best_size(SIZES, free, ACCURACY).size == 63
 
 
+def test_draft_time_enters_the_prediction():
+    flat = [10.0] * len(SIZES)
+    draft = [2.0 * n for n in SIZES]  # drafting costs 2 ms a node
+    p = cost.best_size(SIZES, flat, ACCURACY, draft=draft)
+    for s in (0, 3, p.size):
+        q = cost.plan(SIZES, flat, cost.expected_tokens(ACCURACY, s), s, draft)
+        assert q.draft_ms == (0.0 if s == 0 else cost.interpolate(SIZES, draft, s + 1))
+        assert q.predicted_speedup == pytest.approx(cost.expected_tokens(ACCURACY, s) * 10 / (10 + q.draft_ms), abs=1e-4)
+        assert p.predicted_speedup >= q.predicted_speedup
+    assert 0 < p.size < 63  # free verification alone would take all 63 (test_best_size_follows_the_curve)
+    assert cost.best_size(SIZES, flat, ACCURACY, draft=[100.0] * len(SIZES)).size == 0  # drafting dearer than it pays
+
+
 def test_auto_size_needs_the_exports_estimates():
     curve = cost.Curve("float32", 1, "hf", SIZES, [10.0] * 7, [], [], {})
     with pytest.raises(UserError, match="val_step_top1"):
@@ -89,7 +102,10 @@ def test_profile_and_auto_size_in_the_harness(tiny, tmp_path):
     assert first["sizes"] == list(cost.SIZES) and all(t > 0 for t in first["ms"])
     assert all(b > 0 for b in first["bound_memory_ms"] + first["bound_compute_ms"])
     model = profile["cost_model"]
-    expected = cost.best_size(first["sizes"], first["ms"], ACCURACY)
+    draft = model["draft_curve_ms"]  # Medusa: one propose, the same at every size
+    assert len(draft) == len(first["sizes"]) and draft[0] > 0 and len(set(draft)) == 1
+    expected = cost.best_size(first["sizes"], first["ms"], ACCURACY, draft=draft)
+    assert model["draft_ms"] == (draft[0] if expected.size else 0.0)
     assert model["tree_size_auto"] and model["size"] == expected.size
     assert profile["tree"]["num_nodes"] == expected.size + 1  # the drafter was built with the chosen budget
     assert model["predicted_speedup"] == expected.predicted_speedup

@@ -249,3 +249,22 @@ def test_bounded_frontier_grows_the_same_dynamic_tree(varied, kind):
             full = drafter._expand(root_out, depth, topk, total, bound_frontier=False)
             assert bounded[0] == full[0] and torch.equal(bounded[1], full[1]), (seed, depth, topk, total)
             assert bounded[0].num_drafts == total
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trial_drafts_like_propose_and_leaves_the_cache(varied, kind):
+    """EagleDrafter.trial (what eval.cost.draft_curve times) grows the tree the next propose grows with the same
+    features, for any budget, and leaves the drafter's cache as it was, so that decoding continues after it."""
+    net = random_net(kind, varied, seed=3)
+    ids = varied.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
+    step = kv.forward(varied.model, kv.new_cache(), ids, hidden_layers=random_net(kind, varied).feature_layers)
+    seq = torch.cat([ids, step.logits[:, -1:].argmax(-1)], dim=1)
+    prefix, new = seq[:, :-1], step.hidden[:, -1:]  # the prefill stops one position short; a round brings the last
+    for size in (1, 4, 9):
+        drafter = EagleDrafter(net, varied, DynamicTree(size=size, depth=4, topk=3))
+        drafter.propose(prefix, step.hidden[:, :-1])
+        drafter.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+        keys = drafter._k.clone()
+        trees = [drafter.trial(seq, new, size) for _ in range(2)]
+        assert drafter.cache_length == ids.shape[1] - 1 and torch.equal(drafter._k, keys)
+        assert trees[0] == trees[1] == drafter.propose(seq, new).tree and trees[0].num_drafts == size
