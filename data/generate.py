@@ -22,10 +22,14 @@ batch 48, 200 keys, bf16, 1 thread: 2.2 ms a layer with a padding mask and 13 ms
 there. `decode_attention` computes one-token queries as grouped matmuls (each KV head's query group is one matrix)
 and leaves every longer forward to SDPA; `generate_refill` switches the model to it for its duration. Data building
 only: the decode loops of eval/ keep their own attention, whose numerics the exactness tests pin.
+
+Linears: in bf16 on a CPU, F.linear reorders each weight into oneDNN's layout on every call; `generate_refill` runs
+them through prepacked copies instead (`models.packed.packed_linears`, made once per call, freed after).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,6 +38,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from models.packed import packed_linears
 from models.verifier import Verifier
 
 
@@ -154,6 +159,7 @@ def generate_refill(
     stop_ids: Sequence[int] | None = None,
     refill_at: int | None = None,
     on_done: Callable[[int, list[int]], None] | None = None,
+    pack: bool = True,
 ) -> list[list[int]]:
     """Answer every prompt (token ids); returns the new ids of each, ending with the stop token when it stopped.
 
@@ -162,6 +168,7 @@ def generate_refill(
         refill_at: refill when this many slots are free (default: a quarter of the batch), so prefills come in
             groups rather than one row at a time.
         on_done: called with (prompt index, answer) as each answer finishes (progress bars).
+        pack: run the model's bf16 linears through prepacked weights on a CPU (models.packed; the same tokens).
     """
     model, device = verifier.model, verifier.device
     stops = set(stop_ids if stop_ids is not None else [verifier.tokenizer.eos_token_id])
@@ -176,7 +183,7 @@ def generate_refill(
         if on_done is not None:
             on_done(i, answers[i])
 
-    with decode_attention_for(model):
+    with decode_attention_for(model), (packed_linears(model) if pack else contextlib.nullcontext()):
         while queue or batch.rows:
             free = batch_size - len(batch.rows)
             if queue and (free >= refill_at or not batch.rows):

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from eval.kv import ForwardOutput
 from models.errors import UserError
+from models.packed import Linear, can_pack  # noqa: F401  (re-exported: eval.engine.Linear)
 
 SUPPORTED = ("llama", "mistral", "qwen2")  # same block as Llama; Qwen2 adds q/k/v biases
 WINDOW = 16  # the most recent keys of each token are attended in path order (trees up to this deep)
@@ -74,36 +75,6 @@ def min_invariant_rows(
             )
     _MIN_ROWS[key] = worst
     return worst
-
-
-def can_pack(weight: Tensor) -> bool:
-    """oneDNN's prepacked linear applies: a bf16 weight on a CPU build with mkldnn."""
-    return (
-        weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
-class Linear:
-    """y = x W^T + b, one kernel for every row count. With `packed` (bf16 on CPU: `can_pack`), the weight is
-    reordered once into oneDNN's blocked layout and every call runs the prepacked kernel (what inductor's freezing
-    pass does); F.linear on a bf16 CPU tensor reorders the whole weight on each call, so a one-token step, which
-    reads each weight once, paid for it twice (measured: a bf16 step of the default verifier 50.6 -> 39.9 ms on one
-    thread, bitwise the same logits). Otherwise plain F.linear."""
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, packed: bool) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.bias = bias
-        self.packed = packed and can_pack(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if not self.packed:
-            return F.linear(x, self.weight, self.bias)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
 
 
 def packed_head(lm_head: nn.Module) -> nn.Module | Linear:

@@ -31,20 +31,29 @@ from models.verifier import build_tiny, load_smollm2  # noqa: E402
 from train.medusa import MedusaModule  # noqa: E402
 
 
-def bench_generation(verifier, prompts: list[list[int]], new_tokens: int, batch_size: int) -> dict[str, float]:
+def bench_generation(verifier, prompts: list[list[int]], new_tokens: int, batch_size: int,
+                     single: bool = True) -> dict[str, float]:
     # Warm up both paths first (kernel selection, allocator): the first calls are not what we compare.
     generate_answers(verifier, prompts[:batch_size], 4, 0.0, batch_size, seed=0, desc="warm-up")
     verifier.model.generate(torch.tensor([prompts[0]], device=verifier.device), max_new_tokens=4, do_sample=False,
                             top_k=None, top_p=None, pad_token_id=verifier.tokenizer.pad_token_id)
-    t0 = time.perf_counter()
-    answers = generate_answers(verifier, prompts, new_tokens, 0.0, batch_size, seed=0, desc="batched")
-    batched_s = time.perf_counter() - t0
-    batched_tokens = sum(len(a) for a in answers)
+    if single:
+        t0 = time.perf_counter()
+        answers = generate_answers(verifier, prompts, new_tokens, 0.0, batch_size, seed=0, desc="batched")
+        batched_s = time.perf_counter() - t0
+        batched_tokens = sum(len(a) for a in answers)
     generate_refill(verifier, prompts[:batch_size], 4, batch_size=batch_size)
     t0 = time.perf_counter()
     refill = generate_refill(verifier, prompts, new_tokens, batch_size=batch_size)
     refill_s = time.perf_counter() - t0
     refill_tokens = sum(len(a) for a in refill)
+    t0 = time.perf_counter()
+    unpacked = generate_refill(verifier, prompts, new_tokens, batch_size=batch_size, pack=False)
+    unpacked_s = time.perf_counter() - t0
+    out = {"refill_tok_s": refill_tokens / refill_s, "tokens": refill_tokens,
+           "unpacked_tok_s": sum(len(a) for a in unpacked) / unpacked_s, "same_tokens": unpacked == refill}
+    if not single:
+        return out
     t0 = time.perf_counter()
     single_tokens = 0
     for p in prompts:
@@ -53,8 +62,7 @@ def bench_generation(verifier, prompts: list[list[int]], new_tokens: int, batch_
                                       pad_token_id=verifier.tokenizer.pad_token_id)
         single_tokens += out.shape[1] - len(p)
     single_s = time.perf_counter() - t0
-    return {"batched_tok_s": batched_tokens / batched_s, "single_tok_s": single_tokens / single_s,
-            "refill_tok_s": refill_tokens / refill_s, "tokens": refill_tokens}
+    return out | {"batched_tok_s": batched_tokens / batched_s, "single_tok_s": single_tokens / single_s}
 
 
 def bench_training(verifier, batches: list[dict[str, torch.Tensor]], steps: int, bf16: bool) -> float:
@@ -86,6 +94,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is faster on a shared, loaded box)")
     ap.add_argument("--generation-only", action="store_true", help="skip the training benchmark")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="only this verifier dtype (generation)")
+    ap.add_argument("--refill-only", action="store_true",
+                    help="generation: only refill batching, prepacked linears against F.linear")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.threads:
@@ -98,12 +108,16 @@ def main() -> None:
         for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
             verifier = load(cache_dir=args.cache_dir, dtype=dtype, device="cpu")
             prompts = [prompt_ids(verifier.tokenizer, c.messages) for c in convs]
-            g = bench_generation(verifier, prompts, args.new_tokens, args.batch_size)
+            g = bench_generation(verifier, prompts, args.new_tokens, args.batch_size, single=not args.refill_only)
             print(f"verifier {dtype} prompts={args.prompts} new_tokens={args.new_tokens} batch={args.batch_size} "
                   f"threads={torch.get_num_threads()} answer tokens={g['tokens']}")
-            print(f"  refill batching   {g['refill_tok_s']:8.1f} tok/s  {g['refill_tok_s'] / g['single_tok_s']:5.2f}x")
-            print(f"  fixed batches     {g['batched_tok_s']:8.1f} tok/s  {g['batched_tok_s'] / g['single_tok_s']:5.2f}x")
-            print(f"  one at a time     {g['single_tok_s']:8.1f} tok/s  1.00x")
+            print(f"  refill batching, prepacked linears {g['refill_tok_s']:8.1f} tok/s  "
+                  f"{g['refill_tok_s'] / g['unpacked_tok_s']:5.2f}x F.linear's, same tokens: {g['same_tokens']}")
+            print(f"  refill batching, F.linear          {g['unpacked_tok_s']:8.1f} tok/s")
+            if not args.refill_only:
+                print(f"  fixed batches     {g['batched_tok_s']:8.1f} tok/s  {g['batched_tok_s'] / g['single_tok_s']:5.2f}x")
+                print(f"  one at a time     {g['single_tok_s']:8.1f} tok/s  1.00x  (refill: "
+                      f"{g['refill_tok_s'] / g['single_tok_s']:.2f}x)")
         print(f"load average after: {os.getloadavg()}")
         return
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from data.chat import prompt_ids, render
@@ -311,3 +312,29 @@ def test_prompts_longer_than_max_length_are_left_out_not_prefilled(tiny, tmp_pat
     assert "1 of 4 prompts have max_length=96 tokens or more" in capsys.readouterr().out
     assert ds["id"] == [convs[i].id for i in (0, 1, 3)]
     assert all(sum(m) > 0 for m in ds["loss_mask"])
+
+
+def test_refill_through_prepacked_linears_gives_the_same_answers(one_thread):
+    """bf16 on a CPU: `generate_refill` runs every linear through a prepacked copy (models.packed) and answers with
+    the tokens F.linear gives; inside `packed_linears` the logits are bitwise F.linear's, and the modules are their
+    own again after it."""
+    from models.packed import can_pack, packed_linears
+
+    v = varied_llama()
+    v.model.to(torch.bfloat16)
+    linears = [m for m in v.model.modules() if isinstance(m, torch.nn.Linear)]
+    if not can_pack(linears[0].weight):
+        pytest.skip("no oneDNN prepacked linear on this build")
+    convs = load_conversations("builtin", split="train", limit=8)
+    prompts = [prompt_ids(v.tokenizer, c.messages) for c in convs]
+    ids = torch.tensor([prompts[0][:12], prompts[1][:12]])
+    with torch.no_grad():
+        ref = v.model(input_ids=ids).logits
+        with packed_linears(v.model) as patched:
+            assert patched == len(linears) and all("forward" in m.__dict__ for m in linears)
+            got = v.model(input_ids=ids).logits
+        assert not any("forward" in m.__dict__ for m in linears)
+    assert torch.equal(got, ref)
+    packed = generate_refill(v, prompts, 12, batch_size=3, refill_at=1)
+    plain = generate_refill(v, prompts, 12, batch_size=3, refill_at=1, pack=False)
+    assert packed == plain and len({tuple(a) for a in packed}) > 1
