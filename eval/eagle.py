@@ -112,9 +112,11 @@ class EagleDrafter:
                 bound_frontier: bool = True) -> tuple[Tree, Tensor]:
         """Grow the tree under the root from top-k drafts; returns (tree, verifier-vocabulary tokens (N-1,)).
         `bound_frontier=False` expands the topk best nodes of every layer, as EAGLE-2 does: the same tree (tested),
-        at the cost of topk drafter rows and vocabulary-head rows per layer instead of min(topk, total - depth)."""
+        at the cost of topk drafter rows and vocabulary-head rows per layer instead of at most min(topk, total -
+        depth), of which only those that can still have a kept child."""
         dev = root_out.device
         fed = _Fed(self, root_out)
+        self.rows_fed = 1  # drafter (and vocabulary-head) rows this call computes: the root, then each frontier
         logp = self.net.logits(root_out, self.lm_head).float().log_softmax(-1)  # (1, Vd)
         top = logp.topk(topk, dim=-1)  # the root's children
         # Candidates in creation order (parents first): draft token, cumulative log-prob, parent (-1 = root), rank.
@@ -131,7 +133,16 @@ class EagleDrafter:
             width = min(topk, total - d, layer.numel()) if bound_frontier else min(topk, layer.numel())
             if width <= 0:
                 break
-            pick = (layer.topk(width).indices + layer_lo).sort().values.tolist()
+            pick = layer.topk(width).indices + layer_lo
+            if bound_frontier and score.numel() >= total:
+                # ... and only nodes that beat the total-th best candidate so far: a child scores at most its parent,
+                # and, created after every candidate already there, loses a tie to them in the stable rerank, so the
+                # children of a node scoring <= that threshold can never be kept (the threshold only rises).
+                pick = pick[score[pick] > score.topk(total).values[-1]]
+                if pick.numel() == 0:
+                    break
+            pick = pick.sort().values.tolist()
+            self.rows_fed += len(pick)
             # 2. One drafter forward over the frontier (eval.eagle._Fed).
             out = fed.feed(pick, self.net.draft_to_target(tok[pick]), [int(parent[c]) for c in pick], d)  # (m, D)
             # 3. Their children: topk each, scored by the cumulative log-prob of the whole path.
@@ -179,6 +190,7 @@ class EagleDrafter:
         children's scores) would decide m_u."""
         dev = root_out.device
         fed = _Fed(self, root_out)
+        self.rows_fed = 1  # drafter (and vocabulary-head) rows this call computes: the root, then each frontier
         # Candidates in creation order (parents first, siblings together): token (verifier id), parent (-1 = root),
         # the distribution it was drawn from, cumulative log p.
         tokens: list[int] = []

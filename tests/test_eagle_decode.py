@@ -234,21 +234,27 @@ def test_bounded_frontier_grows_the_same_dynamic_tree(varied, kind):
     that expanding the topk best of every layer (EAGLE-2's rule) keeps, for budgets below, at and above topk. (A
     frontier of one node fails it; the bound's own tightness, a rare configuration with random nets, rests on the
     argument in EagleDrafter._expand.)"""
-    for seed in range(4):
+    saved = deepest = 0
+    for seed, scale in enumerate([0.3, 0.3, 1.0, 2.0, 3.0, 4.0]):
         net = random_net(kind, varied, seed=seed)
-        with torch.no_grad():  # flatter drafts, so that second-best branches win places in the budget
+        with torch.no_grad():  # flatter drafts (second-best branches win places) to peaked ones (deep chains)
             for p in net.parameters():
-                p.mul_(0.3)
+                p.mul_(scale)
         drafter = EagleDrafter(net, varied, DynamicTree(size=8, depth=4, topk=6))
         ids = varied.tokenizer(PROMPTS[seed % len(PROMPTS)], return_tensors="pt").input_ids
         step = kv.forward(varied.model, kv.new_cache(), ids, hidden_layers=drafter.feature_layers)
         seq = torch.cat([ids, step.logits[:, -1:].argmax(-1)], dim=1)
         root_out = drafter._extend(seq, step.hidden)
-        for depth, topk, total in [(4, 6, 1), (4, 6, 2), (4, 6, 3), (4, 4, 4), (3, 4, 5), (5, 3, 7), (3, 6, 12)]:
+        for depth, topk, total in [(4, 6, 1), (4, 6, 2), (4, 6, 3), (4, 4, 4), (3, 4, 5), (5, 3, 7), (3, 6, 12),
+                                   (5, 6, 10), (5, 8, 16)]:
             bounded = drafter._expand(root_out, depth, topk, total)
+            rows = drafter.rows_fed
             full = drafter._expand(root_out, depth, topk, total, bound_frontier=False)
             assert bounded[0] == full[0] and torch.equal(bounded[1], full[1]), (seed, depth, topk, total)
-            assert bounded[0].num_drafts == total
+            assert bounded[0].num_drafts == total and rows <= drafter.rows_fed
+            saved += drafter.rows_fed - rows
+            deepest = max(deepest, bounded[0].max_depth)
+    assert deepest >= 4 and saved > 0  # deep trees were grown, and the bounds left rows out
 
 
 @pytest.mark.parametrize("kind", KINDS)
