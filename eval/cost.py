@@ -93,9 +93,9 @@ def _tree(n: int) -> Tree:
 
 def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] = SIZES, engine: str = "auto",
                   reps: int = 3) -> list[float]:
-    """Least ms (of `reps` interleaved rounds) of one verifier forward over n tokens (a one-token step for n = 1, a tree of n nodes
-    otherwise) after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops' path
-    (eval.decode)."""
+    """Least ms (of `reps` interleaved rounds) of one verifier forward over n tokens (a one-token step for n = 1, a
+    tree of n nodes otherwise) after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops'
+    path (eval.decode)."""
     from eval.decode import _Verify  # eval.decode imports nothing from here
 
     if max(sizes) > 64 or min(sizes) < 1:
@@ -123,9 +123,9 @@ def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] =
 
 def draft_curve(verifier: Verifier, drafter: Any, prefix_ids: Tensor, sizes: Sequence[int] = SIZES,
                 engine: str = "auto", reps: int = 3) -> list[float] | None:
-    """Least ms (of `reps` interleaved rounds) of one round's drafting with s = n - 1 drafts, for each n in `sizes`, after the prefix
-    `prefix_ids` (1, P) in steady state (the previous round accepted nothing, so one new position comes in). EAGLE:
-    `EagleDrafter.trial` (its layer over the new features, then growing s nodes, each depth a drafter forward and a
+    """Least ms (of `reps` interleaved rounds) of one round's drafting with s = n - 1 drafts, for each n in `sizes`,
+    after the prefix `prefix_ids` (1, P) in steady state (the previous round accepted nothing, so one new position
+    comes in). EAGLE: `EagleDrafter.trial` (its layer over the new features, then growing s nodes, each depth a drafter forward and a
     head over the frontier); Medusa: one `propose`, the same for every s (its heads run once a round whatever the
     tree; the tree only indexes their top-k). None for other drafters."""
     from eval.decode import _Verify
@@ -305,7 +305,8 @@ def predict(kind: str, config: dict[str, Any], drafter: Any, curve: Curve,
 
 
 def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[str, Any], policy: Any,
-            prefix_ids: Any, build: Callable[[Any], Any]) -> tuple[Any, list[Curve], Plan | None, list[float] | None]:
+            prefix_ids: Any, build: Callable[[Any], Any]
+            ) -> tuple[Any, list[Curve], Plan | None, list[float] | None]:
     """`python -m eval`'s curves and its drafter. With profile=true or tree.size=auto: the run's dtype and threads
     first (the curve tree.size=auto and the prediction use) and the drafter's draft curve with the same threads, then
     with profile=true every other `profile_dtypes` x `profile_threads`. `build(policy)` makes the drafter; for

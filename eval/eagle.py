@@ -190,7 +190,6 @@ class EagleDrafter:
         children's scores) would decide m_u."""
         dev = root_out.device
         fed = _Fed(self, root_out)
-        self.rows_fed = 1  # drafter (and vocabulary-head) rows this call computes: the root, then each frontier
         # Candidates in creation order (parents first, siblings together): token (verifier id), parent (-1 = root),
         # the distribution it was drawn from, cumulative log p.
         tokens: list[int] = []

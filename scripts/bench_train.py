@@ -115,7 +115,8 @@ def main() -> None:
                   f"{g['refill_tok_s'] / g['unpacked_tok_s']:5.2f}x F.linear's, same tokens: {g['same_tokens']}")
             print(f"  refill batching, F.linear          {g['unpacked_tok_s']:8.1f} tok/s")
             if not args.refill_only:
-                print(f"  fixed batches     {g['batched_tok_s']:8.1f} tok/s  {g['batched_tok_s'] / g['single_tok_s']:5.2f}x")
+                ratio = g['batched_tok_s'] / g['single_tok_s']
+                print(f"  fixed batches     {g['batched_tok_s']:8.1f} tok/s  {ratio:5.2f}x")
                 print(f"  one at a time     {g['single_tok_s']:8.1f} tok/s  1.00x  (refill: "
                       f"{g['refill_tok_s'] / g['single_tok_s']:.2f}x)")
         print(f"load average after: {os.getloadavg()}")

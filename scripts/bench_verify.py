@@ -54,7 +54,9 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile(engine.forward) over F.linear (inductor cannot lower the prepacked op); TORCHINDUCTOR_FREEZING=1 for its freezing pass")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time torch.compile(engine.forward) over F.linear (inductor cannot lower the prepacked "
+                         "op); TORCHINDUCTOR_FREEZING=1 for its freezing pass")
     args = ap.parse_args()
     tree = auto_tree([[0.6, 0.75, 0.8, 0.85]] * 4, NODES - 1)  # a Medusa-like 17-node tree
     buf = tree_buffers(tree)

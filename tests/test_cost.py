@@ -47,7 +47,8 @@ def test_draft_time_enters_the_prediction():
     for s in (0, 3, p.size):
         q = cost.plan(SIZES, flat, cost.expected_tokens(ACCURACY, s), s, draft)
         assert q.draft_ms == (0.0 if s == 0 else cost.interpolate(SIZES, draft, s + 1))
-        assert q.predicted_speedup == pytest.approx(cost.expected_tokens(ACCURACY, s) * 10 / (10 + q.draft_ms), abs=1e-4)
+        expected = cost.expected_tokens(ACCURACY, s) * 10 / (10 + q.draft_ms)
+        assert q.predicted_speedup == pytest.approx(expected, abs=1e-4)
         assert p.predicted_speedup >= q.predicted_speedup
     assert 0 < p.size < 63  # free verification alone would take all 63 (test_best_size_follows_the_curve)
     assert cost.best_size(SIZES, flat, ACCURACY, draft=[100.0] * len(SIZES)).size == 0  # drafting dearer than it pays
