@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from eval.kv import ForwardOutput
 from models.errors import UserError
-from models.packed import Linear, can_pack  # noqa: F401  (re-exported: eval.engine.Linear)
+from models.packed import Linear, can_pack
 
 SUPPORTED = ("llama", "mistral", "qwen2")  # same block as Llama; Qwen2 adds q/k/v biases
 WINDOW = 16  # the most recent keys of each token are attended in path order (trees up to this deep)
