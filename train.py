@@ -11,6 +11,7 @@ callbacks, trainer -> fit (a divergence guard keeps checkpoints/last-good.ckpt) 
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 
 import hydra
@@ -84,6 +85,8 @@ def _run(cfg: DictConfig) -> Path:
         logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "verifier_fingerprint": verifier.fingerprint})
     # Resuming loads tensors and plain values only (resolve_ckpt has already read the file so, for older Lightning).
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
+    if cfg.get("validate_only"):
+        return revalidate(cfg, trainer, model, datamodule, ckpt_path, safe)
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **safe)
     if trainer.checkpoint_callback is not None and not trainer.fast_dev_run:
         # ModelCheckpoint saves every N steps; also keep the final state, so `ckpt_path=last` with a larger
@@ -96,6 +99,29 @@ def _run(cfg: DictConfig) -> Path:
     if logger and hasattr(logger, "experiment") and hasattr(logger.experiment, "finish"):
         logger.experiment.finish()
     return Path(cfg.callbacks.export.dirpath)
+
+
+def revalidate(cfg: DictConfig, trainer: L.Trainer, model: L.LightningModule, datamodule: L.LightningDataModule,
+               ckpt_path: str | None, safe: dict) -> Path:
+    """`validate_only=true`: validate the checkpoint on the run's held-out split and write the export again from it,
+    so it carries the validation figures this train.py records. Figures only training measures (the last epoch's
+    training accuracy) come from the checkpoint, or, for one written before checkpoints kept them, from the previous
+    export of the same run (same trained_steps)."""
+    if ckpt_path is None:
+        raise UserError("validate_only=true validates a trained checkpoint: add ckpt_path=last (this run's) or "
+                        "ckpt_path=<file.ckpt>.")
+    trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, **safe)
+    dirpath = Path(cfg.callbacks.export.dirpath)
+    previous = dirpath / "config.json"
+    old = json.loads(previous.read_text()) if previous.is_file() else {}
+    if old.get("trained_steps") == model.trained_steps:
+        if not model.train_summary and "train_depth1_top1" in old:
+            model.train_summary = {"train_depth1_top1": old["train_depth1_top1"]}
+        if getattr(model, "draft_vocab_coverage", 0) is None:  # EAGLE-3's is counted when training starts
+            model.draft_vocab_coverage = old.get("draft_vocab_coverage")
+    if trainer.is_global_zero:
+        model.export(dirpath)
+    return dirpath
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -7,9 +7,9 @@ what this machine allows: a step must read every weight once (weight bytes / rea
 weight and token (FLOPs / matmul peak), so the bound is the larger of the two.
 
 With a drafter's acceptance estimates, E[tokens per round](s) for a tree of s drafts is 1 + the sum of its nodes'
-path-acceptance probabilities (Medusa: eval.tree.auto_tree's node values from the export's top-k table; EAGLE: a
-chain from the export's per-step top-1 accuracies `val_step_top1`, which says nothing about siblings, so it never
-asks for more nodes than its depth). A round also pays the drafter: `draft_curve` measures d(s), the ms one round's
+path-acceptance probabilities: eval.tree.auto_tree's node values from the export's top-k table (Medusa: per head;
+EAGLE: per unrolled step, `eagle_topk_accuracy`; an older EAGLE export's `val_step_top1` is a chain, which says
+nothing about siblings, so it never asks for more nodes than its depth). A round also pays the drafter: `draft_curve` measures d(s), the ms one round's
 drafting takes for s drafts on the same prefix (EAGLE: feeding the round's new features, then growing s nodes; Medusa:
 its heads and top-k, the same for every s). The best size maximises E[tokens](s) / (t(s + 1) + d(s)); the predicted
 speedup over plain decoding is E[tokens](s) * t(1) / (t(s + 1) + d(s)). What else a round costs (acceptance, commit,
@@ -176,10 +176,14 @@ def tree_values(tree: Tree, topk_accuracy: Sequence[Sequence[float]]) -> list[fl
 
 
 def acceptance_table(kind: str, config: dict[str, Any]) -> list[list[float]] | None:
-    """The drafter's acceptance estimates as a cumulative top-k table (Medusa: its own; EAGLE: top-1 per step, as a
-    conditional chain), or None when the export records none."""
+    """The drafter's acceptance estimates as a cumulative top-k table, one row per depth, or None when the export
+    records none. Medusa: its heads' top-k table. EAGLE: `eagle_topk_accuracy`, the top-k at each unrolled step
+    where the chain of top-1 drafts reaches it; an older export has only `val_step_top1`, read as a chain (nothing on
+    siblings, so a plan from it never asks for more nodes than its depth)."""
     if kind == "medusa":
         return config.get("medusa_topk_accuracy") or None
+    if config.get("eagle_topk_accuracy"):
+        return config["eagle_topk_accuracy"]
     top1 = config.get("val_step_top1")
     return [[float(p)] for p in top1] if top1 else None
 
@@ -285,7 +289,7 @@ def auto_size(kind: str, config: dict[str, Any], curve: Curve, draft: Sequence[f
     """The best draft budget for this export on this curve and the drafter's draft curve (`tree.size=auto`)."""
     table = acceptance_table(kind, config)
     if table is None:
-        need = "medusa_topk_accuracy" if kind == "medusa" else "val_step_top1"
+        need = "medusa_topk_accuracy" if kind == "medusa" else "eagle_topk_accuracy or val_step_top1"
         raise UserError(f"tree.size=auto needs the export's acceptance estimates ({need} in its config.json), and "
                         f"this export has none. Give a number (tree.size=16), or re-export with a current train.py.")
     return best_size(curve.sizes, curve.ms, table, draft=draft)
@@ -293,8 +297,8 @@ def auto_size(kind: str, config: dict[str, Any], curve: Curve, draft: Sequence[f
 
 def predict(kind: str, config: dict[str, Any], drafter: Any, curve: Curve,
             draft: Sequence[float] | None = None) -> Plan | None:
-    """What the curve predicts for the drafter as built (Medusa: its fixed tree; EAGLE: its node budget, as a
-    chain estimate), or None without acceptance estimates."""
+    """What the curve predicts for the drafter as built (Medusa: its fixed tree; EAGLE: the best tree of its node
+    budget under its table), or None without acceptance estimates."""
     table = acceptance_table(kind, config)
     if table is None:
         return None

@@ -27,6 +27,11 @@ def test_expected_tokens_are_the_tree_node_values():
     assert cost.tree_values(chain(5), ACCURACY)[-1] == 0.0  # no fifth head in the table: never right
     eagle = cost.acceptance_table("eagle3", {"val_step_top1": [0.7, 0.5]})
     assert cost.expected_tokens(eagle, 10) == pytest.approx(1 + 0.7 + 0.35)  # a chain: siblings unknown
+    # With its per-depth top-k table an EAGLE export plans trees with siblings, and the table wins over the chain.
+    table = [[0.5, 0.7], [0.4, 0.6]]
+    eagle = cost.acceptance_table("eagle", {"eagle_topk_accuracy": table, "val_step_top1": [0.9, 0.9]})
+    assert eagle == table
+    assert cost.expected_tokens(eagle, 3) == pytest.approx(1 + 0.5 + 0.2 + 0.5 * 0.4)  # (0), (1), (0, 0)
 
 
 def test_best_size_follows_the_curve():

@@ -12,7 +12,7 @@ from helpers import compose_train
 from models.eagle import build_eagle, step_inputs, unroll_mask
 from models.export import load_export, save_export
 from models.errors import UserError
-from train.eagle import draft_vocab_from_counts
+from train.eagle import draft_vocab_from_counts, validation_summary, validation_tallies
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
         "data.val_fraction=0.25", "model.draft_vocab_size=256"]
@@ -40,6 +40,19 @@ def test_training_time_test_mask():
                            [1, 1, 1, 0, 0, 1, 0, 0, 1]]
     padded = unroll_mask(torch.tensor([[True, True, False]]), 1)[0, 0].int()
     assert padded[2, :3].tolist() == [1, 1, 0]  # padding keys are never attended
+
+
+def test_validation_tallies_condition_each_depth_on_the_chain_reaching_it():
+    # 3 unrolled steps over 4 positions; rank 0 = the draft's top-1, 100 = no target.
+    valid = torch.tensor([[[1, 1, 1, 1]], [[1, 1, 1, 0]], [[1, 1, 0, 0]]], dtype=torch.bool)
+    rank = torch.tensor([[[0, 0, 2, 0]], [[0, 1, 0, 100]], [[3, 0, 100, 100]]])
+    correct = (rank == 0) & valid
+    out = validation_summary(validation_tallies(correct, valid, rank, topk=3))
+    assert out["val_step_top1"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])  # every valid target of the step
+    assert out["estimated_tau"] == pytest.approx(1 + (2 + 1 + 0 + 1) / 4)  # accepted chains 2, 1, 0, 1
+    # The chain reaches step 1 at positions 0 and 1 (step 0 right there), step 2 at position 0 only.
+    table = torch.tensor(out["eagle_topk_accuracy"])
+    assert torch.allclose(table, torch.tensor([[3 / 4, 3 / 4, 1.0], [1 / 2, 1.0, 1.0], [0.0, 0.0, 0.0]]))
 
 
 def test_draft_vocab_round_trip(tiny):
@@ -143,6 +156,10 @@ def test_eagle3_learns_and_logs_step_accuracies(train_script, tmp_path):
     export = train_script.run(cfg)
     config = json.loads((export / "config.json").read_text())
     assert len(config["val_step_top1"]) == 4 and 1.0 <= config["estimated_tau"] <= 5.0
+    table = config["eagle_topk_accuracy"]  # per depth, top-1..top-10 where the chain reaches it
+    assert len(table) == 4 and all(len(row) == 10 for row in table)
+    assert all(0 <= a <= b <= 1 for row in table for a, b in zip(row, row[1:]))
+    assert table[0][0] == pytest.approx(config["val_step_top1"][0], abs=1e-6)  # depth 1: every valid position
     assert 0 < config["draft_vocab_coverage"] <= 1
     import csv
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import ROOT, compose_train
-from models.errors import NonFiniteLossError
+from models.errors import NonFiniteLossError, UserError
 from models.export import load_export
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
@@ -70,6 +70,26 @@ def test_resume_from_last_checkpoint(train_script, tmp_path):
     assert torch.load(last, weights_only=False)["global_step"] == 7
     resumed_steps = [int(r["step"]) for r in _metrics(tmp_path) if r.get("train/loss")]
     assert sorted(resumed_steps) == list(range(7))  # steps 0-3 from the first run, 4-6 resumed, none repeated
+
+
+def test_validate_only_rewrites_the_export_from_the_checkpoint(train_script, tmp_path):
+    """An export trained before a figure was recorded gets it from its checkpoint, with the training record kept."""
+    common = [*TINY, "model=eagle", "model.val_steps=3", "logger=csv", "trainer.max_steps=4"]
+    export = train_script.run(compose_train(common, tmp_path))
+    trained = json.loads((export / "config.json").read_text())
+    weights = (export / "model.safetensors").read_bytes()
+    older = {k: v for k, v in trained.items() if k != "eagle_topk_accuracy"}  # as a previous train.py wrote it
+    older["train_depth1_top1"] = -1.0  # the checkpoint's own record wins over the export's
+    (export / "config.json").write_text(json.dumps(older))
+    with pytest.raises(UserError, match="validate_only=true validates a trained checkpoint"):
+        train_script.run(compose_train([*common, "validate_only=true"], tmp_path))
+    train_script.run(compose_train([*common, "validate_only=true", "ckpt_path=last"], tmp_path))
+    again = json.loads((export / "config.json").read_text())
+    assert again["trained_steps"] == trained["trained_steps"] == 4  # the checkpoint's steps, not the validator's 0
+    assert again["train_depth1_top1"] == pytest.approx(trained["train_depth1_top1"])  # kept in the checkpoint
+    assert again["val_step_top1"] == pytest.approx(trained["val_step_top1"])
+    assert torch.allclose(torch.tensor(again["eagle_topk_accuracy"]), torch.tensor(trained["eagle_topk_accuracy"]))
+    assert (export / "model.safetensors").read_bytes() == weights
 
 
 def test_resume_without_a_checkpoint_is_refused(train_script, tmp_path):

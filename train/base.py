@@ -12,6 +12,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
+TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
+
 
 class DrafterModule(L.LightningModule):
     """Subclasses set `self.optimizer_factory` (a partial optimizer), `self.scheduler_factory` (a partial schedule
@@ -53,3 +55,17 @@ class DrafterModule(L.LightningModule):
             # Measured on the batches as trained (EAGLE: noisy input features), while the weights moved over the epoch.
             self.train_summary = {"train_depth1_top1": hits / positions}
             self.log("train/epoch_depth1_top1", hits / positions)
+
+    # The training record travels with checkpoints, so a resumed or re-validated run exports it too.
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["train_summary"] = dict(self.train_summary)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.train_summary = dict(checkpoint.get("train_summary", {}))
+        self._loaded_steps = int(checkpoint.get("global_step", 0))
+
+    @property
+    def trained_steps(self) -> int:
+        """Optimizer steps behind these weights: the trainer's count, or the loaded checkpoint's when only validating
+        (trainer.validate restores weights, not the loop's step count)."""
+        return max(int(self.global_step), getattr(self, "_loaded_steps", 0))

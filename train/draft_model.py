@@ -136,6 +136,6 @@ class DraftModelModule(DrafterModule):
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
         """A plain HF checkpoint of the draft (k layers) with the verifier's tokenizer and fingerprint."""
-        extra = {"trained_steps": int(self.global_step), **{k.replace("/", "_"): v for k, v in self.val_metrics.items()},
+        extra = {"trained_steps": self.trained_steps, **{k.replace("/", "_"): v for k, v in self.val_metrics.items()},
                  **data_record(self._trainer)}
         return save_draft_model(self.draft, self.verifier, path, extra)

@@ -30,7 +30,7 @@ from models.errors import NonFiniteLossError, UserError
 from models.export import save_export
 from models.verifier import Verifier
 from train.fused_head import frozen_head_ce
-from train.base import DrafterModule
+from train.base import TOPK, DrafterModule
 from train.export import data_record
 from train.safety import last_good_advice
 
@@ -39,6 +39,31 @@ def draft_vocab_from_counts(counts: Tensor, size: int) -> tuple[Tensor, float]:
     """The `size` most frequent target tokens and the share of training tokens they cover."""
     top = counts.topk(size).indices
     return top, float(counts[top].sum() / counts.sum().clamp(min=1))
+
+
+def validation_tallies(correct: Tensor, valid: Tensor, rank: Tensor, topk: int = TOPK) -> dict[str, Tensor]:
+    """One validation batch's sums, from the unrolled steps' top-1 hits `correct`, `valid` targets and target `rank`
+    (S, B, n) each (rank 0 = the draft's top-1): per step, top-1 hits and valid targets; over positions whose first
+    target is valid, the accepted chain lengths and their count; and, where the chain of top-1 drafts reaches step j
+    (step 0: every valid position), how often M_q's token is within the draft's top-1..top-`topk` there."""
+    lead = (correct & valid).long().cumprod(dim=0)  # (S, B, n): steps 0..j all right
+    start = valid[0]
+    reach = torch.cat([start[None], lead[:-1].bool() & valid[1:]])  # (S, B, n)
+    within = rank[..., None] < torch.arange(1, topk + 1, device=rank.device)  # (S, B, n, topk)
+    return {"hits": correct.flatten(1).sum(1).float(), "counts": valid.flatten(1).sum(1).float(),
+            "accept": lead.sum(dim=0)[start].sum().float(), "starts": start.sum().float(),
+            "topk_hits": (within & reach[..., None]).flatten(1, 2).sum(1).float(),  # (S, topk)
+            "reached": reach.flatten(1).sum(1).float()}
+
+
+def validation_summary(agg: dict[str, Tensor]) -> dict[str, Any]:
+    """What exports record from the summed tallies: `val_step_top1` (each step's top-1 over its valid targets),
+    `estimated_tau` (1 + the mean accepted chain) and `eagle_topk_accuracy` (S, topk), the cumulative top-k where
+    the chain reaches each step: the per-depth table tree planning reads (eval.cost.acceptance_table)."""
+    acc = agg["hits"] / agg["counts"].clamp(min=1)
+    tau = 1 + agg["accept"] / agg["starts"].clamp(min=1)
+    topk = agg["topk_hits"] / agg["reached"].clamp(min=1)[:, None]
+    return {"val_step_top1": acc.tolist(), "estimated_tau": float(tau), "eagle_topk_accuracy": topk.tolist()}
 
 
 class EagleModule(DrafterModule):
@@ -186,12 +211,7 @@ class EagleModule(DrafterModule):
         steps = max(self.hparams.ttt_steps, self.hparams.val_steps)
         res = self.model_step(batch, steps, train=False)
         self.log("val/loss", self._loss(res["losses"]), prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        c, v = res["correct"], res["valid"]  # (S, B, n)
-        # Chain acceptance from each position whose first target is valid: leading run of correct steps.
-        run = (c & v).long().cumprod(dim=0).sum(dim=0)  # (B, n)
-        start = v[0]
-        stats = {"hits": c.flatten(1).sum(1).float(), "counts": v.flatten(1).sum(1).float(),
-                 "accept": run[start].sum().float(), "starts": start.sum().float()}
+        stats = validation_tallies(res["correct"], res["valid"], res["rank"])
         for key, val in stats.items():
             self._val[key] = self._val.get(key, 0) + val
 
@@ -200,16 +220,15 @@ class EagleModule(DrafterModule):
             return
         agg = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val.items()}
         self._val = {}
-        acc = agg["hits"] / agg["counts"].clamp(min=1)
-        for j, a in enumerate(acc):
+        summary = validation_summary(agg)
+        for j, a in enumerate(summary["val_step_top1"]):
             self.log(f"val/step{j}_top1", a)
-        tau = 1 + agg["accept"] / agg["starts"].clamp(min=1)
-        self.log("val/estimated_tau", tau, prog_bar=True)
+        self.log("val/estimated_tau", summary["estimated_tau"], prog_bar=True)
         if not self.trainer.sanity_checking:
-            self.val_summary = {"val_step_top1": acc.tolist(), "estimated_tau": float(tau)}
+            self.val_summary = summary
 
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
-        extra = {**self.val_summary, **self.train_summary, "trained_steps": int(self.global_step), "drafter": NAMES[self.net.kind],
+        extra = {**self.val_summary, **self.train_summary, "trained_steps": self.trained_steps, "drafter": NAMES[self.net.kind],
                  "draft_vocab_coverage": self.draft_vocab_coverage, **data_record(self._trainer)}
         return save_export(self.net, self.verifier, path, extra)

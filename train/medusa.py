@@ -21,11 +21,10 @@ from models.export import save_export
 from models.medusa import MedusaHeads, medusa_targets
 from train.fused_head import frozen_head_ce
 from models.verifier import Verifier
-from train.base import DrafterModule
+from train.base import TOPK, DrafterModule
 from train.export import data_record
 from train.safety import last_good_advice
 
-TOPK = 10  # accuracies recorded for tree construction: top-1 .. top-10 per head
 
 
 class MedusaModule(DrafterModule):
@@ -149,6 +148,6 @@ class MedusaModule(DrafterModule):
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
         """Write the heads in vLLM's Medusa layout, with the verifier fingerprint and per-head top-k accuracies."""
-        extra = {"medusa_topk_accuracy": self.topk_accuracy, "trained_steps": int(self.global_step),
+        extra = {"medusa_topk_accuracy": self.topk_accuracy, "trained_steps": self.trained_steps,
                  **self.train_summary, **data_record(self._trainer)}
         return save_export(self.heads, self.verifier, path, extra)
