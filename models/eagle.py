@@ -296,12 +296,15 @@ def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tens
 
 
 def target_rank(p_logits: Tensor, target: Tensor, t2d: Tensor | None = None) -> Tensor:
-    """Rank of each target (a verifier id) in the draft logits: 0 if it is the draft's top-1. With `t2d` (EAGLE-3)
-    the logits are over the draft vocabulary; a target outside it gets the verifier's vocabulary size. (N, V) -> (N,)"""
+    """Rank of each target (a verifier id) in the draft logits: 0 if it is the draft's top-1 (`argmax`), ties broken
+    by the lower id as `argmax` breaks them (bf16 logits tie often; counting a tie as top-1 would flatter the
+    tables). With `t2d` (EAGLE-3) the logits are over the draft vocabulary; a target outside it gets the verifier's
+    vocabulary size. (N, V) -> (N,)"""
     if t2d is not None:
         full = p_logits.new_full((p_logits.shape[0], t2d.numel()), float("-inf"))
         full[:, t2d] = p_logits  # draft ids are the t2d-selected target ids in ascending order
         p_logits = full
     at = p_logits.gather(1, target[:, None])  # (N, 1)
-    rank = (p_logits > at).sum(-1)
+    lower = torch.arange(p_logits.shape[-1], device=p_logits.device) < target[:, None]  # (N, V)
+    rank = ((p_logits > at) | ((p_logits == at) & lower)).sum(-1)
     return torch.where(at[:, 0] == float("-inf"), torch.full_like(rank, p_logits.shape[-1]), rank)

@@ -16,6 +16,11 @@ def test_target_rank_full_and_draft_vocabulary():
     t2d = torch.tensor([True, False, True, True])
     p3 = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])  # target 0 -> 1.0, 2 -> 3.0, 3 -> 2.0
     assert target_rank(p3, torch.tensor([3, 1]), t2d).tolist() == [1, 4]  # id 1 is outside: the vocabulary size
+    # Ties rank as argmax breaks them (the lower id first): only argmax's pick is top-1.
+    tied = torch.tensor([[2.0, 5.0, 5.0, 5.0]] * 3)
+    assert target_rank(tied, torch.tensor([1, 2, 3])).tolist() == [0, 1, 2]
+    assert int(tied[0].argmax()) == 1
+    assert target_rank(p3[:1].repeat(2, 1).index_fill(1, torch.tensor([2]), 3.0), torch.tensor([2, 3]), t2d).tolist() == [0, 1]
 
 
 def test_acceptance_tables_hand_built():
