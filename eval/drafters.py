@@ -160,18 +160,20 @@ def medusa_tree(policy: TreePolicy, heads: MedusaHeads, topk_accuracy: list[list
 
 def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpoint: str | Path | None = None,
                  net: nn.Module | None = None, sampling: SamplingConfig | None = None,
-                 generator: torch.Generator | None = None) -> Drafter:
+                 generator: torch.Generator | None = None, draft_vocab: int | None = None) -> Drafter:
     """A drafter for `verifier` proposing trees under the policy `tree`, from an export (checkpoint=<dir>; `kind`
     None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it). With `sampling`
-    (temperature > 0) it samples its proposals from its warped distribution instead of taking the top-k."""
+    (temperature > 0) it samples its proposals from its warped distribution instead of taking the top-k.
+    `draft_vocab` (EAGLE-1 exports): draft over the export's `draft_vocab` most frequent training targets only."""
     if (checkpoint is None) == (net is None):
         raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
     if kind is not None and kind not in DRAFTER_KINDS:
         raise UserError(f"drafter={kind!r} is not known; choose one of {sorted(DRAFTER_KINDS)}.")
     config: dict[str, Any] = {}
+    counts = None
     if checkpoint is not None:
         export = load_export(checkpoint, verifier, kind)
-        kind, net, config = export.kind, export.net, export.config
+        kind, net, config, counts = export.kind, export.net, export.config, export.target_counts
     elif kind is None or not isinstance(net, MedusaHeads if kind == "medusa" else EAGLE_NETS[kind]):
         found = "medusa" if isinstance(net, MedusaHeads) else getattr(net, "kind", type(net).__name__)
         raise UserError(f"net is a {NAMES.get(found, found)} drafter but was given as {NAMES.get(kind, kind)}; use "
@@ -185,9 +187,20 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
         lm_head = packed_head(verifier.lm_head) if net.share_lm_head else None
         return MedusaDrafter(net, shape, lm_head=lm_head, policy=name,
                              sampling=sampling, generator=generator)
-    from eval.eagle import EagleDrafter  # eval.eagle imports this module for Draft
+    from eval.eagle import EagleDrafter, frequent_ids  # eval.eagle imports this module for Draft
 
-    return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator)
+    head_ids = None
+    if draft_vocab is not None:
+        if kind != "eagle":
+            raise UserError(f"drafter.draft_vocab={draft_vocab} restricts an EAGLE-1 drafter's head; this is a "
+                            f"{NAMES.get(kind, kind)} drafter. Leave drafter.draft_vocab=null.")
+        if counts is None:
+            raise UserError(f"drafter.draft_vocab={draft_vocab} needs the export's training-target counts "
+                            f"(target_counts.safetensors), and {checkpoint} has none. Re-export it with a current "
+                            f"train.py (python train.py <the run's overrides> ckpt_path=last validate_only=true), or "
+                            f"leave drafter.draft_vocab=null.")
+        head_ids = frequent_ids(counts, int(draft_vocab))
+    return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids)
 
 
 DRAFTER_KINDS = ("medusa", *EAGLE_NETS)

@@ -29,8 +29,9 @@ from eval.drafters import Draft
 from eval.engine import packed_head
 from eval.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy
-from models.eagle import EagleNet
+from models.eagle import Eagle1Net, EagleNet
 from models.errors import UserError
+from models.packed import Linear, can_pack
 from models.verifier import Verifier
 
 DEFAULT = DynamicTree()  # depth 5, topk 16, 24 nodes
@@ -49,6 +50,25 @@ def dynamic_policy(policy: TreePolicy) -> DynamicTree:
                     f"from its own scores; use tree=chain, tree=auto or tree=dynamic.")
 
 
+class _Rows:
+    """A bias-free head over given weight rows, where they cannot be prepacked (fp32, or no mkldnn)."""
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def frequent_ids(counts: Tensor, size: int) -> Tensor:
+    """The `size` tokens most often a training target (ties: lower id first), for `EagleDrafter(head_ids=...)`."""
+    if not 1 <= size <= counts.numel():
+        raise UserError(f"drafter.draft_vocab={size}: give a number of tokens in 1..{counts.numel()} (the vocabulary "
+                        f"size), or null for the full vocabulary.")
+    order = torch.sort(-counts.double(), stable=True).indices
+    return order[:size]
+
+
 class EagleDrafter:
     """EAGLE-1 / EAGLE-3 drafter for the drafter protocol (eval.drafters.Drafter), with its own KV cache.
 
@@ -60,12 +80,25 @@ class EagleDrafter:
     """
 
     def __init__(self, net: EagleNet, verifier: Verifier, tree: TreePolicy = DEFAULT,
-                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None) -> None:
+                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                 head_ids: Tensor | None = None) -> None:
         self.net = net.eval().requires_grad_(False)
         self.embed, self.lm_head = verifier.model.get_input_embeddings(), packed_head(verifier.lm_head)
+        # EAGLE-1 drafting over a subset of the vocabulary (`head_ids`, verifier ids): the head is those rows of the
+        # verifier's lm_head, so a depth reads |head_ids| x D weights instead of V x D (FR-Spec, Zhao et al. 2025).
+        # Draft ids index head_ids. Exactness is the verifier's: only which tokens get drafted changes.
+        self.head_ids: Tensor | None = None
+        if head_ids is not None:
+            if not isinstance(net, Eagle1Net):
+                raise UserError("draft_vocab restricts EAGLE-1's drafting head (the verifier's lm_head); EAGLE-3 "
+                                "drafts over its own trained draft vocabulary. Leave drafter.draft_vocab=null.")
+            self.head_ids = head_ids.sort().values.to(verifier.device)
+            rows = verifier.lm_head.weight.detach()[self.head_ids]
+            self.lm_head = Linear(rows, None, True) if can_pack(rows) else _Rows(rows)
+        self.head_size = net.draft_vocab_size if self.head_ids is None else self.head_ids.numel()
         self.policy = tree
         grow = dynamic_policy(tree)
-        self.size, self.depth, self.topk = grow.size, grow.depth, min(grow.topk, net.draft_vocab_size)
+        self.size, self.depth, self.topk = grow.size, grow.depth, min(grow.topk, self.head_size)
         self.feature_layers = net.feature_layers
         self.max_nodes, self.max_depth = 1 + self.size, min(self.depth, self.size)
         self._k: Tensor | None = None  # (B, H_kv, P, hd) step-0 keys of the committed positions 0..P-1
@@ -144,7 +177,7 @@ class EagleDrafter:
             pick = pick.sort().values.tolist()
             self.rows_fed += len(pick)
             # 2. One drafter forward over the frontier (eval.eagle._Fed).
-            out = fed.feed(pick, self.net.draft_to_target(tok[pick]), [int(parent[c]) for c in pick], d)  # (m, D)
+            out = fed.feed(pick, self.to_verifier(tok[pick]), [int(parent[c]) for c in pick], d)  # (m, D)
             # 3. Their children: topk each, scored by the cumulative log-prob of the whole path.
             logits = self.net.logits(out[None], self.lm_head).float()[0]  # (m, Vd)
             top = logits.topk(topk, dim=-1)
@@ -160,14 +193,18 @@ class EagleDrafter:
         node_of = {-1: 0} | {c: i + 1 for i, c in enumerate(keep.tolist())}
         tree = Tree(parents=(-1,) + tuple(node_of[int(parent[c])] for c in keep),
                     ranks=(-1,) + tuple(int(r) for r in rank[keep]))
-        return tree, self.net.draft_to_target(tok[keep])
+        return tree, self.to_verifier(tok[keep])
+
+    def to_verifier(self, draft_ids: Tensor) -> Tensor:
+        """Verifier ids of draft ids (indices into the drafting head's rows)."""
+        return self.net.draft_to_target(draft_ids) if self.head_ids is None else self.head_ids[draft_ids]
 
     def _full_probs(self, out: Tensor) -> Tensor:
         """The drafter's warped distribution over the verifier's vocabulary. (m, D) -> (m, V)"""
         logits = self.net.logits(out[None], self.lm_head).float()[0]  # (m, Vd)
-        if logits.shape[-1] != self.vocab_size:  # EAGLE-3: draft ids -> verifier ids, the rest impossible
+        if logits.shape[-1] != self.vocab_size:  # a draft vocabulary: draft ids -> verifier ids, the rest impossible
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-            ids = self.net.draft_to_target(torch.arange(logits.shape[-1], device=logits.device))
+            ids = self.to_verifier(torch.arange(logits.shape[-1], device=logits.device))
             logits = full.index_copy_(1, ids, logits)
         s = self.sampling
         return warp(logits, s.temperature, s.top_p, s.top_k)

@@ -34,7 +34,7 @@ def _export(checkpoint: str | Path | None, family: str) -> Path:
 def export(verifier: Verifier, tree: TreePolicy, checkpoint: str | Path | None, kind: str | None = None,
            **proposals: Any) -> Drafter:
     """Medusa / EAGLE / EAGLE-3 from an export; `kind` None takes the export's own, else refuses another kind.
-    `proposals`: sampling= and generator= for sampled drafts (eval.drafters.make_drafter)."""
+    `proposals`: sampling= and generator= for sampled drafts, draft_vocab= (eval.drafters.make_drafter)."""
     return make_drafter(kind, verifier, tree, checkpoint=_export(checkpoint, kind or "export"), **proposals)
 
 

@@ -33,6 +33,7 @@ from models.verifier import Verifier, check_fingerprint, verifier_source
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+COUNTS_NAME = "target_counts.safetensors"  # training-target counts per verifier token (EAGLE exports; optional)
 # SGLang takes the first registered name (LlamaForCausalLMEagle); vLLM resolves the list through the second
 # (EagleLlamaForCausalLM, kept as is by its EAGLEConfig). Never plain LlamaForCausalLM: SGLang would build the target.
 EAGLE_ARCHITECTURES = {"eagle": ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
@@ -51,6 +52,7 @@ class Export:
     net: MedusaHeads | EagleNet
     config: dict[str, Any]
     lm_head: Tensor | None = None
+    target_counts: Tensor | None = None  # (V,) how often each verifier token was a training target (COUNTS_NAME)
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
@@ -282,7 +284,24 @@ def load_export(path: str | Path, verifier: Verifier, kind: str | None = None) -
             tensors.pop("fc.bias")  # the zero bias the export writes for SGLang and the EAGLE repository
         net = Eagle1Net(fc_bias="fc.bias" in tensors, **lc)
     _load_state(net, tensors, path)
-    return Export(found, net.eval().requires_grad_(False), config)
+    return Export(found, net.eval().requires_grad_(False), config, target_counts=read_target_counts(path, lc["vocab_size"]))
+
+
+def read_target_counts(path: Path, vocab_size: int) -> Tensor | None:
+    """The export's training-target counts (`COUNTS_NAME`, written beside the weights; engines ignore it), or None
+    when it has none."""
+    file = path / COUNTS_NAME
+    if not file.is_file():
+        return None
+    try:
+        counts = load_file(str(file))["counts"]
+    except Exception as e:
+        raise UserError(f"{file} cannot be read ({type(e).__name__}: {e}). Delete it (the drafter works without "
+                        f"it) or re-export the drafter.") from e
+    if counts.ndim != 1 or counts.numel() != vocab_size:
+        raise UserError(f"{file} counts {counts.numel()} tokens but the verifier has {vocab_size}: it belongs to "
+                        f"another verifier. Delete it or re-export the drafter.")
+    return counts
 
 
 # -- writing ---------------------------------------------------------------------------------------------------------
@@ -351,8 +370,10 @@ def _eagle_config(net: EagleNet, verifier: Verifier) -> dict[str, Any]:
 
 
 def save_export(net: MedusaHeads | EagleNet, verifier: Verifier, path: str | Path,
-                extra: dict[str, Any] | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` for a Medusa or EAGLE drafter, atomically. Returns the directory."""
+                extra: dict[str, Any] | None = None, target_counts: Tensor | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` for a Medusa or EAGLE drafter, atomically. Returns the directory.
+    `target_counts` (V,): how often each verifier token was a training target, written as `COUNTS_NAME` beside
+    them (the decoder's `draft_vocab` reads it; serving engines ignore the file)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
     if isinstance(net, MedusaHeads):
         config = _medusa_config(net)
@@ -372,6 +393,8 @@ def save_export(net: MedusaHeads | EagleNet, verifier: Verifier, path: str | Pat
     with atomic_dir(path) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(text)
+        if target_counts is not None:
+            save_file({"counts": target_counts.detach().cpu().double().contiguous()}, str(tmp / COUNTS_NAME))
     return Path(path)
 
 

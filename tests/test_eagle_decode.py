@@ -274,3 +274,45 @@ def test_trial_drafts_like_propose_and_leaves_the_cache(varied, kind):
         trees = [drafter.trial(seq, new, size) for _ in range(2)]
         assert drafter.cache_length == ids.shape[1] - 1 and torch.equal(drafter._k, keys)
         assert trees[0] == trees[1] == drafter.propose(seq, new).tree and trees[0].num_drafts == size
+
+
+class _MaskedHead:
+    """The verifier's full head with every token outside `ids` at -inf: what a head over those rows alone must draft."""
+
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor) -> None:
+        self.weight, self.outside = weight, torch.ones(weight.shape[0], dtype=torch.bool).index_fill(0, ids, False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight).masked_fill(self.outside, float("-inf"))
+
+
+@torch.no_grad()
+def test_draft_vocab_drafts_the_full_heads_best_within_the_subset(varied, references, tmp_path):
+    net = random_net("eagle", varied, seed=7)
+    counts = torch.rand(varied.vocab_size, generator=torch.Generator().manual_seed(0))
+    path = save_export(net, varied, tmp_path / "eagle", target_counts=counts)
+    tree = DynamicTree(size=12, depth=3, topk=4)
+    small = make_drafter("eagle", varied, tree, checkpoint=path, draft_vocab=varied.vocab_size // 8)
+    ids = counts.topk(varied.vocab_size // 8).indices  # the most frequent eighth
+    assert torch.equal(small.head_ids, ids.sort().values)
+    masked = EagleDrafter(net, varied, tree)
+    masked.lm_head = _MaskedHead(varied.lm_head.weight, ids)
+    full = EagleDrafter(net, varied, tree)
+    seq_ids = varied.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
+    step = kv.forward(varied.model, kv.new_cache(), seq_ids, hidden_layers=small.feature_layers)
+    seq = torch.cat([seq_ids, step.logits[:, -1:].argmax(-1)], dim=1)
+    a, b, c = (d.propose(seq, step.hidden) for d in (small, masked, full))
+    assert a.tree == b.tree and a.tokens.tolist() == b.tokens.tolist()  # the subset's best, in verifier ids
+    assert set(a.tokens[0, 1:].tolist()) <= set(ids.tolist())
+    assert not set(c.tokens[0, 1:].tolist()) <= set(ids.tolist())  # the full head would draft other tokens
+    for prompt_ids, ref in references:  # exact whatever the head drafts over
+        assert speculative_decode(varied, small, prompt_ids, MAX_NEW).tokens[0].tolist() == ref
+    with pytest.raises(UserError, match="target_counts"):
+        make_drafter("eagle", varied, tree, checkpoint=save_export(net, varied, tmp_path / "bare"), draft_vocab=64)
+    with pytest.raises(UserError, match="draft_vocab=0"):
+        make_drafter("eagle", varied, tree, checkpoint=path, draft_vocab=0)
+    from safetensors.torch import save_file
+
+    save_file({"counts": counts[:100].double()}, str(path / "target_counts.safetensors"))  # another verifier's
+    with pytest.raises(UserError, match="another verifier"):
+        make_drafter("eagle", varied, tree, checkpoint=path, draft_vocab=64)

@@ -78,6 +78,11 @@ def test_validate_only_rewrites_the_export_from_the_checkpoint(train_script, tmp
     export = train_script.run(compose_train(common, tmp_path))
     trained = json.loads((export / "config.json").read_text())
     weights = (export / "model.safetensors").read_bytes()
+    from safetensors.torch import load_file
+
+    counts = load_file(str(export / "target_counts.safetensors"))["counts"]  # every training target, once
+    assert counts.sum() == trained["train_tokens"] and counts.numel() == 49152
+    (export / "target_counts.safetensors").unlink()  # as a previous train.py wrote it
     older = {k: v for k, v in trained.items() if k != "eagle_topk_accuracy"}  # as a previous train.py wrote it
     older["train_depth1_top1"] = -1.0  # the checkpoint's own record wins over the export's
     (export / "config.json").write_text(json.dumps(older))
@@ -90,6 +95,7 @@ def test_validate_only_rewrites_the_export_from_the_checkpoint(train_script, tmp
     assert again["val_step_top1"] == pytest.approx(trained["val_step_top1"])
     assert torch.allclose(torch.tensor(again["eagle_topk_accuracy"]), torch.tensor(trained["eagle_topk_accuracy"]))
     assert (export / "model.safetensors").read_bytes() == weights
+    assert torch.equal(load_file(str(export / "target_counts.safetensors"))["counts"], counts)
 
 
 def test_resume_without_a_checkpoint_is_refused(train_script, tmp_path):
