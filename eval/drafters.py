@@ -83,7 +83,8 @@ class MedusaDrafter:
     feature_layers = (-1,)
 
     def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: nn.Module | None = None, policy: str = "tree",
-                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None) -> None:
+                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                 head_ids: Tensor | None = None) -> None:
         if tree.max_depth > heads.num_heads:
             raise UserError(
                 f"The tree is {tree.max_depth} drafts deep but the Medusa export has {heads.num_heads} heads; "
@@ -94,11 +95,18 @@ class MedusaDrafter:
                             f"{heads.vocab_size} tokens; use ranks below {heads.vocab_size} in medusa_choices.")
         self.heads = heads.eval().requires_grad_(False)
         self.tree, self.lm_head, self.policy = tree, lm_head, policy
+        # `head_ids` (sorted verifier ids): `lm_head` is the shared head cut to those rows (eval.eagle.row_head), and
+        # draft ids index head_ids.
+        self.head_ids = head_ids
+        if head_ids is not None and max(tree.ranks[1:], default=0) >= head_ids.numel():
+            raise UserError(f"The tree asks for rank {max(tree.ranks)} of a head, but drafter.draft_vocab keeps "
+                            f"{head_ids.numel()} tokens; use a larger draft_vocab.")
         self.max_nodes, self.max_depth = tree.num_nodes, tree.max_depth
         device = next(heads.parameters(), torch.empty(0)).device
         self._depth = tree_buffers(tree).positions[1:].to(device)  # (N-1,) depth of each draft node
         self._rank = torch.tensor(tree.ranks[1:], dtype=torch.long, device=device)  # (N-1,)
         self._topk = max(tree.ranks[1:], default=-1) + 1
+        self.vocab_size = heads.vocab_size
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.generator = generator
 
@@ -124,11 +132,16 @@ class MedusaDrafter:
             return self._sample(root, head_logits)
         top = head_logits.topk(self._topk, dim=-1).indices  # (B, K, R)
         drafts = top[:, self._depth - 1, self._rank]  # (B, N-1): node i takes rank[i] of head depth[i]-1
+        if self.head_ids is not None:
+            drafts = self.head_ids[drafts]
         return Draft(tree=self.tree, tokens=torch.cat([root, drafts.to(root.dtype)], dim=1))  # (B, N)
 
     def _sample(self, root: Tensor, head_logits: Tensor) -> Draft:
         """Each draft node an independent draw from its head's warped distribution. (B, K, V) -> Draft with p."""
         s = self.sampling
+        if self.head_ids is not None:  # back to the verifier's vocabulary, every other token impossible
+            full = head_logits.new_full((*head_logits.shape[:-1], self.vocab_size), float("-inf"))
+            head_logits = full.index_copy_(-1, self.head_ids, head_logits)
         probs = warp(head_logits, s.temperature, s.top_p, s.top_k)  # (B, K, V)
         bsz, depth = root.shape[0], self._depth - 1  # (N-1,) head of each node
         drafts = torch.empty(bsz, depth.numel(), dtype=root.dtype, device=root.device)
@@ -164,7 +177,8 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
     """A drafter for `verifier` proposing trees under the policy `tree`, from an export (checkpoint=<dir>; `kind`
     None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it). With `sampling`
     (temperature > 0) it samples its proposals from its warped distribution instead of taking the top-k.
-    `draft_vocab` (EAGLE-1 exports): draft over the export's `draft_vocab` most frequent training targets only."""
+    `draft_vocab` (EAGLE-1, shared-head Medusa): draft over the export's `draft_vocab` most frequent training targets
+    only, through those rows of the verifier's lm_head."""
     if (checkpoint is None) == (net is None):
         raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
     if kind is not None and kind not in DRAFTER_KINDS:
@@ -179,27 +193,33 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
         raise UserError(f"net is a {NAMES.get(found, found)} drafter but was given as {NAMES.get(kind, kind)}; use "
                         f"make_drafter({found!r}, ...).")
     net = net.to(verifier.device)
-    if kind == "medusa":
-        shape, name = medusa_tree(tree, net, config.get("medusa_topk_accuracy"))
-        # A shared head is the verifier's own lm_head: the export's copy is the same weights (fingerprint-checked).
-        from eval.engine import packed_head  # prepacked in bf16 on CPU
-
-        lm_head = packed_head(verifier.lm_head) if net.share_lm_head else None
-        return MedusaDrafter(net, shape, lm_head=lm_head, policy=name,
-                             sampling=sampling, generator=generator)
-    from eval.eagle import EagleDrafter, frequent_ids  # eval.eagle imports this module for Draft
-
     head_ids = None
     if draft_vocab is not None:
-        if kind != "eagle":
-            raise UserError(f"drafter.draft_vocab={draft_vocab} restricts an EAGLE-1 drafter's head; this is a "
-                            f"{NAMES.get(kind, kind)} drafter. Leave drafter.draft_vocab=null.")
+        if kind == "eagle3" or (kind == "medusa" and not net.share_lm_head):
+            raise UserError(f"drafter.draft_vocab={draft_vocab} cuts the verifier's lm_head that EAGLE-1 and "
+                            f"shared-head Medusa draft through; this {NAMES.get(kind, kind)} drafter has its own head. "
+                            f"Leave drafter.draft_vocab=null.")
         if counts is None:
             raise UserError(f"drafter.draft_vocab={draft_vocab} needs the export's training-target counts "
                             f"(target_counts.safetensors), and {checkpoint} has none. Re-export it with a current "
                             f"train.py (python train.py <the run's overrides> ckpt_path=last validate_only=true), or "
                             f"leave drafter.draft_vocab=null.")
-        head_ids = frequent_ids(counts, int(draft_vocab))
+        from eval.eagle import frequent_ids  # eval.eagle imports this module for Draft
+
+        head_ids = frequent_ids(counts, int(draft_vocab)).sort().values.to(verifier.device)
+    if kind == "medusa":
+        shape, name = medusa_tree(tree, net, config.get("medusa_topk_accuracy"))
+        # A shared head is the verifier's own lm_head: the export's copy is the same weights (fingerprint-checked).
+        from eval.eagle import row_head
+        from eval.engine import packed_head  # prepacked in bf16 on CPU
+
+        lm_head = None
+        if net.share_lm_head:
+            lm_head = packed_head(verifier.lm_head) if head_ids is None else row_head(verifier, head_ids)
+        return MedusaDrafter(net, shape, lm_head=lm_head, policy=name,
+                             sampling=sampling, generator=generator, head_ids=head_ids)
+    from eval.eagle import EagleDrafter  # eval.eagle imports this module for Draft
+
     return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids)
 
 

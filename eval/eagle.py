@@ -60,6 +60,13 @@ class _Rows:
         return torch.nn.functional.linear(x, self.weight)
 
 
+def row_head(verifier: Verifier, ids: Tensor) -> Linear | _Rows:
+    """The verifier's lm_head cut to the rows `ids` (prepacked where `can_pack` holds): logits over those tokens only,
+    reading |ids| x D weights instead of V x D."""
+    rows = verifier.lm_head.weight.detach()[ids]
+    return Linear(rows, None, True) if can_pack(rows) else _Rows(rows)
+
+
 def frequent_ids(counts: Tensor, size: int) -> Tensor:
     """The `size` tokens most often a training target (ties: lower id first), for `EagleDrafter(head_ids=...)`."""
     if not 1 <= size <= counts.numel():
@@ -93,8 +100,7 @@ class EagleDrafter:
                 raise UserError("draft_vocab restricts EAGLE-1's drafting head (the verifier's lm_head); EAGLE-3 "
                                 "drafts over its own trained draft vocabulary. Leave drafter.draft_vocab=null.")
             self.head_ids = head_ids.sort().values.to(verifier.device)
-            rows = verifier.lm_head.weight.detach()[self.head_ids]
-            self.lm_head = Linear(rows, None, True) if can_pack(rows) else _Rows(rows)
+            self.lm_head = row_head(verifier, self.head_ids)
         self.head_size = net.draft_vocab_size if self.head_ids is None else self.head_ids.numel()
         self.policy = tree
         grow = dynamic_policy(tree)

@@ -33,7 +33,7 @@ from models.verifier import Verifier, check_fingerprint, verifier_source
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-COUNTS_NAME = "target_counts.safetensors"  # training-target counts per verifier token (EAGLE exports; optional)
+COUNTS_NAME = "target_counts.safetensors"  # training-target counts per verifier token (optional)
 # SGLang takes the first registered name (LlamaForCausalLMEagle); vLLM resolves the list through the second
 # (EagleLlamaForCausalLM, kept as is by its EAGLEConfig). Never plain LlamaForCausalLM: SGLang would build the target.
 EAGLE_ARCHITECTURES = {"eagle": ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
@@ -252,7 +252,8 @@ def load_export(path: str | Path, verifier: Verifier, kind: str | None = None) -
                             num_heads=config["num_heads"], num_layers=config["num_hidden_layers"], share_lm_head=shared)
         lm_head = tensors.pop("lm_head.weight", None) if shared else None
         _load_state(heads, tensors, path)
-        return Export(found, heads.eval().requires_grad_(False), config, lm_head)
+        return Export(found, heads.eval().requires_grad_(False), config, lm_head,
+                      read_target_counts(path, heads.vocab_size))
     lc = layer_config(verifier)
     _check_eagle(config, tensors, weights, lc["hidden_size"])
     if found == "eagle3":

@@ -316,3 +316,30 @@ def test_draft_vocab_drafts_the_full_heads_best_within_the_subset(varied, refere
     save_file({"counts": counts[:100].double()}, str(path / "target_counts.safetensors"))  # another verifier's
     with pytest.raises(UserError, match="another verifier"):
         make_drafter("eagle", varied, tree, checkpoint=path, draft_vocab=64)
+
+
+@torch.no_grad()
+def test_medusa_draft_vocab_takes_the_subsets_ranks(varied, references, tmp_path):
+    from eval.tree import auto_tree
+    from models.medusa import MedusaHeads
+
+    heads = MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3)
+    gen = torch.Generator().manual_seed(1)
+    for p in heads.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    counts = torch.rand(varied.vocab_size, generator=gen)
+    path = save_export(heads, varied, tmp_path / "medusa", target_counts=counts)
+    tree = auto_tree([[0.5, 0.6, 0.7]] * 3, 8)  # ranks 0-2 at every depth
+    small = make_drafter("medusa", varied, tree, checkpoint=path, draft_vocab=512)
+    ids = counts.topk(512).indices.sort().values
+    hidden = torch.randn(1, 1, varied.hidden_size, generator=gen)
+    seq = torch.tensor([[1, 2, 3]])
+    got = small.propose(seq, hidden).tokens[0, 1:]
+    h = hidden[:, -1]
+    logits = torch.stack([varied.lm_head(heads.head_features(h, k))[0] for k in range(3)])  # (K, V), full head
+    sub = logits[:, ids].topk(3, dim=-1).indices  # each head's ranks within the subset
+    want = [int(ids[sub[d - 1, r]]) for d, r in zip(tree.depths[1:], tree.ranks[1:])]
+    assert got.tolist() == want
+    assert got.tolist() != [int(logits[d - 1].topk(3).indices[r]) for d, r in zip(tree.depths[1:], tree.ranks[1:])]
+    for prompt_ids, ref in references:
+        assert speculative_decode(varied, small, prompt_ids, MAX_NEW).tokens[0].tolist() == ref

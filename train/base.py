@@ -39,6 +39,22 @@ class DrafterModule(L.LightningModule):
         tokens = batch["attention_mask"].sum().item()
         self.log("train/tokens_per_s", tokens / (time.perf_counter() - self._tick), batch_size=1)
 
+    target_counts: Tensor | None = None  # (V,) how often each token is a training target, exported beside the weights
+
+    def count_targets(self, vocab_size: int) -> Tensor | None:
+        """Count how often each token is a training target (an assistant token of the training split), for the
+        export's `target_counts.safetensors` (the decoder's `drafter.draft_vocab` keeps the most frequent). None
+        without a data module's training split."""
+        train_set = getattr(getattr(self.trainer, "datamodule", None), "train_set", None)
+        if train_set is None:
+            return None
+        counts = torch.zeros(vocab_size, dtype=torch.float64)
+        for row in train_set.with_format("python"):
+            ids = torch.tensor(row["input_ids"])
+            counts += torch.bincount(ids[torch.tensor(row["loss_mask"]).bool()], minlength=vocab_size)
+        self.target_counts = counts
+        return counts
+
     def count_depth1(self, hits: Tensor, positions: Tensor) -> None:
         """Add a training batch's depth-1 top-1 hits and scored positions to this epoch's tally."""
         step = torch.stack([hits.detach().float().sum(), positions.detach().float().sum()])

@@ -90,7 +90,6 @@ class EagleModule(DrafterModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.net = build_eagle(kind, verifier, draft_vocab_size, list(aux_layer_ids) if aux_layer_ids else None)
         self.draft_vocab_coverage: float | None = None
-        self.target_counts: Tensor | None = None
         self._val: dict[str, Tensor] = {}
         self.val_summary: dict[str, Any] = {}
 
@@ -102,17 +101,9 @@ class EagleModule(DrafterModule):
 
     # -- draft vocabulary (EAGLE-3) --------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        # How often each token is a training target: exported beside the weights (the decoder's `draft_vocab` restricts
-        # EAGLE-1's drafting head to the most frequent), and EAGLE-3's draft vocabulary when training starts.
-        train_set = getattr(getattr(self.trainer, "datamodule", None), "train_set", None)
-        if stage not in ("fit", "validate") or train_set is None:
-            return
-        counts = torch.zeros(self.net.vocab_size, dtype=torch.float64)
-        for row in train_set.with_format("python"):
-            ids = torch.tensor(row["input_ids"])
-            counts += torch.bincount(ids[torch.tensor(row["loss_mask"]).bool()], minlength=self.net.vocab_size)
-        self.target_counts = counts
-        if not isinstance(self.net, Eagle3Net) or stage != "fit":
+        # The training-target counts: exported beside the weights, and EAGLE-3's draft vocabulary when training starts.
+        counts = self.count_targets(self.net.vocab_size) if stage in ("fit", "validate") else None
+        if counts is None or not isinstance(self.net, Eagle3Net) or stage != "fit":
             return
         top, self.draft_vocab_coverage = draft_vocab_from_counts(counts, self.net.draft_vocab_size)
         self.net.set_draft_vocab(top)

@@ -145,9 +145,13 @@ class MedusaModule(DrafterModule):
             self.topk_accuracy = acc.tolist()
         self._val_hits = None
 
+    def setup(self, stage: str) -> None:
+        if stage in ("fit", "validate"):
+            self.count_targets(self.heads.vocab_size)
+
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
         """Write the heads in vLLM's Medusa layout, with the verifier fingerprint and per-head top-k accuracies."""
         extra = {"medusa_topk_accuracy": self.topk_accuracy, "trained_steps": self.trained_steps,
                  **self.train_summary, **data_record(self._trainer)}
-        return save_export(self.heads, self.verifier, path, extra)
+        return save_export(self.heads, self.verifier, path, extra, target_counts=self.target_counts)
