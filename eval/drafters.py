@@ -23,6 +23,7 @@ from models.eagle import EAGLE_NETS, NAMES
 from models.errors import UserError
 from models.export import load_export
 from models.medusa import MedusaHeads
+from models.packed import Linear, can_pack
 from models.verifier import Verifier
 
 
@@ -95,7 +96,7 @@ class MedusaDrafter:
                             f"{heads.vocab_size} tokens; use ranks below {heads.vocab_size} in medusa_choices.")
         self.heads = heads.eval().requires_grad_(False)
         self.tree, self.lm_head, self.policy = tree, lm_head, policy
-        # `head_ids` (sorted verifier ids): `lm_head` is the shared head cut to those rows (eval.eagle.row_head), and
+        # `head_ids` (sorted verifier ids): `lm_head` is the shared head cut to those rows (row_head), and
         # draft ids index head_ids.
         self.head_ids = head_ids
         if head_ids is not None and max(tree.ranks[1:], default=0) >= head_ids.numel():
@@ -155,6 +156,32 @@ class MedusaDrafter:
         pass  # Medusa heads keep no state between rounds
 
 
+class _Rows:
+    """A bias-free head over given weight rows, where they cannot be prepacked (fp32, or no mkldnn)."""
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def row_head(verifier: Verifier, ids: Tensor) -> Linear | _Rows:
+    """The verifier's lm_head cut to the rows `ids` (prepacked where `can_pack` holds): logits over those tokens only,
+    reading |ids| x D weights instead of V x D."""
+    rows = verifier.lm_head.weight.detach()[ids]
+    return Linear(rows, None, True) if can_pack(rows) else _Rows(rows)
+
+
+def frequent_ids(counts: Tensor, size: int) -> Tensor:
+    """The `size` tokens most often a training target (ties: lower id first), for the drafters' `head_ids`."""
+    if not 1 <= size <= counts.numel():
+        raise UserError(f"drafter.draft_vocab={size}: give a number of tokens in 1..{counts.numel()} (the vocabulary "
+                        f"size), or null for the full vocabulary.")
+    order = torch.sort(-counts.double(), stable=True).indices
+    return order[:size]
+
+
 def medusa_tree(policy: TreePolicy, heads: MedusaHeads, topk_accuracy: list[list[float]] | None) -> tuple[Tree, str]:
     """The fixed tree a Medusa drafter proposes under `policy`, and the policy's name."""
     if isinstance(policy, Tree):
@@ -204,13 +231,10 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
                             f"(target_counts.safetensors), and {checkpoint} has none. Re-export it with a current "
                             f"train.py (python train.py <the run's overrides> ckpt_path=last validate_only=true), or "
                             f"leave drafter.draft_vocab=null.")
-        from eval.eagle import frequent_ids  # eval.eagle imports this module for Draft
-
         head_ids = frequent_ids(counts, int(draft_vocab)).sort().values.to(verifier.device)
     if kind == "medusa":
         shape, name = medusa_tree(tree, net, config.get("medusa_topk_accuracy"))
         # A shared head is the verifier's own lm_head: the export's copy is the same weights (fingerprint-checked).
-        from eval.eagle import row_head
         from eval.engine import packed_head  # prepacked in bf16 on CPU
 
         lm_head = None

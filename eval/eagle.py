@@ -25,13 +25,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters import Draft
+from eval.drafters import Draft, row_head
 from eval.engine import packed_head
 from eval.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy
 from models.eagle import Eagle1Net, EagleNet
 from models.errors import UserError
-from models.packed import Linear, can_pack
 from models.verifier import Verifier
 
 DEFAULT = DynamicTree()  # depth 5, topk 16, 24 nodes
@@ -48,32 +47,6 @@ def dynamic_policy(policy: TreePolicy) -> DynamicTree:
         return DynamicTree(size=policy.size, depth=DEFAULT.depth, topk=DEFAULT.topk)
     raise UserError(f"tree={type(policy).__name__} does not fit an EAGLE drafter, which grows its tree each round "
                     f"from its own scores; use tree=chain, tree=auto or tree=dynamic.")
-
-
-class _Rows:
-    """A bias-free head over given weight rows, where they cannot be prepacked (fp32, or no mkldnn)."""
-
-    def __init__(self, weight: Tensor) -> None:
-        self.weight = weight
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return torch.nn.functional.linear(x, self.weight)
-
-
-def row_head(verifier: Verifier, ids: Tensor) -> Linear | _Rows:
-    """The verifier's lm_head cut to the rows `ids` (prepacked where `can_pack` holds): logits over those tokens only,
-    reading |ids| x D weights instead of V x D."""
-    rows = verifier.lm_head.weight.detach()[ids]
-    return Linear(rows, None, True) if can_pack(rows) else _Rows(rows)
-
-
-def frequent_ids(counts: Tensor, size: int) -> Tensor:
-    """The `size` tokens most often a training target (ties: lower id first), for `EagleDrafter(head_ids=...)`."""
-    if not 1 <= size <= counts.numel():
-        raise UserError(f"drafter.draft_vocab={size}: give a number of tokens in 1..{counts.numel()} (the vocabulary "
-                        f"size), or null for the full vocabulary.")
-    order = torch.sort(-counts.double(), stable=True).indices
-    return order[:size]
 
 
 class EagleDrafter:
