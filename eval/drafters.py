@@ -21,7 +21,7 @@ from eval.sampling import SamplingConfig, warp
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy, auto_tree, chain, describe, tree_buffers
 from models.eagle import EAGLE_NETS, NAMES
 from models.errors import UserError
-from models.export import load_export
+from models.export import frequent_ids, load_export
 from models.medusa import MedusaHeads
 from models.packed import Linear, can_pack
 from models.verifier import Verifier
@@ -173,15 +173,6 @@ def row_head(verifier: Verifier, ids: Tensor) -> Linear | _Rows:
     return Linear(rows, None, True) if can_pack(rows) else _Rows(rows)
 
 
-def frequent_ids(counts: Tensor, size: int) -> Tensor:
-    """The `size` tokens most often a training target (ties: lower id first), for the drafters' `head_ids`."""
-    if not 1 <= size <= counts.numel():
-        raise UserError(f"drafter.draft_vocab={size}: give a number of tokens in 1..{counts.numel()} (the vocabulary "
-                        f"size), or null for the full vocabulary.")
-    order = torch.sort(-counts.double(), stable=True).indices
-    return order[:size]
-
-
 def medusa_tree(policy: TreePolicy, heads: MedusaHeads, topk_accuracy: list[list[float]] | None) -> tuple[Tree, str]:
     """The fixed tree a Medusa drafter proposes under `policy`, and the policy's name."""
     if isinstance(policy, Tree):
@@ -205,7 +196,8 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
     None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it). With `sampling`
     (temperature > 0) it samples its proposals from its warped distribution instead of taking the top-k.
     `draft_vocab` (EAGLE-1, shared-head Medusa): draft over the export's `draft_vocab` most frequent training targets
-    only, through those rows of the verifier's lm_head."""
+    only, through those rows of the verifier's lm_head. None: the export's `train_vocab` (Medusa heads trained over
+    that many rows), else the full vocabulary."""
     if (checkpoint is None) == (net is None):
         raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
     if kind is not None and kind not in DRAFTER_KINDS:
@@ -220,6 +212,8 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
         raise UserError(f"net is a {NAMES.get(found, found)} drafter but was given as {NAMES.get(kind, kind)}; use "
                         f"make_drafter({found!r}, ...).")
     net = net.to(verifier.device)
+    if draft_vocab is None and config.get("train_vocab"):
+        draft_vocab = config["train_vocab"]  # heads trained over those rows draft over them (train.medusa)
     head_ids = None
     if draft_vocab is not None:
         if kind == "eagle3" or (kind == "medusa" and not net.share_lm_head):
@@ -231,7 +225,7 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
                             f"(target_counts.safetensors), and {checkpoint} has none. Re-export it with a current "
                             f"train.py (python train.py <the run's overrides> ckpt_path=last validate_only=true), or "
                             f"leave drafter.draft_vocab=null.")
-        head_ids = frequent_ids(counts, int(draft_vocab)).sort().values.to(verifier.device)
+        head_ids = frequent_ids(counts, int(draft_vocab)).to(verifier.device)
     if kind == "medusa":
         shape, name = medusa_tree(tree, net, config.get("medusa_topk_accuracy"))
         # A shared head is the verifier's own lm_head: the export's copy is the same weights (fingerprint-checked).

@@ -305,6 +305,16 @@ def read_target_counts(path: Path, vocab_size: int) -> Tensor | None:
     return counts
 
 
+def frequent_ids(counts: Tensor, size: int, setting: str = "drafter.draft_vocab") -> Tensor:
+    """The `size` tokens most often a training target in `counts` (V,) (ties: lower id first), sorted by id: the rows
+    of the verifier's lm_head a lean drafting head keeps (`setting` names the option in errors)."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= counts.numel():
+        raise UserError(f"{setting}={size!r}: give a number of tokens in 1..{counts.numel()} (the vocabulary size), "
+                        f"or null for the full vocabulary.")
+    order = torch.sort(-counts.double(), stable=True).indices
+    return order[:size].sort().values
+
+
 # -- writing ---------------------------------------------------------------------------------------------------------
 
 def _verifier_keys(verifier: Verifier) -> dict[str, Any]:

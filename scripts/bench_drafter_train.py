@@ -2,6 +2,7 @@
 
     python scripts/bench_drafter_train.py                        # Medusa, EAGLE-1, EAGLE-3 on the default verifier
     python scripts/bench_drafter_train.py --drafters eagle3 --batch-size 16 --seq-len 512 --steps 6
+    python scripts/bench_drafter_train.py --drafters medusa medusa_lean --train-vocab 4096   # model.train_vocab
 
 One batch of `batch_size` sequences of `seq_len` tokens (the first 40% a prompt, the rest assistant tokens, as in
 self-distilled data), its hidden states computed once by the verifier and fed as the `hidden` cache tensor the data
@@ -31,8 +32,12 @@ from train.medusa import MedusaModule  # noqa: E402
 
 def make_module(kind: str, verifier, args: argparse.Namespace):
     opt = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
-    if kind == "medusa":
-        return MedusaModule(verifier, optimizer=opt, num_heads=args.medusa_heads)
+    if kind in ("medusa", "medusa_lean"):
+        lean = min(args.train_vocab, verifier.vocab_size) if kind == "medusa_lean" else None
+        module = MedusaModule(verifier, optimizer=opt, num_heads=args.medusa_heads, train_vocab=lean)
+        if lean:  # which rows does not change the cost (train.py keeps the most frequent targets')
+            module.set_train_vocab(torch.randperm(verifier.vocab_size)[:lean].sort().values)
+        return module
     if kind == "eagle":
         return EagleModule(verifier, optimizer=opt, kind="eagle", ttt_steps=1)
     aux = [1, verifier.num_layers // 2, verifier.num_layers - 1] if verifier.num_layers >= 3 else [0, 1]
@@ -46,7 +51,8 @@ def flops_per_token(kind: str, verifier, module, args: argparse.Namespace) -> fl
     1x for frozen ones whose input needs a gradient)."""
     d, v = verifier.hidden_size, verifier.vocab_size
     head = 2 * d * v
-    if kind == "medusa":
+    if kind in ("medusa", "medusa_lean"):
+        head = 2 * d * (v if module.head_ids is None else module.head_ids.numel())
         block = 2 * d * d * module.hparams.num_layers
         return args.medusa_heads * (3 * block + 2 * head)  # frozen shared head: forward + input gradient
     net = module.net
@@ -77,6 +83,7 @@ def main() -> None:
     ap.add_argument("--medusa-heads", type=int, default=4)
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--train-vocab", type=int, default=4096, help="medusa_lean: Medusa with model.train_vocab=N")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
     args = ap.parse_args()
@@ -108,7 +115,7 @@ def main() -> None:
         for step in range(args.steps + 1):
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                if kind == "medusa":
+                if kind.startswith("medusa"):
                     loss = module.model_step(batch, train=True)[0]
                 else:
                     loss = module._loss(module.model_step(batch, module.hparams.ttt_steps, train=True)["losses"])

@@ -194,10 +194,13 @@ def test_a_malicious_checkpoint_is_refused_without_running_its_code(train_script
 # -- bad input ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("override,match", [("model.num_heads=0", "model.num_heads=0: give a whole number"),
                                             ("model.decay=0", "model.decay=0: .* above 0"),
-                                            ("model.decay=-0.5", "model.decay=-0.5")])
+                                            ("model.decay=-0.5", "model.decay=-0.5"),
+                                            ("model.train_vocab=0", "model.train_vocab=0: give a number of tokens"),
+                                            ("model.train_vocab=64 model.share_lm_head=false",
+                                             "train_vocab=64 cuts the verifier's shared lm_head.*share_lm_head=false")])
 def test_bad_medusa_settings_are_one_message(train_script, tmp_path, override, match):
     with pytest.raises(Exception) as err:  # Hydra's instantiate wraps it; entry points print the UserError alone
-        train_script.run(compose_train([*TINY, override], tmp_path))
+        train_script.run(compose_train([*TINY, *override.split()], tmp_path))
     assert re.search(match, str(user_error(err.value))), err.value
 
 

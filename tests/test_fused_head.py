@@ -77,3 +77,42 @@ def test_eagle1_training_step_losses_equal_the_unfused_ones():
     torch.testing.assert_close(torch.stack(fused["losses"]), torch.stack(plain["losses"]), atol=1e-5, rtol=1e-5)
     assert torch.equal(fused["correct"], plain["correct"]) and torch.equal(fused["valid"], plain["valid"])
     assert fused["valid"].any()
+
+
+def test_medusa_train_vocab_is_the_full_heads_loss_over_the_kept_rows():
+    """model.train_vocab: training and validation score each head over the kept rows of the shared head only; a
+    target outside them leaves the loss and counts as a miss. Checked against the full head's logits cut to the rows."""
+    from helpers import varied_llama
+    from data.hidden_cache import gather_layers
+    from models.medusa import medusa_targets
+    from train.medusa import MedusaModule
+
+    v = varied_llama()
+    module = MedusaModule(v, optimizer=lambda params: torch.optim.AdamW(params), num_heads=3, train_vocab=300)
+    for block in module.heads.blocks:  # non-zero blocks, so each head differs
+        for layer in block.layers:
+            torch.nn.init.normal_(layer.weight, std=0.2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 200, (2, 24), generator=g)  # 200 distinct tokens at most: many share a row
+    mask = torch.zeros_like(ids)
+    mask[:, 8:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+    targets = ids[:, 8:].unique()
+    keep = torch.cat([targets[::2], 1000 + torch.randperm(40000, generator=g)[:300 - len(targets[::2])]]).sort().values
+    module.set_train_vocab(keep)
+    hidden = gather_layers(batch, [-1], v, [-1])[-1]
+    ref_losses, ref_hits, ref_counts = [], [], []
+    for k, (tgt, valid) in enumerate(medusa_targets(ids, mask, 3)):
+        tgt = tgt[valid]
+        rows = F.linear(module.heads.head_features(hidden[valid], k), v.lm_head.weight)[:, keep]  # (N, 300)
+        inside = torch.isin(tgt, keep)
+        assert inside.any() and not inside.all()  # some targets kept, some dropped
+        local = torch.searchsorted(keep, tgt[inside])
+        ref_losses.append(F.cross_entropy(rows[inside], local))
+        ref_hits.append((keep[rows.topk(10).indices] == tgt[:, None]).float().sum(0).cumsum(0))
+        ref_counts.append(float(tgt.numel()))
+    for train in (True, False):
+        _, losses, hits, counts = module.model_step(batch, train=train)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hits, torch.stack(ref_hits)[:, : hits.shape[1]])
+        assert counts.tolist() == ref_counts  # dropped targets are counted: misses, not left out

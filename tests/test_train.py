@@ -211,3 +211,29 @@ def test_train_depth1_top1_is_the_last_epochs_tally(tmp_path):
     L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, default_root_dir=tmp_path).fit(module, data)
     assert module.train_summary == {"train_depth1_top1": 0.5}
+
+
+def test_medusa_train_vocab_is_exported_and_the_decoder_drafts_over_it(train_script, tmp_path):
+    """model.train_vocab=N: the rows are the training split's N most frequent targets, the export records N, and
+    the decoder drafts over those rows unless drafter.draft_vocab says otherwise."""
+    from safetensors.torch import load_file
+
+    from eval.drafters import make_drafter
+    from eval.tree import Chain
+
+    from helpers import varied_llama
+
+    varied = ["verifier.seed=1", "+verifier.layer_std=0.3"]  # varied_llama(): its answers are not one token repeated
+    cfg = compose_train([*TINY, *varied, "model=medusa", "model.train_vocab=64", "logger=csv", "trainer.max_steps=2"],
+                        tmp_path)
+    export = train_script.run(cfg)
+    tiny = varied_llama()
+    config = json.loads((export / "config.json").read_text())
+    assert config["train_vocab"] == 64
+    counts = load_file(str(export / "target_counts.safetensors"))["counts"]
+    drafter = make_drafter(None, tiny, Chain(), checkpoint=export)
+    assert drafter.head_ids.numel() == 64
+    # The 64 most frequent targets: every kept count is at least every dropped one.
+    kept = torch.zeros_like(counts, dtype=torch.bool).index_fill(0, drafter.head_ids, True)
+    assert counts[kept].min() >= counts[~kept].max() and counts[kept].min() > 0
+    assert make_drafter(None, tiny, Chain(), checkpoint=export, draft_vocab=128).head_ids.numel() == 128

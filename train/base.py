@@ -22,6 +22,7 @@ class DrafterModule(L.LightningModule):
     _tick = 0.0
     _train_d1: Tensor | None = None  # (hits, positions) of depth-1 top-1 over this epoch's training batches
     train_summary: dict[str, float] = {}
+    target_counts: Tensor | None = None  # (V,) how often each token is a training target, exported beside the weights
 
     def configure_optimizers(self) -> Any:
         opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
@@ -38,8 +39,6 @@ class DrafterModule(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
         tokens = batch["attention_mask"].sum().item()
         self.log("train/tokens_per_s", tokens / (time.perf_counter() - self._tick), batch_size=1)
-
-    target_counts: Tensor | None = None  # (V,) how often each token is a training target, exported beside the weights
 
     def count_targets(self, vocab_size: int) -> Tensor | None:
         """Count how often each token is a training target (an assistant token of the training split), for the

@@ -17,14 +17,13 @@ from torch import Tensor
 
 from data.hidden_cache import gather_layers
 from models.errors import NonFiniteLossError, UserError
-from models.export import save_export
+from models.export import frequent_ids, save_export
 from models.medusa import MedusaHeads, medusa_targets
-from train.fused_head import frozen_head_ce
 from models.verifier import Verifier
+from train.fused_head import frozen_head_ce
 from train.base import TOPK, DrafterModule
 from train.export import data_record
 from train.safety import last_good_advice
-
 
 
 class MedusaModule(DrafterModule):
@@ -38,6 +37,11 @@ class MedusaModule(DrafterModule):
         scheduler: partial LR schedule taking (optimizer, num_warmup_steps, num_training_steps), or None.
         decay: head k's loss weight is decay^(k-1), as in the Medusa reference.
         warmup_ratio: fraction of the optimisation steps spent in linear warmup.
+        train_vocab: with the shared head, train (and validate) over the N tokens most often a training target
+            only: the heads' logits are those N rows of the verifier's lm_head, a target outside them is dropped from
+            the loss and counts as a miss in the accuracies. The export records it and the decoder drafts over the
+            same rows (eval.drafters' draft_vocab). A training step then reads N x D head weights per head instead of
+            V x D. null: the full vocabulary.
     """
 
     def __init__(
@@ -50,8 +54,16 @@ class MedusaModule(DrafterModule):
         num_heads: int = 4,
         num_layers: int = 1,
         share_lm_head: bool = True,
+        train_vocab: int | None = None,
     ) -> None:
         super().__init__()
+        if train_vocab is not None and not share_lm_head:
+            raise UserError(f"model.train_vocab={train_vocab} cuts the verifier's shared lm_head, but "
+                            f"model.share_lm_head=false gives each head its own full projection. Use one of the two.")
+        if train_vocab is not None and (isinstance(train_vocab, bool) or not isinstance(train_vocab, int)
+                                        or not 1 <= train_vocab <= verifier.vocab_size):
+            raise UserError(f"model.train_vocab={train_vocab!r}: give a number of tokens in 1..{verifier.vocab_size} "
+                            f"(the verifier's vocabulary), or null for all of them.")
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise UserError(f"model.num_heads={num_heads!r}: give a whole number of heads, at least 1 (default 4).")
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay > 0:
@@ -67,6 +79,9 @@ class MedusaModule(DrafterModule):
         )
         self.topk_accuracy: list[list[float]] | None = None
         self._val_hits: Tensor | None = None
+        self.head_ids: Tensor | None = None  # with train_vocab: the kept verifier ids, sorted (set in setup)
+        self._local: Tensor | None = None  # (V,) verifier id -> row of head_ids, -1 outside
+        self._rows: Tensor | None = None  # the lm_head's head_ids rows, cut once per device and dtype
 
     hidden_layers = [-1]  # verifier hidden states training reads: the final-normed last layer (the lm_head input)
 
@@ -74,31 +89,40 @@ class MedusaModule(DrafterModule):
     def model_step(self, batch: dict[str, Tensor], train: bool = False) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
         """Returns (loss, per-head losses, per-head hit counts (K, TOPK): top-1..top-10 in validation, top-1 only in
         training (K, 1), per-head counts (K,)). Training with the shared frozen head runs the fused, chunked
-        cross-entropy (train/fused_head.py): same loss and gradient, without the (N, V) tensors."""
+        cross-entropy (train/fused_head.py): same loss and gradient, without the (N, V) tensors. With `train_vocab`, the
+        logits are the kept rows' only."""
         if self.verifier.device != self.device:
             self.verifier.to(self.device)
         hidden = gather_layers(batch, self.hidden_layers, self.verifier, [-1])[-1]  # (B, T, D), no grad
-        lm_head = self.verifier.lm_head
+        lm_head, ids = self.verifier.lm_head, self.head_ids
+        weight = lm_head.weight if ids is None else self._head_rows(lm_head.weight)  # (V or N, D), frozen
         K = self.heads.num_heads
         loss = hidden.new_zeros((), dtype=torch.float32)
         head_losses, hits, counts = [], [], []
         for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], K)):
-            tgt = targets[valid]  # (N,)
-            if train and self.heads.share_lm_head and tgt.numel():
-                per_row, arg, _ = frozen_head_ce(self.heads.head_features(hidden[valid], k), lm_head.weight, labels=tgt)
+            tgt = targets[valid]  # (N,) verifier ids
+            # Row indices into `weight`: the ids themselves, or their rows among head_ids (-1: not a drafting row).
+            local = tgt if ids is None else self._local[tgt]
+            kept = local >= 0
+            if train and self.heads.share_lm_head and kept.any():
+                feats = self.heads.head_features(hidden[valid] if ids is None else hidden[valid][kept], k)
+                per_row, arg, _ = frozen_head_ce(feats, weight, labels=local[kept])
                 ce = per_row.mean()
                 loss = loss + self.hparams.decay**k * ce
                 head_losses.append(ce.detach())
-                hits.append((arg == tgt).float().sum()[None])
+                hits.append((arg == local[kept]).float().sum()[None])  # a dropped target is a miss
                 counts.append(torch.tensor(float(tgt.numel()), device=self.device))
                 continue
-            logits = self.heads.head_logits(hidden[valid], k, lm_head).float()  # (N, V): only assistant targets
-            ce = F.cross_entropy(logits, tgt) if tgt.numel() else logits.sum() * 0.0
+            if self.heads.share_lm_head:
+                logits = F.linear(self.heads.head_features(hidden[valid], k).to(weight.dtype), weight).float()
+            else:
+                logits = self.heads.head_logits(hidden[valid], k).float()  # (N, V): only assistant targets
+            ce = F.cross_entropy(logits[kept], local[kept]) if kept.any() else logits.sum() * 0.0
             loss = loss + self.hparams.decay**k * ce
             head_losses.append(ce.detach())
             with torch.no_grad():
-                top = logits.topk(min(1 if train else TOPK, logits.shape[-1]), dim=-1).indices  # (N, TOPK)
-                hit_at = (top == tgt[:, None]).float().sum(0).cumsum(0)  # hits within top-1..top-TOPK
+                top = logits.topk(min(1 if train else TOPK, logits.shape[-1]), dim=-1).indices  # (N, TOPK) rows
+                hit_at = (top == local[:, None]).float().sum(0).cumsum(0)  # hits within top-1..top-TOPK (-1: none)
                 hits.append(hit_at)
                 counts.append(torch.tensor(float(tgt.numel()), device=self.device))
         return loss, head_losses, torch.stack(hits), torch.stack(counts)
@@ -147,11 +171,31 @@ class MedusaModule(DrafterModule):
 
     def setup(self, stage: str) -> None:
         if stage in ("fit", "validate"):
-            self.count_targets(self.heads.vocab_size)
+            counts = self.count_targets(self.heads.vocab_size)
+            if self.hparams.get("train_vocab") is not None:
+                if counts is None:
+                    raise UserError("model.train_vocab needs the training split to count targets in; train through "
+                                    "train.py's data module, or leave model.train_vocab=null.")
+                self.set_train_vocab(frequent_ids(counts, self.hparams.train_vocab, "model.train_vocab"))
+
+    def set_train_vocab(self, ids: Tensor) -> None:
+        """Train and validate over the verifier ids `ids` (sorted) only."""
+        self.head_ids = ids.to(self.device)
+        self._local = torch.full((self.heads.vocab_size,), -1, dtype=torch.long, device=self.device)
+        self._local[self.head_ids] = torch.arange(ids.numel(), device=self.device)
+        self._rows = None
+
+    def _head_rows(self, weight: Tensor) -> Tensor:
+        if self._local.device != weight.device:
+            self.set_train_vocab(self.head_ids.to(weight.device))
+        if self._rows is None or self._rows.device != weight.device or self._rows.dtype != weight.dtype:
+            self._rows = weight.detach()[self.head_ids].contiguous()
+        return self._rows
 
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
         """Write the heads in vLLM's Medusa layout, with the verifier fingerprint and per-head top-k accuracies."""
         extra = {"medusa_topk_accuracy": self.topk_accuracy, "trained_steps": self.trained_steps,
+                 **({"train_vocab": int(self.head_ids.numel())} if self.head_ids is not None else {}),
                  **self.train_summary, **data_record(self._trainer)}
         return save_export(self.heads, self.verifier, path, extra, target_counts=self.target_counts)
