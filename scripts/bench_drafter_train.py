@@ -2,7 +2,8 @@
 
     python scripts/bench_drafter_train.py                        # Medusa, EAGLE-1, EAGLE-3 on the default verifier
     python scripts/bench_drafter_train.py --drafters eagle3 --batch-size 16 --seq-len 512 --steps 6
-    python scripts/bench_drafter_train.py --drafters medusa medusa_lean --train-vocab 4096   # model.train_vocab
+    python scripts/bench_drafter_train.py --drafters medusa medusa_lean eagle eagle_lean --train-vocab 4096
+        # *_lean: model.train_vocab=4096 (the kept rows hold every target of the batch)
 
 One batch of `batch_size` sequences of `seq_len` tokens (the first 40% a prompt, the rest assistant tokens, as in
 self-distilled data), its hidden states computed once by the verifier and fed as the `hidden` cache tensor the data
@@ -34,12 +35,10 @@ def make_module(kind: str, verifier, args: argparse.Namespace):
     opt = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
     if kind in ("medusa", "medusa_lean"):
         lean = min(args.train_vocab, verifier.vocab_size) if kind == "medusa_lean" else None
-        module = MedusaModule(verifier, optimizer=opt, num_heads=args.medusa_heads, train_vocab=lean)
-        if lean:  # which rows does not change the cost (train.py keeps the most frequent targets')
-            module.set_train_vocab(torch.randperm(verifier.vocab_size)[:lean].sort().values)
-        return module
-    if kind == "eagle":
-        return EagleModule(verifier, optimizer=opt, kind="eagle", ttt_steps=1)
+        return MedusaModule(verifier, optimizer=opt, num_heads=args.medusa_heads, train_vocab=lean)
+    if kind in ("eagle", "eagle_lean"):
+        lean = min(args.train_vocab, verifier.vocab_size) if kind == "eagle_lean" else None
+        return EagleModule(verifier, optimizer=opt, kind="eagle", ttt_steps=1, train_vocab=lean)
     aux = [1, verifier.num_layers // 2, verifier.num_layers - 1] if verifier.num_layers >= 3 else [0, 1]
     module = EagleModule(verifier, optimizer=opt, kind="eagle3", ttt_steps=args.ttt_steps,
                          draft_vocab_size=min(args.draft_vocab, verifier.vocab_size), aux_layer_ids=aux)
@@ -58,7 +57,9 @@ def flops_per_token(kind: str, verifier, module, args: argparse.Namespace) -> fl
     net = module.net
     layer = sum(2 * p.numel() for n, p in net.layer.named_parameters() if p.dim() == 2)
     fc = 2 * net.fc.weight.numel()
-    if kind == "eagle":  # q over the full vocabulary (no grad) + the draft's own logits (frozen head, input grad)
+    if kind in ("eagle", "eagle_lean"):  # q (no grad) + the draft's own logits (frozen head, input grad)
+        if module.head_ids is not None:
+            head = 2 * d * module.head_ids.numel()
         return 3 * (fc + layer) + head + 2 * head
     draft_head = 2 * d * net.draft_vocab_size
     return 3 * fc + args.ttt_steps * 3 * (layer + draft_head) + head  # + q over the full vocabulary once
@@ -83,7 +84,7 @@ def main() -> None:
     ap.add_argument("--medusa-heads", type=int, default=4)
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=8192)
-    ap.add_argument("--train-vocab", type=int, default=4096, help="medusa_lean: Medusa with model.train_vocab=N")
+    ap.add_argument("--train-vocab", type=int, default=4096, help="medusa_lean, eagle_lean: model.train_vocab=N")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
     args = ap.parse_args()
@@ -108,6 +109,11 @@ def main() -> None:
         module = make_module(kind, verifier, args)
         layers = module.hidden_layers
         batch["hidden"] = torch.stack([out.hidden_states[i] for i in layers], dim=1).to(torch.bfloat16)  # (B, L, T, D)
+        if kind in ("medusa_lean", "eagle_lean"):  # rows holding every target of the batch (real runs: ~98%)
+            targets = ids[loss_mask.bool()].unique()
+            others = torch.randperm(verifier.vocab_size)
+            others = others[~torch.isin(others, targets)][: max(module.hparams.train_vocab - targets.numel(), 0)]
+            module.set_train_vocab(torch.cat([targets, others])[: module.hparams.train_vocab].sort().values)
         if kind == "eagle3":
             module.net.set_draft_vocab(torch.randperm(verifier.vocab_size)[: module.net.draft_vocab_size])
         opt = module.configure_optimizers()

@@ -204,6 +204,14 @@ def test_bad_medusa_settings_are_one_message(train_script, tmp_path, override, m
     assert re.search(match, str(user_error(err.value))), err.value
 
 
+def test_eagle3_refuses_train_vocab(tiny):
+    from hydra.utils import instantiate
+
+    with pytest.raises(Exception) as err:
+        instantiate(compose_train(["verifier=tiny", "model=eagle3", "+model.train_vocab=64"]).model, verifier=tiny)
+    assert "EAGLE-3 drafts over its own head: use model.draft_vocab_size" in str(user_error(err.value))
+
+
 def test_eagle_step_decay_must_be_positive(tiny):
     from hydra.utils import instantiate
 

@@ -116,3 +116,57 @@ def test_medusa_train_vocab_is_the_full_heads_loss_over_the_kept_rows():
         torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(hits, torch.stack(ref_hits)[:, : hits.shape[1]])
         assert counts.tolist() == ref_counts  # dropped targets are counted: misses, not left out
+
+
+def test_eagle1_train_vocab_scores_the_kept_rows_against_the_full_argmax():
+    """EAGLE-1 with model.train_vocab: the loss is the feature regression plus the cross-entropy to q renormalised
+    over the kept rows, in training (fused) and in validation; validation's hits and ranks compare the draft over
+    those rows with M_q's full-vocabulary argmax, so an argmax outside them is a miss (rank V)."""
+    from helpers import varied_llama
+    from data.hidden_cache import gather_layers
+    from models.eagle import unroll
+    from train.eagle import EagleModule
+
+    v = varied_llama()
+    torch.manual_seed(0)
+    module = EagleModule(v, optimizer=lambda params: torch.optim.AdamW(params), kind="eagle", noise=0.0,
+                         train_vocab=400)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, v.vocab_size, (2, 20), generator=g)
+    mask = torch.zeros_like(ids)
+    mask[:, 6:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+    states = gather_layers(batch, module.hidden_layers, v, module.hidden_layers)
+    final = states[-1]
+    full_arg = (final @ v.lm_head.weight.T).argmax(-1)  # (B, T) M_q's greedy token after each position
+    args = full_arg[:, 6:].flatten().unique()
+    keep = torch.cat([args[::2], 1000 + torch.randperm(40000, generator=g)[:400 - len(args[::2])]]).sort().values
+    module.set_train_vocab(keep)
+    steps = 3
+    feats = module.net.features(states)[:, : ids.shape[1] - 1]
+    embed = v.model.get_input_embeddings()
+    ref_losses, ref_hits, ref_ranks = [], [], []
+    for j, (out_h, valid) in enumerate(unroll(module.net, feats, ids, batch["attention_mask"], mask.bool(), embed,
+                                              steps)):
+        bi, ti = valid.nonzero(as_tuple=True)
+        h, tgt = out_h[bi, ti], final[bi, ti + j + 1]
+        q = (tgt @ v.lm_head.weight[keep].T).softmax(-1)
+        p_full = h @ v.lm_head.weight.T  # (N, V)
+        ce = -(q * p_full[:, keep].log_softmax(-1)).sum(-1).mean()
+        ref_losses.append(F.smooth_l1_loss(h, tgt) + 0.1 * ce)
+        arg = full_arg[bi, ti + j + 1]
+        inside = torch.isin(arg, keep)
+        if j == 0:
+            assert inside.any() and not inside.all()  # some argmaxes kept, some outside
+        hit = torch.zeros_like(valid)
+        hit[bi, ti] = keep[p_full[:, keep].argmax(-1)] == arg
+        ref_hits.append(hit)
+        masked = p_full.masked_fill(~torch.isin(torch.arange(v.vocab_size), keep), float("-inf"))
+        rank = torch.full(valid.shape, v.vocab_size, dtype=torch.long)
+        rank[bi, ti] = torch.where(inside, (masked > masked.gather(1, arg[:, None])).sum(-1), v.vocab_size)
+        ref_ranks.append(rank)
+    val = module.model_step(batch, steps, train=False)
+    torch.testing.assert_close(torch.stack(val["losses"]), torch.stack(ref_losses), atol=1e-5, rtol=1e-5)
+    assert torch.equal(val["correct"], torch.stack(ref_hits)) and torch.equal(val["rank"], torch.stack(ref_ranks))
+    trained = module.model_step(batch, 1, train=True)
+    torch.testing.assert_close(trained["losses"][0], ref_losses[0], atol=1e-5, rtol=1e-5)

@@ -213,7 +213,8 @@ def test_train_depth1_top1_is_the_last_epochs_tally(tmp_path):
     assert module.train_summary == {"train_depth1_top1": 0.5}
 
 
-def test_medusa_train_vocab_is_exported_and_the_decoder_drafts_over_it(train_script, tmp_path):
+@pytest.mark.parametrize("model", ["medusa", "eagle"])
+def test_train_vocab_is_exported_and_the_decoder_drafts_over_it(train_script, tmp_path, model):
     """model.train_vocab=N: the rows are the training split's N most frequent targets, the export records N, and
     the decoder drafts over those rows unless drafter.draft_vocab says otherwise."""
     from safetensors.torch import load_file
@@ -224,8 +225,8 @@ def test_medusa_train_vocab_is_exported_and_the_decoder_drafts_over_it(train_scr
     from helpers import varied_llama
 
     varied = ["verifier.seed=1", "+verifier.layer_std=0.3"]  # varied_llama(): its answers are not one token repeated
-    cfg = compose_train([*TINY, *varied, "model=medusa", "model.train_vocab=64", "logger=csv", "trainer.max_steps=2"],
-                        tmp_path)
+    cfg = compose_train([*TINY, *varied, f"model={model}", "model.train_vocab=64", "logger=csv",
+                         "trainer.max_steps=2"], tmp_path)
     export = train_script.run(cfg)
     tiny = varied_llama()
     config = json.loads((export / "config.json").read_text())

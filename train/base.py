@@ -12,6 +12,9 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from models.errors import UserError
+from models.export import frequent_ids
+
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 
 
@@ -53,6 +56,40 @@ class DrafterModule(L.LightningModule):
             counts += torch.bincount(ids[torch.tensor(row["loss_mask"]).bool()], minlength=vocab_size)
         self.target_counts = counts
         return counts
+
+    # -- training over the most frequent targets' rows of the verifier's lm_head (model.train_vocab) ---------------
+    head_ids: Tensor | None = None  # the kept verifier ids, sorted; None: the full vocabulary
+    _local: Tensor | None = None  # (V,) verifier id -> its row among head_ids, -1 outside
+    _rows: Tensor | None = None  # the lm_head's head_ids rows, cut once per device and dtype
+
+    def set_train_vocab(self, ids: Tensor) -> None:
+        """Train and validate over the verifier ids `ids` (sorted) of the frozen lm_head only."""
+        self.head_ids = ids.to(self.device)
+        self._local = torch.full((self.verifier.vocab_size,), -1, dtype=torch.long, device=self.device)
+        self._local[self.head_ids] = torch.arange(ids.numel(), device=self.device)
+        self._rows = None
+
+    def setup_train_vocab(self, counts: Tensor | None) -> None:
+        """At setup: keep the `model.train_vocab` most frequent training targets, when it is set."""
+        size = self.hparams.get("train_vocab")
+        if size is None:
+            return
+        if counts is None:
+            raise UserError("model.train_vocab needs the training split to count targets in; train through "
+                            "train.py's data module, or leave model.train_vocab=null.")
+        self.set_train_vocab(frequent_ids(counts, size, "model.train_vocab"))
+
+    def head_rows(self, weight: Tensor) -> Tensor:
+        """The kept rows of the frozen lm_head `weight` (V, D): (len(head_ids), D)."""
+        if self._local.device != weight.device:
+            self.set_train_vocab(self.head_ids.to(weight.device))
+        if self._rows is None or self._rows.device != weight.device or self._rows.dtype != weight.dtype:
+            self._rows = weight.detach()[self.head_ids].contiguous()
+        return self._rows
+
+    def train_vocab_record(self) -> dict[str, int]:
+        """What exports record, so the decoder drafts over the same rows (eval.drafters: draft_vocab)."""
+        return {} if self.head_ids is None else {"train_vocab": int(self.head_ids.numel())}
 
     def count_depth1(self, hits: Tensor, positions: Tensor) -> None:
         """Add a training batch's depth-1 top-1 hits and scored positions to this epoch's tally."""

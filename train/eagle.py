@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.eagle import NAMES, Eagle1Net, Eagle3Net, build_eagle, unroll
+from models.eagle import NAMES, Eagle1Net, Eagle3Net, build_eagle, target_rank, unroll
 from models.errors import NonFiniteLossError, UserError
 from models.export import save_export
 from models.verifier import Verifier
@@ -74,14 +74,24 @@ class EagleModule(DrafterModule):
         val_steps: steps unrolled in validation for per-step accuracy and the tau estimate.
         draft_vocab_size: EAGLE-3's reduced vocabulary, the most frequent target tokens of the training data.
         aux_layer_ids: EAGLE-3 feature layers (inputs of those layers); default [2, L//2, L-3].
+        train_vocab: EAGLE-1: train and validate the draft logits over the N most frequent training targets' rows of
+            the verifier's lm_head (q renormalised over the same rows); a verifier argmax outside them counts as a
+            miss in validation. The export records N and the decoder drafts over the same rows. null: all V.
     """
 
     def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., Any] | None = None, kind: str = "eagle", ttt_steps: int = 1,
                  val_steps: int = 5, step_decay: float = 0.8, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  noise: float = 0.2, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
-                 warmup_ratio: float = 0.05) -> None:
+                 warmup_ratio: float = 0.05, train_vocab: int | None = None) -> None:
         super().__init__()
+        if train_vocab is not None and kind != "eagle":
+            raise UserError(f"model.train_vocab={train_vocab} cuts the verifier's lm_head that EAGLE-1 drafts through; "
+                            f"EAGLE-3 drafts over its own head: use model.draft_vocab_size.")
+        if train_vocab is not None and (isinstance(train_vocab, bool) or not isinstance(train_vocab, int)
+                                        or not 1 <= train_vocab <= verifier.vocab_size):
+            raise UserError(f"model.train_vocab={train_vocab!r}: give a number of tokens in 1..{verifier.vocab_size} "
+                            f"(the verifier's vocabulary), or null for all of them.")
         if isinstance(step_decay, bool) or not isinstance(step_decay, (int, float)) or not step_decay > 0:
             raise UserError(f"model.step_decay={step_decay!r}: unrolled step j's loss weight is step_decay^j, so give "
                             f"a number above 0 (default 0.8).")
@@ -103,6 +113,8 @@ class EagleModule(DrafterModule):
     def setup(self, stage: str) -> None:
         # The training-target counts: exported beside the weights, and EAGLE-3's draft vocabulary when training starts.
         counts = self.count_targets(self.net.vocab_size) if stage in ("fit", "validate") else None
+        if stage in ("fit", "validate"):
+            self.setup_train_vocab(counts)
         if counts is None or not isinstance(self.net, Eagle3Net) or stage != "fit":
             return
         top, self.draft_vocab_coverage = draft_vocab_from_counts(counts, self.net.draft_vocab_size)
@@ -125,6 +137,7 @@ class EagleModule(DrafterModule):
             feats = feats + (torch.rand_like(feats) - 0.5) * self.hparams.noise
         embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
         targets = self.draft_vocab_targets(final, loss_mask) if isinstance(self.net, Eagle3Net) else None
+        rows = None if self.head_ids is None else self.head_rows(lm_head.weight)  # EAGLE-1's kept rows (train_vocab)
         losses, correct, valid_at, ranks, confs = [], [], [], [], []
         for j, (out_h, valid) in enumerate(unroll(self.net, feats, ids, attn, loss_mask, embed, steps)):
             # Targets: q at position t+j+1 (predicting x_{t+j+2}), where x_{t+j+2} is an assistant token.
@@ -132,7 +145,9 @@ class EagleModule(DrafterModule):
             hit = torch.zeros_like(valid)
             if train and targets is None and bi.numel():
                 # EAGLE-1 training: fused cross-entropy to q through the frozen lm_head (train/fused_head.py)
-                per_row, p_arg, q_arg = frozen_head_ce(out_h[bi, ti], lm_head.weight, teacher=final[bi, ti + j + 1])
+                # With train_vocab both p and q live on the kept rows; the logged top-1 compares rows (no full pass).
+                per_row, p_arg, q_arg = frozen_head_ce(out_h[bi, ti], lm_head.weight if rows is None else rows,
+                                                       teacher=final[bi, ti + j + 1])
                 reg = F.smooth_l1_loss(out_h[bi, ti].float(), final[bi, ti + j + 1].float())
                 losses.append(self.hparams.feature_weight * reg + self.hparams.ce_weight * per_row.mean())
                 hit[bi, ti] = p_arg == q_arg
@@ -142,12 +157,16 @@ class EagleModule(DrafterModule):
             with torch.no_grad():
                 if targets is None:  # EAGLE-1: q over the full vocabulary, at this step's positions only
                     q_logits = lm_head(final[bi, ti + j + 1]).float()  # (N, V)
-                    q_arg, q = q_logits.argmax(-1), q_logits.softmax(-1)  # (N,) M_q's greedy token; (N, V)
+                    q_arg = q_logits.argmax(-1)  # (N,) M_q's greedy token
+                    q = (q_logits if rows is None else q_logits[:, self.head_ids]).softmax(-1)  # (N, V or kept)
                 else:
-                    rows = targets["row"][bi, ti + j + 1]
-                    q_arg, q = targets["arg"][rows], targets["q"][rows]  # (N,), (N, V_draft)
-            p_logits = self.net.logits(out_h[bi, ti], lm_head).float()  # (N, V or V_draft)
-            # EAGLE-3 skips targets its draft vocabulary cannot express.
+                    at = targets["row"][bi, ti + j + 1]
+                    q_arg, q = targets["arg"][at], targets["q"][at]  # (N,), (N, V_draft)
+            if rows is None:
+                p_logits = self.net.logits(out_h[bi, ti], lm_head).float()  # (N, V or V_draft)
+            else:
+                p_logits = F.linear(out_h[bi, ti].to(rows.dtype), rows).float()  # (N, kept)
+            # EAGLE-3 skips targets its draft vocabulary cannot express; EAGLE-1's kept rows span all of q.
             in_vocab = self.net.t2d[q_arg] if targets is not None else torch.ones_like(q_arg, dtype=torch.bool)
             ce = -(q * p_logits.log_softmax(-1)).sum(-1)  # (N,)
             ce = (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
@@ -156,13 +175,17 @@ class EagleModule(DrafterModule):
                 reg = F.smooth_l1_loss(out_h[bi, ti].float(), final[bi, ti + j + 1].float()) if bi.numel() else ce * 0
                 step_loss = self.hparams.feature_weight * reg + self.hparams.ce_weight * ce
             losses.append(step_loss if bi.numel() else p_logits.sum() * 0.0)
-            hit[bi, ti] = self.net.draft_to_target(p_logits.argmax(-1)) == q_arg
+            draft = p_logits.argmax(-1)
+            hit[bi, ti] = (self.net.draft_to_target(draft) if rows is None else self.head_ids[draft]) == q_arg
             correct.append(hit)
             valid_at.append(valid)
             if train:  # ranks and confidences are validation's (a full-vocabulary pass each)
                 continue
             rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
-            rank[bi, ti] = self.net.target_rank(p_logits.detach(), q_arg)
+            if rows is None:
+                rank[bi, ti] = self.net.target_rank(p_logits.detach(), q_arg)
+            else:  # rows are in verifier-id order: target_rank's mask form; an argmax outside them ranks V
+                rank[bi, ti] = target_rank(p_logits.detach(), q_arg, self._local >= 0)
             ranks.append(rank)
             # the draft's confidence in its top-1, to compare with how often it is right
             conf = torch.zeros(valid.shape, device=valid.device)
@@ -228,5 +251,6 @@ class EagleModule(DrafterModule):
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
         extra = {**self.val_summary, **self.train_summary, "trained_steps": self.trained_steps, "drafter": NAMES[self.net.kind],
-                 "draft_vocab_coverage": self.draft_vocab_coverage, **data_record(self._trainer)}
+                 "draft_vocab_coverage": self.draft_vocab_coverage, **self.train_vocab_record(),
+                 **data_record(self._trainer)}
         return save_export(self.net, self.verifier, path, extra, target_counts=self.target_counts)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from data.hidden_cache import gather_layers
 from models.errors import NonFiniteLossError, UserError
-from models.export import frequent_ids, save_export
+from models.export import save_export
 from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import Verifier
 from train.fused_head import frozen_head_ce
@@ -79,9 +79,6 @@ class MedusaModule(DrafterModule):
         )
         self.topk_accuracy: list[list[float]] | None = None
         self._val_hits: Tensor | None = None
-        self.head_ids: Tensor | None = None  # with train_vocab: the kept verifier ids, sorted (set in setup)
-        self._local: Tensor | None = None  # (V,) verifier id -> row of head_ids, -1 outside
-        self._rows: Tensor | None = None  # the lm_head's head_ids rows, cut once per device and dtype
 
     hidden_layers = [-1]  # verifier hidden states training reads: the final-normed last layer (the lm_head input)
 
@@ -95,7 +92,7 @@ class MedusaModule(DrafterModule):
             self.verifier.to(self.device)
         hidden = gather_layers(batch, self.hidden_layers, self.verifier, [-1])[-1]  # (B, T, D), no grad
         lm_head, ids = self.verifier.lm_head, self.head_ids
-        weight = lm_head.weight if ids is None else self._head_rows(lm_head.weight)  # (V or N, D), frozen
+        weight = lm_head.weight if ids is None else self.head_rows(lm_head.weight)  # (V or N, D), frozen
         K = self.heads.num_heads
         loss = hidden.new_zeros((), dtype=torch.float32)
         head_losses, hits, counts = [], [], []
@@ -171,31 +168,12 @@ class MedusaModule(DrafterModule):
 
     def setup(self, stage: str) -> None:
         if stage in ("fit", "validate"):
-            counts = self.count_targets(self.heads.vocab_size)
-            if self.hparams.get("train_vocab") is not None:
-                if counts is None:
-                    raise UserError("model.train_vocab needs the training split to count targets in; train through "
-                                    "train.py's data module, or leave model.train_vocab=null.")
-                self.set_train_vocab(frequent_ids(counts, self.hparams.train_vocab, "model.train_vocab"))
-
-    def set_train_vocab(self, ids: Tensor) -> None:
-        """Train and validate over the verifier ids `ids` (sorted) only."""
-        self.head_ids = ids.to(self.device)
-        self._local = torch.full((self.heads.vocab_size,), -1, dtype=torch.long, device=self.device)
-        self._local[self.head_ids] = torch.arange(ids.numel(), device=self.device)
-        self._rows = None
-
-    def _head_rows(self, weight: Tensor) -> Tensor:
-        if self._local.device != weight.device:
-            self.set_train_vocab(self.head_ids.to(weight.device))
-        if self._rows is None or self._rows.device != weight.device or self._rows.dtype != weight.dtype:
-            self._rows = weight.detach()[self.head_ids].contiguous()
-        return self._rows
+            self.setup_train_vocab(self.count_targets(self.heads.vocab_size))
 
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
         """Write the heads in vLLM's Medusa layout, with the verifier fingerprint and per-head top-k accuracies."""
         extra = {"medusa_topk_accuracy": self.topk_accuracy, "trained_steps": self.trained_steps,
-                 **({"train_vocab": int(self.head_ids.numel())} if self.head_ids is not None else {}),
+                 **self.train_vocab_record(),
                  **self.train_summary, **data_record(self._trainer)}
         return save_export(self.heads, self.verifier, path, extra, target_counts=self.target_counts)
