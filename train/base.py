@@ -78,6 +78,8 @@ class DrafterModule(L.LightningModule):
             raise UserError("model.train_vocab needs the training split to count targets in; train through "
                             "train.py's data module, or leave model.train_vocab=null.")
         self.set_train_vocab(frequent_ids(counts, size, "model.train_vocab"))
+        covered = float(counts[self.head_ids.cpu()].sum() / counts.sum().clamp(min=1))
+        print(f"[train_vocab] {size} tokens cover {100 * covered:.1f}% of the training targets")
 
     def head_rows(self, weight: Tensor) -> Tensor:
         """The kept rows of the frozen lm_head `weight` (V, D): (len(head_ids), D)."""
