@@ -196,8 +196,8 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
     None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it). With `sampling`
     (temperature > 0) it samples its proposals from its warped distribution instead of taking the top-k.
     `draft_vocab` (EAGLE-1, shared-head Medusa): draft over the export's `draft_vocab` most frequent training targets
-    only, through those rows of the verifier's lm_head. None: the export's `train_vocab` (Medusa heads trained over
-    that many rows), else the full vocabulary."""
+    only, through those rows of the verifier's lm_head. None: the export's `train_vocab` (a drafter trained over that
+    many rows: train/base.py), else the full vocabulary."""
     if (checkpoint is None) == (net is None):
         raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
     if kind is not None and kind not in DRAFTER_KINDS:
@@ -213,7 +213,7 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy, checkpo
                         f"make_drafter({found!r}, ...).")
     net = net.to(verifier.device)
     if draft_vocab is None and config.get("train_vocab"):
-        draft_vocab = config["train_vocab"]  # heads trained over those rows draft over them (train.medusa)
+        draft_vocab = config["train_vocab"]  # trained over those rows: draft over them
     head_ids = None
     if draft_vocab is not None:
         if kind == "eagle3" or (kind == "medusa" and not net.share_lm_head):

@@ -20,9 +20,9 @@ from models.errors import NonFiniteLossError, UserError
 from models.export import save_export
 from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import Verifier
-from train.fused_head import frozen_head_ce
 from train.base import TOPK, DrafterModule
 from train.export import data_record
+from train.fused_head import frozen_head_ce
 from train.safety import last_good_advice
 
 
