@@ -54,6 +54,18 @@ class Export:
     lm_head: Tensor | None = None
     target_counts: Tensor | None = None  # (V,) how often each verifier token was a training target (COUNTS_NAME)
 
+    @property
+    def train_ids(self) -> Tensor | None:
+        """The verifier ids a drafter trained with `model.train_vocab` scores over (sorted), or None (all V)."""
+        size = self.config.get("train_vocab")
+        if not size:
+            return None
+        if self.target_counts is None:
+            raise UserError(f"this export was trained over its {size} most frequent targets (train_vocab) but has no "
+                            f"{COUNTS_NAME} to say which: re-export it (python train.py <the run's overrides> "
+                            f"ckpt_path=last validate_only=true).")
+        return frequent_ids(self.target_counts, int(size), "train_vocab")
+
 
 # -- reading ---------------------------------------------------------------------------------------------------------
 

@@ -80,3 +80,36 @@ def test_verifier_top1_is_the_mean_top1_probability_where_the_answer_is_predicte
     assert verifier_top1(v, rows) > expected
     with pytest.raises(ValueError, match="assistant token"):
         verifier_top1(v, [{"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}])
+
+
+def test_ranks_over_the_training_rows_of_a_train_vocab_export():
+    """Offline scoring of a drafter trained with train_vocab ranks over the rows it drafts over: a target inside them
+    gets its rank among them, one outside is a miss (rank V)."""
+    from helpers import varied_llama
+    from eval.offline import medusa_ranks
+    from models.medusa import MedusaHeads, medusa_targets
+
+    v = varied_llama()
+    heads = MedusaHeads(v.hidden_size, v.vocab_size, num_heads=2)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.layers[0].weight, std=0.2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (2, 24), generator=g)
+    mask = torch.zeros_like(ids)
+    mask[:, 8:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+    targets = ids[:, 8:].unique()
+    keep = torch.cat([targets[::2], 1000 + torch.randperm(40000, generator=g)[:200]]).sort().values
+    with torch.no_grad():
+        _, valid, _ = medusa_ranks(heads, v, batch, 2)
+        sub, valid2, conf = medusa_ranks(heads, v, batch, 2, ids=keep)
+        assert torch.equal(valid, valid2)
+        hidden = v.model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        for k, (tgt, ok) in enumerate(medusa_targets(ids, mask, 2)):
+            logits = heads.head_logits(hidden[ok], k, v.lm_head)[:, keep]  # the kept rows only
+            inside = torch.isin(tgt[ok], keep)
+            assert inside.any() and not inside.all()
+            want = torch.full_like(tgt[ok], v.vocab_size)
+            want[inside] = target_rank(logits[inside], torch.searchsorted(keep, tgt[ok][inside]))
+            assert torch.equal(sub[k][ok], want)
+            torch.testing.assert_close(conf[k][ok], logits.softmax(-1).amax(-1))

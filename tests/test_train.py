@@ -237,4 +237,5 @@ def test_train_vocab_is_exported_and_the_decoder_drafts_over_it(train_script, tm
     # The 64 most frequent targets: every kept count is at least every dropped one.
     kept = torch.zeros_like(counts, dtype=torch.bool).index_fill(0, drafter.head_ids, True)
     assert counts[kept].min() >= counts[~kept].max() and counts[kept].min() > 0
+    assert torch.equal(load_export(export, tiny).train_ids, drafter.head_ids)  # what offline scoring ranks over
     assert make_drafter(None, tiny, Chain(), checkpoint=export, draft_vocab=128).head_ids.numel() == 128
