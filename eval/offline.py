@@ -84,18 +84,18 @@ def _rank_rows(logits: Tensor, targets: Tensor, valid: Tensor, vocab: int, rank_
     return rank, conf
 
 
-def _only(logits: Tensor, ids: Tensor | None) -> Tensor:
-    """Logits over the full vocabulary with every token outside `ids` impossible (None: unchanged): what a drafter
+def _only(logits: Tensor, keep: Tensor | None) -> Tensor:
+    """Logits over the full vocabulary with every token outside `keep` impossible (None: unchanged): what a drafter
     trained with train_vocab drafts over, so a target outside them ranks V (a miss)."""
-    if ids is None:
+    if keep is None:
         return logits
-    outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill(0, ids, False)
+    outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill(0, keep, False)
     return logits.masked_fill(outside, float("-inf"))
 
 
 def medusa_ranks(heads: Any, verifier: Verifier, batch: dict[str, Tensor], depth: int,
-                 ids: Tensor | None = None) -> tuple[Tensor, ...]:
-    """(D, B, T) ranks of x_{t+d+1} under head d, validity, and the head's top-1 probability; with `ids`, over
+                 keep: Tensor | None = None) -> tuple[Tensor, ...]:
+    """(D, B, T) ranks of x_{t+d+1} under head d, validity, and the head's top-1 probability; with `keep`, over
     those tokens only."""
     hidden = gather_layers(batch, [-1], verifier, [-1])[-1]  # (B, T, D)
     vocab = verifier.vocab_size
@@ -103,7 +103,7 @@ def medusa_ranks(heads: Any, verifier: Verifier, batch: dict[str, Tensor], depth
     for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)):
         if k >= depth:
             break
-        logits = _only(heads.head_logits(hidden[valid], k, verifier.lm_head).float(), ids)  # (N, V)
+        logits = _only(heads.head_logits(hidden[valid], k, verifier.lm_head).float(), keep)  # (N, V)
         rank, conf = _rank_rows(logits, targets[valid], valid, vocab, target_rank)
         ranks.append(rank)
         valids.append(valid)
@@ -112,7 +112,7 @@ def medusa_ranks(heads: Any, verifier: Verifier, batch: dict[str, Tensor], depth
 
 
 def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], depth: int,
-                ids: Tensor | None = None) -> tuple[Tensor, ...]:
+                keep: Tensor | None = None) -> tuple[Tensor, ...]:
     """The same for an EAGLE drafter, unrolled `depth` steps exactly as in training; the target of step j at
     position t is M_q's argmax at t+j+1."""
     layers = list(dict.fromkeys([*net.feature_layers, -1]))
@@ -125,7 +125,7 @@ def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], dep
                    depth)
     for j, (out, valid) in enumerate(steps):
         bi, ti = valid.nonzero(as_tuple=True)
-        logits = _only(net.logits(out[bi, ti], verifier.lm_head).float(), ids)  # (N, V_draft)
+        logits = _only(net.logits(out[bi, ti], verifier.lm_head).float(), keep)  # (N, V_draft)
         rank, conf = _rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
         pad = lambda x, v: torch.cat([x, x.new_full((x.shape[0], 1), v)], dim=1)  # (B, n) -> (B, T)
         ranks.append(pad(rank, vocab))
@@ -135,17 +135,17 @@ def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], dep
 
 
 def score_export(kind: str, net: Any, verifier: Verifier, rows: list[dict[str, Any]], depth: int,
-                 bf16: bool = False, batch_size: int = 8, ids: Tensor | None = None) -> dict[str, Any]:
+                 bf16: bool = False, batch_size: int = 8, keep: Tensor | None = None) -> dict[str, Any]:
     """acceptance_tables for one drafter (`kind` "medusa" or an EAGLE kind) over tokenised answers `rows`
     (input_ids + loss_mask, e.g. the verifier's own answers to held-out prompts), teacher-forced `depth` deep.
-    `bf16`: under bf16 autocast, as training's bf16-mixed runs it. `ids`: the tokens the drafter drafts over
+    `bf16`: under bf16 autocast, as training's bf16-mixed runs it. `keep`: the tokens the drafter drafts over
     (an export's `train_ids`; EAGLE-1 and shared-head Medusa), None for all."""
     ranks, valids, confs, masks = [], [], [], []
     for i in range(0, len(rows), batch_size):
         batch = collate(rows[i : i + batch_size], verifier.tokenizer.pad_token_id or 0)
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            r, v, c = (medusa_ranks(net, verifier, batch, depth, ids) if kind == "medusa"
-                       else eagle_ranks(net, verifier, batch, depth, ids))
+            r, v, c = (medusa_ranks(net, verifier, batch, depth, keep) if kind == "medusa"
+                       else eagle_ranks(net, verifier, batch, depth, keep))
         ranks += list(r.unbind(1))
         valids += list(v.unbind(1))
         confs += list(c.unbind(1))

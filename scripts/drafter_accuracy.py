@@ -55,7 +55,7 @@ def main() -> None:
         loaded = load_export(export, verifier)
         kind = loaded.kind
         res = score_export(loaded.kind, loaded.net, verifier, rows, args.depth, bf16=args.dtype == "bfloat16",
-                           ids=loaded.train_ids)
+                           keep=loaded.train_ids)
         results[f"{export.parent.name} ({kind})"] = res
     table = Table(title=f"teacher-forced accuracy on {len(rows)} held-out answers ({args.max_new_tokens} tokens, "
                   f"verifier {args.dtype})")

@@ -112,7 +112,7 @@ def main() -> None:
             print(f"{export}: {size} nodes, tau {row['tau'][str(size)]:.3f}, greedy match "
                   f"{row['greedy_match'][str(size)]:.0%} ({time.perf_counter() - t0:.0f} s)")
         loaded = load_export(export, verifier)
-        tables = score_export(loaded.kind, loaded.net, verifier, answers, args.depth, ids=loaded.train_ids)
+        tables = score_export(loaded.kind, loaded.net, verifier, answers, args.depth, keep=loaded.train_ids)
         row["chain_accuracy"] = [float(a) for a in tables["chain_conditional"]]
         row["verifier_top1"] = ceiling
         row["train_depth1_top1"] = config.get("train_depth1_top1")  # last epoch's, on training batches

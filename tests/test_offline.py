@@ -102,7 +102,7 @@ def test_ranks_over_the_training_rows_of_a_train_vocab_export():
     keep = torch.cat([targets[::2], 1000 + torch.randperm(40000, generator=g)[:200]]).sort().values
     with torch.no_grad():
         _, valid, _ = medusa_ranks(heads, v, batch, 2)
-        sub, valid2, conf = medusa_ranks(heads, v, batch, 2, ids=keep)
+        sub, valid2, conf = medusa_ranks(heads, v, batch, 2, keep=keep)
         assert torch.equal(valid, valid2)
         hidden = v.model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
         for k, (tgt, ok) in enumerate(medusa_targets(ids, mask, 2)):
@@ -113,3 +113,21 @@ def test_ranks_over_the_training_rows_of_a_train_vocab_export():
             want[inside] = target_rank(logits[inside], torch.searchsorted(keep, tgt[ok][inside]))
             assert torch.equal(sub[k][ok], want)
             torch.testing.assert_close(conf[k][ok], logits.softmax(-1).amax(-1))
+    # EAGLE-1 the same way: M_q's argmax outside the kept rows is a miss, inside it ranks among them.
+    from eval.offline import eagle_ranks
+    from models.eagle import build_eagle
+
+    torch.manual_seed(0)
+    net = build_eagle("eagle", v)
+    with torch.no_grad():
+        sub, valid, _ = eagle_ranks(net, v, batch, 2, keep=keep)
+        full, _, _ = eagle_ranks(net, v, batch, 2)
+        q_arg = v.lm_head(hidden).argmax(-1)  # (B, T)
+    for j in range(2):
+        target = torch.roll(q_arg, -(j + 1), dims=1)  # step j at t is scored against M_q's argmax at t+j+1
+        ok = valid[j]
+        inside = torch.isin(target[ok], keep)
+        assert ok.any() and inside.any() and not inside.all()
+        assert (sub[j][ok][~inside] == v.vocab_size).all()
+        assert (sub[j][ok][inside] <= full[j][ok][inside]).all()  # fewer competitors, never a worse rank
+        assert (sub[j][ok][inside] < v.vocab_size).all()
