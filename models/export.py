@@ -317,12 +317,17 @@ def read_target_counts(path: Path, vocab_size: int) -> Tensor | None:
     return counts
 
 
+def check_vocab_size(size: Any, vocab_size: int, setting: str) -> None:
+    """A number of kept tokens (`setting` names the option in the message) must be a whole number in 1..vocab_size."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= vocab_size:
+        raise UserError(f"{setting}={size!r}: give a number of tokens in 1..{vocab_size} (the vocabulary size), "
+                        f"or null for the full vocabulary.")
+
+
 def frequent_ids(counts: Tensor, size: int, setting: str = "drafter.draft_vocab") -> Tensor:
     """The `size` tokens most often a training target in `counts` (V,) (ties: lower id first), sorted by id: the rows
     of the verifier's lm_head a lean drafting head keeps (`setting` names the option in errors)."""
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= counts.numel():
-        raise UserError(f"{setting}={size!r}: give a number of tokens in 1..{counts.numel()} (the vocabulary size), "
-                        f"or null for the full vocabulary.")
+    check_vocab_size(size, counts.numel(), setting)
     order = torch.sort(-counts.double(), stable=True).indices
     return order[:size].sort().values
 

@@ -27,7 +27,7 @@ from torch import Tensor
 from data.hidden_cache import gather_layers
 from models.eagle import NAMES, Eagle1Net, Eagle3Net, build_eagle, target_rank, unroll
 from models.errors import NonFiniteLossError, UserError
-from models.export import save_export
+from models.export import check_vocab_size, save_export
 from models.verifier import Verifier
 from train.fused_head import frozen_head_ce
 from train.base import TOPK, DrafterModule
@@ -88,10 +88,8 @@ class EagleModule(DrafterModule):
         if train_vocab is not None and kind != "eagle":
             raise UserError(f"model.train_vocab={train_vocab} cuts the verifier's lm_head that EAGLE-1 drafts through; "
                             f"EAGLE-3 drafts over its own head: use model.draft_vocab_size.")
-        if train_vocab is not None and (isinstance(train_vocab, bool) or not isinstance(train_vocab, int)
-                                        or not 1 <= train_vocab <= verifier.vocab_size):
-            raise UserError(f"model.train_vocab={train_vocab!r}: give a number of tokens in 1..{verifier.vocab_size} "
-                            f"(the verifier's vocabulary), or null for all of them.")
+        if train_vocab is not None:
+            check_vocab_size(train_vocab, verifier.vocab_size, "model.train_vocab")
         if isinstance(step_decay, bool) or not isinstance(step_decay, (int, float)) or not step_decay > 0:
             raise UserError(f"model.step_decay={step_decay!r}: unrolled step j's loss weight is step_decay^j, so give "
                             f"a number above 0 (default 0.8).")

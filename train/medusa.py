@@ -17,7 +17,7 @@ from torch import Tensor
 
 from data.hidden_cache import gather_layers
 from models.errors import NonFiniteLossError, UserError
-from models.export import save_export
+from models.export import check_vocab_size, save_export
 from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import Verifier
 from train.base import TOPK, DrafterModule
@@ -60,10 +60,8 @@ class MedusaModule(DrafterModule):
         if train_vocab is not None and not share_lm_head:
             raise UserError(f"model.train_vocab={train_vocab} cuts the verifier's shared lm_head, but "
                             f"model.share_lm_head=false gives each head its own full projection. Use one of the two.")
-        if train_vocab is not None and (isinstance(train_vocab, bool) or not isinstance(train_vocab, int)
-                                        or not 1 <= train_vocab <= verifier.vocab_size):
-            raise UserError(f"model.train_vocab={train_vocab!r}: give a number of tokens in 1..{verifier.vocab_size} "
-                            f"(the verifier's vocabulary), or null for all of them.")
+        if train_vocab is not None:
+            check_vocab_size(train_vocab, verifier.vocab_size, "model.train_vocab")
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise UserError(f"model.num_heads={num_heads!r}: give a whole number of heads, at least 1 (default 4).")
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay > 0:
