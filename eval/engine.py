@@ -157,19 +157,30 @@ class Engine:
 
 @dataclass
 class StaticCache:
-    """Keys/values (layers, B, H_kv, max_length, Dh) in fp32, written in place; `length` entries are committed."""
+    """Keys and values of every layer in one fp32 buffer `kv` (layers, B, 2 H_kv, max_length, Dh): keys in heads
+    0..H_kv-1, values after them, so one copy writes a forward's keys and values and one gather commits them;
+    `length` entries are committed. `rot_cos` / `rot_sin` (max_length, H_q + 2 H_kv, Dh) rotate a forward's fused
+    q/k/v in one pass: rotary on the key heads, rotary times the attention scale on the query heads, the identity on
+    the value heads (cos 1, sin 0), with rotate-half's sign folded into sin."""
 
     engine: Engine
-    k: Tensor
-    v: Tensor
-    cos: Tensor  # (max_length, Dh) fp32, rotary tables for every position
-    sin: Tensor
+    kv: Tensor
+    rot_cos: Tensor
+    rot_sin: Tensor
     min_rows: int
     length: int = 0
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[3]
+        return self.kv.shape[3]
+
+    @property
+    def k(self) -> Tensor:
+        return self.kv[:, :, : self.engine.num_kv_heads]
+
+    @property
+    def v(self) -> Tensor:
+        return self.kv[:, :, self.engine.num_kv_heads :]
 
 
 def new_cache(model: nn.Module | Engine, max_length: int, batch_size: int = 1) -> StaticCache:
@@ -177,15 +188,18 @@ def new_cache(model: nn.Module | Engine, max_length: int, batch_size: int = 1) -
     engine = model if isinstance(model, Engine) else Engine(model)
     length = -(-max(max_length, 1) // KEY_BLOCK) * KEY_BLOCK
     device = engine.embed.device
-    shape = (engine.num_layers, batch_size, engine.num_kv_heads, length, engine.head_dim)
+    hq, hkv, dh = engine.num_heads, engine.num_kv_heads, engine.head_dim
     positions = torch.arange(length, device=device)[None]  # (1, L)
     cos, sin = engine.rotary(torch.zeros(1, device=device, dtype=torch.float32), positions)  # (1, L, Dh) fp32
+    cos, sin = cos[0].float(), sin[0].float()
+    half = dh // 2
+    sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate_half(x) * sin == swap_halves(x) * signed sin
+    heads = lambda q, k, v: torch.stack([q] * hq + [k] * hkv + [v] * hkv, dim=1)  # (L, Hq + 2 Hkv, Dh)
     return StaticCache(
         engine=engine,
-        k=torch.zeros(shape, device=device),
-        v=torch.zeros(shape, device=device),
-        cos=cos[0].float(),
-        sin=sin[0].float(),
+        kv=torch.zeros(engine.num_layers, batch_size, 2 * hkv, length, dh, device=device),
+        rot_cos=heads(cos * engine.scale, cos, torch.ones_like(cos)),
+        rot_sin=heads(sin * engine.scale, sin, torch.zeros_like(sin)),
         min_rows=engine.min_rows(length),
     )
 
@@ -196,15 +210,13 @@ def cache_length(cache: StaticCache) -> int:
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # As HF's LlamaRMSNorm: statistics in fp32, cast back, then scale.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary with rotate-half's sign already in `sin` (StaticCache.rot_sin)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def _window_slots(prefix: int, offsets: Tensor, visible: Tensor, window: int) -> tuple[Tensor, Tensor]:
@@ -282,7 +294,7 @@ def forward(
         visible = torch.cat([visible, visible[-1:].expand(pad, t)], dim=0)
     tp = t + pad
     pos = prefix + offsets  # (Tp,)
-    cos, sin = cache.cos[pos], cache.sin[pos]  # (Tp, Dh)
+    cos, sin = cache.rot_cos[pos], cache.rot_sin[pos]  # (Tp, Hq + 2 Hkv, Dh)
     # 2. Which keys a token sees, split by its own position t only, so that the split is the same whatever forward
     #    computes it: far keys (positions < t - W + 1, always committed, each in its own slot) attended over the whole
     #    cache with a mask; the W most recent positions gathered along the token's own path, oldest first.
@@ -298,28 +310,22 @@ def forward(
     for i, w in enumerate(e.layers):
         if wanted is not None and i in wanted:
             kept[i] = h[:, :t]
-        # 3. Attention, fp32.
+        # 3. Attention, fp32. One rotation pass over fused q/k/v: rotary on k, rotary and the scale on q, v as is.
         x = _rms_norm(h, w["ln1"], e.eps)
-        qkv = w["qkv"](x).float()  # (B, Tp, (Hq + 2 Hkv) Dh)
-        q, k, v = qkv.split([hq * dh, hkv * dh, hkv * dh], dim=-1)
-        q = _rotate(q.view(bsz, tp, hq, dh).transpose(1, 2), cos, sin) * e.scale  # (B, Hq, Tp, Dh)
-        k = _rotate(k.view(bsz, tp, hkv, dh).transpose(1, 2), cos, sin)  # (B, Hkv, Tp, Dh)
-        v = v.view(bsz, tp, hkv, dh).transpose(1, 2)
-        kc, vc = cache.k[i], cache.v[i]  # (B, Hkv, L, Dh)
-        kc[:, :, prefix : prefix + t] = k[:, :, :t]
-        vc[:, :, prefix : prefix + t] = v[:, :, :t]
-        q = q.reshape(bsz, hkv, group, tp, dh)  # query heads sharing a kv head (GQA)
-        far = torch.matmul(q.reshape(bsz, hkv, group * tp, dh), kc.transpose(-1, -2))  # (B, Hkv, G Tp, L)
+        qkv = _rotate(w["qkv"](x).float().view(bsz, tp, hq + 2 * hkv, dh), cos, sin)  # (B, Tp, Hq + 2 Hkv, Dh)
+        kv = cache.kv[i]  # (B, 2 Hkv, L, Dh): keys, then values
+        kv[:, :, prefix : prefix + t] = qkv[:, :t, hq:].transpose(1, 2)
+        kc, vc = kv[:, :hkv], kv[:, hkv:]
+        q = qkv[:, :, :hq].transpose(1, 2).reshape(bsz, hkv, group * tp, dh)  # query heads sharing a kv head (GQA)
+        far = torch.matmul(q, kc.transpose(-1, -2))  # (B, Hkv, G Tp, L)
         far = far.view(bsz, hkv, group, tp, -1) + far_mask
-        kn = kc.index_select(2, flat_slots).view(bsz, hkv, 1, tp, WINDOW, dh)
-        vn = vc.index_select(2, flat_slots).view(bsz, hkv, 1, tp, WINDOW, dh)
-        near = (q[..., None, :] * kn).sum(-1) + near_mask  # (B, Hkv, G, Tp, W)
+        kn, vn = kv.index_select(2, flat_slots).view(bsz, 2, hkv, 1, tp, WINDOW, dh).unbind(1)
+        near = (q.view(bsz, hkv, group, tp, 1, dh) * kn).sum(-1) + near_mask  # (B, Hkv, G, Tp, W)
         probs = torch.softmax(torch.cat([far, near], dim=-1), dim=-1)
         p_far, p_near = probs.split([cache.max_length, WINDOW], dim=-1)
         att = torch.matmul(p_far.reshape(bsz, hkv, group * tp, -1), vc).view(bsz, hkv, group, tp, dh)
-        att = att + (p_near[..., None] * vn).sum(-2)  # (B, Hkv, G, Tp, Dh)
-        att = att.view(bsz, hq, tp, dh).transpose(1, 2).reshape(bsz, tp, hq * dh).to(e.dtype)
-        h = h + w["o"](att)
+        att = (att + (p_near[..., None] * vn).sum(-2)).to(e.dtype)  # (B, Hkv, G, Tp, Dh)
+        h = h + w["o"](att.view(bsz, hq, tp, dh).transpose(1, 2).reshape(bsz, tp, hq * dh))
         # 4. MLP.
         x = _rms_norm(h, w["ln2"], e.eps)
         gate, up = w["gate_up"](x).split(e.intermediate, dim=-1)
@@ -341,7 +347,6 @@ def commit(cache: StaticCache, prefix_len: int, nodes: Tensor) -> None:
     if not bool((nodes == torch.arange(a, device=nodes.device)).all()):  # a chain's path needs no move
         if bsz != 1 and not bool((nodes == nodes[:1]).all()):
             raise UserError(f"commit takes one accepted path for the whole batch; got {nodes.tolist()}.")
-        slots = prefix_len + nodes[0].to(cache.k.device)
-        for buf in (cache.k, cache.v):
-            buf[:, :, :, prefix_len : prefix_len + a] = buf.index_select(3, slots)
+        slots = prefix_len + nodes[0].to(cache.kv.device)
+        cache.kv[:, :, :, prefix_len : prefix_len + a] = cache.kv.index_select(3, slots)
     cache.length = prefix_len + a
