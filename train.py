@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from models.errors import UserError, exit_on_user_error
+from models.export import load_export
 from train.safety import LAST_GOOD, RunLock, check_writable
 
 
@@ -78,6 +79,8 @@ def _run(cfg: DictConfig) -> Path:
     datamodule = instantiate(cfg.data, verifier=verifier)
     model = instantiate(cfg.model, verifier=verifier)
     datamodule.hidden_layers = model.hidden_layers  # which hidden states offline mode caches
+    if cfg.get("init_from"):
+        model.warm_start(load_export(cfg.init_from, verifier), cfg.init_from)  # checked against the verifier
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)

@@ -239,3 +239,50 @@ def test_train_vocab_is_exported_and_the_decoder_drafts_over_it(train_script, tm
     assert counts[kept].min() >= counts[~kept].max() and counts[kept].min() > 0
     assert torch.equal(load_export(export, tiny).train_ids, drafter.head_ids)  # what offline scoring ranks over
     assert make_drafter(None, tiny, Chain(), checkpoint=export, draft_vocab=128).head_ids.numel() == 128
+
+
+@pytest.mark.parametrize("model", ["medusa", "eagle", "eagle3"])
+def test_init_from_starts_from_the_exports_weights_and_keeps_its_vocabulary(train_script, tmp_path, model):
+    """init_from=<export>: training starts from the export's weights (with lr=0 the new export's weights are the
+    old one's, bit for bit; without init_from they are not), and the vocabulary it chose on its own data (Medusa /
+    EAGLE-1 train_vocab rows, EAGLE-3 draft vocabulary) is kept on new data whose own choice differs."""
+    from safetensors.torch import load_file
+
+    from helpers import varied_llama
+
+    varied = ["verifier.seed=1", "+verifier.layer_std=0.3"]
+    vocab = "model.draft_vocab_size=64" if model == "eagle3" else "model.train_vocab=64"
+    extra = ["model.ttt_steps=2", "model.val_steps=2", "model.aux_layer_ids=[0,1]"] if model == "eagle3" else []
+    base = [TINY[0], *TINY[2:], *varied, f"model={model}", "logger=csv", *extra]
+    first = train_script.run(compose_train([*base, "data.limit=12", vocab, "trainer.max_steps=2"], tmp_path / "a"))
+    new_data = [*base, "data.limit=4", "trainer.max_steps=1", "model.optimizer.lr=0.0", "model.warmup_ratio=0.0"]
+    shape = [vocab] if model == "eagle3" else []  # EAGLE-3's draft vocabulary size is a shape: given as the export's
+    warm = train_script.run(compose_train([*new_data, *shape, f"init_from={first}"], tmp_path / "b"))
+    cold = train_script.run(compose_train([*new_data, vocab], tmp_path / "c"))
+
+    weights = {name: load_file(str(path / "model.safetensors")) for name, path in
+               (("first", first), ("warm", warm), ("cold", cold))}
+    assert weights["warm"].keys() == weights["first"].keys()
+    assert all(torch.equal(weights["warm"][k], weights["first"][k]) for k in weights["first"])
+    assert not all(torch.equal(weights["cold"][k], weights["first"][k]) for k in weights["first"])
+
+    tiny = varied_llama()
+    if model == "eagle3":
+        rows = {name: load_export(path, tiny).net.t2d for name, path in (("first", first), ("warm", warm), ("cold", cold))}
+    else:
+        rows = {name: load_export(path, tiny).train_ids for name, path in (("first", first), ("warm", warm), ("cold", cold))}
+        assert json.loads((warm / "config.json").read_text())["train_vocab"] == 64
+    assert not torch.equal(rows["cold"], rows["first"])  # the new data alone would choose other tokens
+    assert torch.equal(rows["warm"], rows["first"])
+
+
+def test_init_from_refuses_another_kind_or_shape(train_script, tmp_path):
+    varied = ["verifier.seed=1", "+verifier.layer_std=0.3"]
+    medusa = train_script.run(compose_train([*TINY, *varied, "logger=csv", "trainer.max_steps=1"], tmp_path / "a"))
+    with pytest.raises(UserError, match="is an Medusa export but this run trains EAGLE-1.*model=medusa"):
+        train_script.run(compose_train([*TINY, *varied, "model=eagle", f"init_from={medusa}"], tmp_path / "b"))
+    with pytest.raises(UserError, match="does not match this model's shape.*model.num_layers"):
+        train_script.run(compose_train([*TINY, *varied, "model.num_layers=2", f"init_from={medusa}"], tmp_path / "c"))
+    with pytest.raises(UserError, match="model.train_vocab unset"):
+        train_script.run(compose_train([*TINY, *varied, "model.train_vocab=64", f"init_from={medusa}"],
+                                       tmp_path / "d"))

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from models.errors import UserError
-from models.export import frequent_ids
+from models.export import KIND_NAMES, Export, frequent_ids
 
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 
@@ -45,8 +45,18 @@ class DrafterModule(L.LightningModule):
 
     def count_targets(self, vocab_size: int) -> Tensor | None:
         """Count how often each token is a training target (an assistant token of the training split), for the
-        export's `target_counts.safetensors` (the decoder's `drafter.draft_vocab` keeps the most frequent). None
-        without a data module's training split."""
+        export's `target_counts.safetensors` (the decoder's `draft_vocab` keeps the most frequent). None
+        without a data module's training split. After `warm_start` from an export trained with `model.train_vocab`,
+        the export's counts are kept instead: they say which rows it trains over, and the new export must name the
+        same rows."""
+        counts = self.data_counts(vocab_size)
+        if counts is not None and self.warm is not None and self.warm.config.get("train_vocab"):
+            counts = self.warm.target_counts
+        self.target_counts = counts
+        return counts
+
+    def data_counts(self, vocab_size: int) -> Tensor | None:
+        """How often each token is a target in this run's training split; None without a data module's."""
         train_set = getattr(getattr(self.trainer, "datamodule", None), "train_set", None)
         if train_set is None:
             return None
@@ -54,8 +64,48 @@ class DrafterModule(L.LightningModule):
         for row in train_set.with_format("python"):
             ids = torch.tensor(row["input_ids"])
             counts += torch.bincount(ids[torch.tensor(row["loss_mask"]).bool()], minlength=vocab_size)
-        self.target_counts = counts
         return counts
+
+    # -- warm start from an export (init_from=<export>) ------------------------------------------------------------
+    warm: Export | None = None  # the export training started from, if any
+
+    drafter_kind: str | None = None  # `medusa`, `eagle` or `eagle3`: the export kind a module writes, if it can start from one
+    drafter_net: torch.nn.Module  # the network an export holds (its state dict is the export's weights)
+
+    def warm_start(self, export: Export, source: str) -> None:
+        """Start from an export's weights (e.g. a drafter trained on a large general mix, fine-tuned on one domain's
+        data). The export must be of this module's kind and shape; its vocabulary choices are kept: EAGLE-3's draft
+        vocabulary (in its weights) and the rows `model.train_vocab` trained over (from its target counts), so the
+        new export drafts over the same tokens. A checkpoint given with ckpt_path still wins (resuming)."""
+        if self.drafter_kind is None:
+            raise UserError(f"init_from={source!r}: only Medusa and EAGLE runs start from an export (model=medusa, "
+                            f"eagle, eagle3). Drop init_from.")
+        if export.kind != self.drafter_kind:
+            raise UserError(f"init_from={source!r} is an {KIND_NAMES[export.kind]} export but this run trains "
+                            f"{KIND_NAMES[self.drafter_kind]} (model={self.drafter_kind}): pass model={export.kind}, "
+                            f"or an {KIND_NAMES[self.drafter_kind]} export.")
+        mine, theirs = self.drafter_net.state_dict(), export.net.state_dict()
+        diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in set(mine) & set(theirs)
+                                                        if mine[k].shape != theirs[k].shape)
+        if diff:
+            shapes = "; ".join(f"{k}: export {tuple(theirs[k].shape) if k in theirs else 'absent'}, model "
+                               f"{tuple(mine[k].shape) if k in mine else 'absent'}" for k in diff[:4])
+            raise UserError(f"init_from={source!r} does not match this model's shape ({shapes}). Set the model "
+                            f"options to the export's (its config.json: e.g. model.num_heads, model.num_layers, "
+                            f"model.draft_vocab_size, model.aux_layer_ids).")
+        size = export.config.get("train_vocab")
+        if self.hparams.get("train_vocab") not in (None, size):
+            raise UserError(f"init_from={source!r} was trained over {size or 'all'} vocabulary rows "
+                            f"(train_vocab={size}) and model.train_vocab={self.hparams.get('train_vocab')}: leave "
+                            f"model.train_vocab unset, the export's rows are kept.")
+        self.hparams["train_vocab"] = size
+        if size and export.target_counts is None:
+            export.train_ids  # raises: which rows is not recorded
+        with torch.no_grad():
+            self.drafter_net.load_state_dict(theirs)
+        self.warm = export
+        print(f"[init_from] {KIND_NAMES[export.kind]} weights from {source}"
+              + (f", its {size} vocabulary rows" if size else ""))
 
     # -- training over the most frequent targets' rows of the verifier's lm_head (model.train_vocab) ---------------
     head_ids: Tensor | None = None  # the kept verifier ids, sorted; None: the full vocabulary
@@ -78,6 +128,8 @@ class DrafterModule(L.LightningModule):
             raise UserError("model.train_vocab needs the training split to count targets in; train through "
                             "train.py's data module, or leave model.train_vocab=null.")
         self.set_train_vocab(frequent_ids(counts, size, "model.train_vocab"))
+        if self.warm is not None:  # the export's rows: say how much of this run's data they cover
+            counts = self.data_counts(self.verifier.vocab_size)
         covered = float(counts[self.head_ids.cpu()].sum() / counts.sum().clamp(min=1))
         print(f"[train_vocab] {size} tokens cover {100 * covered:.1f}% of the training targets")
 

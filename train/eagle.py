@@ -107,6 +107,14 @@ class EagleModule(DrafterModule):
         final-normed last layer (-1), whose lm_head gives q and, for EAGLE-1, the feature targets."""
         return list(dict.fromkeys([*self.net.feature_layers, -1]))
 
+    @property
+    def drafter_kind(self) -> str:
+        return self.net.kind
+
+    @property
+    def drafter_net(self) -> torch.nn.Module:
+        return self.net
+
     # -- draft vocabulary (EAGLE-3) --------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         # The training-target counts: exported beside the weights, and EAGLE-3's draft vocabulary when training starts.
@@ -114,6 +122,9 @@ class EagleModule(DrafterModule):
         if stage in ("fit", "validate"):
             self.setup_train_vocab(counts)
         if counts is None or not isinstance(self.net, Eagle3Net) or stage != "fit":
+            return
+        if self.warm is not None:  # the export's draft vocabulary came with its weights
+            self.draft_vocab_coverage = float(counts[self.net.t2d.cpu()].sum() / counts.sum().clamp(min=1))
             return
         top, self.draft_vocab_coverage = draft_vocab_from_counts(counts, self.net.draft_vocab_size)
         self.net.set_draft_vocab(top)

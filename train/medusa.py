@@ -164,6 +164,14 @@ class MedusaModule(DrafterModule):
             self.topk_accuracy = acc.tolist()
         self._val_hits = None
 
+    @property
+    def drafter_kind(self) -> str:
+        return "medusa"
+
+    @property
+    def drafter_net(self) -> torch.nn.Module:
+        return self.heads
+
     def setup(self, stage: str) -> None:
         if stage in ("fit", "validate"):
             self.setup_train_vocab(self.count_targets(self.heads.vocab_size))
