@@ -9,6 +9,9 @@ cache. Here every forward runs the same numerics whatever the number of tokens:
   mask row), so every matmul sees at least `min_rows` rows. `min_rows` is probed once per dtype on this machine's
   kernels (`min_invariant_rows`): the smallest row count from which a row's result no longer depends on how many
   rows share the call (typically 2 in bf16, 4 in fp32 on oneDNN CPUs).
+  Any row count from `min_rows` up gives the same bits, so a short forward is padded to the one of them that runs
+  fastest on this machine (`pad_rows`, timed once per process: oneDNN's bf16 kernels here take 41 ms for a
+  one-token step padded to 2 rows and 37 ms padded to 4).
 - Keys: how a token's attention is summed depends on its own position t only, never on the forward computing it.
   Keys at positions < t - W + 1 (always committed, each in its own slot) are attended over the whole preallocated
   cache (length `max_length`, a multiple of 64) with a mask, so that reduction has one fixed length; the W = 16 most
@@ -22,7 +25,8 @@ hidden_layers) -> ForwardOutput`, `commit(cache, prefix_len, nodes)`, `cache_len
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +43,8 @@ KEY_BLOCK = 64  # the cache length is rounded up to this: softmax over keys neve
 _PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)
 _PROBE_CHECK = (0, 1, 2, 3, 4, 6, 7, 8, 15, 16, 32, 63)  # rows compared in each probe
 _MIN_ROWS: dict[tuple, int] = {}
+_PAD_ROWS: dict[tuple, int] = {}
+MAX_PAD_ROWS = 8  # padding beyond this costs more than kernel choice saves
 
 
 def min_invariant_rows(
@@ -154,6 +160,42 @@ class Engine:
         group = self.num_heads // self.num_kv_heads
         return max(weights, -(-min_invariant_rows(torch.float32, attention, heads=self.num_kv_heads) // group))
 
+    def pad_rows(self, min_rows: int) -> int:
+        """The row count short forwards are padded to: of the probed counts from `min_rows` to MAX_PAD_ROWS (each
+        gives the same bits, `min_invariant_rows` checked them), the one whose one-token step runs fastest here,
+        timed once per dtype, thread count and model shape (~40 one-token forwards)."""
+        candidates = [r for r in _PROBE_ROWS if min_rows <= r <= MAX_PAD_ROWS] or [min_rows]
+        key = (self.dtype, torch.get_num_threads(), self.pack, min_rows, self.num_layers, self.embed.shape)
+        if key not in _PAD_ROWS:
+            _PAD_ROWS[key] = fastest(candidates, self._step_timer(min_rows)) if len(candidates) > 1 else candidates[0]
+        return _PAD_ROWS[key]
+
+    def _step_timer(self, min_rows: int) -> Callable[[int], float]:
+        """Seconds one one-token step takes padded to r rows, on a 32-token prefix of a scratch cache."""
+        cache = StaticCache(self, *_cache_tensors(self, KEY_BLOCK), min_rows=min_rows, pad_rows=min_rows)
+        tokens = torch.arange(33, device=self.embed.device)[None] % self.embed.shape[0]
+        forward(cache, tokens[:, :32])
+
+        def step(rows: int) -> float:
+            cache.length, cache.pad_rows = 32, rows
+            start = time.perf_counter()
+            forward(cache, tokens[:, 32:])
+            return time.perf_counter() - start
+
+        return step
+
+
+def fastest(candidates: Sequence[int], seconds: Callable[[int], float], rounds: int = 3, reps: int = 2) -> int:
+    """The candidate with the least time, each timed `reps` times per round after a warm call, rounds interleaved
+    (a burst of load lands on every candidate alike); ties go to the smaller."""
+    best = {c: float("inf") for c in candidates}
+    for c in candidates:
+        seconds(c)
+    for _ in range(rounds):
+        for c in candidates:
+            best[c] = min(best[c], *(seconds(c) for _ in range(reps)))
+    return min(candidates, key=lambda c: (best[c], c))
+
 
 @dataclass
 class StaticCache:
@@ -167,7 +209,8 @@ class StaticCache:
     kv: Tensor
     rot_cos: Tensor
     rot_sin: Tensor
-    min_rows: int
+    min_rows: int  # the fewest rows a forward may have and stay batch-invariant
+    pad_rows: int  # what short forwards are padded to (>= min_rows, the fastest here)
     length: int = 0
 
     @property
@@ -187,6 +230,13 @@ def new_cache(model: nn.Module | Engine, max_length: int, batch_size: int = 1) -
     """A cache for up to `max_length` tokens (prompt + max_new_tokens + tree nodes), rounded up to KEY_BLOCK."""
     engine = model if isinstance(model, Engine) else Engine(model)
     length = -(-max(max_length, 1) // KEY_BLOCK) * KEY_BLOCK
+    min_rows = engine.min_rows(length)
+    return StaticCache(engine, *_cache_tensors(engine, length, batch_size), min_rows=min_rows,
+                       pad_rows=engine.pad_rows(min_rows))
+
+
+def _cache_tensors(engine: Engine, length: int, batch_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """A zeroed kv buffer and the rotation tables (StaticCache) for `length` positions."""
     device = engine.embed.device
     hq, hkv, dh = engine.num_heads, engine.num_kv_heads, engine.head_dim
     positions = torch.arange(length, device=device)[None]  # (1, L)
@@ -195,12 +245,10 @@ def new_cache(model: nn.Module | Engine, max_length: int, batch_size: int = 1) -
     half = dh // 2
     sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate_half(x) * sin == swap_halves(x) * signed sin
     heads = lambda q, k, v: torch.stack([q] * hq + [k] * hkv + [v] * hkv, dim=1)  # (L, Hq + 2 Hkv, Dh)
-    return StaticCache(
-        engine=engine,
-        kv=torch.zeros(engine.num_layers, batch_size, 2 * hkv, length, dh, device=device),
-        rot_cos=heads(cos * engine.scale, cos, torch.ones_like(cos)),
-        rot_sin=heads(sin * engine.scale, sin, torch.zeros_like(sin)),
-        min_rows=engine.min_rows(length),
+    return (
+        torch.zeros(engine.num_layers, batch_size, 2 * hkv, length, dh, device=device),
+        heads(cos * engine.scale, cos, torch.ones_like(cos)),
+        heads(sin * engine.scale, sin, torch.zeros_like(sin)),
     )
 
 
@@ -285,9 +333,9 @@ def forward(
                 f"The tree is {int(offsets.max())} deep; the engine's exact attention handles depth < {WINDOW}. "
                 f"Use a shallower tree (tree depth / number of draft tokens below {WINDOW})."
             )
-    # 1. Pad to min_rows by repeating the last token (same position, same mask row): every matmul sees >= min_rows
-    #    rows, so each row's bits do not depend on T. The repeats write the same keys into the same slot.
-    pad = max(cache.min_rows - t, 0)
+    # 1. Pad to pad_rows (>= min_rows) by repeating the last token (same position, same mask row): every matmul sees
+    #    >= min_rows rows, so each row's bits do not depend on T. The repeats write the same keys into the same slot.
+    pad = max(cache.pad_rows - t, 0)
     if pad:
         tokens = torch.cat([tokens, tokens[:, -1:].expand(bsz, pad)], dim=1)
         offsets = torch.cat([offsets, offsets[-1:].expand(pad)])

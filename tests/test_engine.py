@@ -77,6 +77,37 @@ def test_one_forward_over_n_tokens_gives_the_bits_of_n_steps(which, tiny, varied
 
 
 @pytest.mark.parametrize("which", ["varied", "varied_bf16"])
+def test_every_pad_row_count_gives_the_same_bits(which, varied, varied_bf16):
+    """Short forwards are padded to `pad_rows`, the fastest count from min_rows up: each candidate it may choose
+    gives the bits of the smallest, for one-token steps and for a 3-token chain."""
+    v = varied if which == "varied" else varied_bf16
+    ids = _ids(v, 24, seed=3)
+    runs = {}
+    for rows in [r for r in engine._PROBE_ROWS if r <= engine.MAX_PAD_ROWS]:
+        cache = engine.new_cache(v.model, 24)
+        if rows < cache.min_rows:
+            continue
+        cache.pad_rows = rows
+        engine.forward(cache, ids[:, :12])
+        steps = [engine.forward(cache, ids[:, j : j + 1]).logits for j in range(12, 21)]
+        runs[rows] = torch.cat([*steps, engine.forward(cache, ids[:, 21:]).logits], dim=1)
+    assert len(runs) >= 3
+    first = runs[min(runs)]
+    assert all(torch.equal(out, first) for out in runs.values())
+
+
+def test_fastest_takes_the_least_time_interleaved():
+    calls = []
+
+    def seconds(rows: int) -> float:
+        calls.append(rows)
+        return {2: 0.041, 3: 0.037, 4: 0.037, 5: 0.040}[rows] + (0.05 if len(calls) == 7 else 0.0)  # one slow burst
+
+    assert engine.fastest([2, 3, 4, 5], seconds) == 3  # least time; the tie 3 / 4 goes to fewer rows
+    assert calls[:8] == [2, 3, 4, 5, 2, 2, 3, 3]  # a warm call each, then rounds over every candidate in turn
+
+
+@pytest.mark.parametrize("which", ["varied", "varied_bf16"])
 def test_tree_forward_and_commit_give_the_bits_of_a_plain_forward(which, varied, varied_bf16):
     v = varied if which == "varied" else varied_bf16
     tree = from_medusa_choices(CHOICES)
