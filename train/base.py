@@ -26,6 +26,7 @@ class DrafterModule(L.LightningModule):
     _train_d1: Tensor | None = None  # (hits, positions) of depth-1 top-1 over this epoch's training batches
     train_summary: dict[str, float] = {}
     target_counts: Tensor | None = None  # (V,) how often each token is a training target, exported beside the weights
+    data_target_counts: Tensor | None = None  # the same, counted on this run's training split (differs after init_from)
 
     def configure_optimizers(self) -> Any:
         opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
@@ -49,7 +50,7 @@ class DrafterModule(L.LightningModule):
         without a data module's training split. After `warm_start` from an export trained with `model.train_vocab`,
         the export's counts are kept instead: they say which rows it trains over, and the new export must name the
         same rows."""
-        counts = self.data_counts(vocab_size)
+        counts = self.data_target_counts = self.data_counts(vocab_size)
         if counts is not None and self.warm is not None and self.warm.config.get("train_vocab"):
             counts = self.warm.target_counts
         self.target_counts = counts
@@ -100,7 +101,7 @@ class DrafterModule(L.LightningModule):
                             f"model.train_vocab unset, the export's rows are kept.")
         self.hparams["train_vocab"] = size
         if size and export.target_counts is None:
-            export.train_ids  # raises: which rows is not recorded
+            export.train_ids  # raises its error: the export does not record which rows
         with torch.no_grad():
             self.drafter_net.load_state_dict(theirs)
         self.warm = export
@@ -129,7 +130,7 @@ class DrafterModule(L.LightningModule):
                             "train.py's data module, or leave model.train_vocab=null.")
         self.set_train_vocab(frequent_ids(counts, size, "model.train_vocab"))
         if self.warm is not None:  # the export's rows: say how much of this run's data they cover
-            counts = self.data_counts(self.verifier.vocab_size)
+            counts = self.data_target_counts
         covered = float(counts[self.head_ids.cpu()].sum() / counts.sum().clamp(min=1))
         print(f"[train_vocab] {size} tokens cover {100 * covered:.1f}% of the training targets")
 
