@@ -13,8 +13,9 @@ takes its place, so the batch stays full:
    columns that are padding in every remaining row are cut from the left.
 5. When at least `refill_at` slots are free (or the batch is empty), go to 1.
 
-Randomness comes from one `torch.Generator` seeded by `seed`, so a run is reproducible for a given prompt list and
-batch size (not across batch sizes: the batch composition decides which draws each row gets).
+Randomness: each prompt draws from its own `torch.Generator`, seeded by (`seed`, the prompt's key: its index, or
+`keys`), so a prompt's sampled answer does not depend on the batch size, its neighbours or where a run restarted
+(up to the batched matmuls' rounding, which can differ with the row count in bf16).
 
 Attention: on a CPU, PyTorch's SDPA kernel is slow for one-token queries (measured, SmolLM2's 9 query / 3 KV heads,
 batch 48, 200 keys, bf16, 1 thread: 2.2 ms a layer with a padding mask and 13 ms without one, where HF takes its
@@ -49,17 +50,26 @@ from models.packed import packed_linears
 from models.verifier import Verifier
 
 
-def sample(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> Tensor:
-    """Next tokens (B,) from logits (B, V): argmax at temperature 0, else nucleus sampling (Holtzman et al. 2020)."""
+def row_generator(seed: int, key: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The random stream of one prompt: a function of (seed, key) only, so what a row samples never depends on
+    which rows share its batch, the batch size, or where a resumed build restarts."""
+    return torch.Generator(device=device).manual_seed((seed * 0x9E3779B97F4A7C15 + key) % 2**63)
+
+
+def sample(logits: Tensor, temperature: float, top_p: float, gens: Sequence[torch.Generator] | None) -> Tensor:
+    """Next tokens (B,) from logits (B, V): argmax at temperature 0, else nucleus sampling (Holtzman et al. 2020),
+    row b drawing one uniform from `gens[b]` and inverting the kept tokens' cumulative distribution."""
     if temperature <= 0:
         return logits.float().argmax(-1)  # bf16 argmax over a 49k vocabulary: 8.6 ms (48 rows), float: 3.0 ms
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    idx = None
     if top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        sorted_p[(sorted_p.cumsum(-1) - sorted_p) > top_p] = 0.0  # keep the smallest prefix reaching top_p
-        choice = torch.multinomial(sorted_p, 1, generator=gen)  # multinomial renormalises
-        return idx.gather(-1, choice)[:, 0]
-    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+        probs, idx = probs.sort(dim=-1, descending=True)
+        probs[(probs.cumsum(-1) - probs) > top_p] = 0.0  # keep the smallest prefix reaching top_p
+    cdf = probs.cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in gens]).to(cdf.device)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+    return (choice if idx is None else idx.gather(-1, choice))[:, 0]
 
 
 DECODE_ATTENTION = "specdraft_decode"
@@ -77,12 +87,19 @@ def decode_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     kv_heads, keys = key.shape[1], key.shape[2]
-    q = query.reshape(bsz, kv_heads, heads // kv_heads, dim)  # (B, KVH, G, D): head h uses KV head h // G
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else dim**-0.5)
+    q = query * (scaling if scaling is not None else dim**-0.5)
+    q = q.reshape(bsz, kv_heads, heads // kv_heads, dim)  # (B, KVH, G, D): head h uses KV head h // G
+    # Scores stay in the model dtype (the matmul rounds them to it anyway) and softmax reads them as they are, with
+    # float accumulation inside: a float copy of the scores, its masking and its cast back cost more than both
+    # matmuls at 96 rows x 320 keys (measured: 3.7 -> 2.6 ms a layer, bf16, one thread).
+    scores = torch.matmul(q, key.transpose(-1, -2))  # (B, KVH, G, T)
     if attention_mask is not None:  # (B, 1, 1, >=T)
         mask = attention_mask[:, :, -1:, :keys]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)  # (B, KVH, G, D)
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores = scores + mask.to(scores.dtype)
+    out = torch.matmul(scores.softmax(-1), value)  # (B, KVH, G, D)
     return out.reshape(bsz, heads, 1, dim).transpose(1, 2), None
 
 
@@ -277,6 +294,8 @@ def generate_refill(
     on_done: Callable[[int, list[int]], None] | None = None,
     pack: bool = True,
     slots: bool = True,
+    keys: Sequence[int] | None = None,
+    order: str = "length",
 ) -> list[list[int]]:
     """Answer every prompt (token ids); returns the new ids of each, ending with the stop token when it stopped.
 
@@ -286,6 +305,11 @@ def generate_refill(
             groups rather than one row at a time.
         on_done: called with (prompt index, answer) as each answer finishes (progress bars).
         pack: run the model's bf16 linears through prepacked weights on a CPU (models.packed; the same tokens).
+        keys: one integer per prompt that, with `seed`, seeds its random stream (default: its index); a caller
+            answering part of a larger list passes the prompts' indices in it, so every part samples what one run
+            over the whole list would.
+        order: "length" queues the prompts shortest first (similar lengths share a prefill); "given" keeps the
+            list's order (a caller that saves work in parts queues part by part, each sorted).
         slots: decode on the preallocated slot cache where the model allows it (`_slot_decoder`); False keeps HF's
             DynamicCache (the path every other model takes).
     """
@@ -293,11 +317,17 @@ def generate_refill(
     stops = set(stop_ids if stop_ids is not None else [verifier.tokenizer.eos_token_id])
     pad_id = verifier.tokenizer.pad_token_id or 0
     refill_at = refill_at or max(1, batch_size // 4)
-    queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a prefill
+    if order not in ("length", "given"):
+        raise ValueError(f"order={order!r}: use 'length' or 'given'")
+    queue = list(range(len(prompts)))
+    if order == "length":
+        queue.sort(key=lambda i: len(prompts[i]))  # similar lengths share a prefill
     answers: list[list[int]] = [[] for _ in prompts]
-    gen = torch.Generator(device=device).manual_seed(seed)
+    keys = list(range(len(prompts))) if keys is None else list(keys)
+    gens: dict[int, torch.Generator] = {}  # the running rows' streams, made as a row joins, dropped as it leaves
 
     def finish(i: int) -> None:
+        gens.pop(i, None)
         if on_done is not None:
             on_done(i, answers[i])
 
@@ -317,7 +347,9 @@ def generate_refill(
         out = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device),
                                   position_ids=positions.to(device), cache=cache, use_cache=True)
         logits = model.get_output_embeddings()(out.last_hidden_state[:, -1].contiguous())  # (G, V)
-        first = sample(logits, temperature, top_p, gen).tolist()
+        if temperature > 0:
+            gens.update((i, row_generator(seed, keys[i], device)) for i in group)
+        first = sample(logits, temperature, top_p, [gens.get(i) for i in group]).tolist()
         for i, t in zip(group, first):
             answers[i].append(t)
         return out.past_key_values, mask, first
@@ -341,7 +373,8 @@ def generate_refill(
                     running.add(cache, mask, list(group), first)
                 else:
                     # 3. one decode step for every running row, on the slot cache
-                    nxt = sample(_slot_step(model, decoder, running), temperature, top_p, gen).tolist()
+                    nxt = sample(_slot_step(model, decoder, running), temperature, top_p,
+                                 [gens.get(i) for i in running.rows]).tolist()
                     running.last = nxt
                     for i, t in zip(running.rows, nxt):
                         answers[i].append(t)
@@ -367,7 +400,7 @@ def generate_refill(
                             position_ids=torch.tensor(batch.pos, device=device)[:, None],
                             cache=batch.cache, use_cache=True)
                 batch.cache = out.past_key_values
-                nxt = sample(out.logits[:, -1], temperature, top_p, gen).tolist()
+                nxt = sample(out.logits[:, -1], temperature, top_p, [gens.get(i) for i in batch.rows]).tolist()
                 batch.pos = [p + 1 for p in batch.pos]
                 batch.last = nxt
                 for i, t in zip(batch.rows, nxt):

@@ -139,13 +139,16 @@ def build_selfdistill(
     named by the hash of its own prompts and settings (`<cache>/selfdistill-shards/<shard key>/`) and saved
     atomically as soon as it is done, so a killed build resumes from its finished shards, and a build whose sources
     share whole groups with an earlier one (a source added, another's prompt count changed) reuses their shards.
-    Each shard's sampling seed is `seed` + its index within its group. Once every shard is there they are joined
+    All pending shards go through one refill run, queued in order (see the loop below). Sampling (temperature > 0)
+    is per prompt, seeded by `seed` and the prompt's index within its group. Once every shard is there they are joined
     into `<cache>/selfdistill/<key>`; the shards stay (token ids only: ~4 MB per 1M tokens) for later builds.
     """
     if shard_size < 1:
         raise UserError(f"data.shard_size={shard_size}: give a whole number of prompts >= 1 per shard.")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "max_length": max_length,
                 "engine": "refill", "batch_size": batch_size, "shard_size": shard_size, "top_p": top_p}
+    if temperature > 0:
+        settings["rng"] = "per-prompt"  # sampled answers drawn from each prompt's own stream (data.generate)
     key = cache_key(verifier, convs, settings)
     root = Path(cache_dir).expanduser()
     path = root / "selfdistill" / key
@@ -184,23 +187,44 @@ def build_selfdistill(
                unit="prompt", dynamic_ncols=True)
     tokens = [0]
 
-    def on_done(_: int, answer: list[int]) -> None:
+    # One refill run over every pending shard, queued shard by shard (each shard's prompts sorted by length), so the
+    # batch stays full across shard boundaries; a shard is saved the moment its last answer is in. Each prompt
+    # samples from its own stream, keyed by its index within its source group, so a shard's answers do not depend
+    # on which shards shared the run (a resumed build writes what an unbroken one would).
+    pending = [(s, e, folder) for s, e, folder in plan if (s, e) not in done]
+    order: list[int] = []  # indices into convs, in queue order
+    left: dict[int, int] = {}  # shard (index into pending) -> answers still to come
+    shard_of: dict[int, int] = {}
+    for k, (start, end, folder) in enumerate(pending):
+        keep = sorted((i for i in range(start, end) if not too_long[i]), key=lambda i: len(prompts[i]))
+        bar.update(end - start - len(keep))
+        order += keep
+        left[k] = len(keep)
+        shard_of.update((i, k) for i in keep)
+    answers: dict[int, list[int]] = {}
+
+    def save(k: int) -> None:
+        start, end, folder = pending[k]
+        keep = [i for i in range(start, end) if not too_long[i]]
+        with atomic_dir(folder) as tmp:
+            datasets.Dataset.from_dict(_rows([convs[i] for i in keep], [prompts[i] for i in keep],
+                                             [answers.pop(i) for i in keep], max_length),
+                                       features=FEATURES).save_to_disk(str(tmp))
+
+    def on_done(j: int, answer: list[int]) -> None:
+        i = order[j]
+        answers[i] = answer
         tokens[0] += len(answer)
         bar.update(1)
         bar.set_postfix(tok_s=f"{tokens[0] / max(1e-9, bar.format_dict['elapsed']):.0f}", refresh=False)
+        left[shard_of[i]] -= 1
+        if left[shard_of[i]] == 0:
+            save(shard_of[i])
 
-    for start, end, shard in plan:
-        if (start, end) in done:
-            continue
-        keep = [i for i in range(start, end) if not too_long[i]]
-        part, part_prompts = [convs[i] for i in keep], [prompts[i] for i in keep]
-        bar.update(end - start - len(keep))
-        shard_seed = seed + _index_in_group(start, groups, shard_size)
-        answers = generate_refill(verifier, part_prompts, max_new_tokens, temperature, top_p, batch_size, shard_seed,
-                                  on_done=on_done)
-        with atomic_dir(shard) as tmp:
-            datasets.Dataset.from_dict(_rows(part, part_prompts, answers, max_length),
-                                       features=FEATURES).save_to_disk(str(tmp))
+    for k in [k for k, n in left.items() if n == 0]:  # shards whose every prompt was too long
+        save(k)
+    generate_refill(verifier, [prompts[i] for i in order], max_new_tokens, temperature, top_p, batch_size, seed,
+                    on_done=on_done, keys=[_index_in_group(i, groups) for i in order], order="given")
     bar.close()
     shards = [d for d in (datasets.load_from_disk(str(folder)) for _, _, folder in plan) if len(d)]
     ds = datasets.concatenate_datasets(shards) if len(shards) > 1 else shards[0]
@@ -211,14 +235,14 @@ def build_selfdistill(
     return datasets.load_from_disk(str(path))
 
 
-def _index_in_group(start: int, groups: list[int], shard_size: int) -> int:
-    """The index, within its source group, of the shard that begins at `start`."""
+def _index_in_group(i: int, groups: list[int]) -> int:
+    """The index of conversation `i` within its source group."""
     offset = 0
     for size in groups:
-        if start < offset + size:
-            return (start - offset) // shard_size
+        if i < offset + size:
+            return i - offset
         offset += size
-    raise ValueError(f"shard start {start} is past the conversations")
+    raise ValueError(f"conversation {i} is past the groups")
 
 
 def build_sharegpt(verifier: Verifier, convs: list[Conversation], max_length: int = 1024) -> datasets.Dataset:

@@ -19,10 +19,15 @@ from data.selfgen import selfgen_conversations, user_header
 from helpers import ROOT, varied_llama
 
 
-def test_refill_generation_equals_one_prompt_at_a_time(one_thread):
+@pytest.mark.parametrize("slots", [True, False], ids=["slot-cache", "dynamic-cache"])
+def test_refill_generation_equals_one_prompt_at_a_time(one_thread, slots):
     """Rows stop at different steps (a stop token per row), leave, and queued prompts join a running batch with a
-    longer cache: every answer must still be the verifier's own greedy answer for that prompt alone."""
+    longer cache: every answer must still be the verifier's own greedy answer for that prompt alone. Both decode
+    paths: the preallocated slot cache (rows moved into the holes finished rows leave) and HF's DynamicCache."""
+    from data.generate import _slot_decoder
+
     v = varied_llama()
+    assert _slot_decoder(v.model) is not None  # the slot path really runs on this model
     convs = load_conversations("builtin", split="train", limit=10)
     prompts = [prompt_ids(v.tokenizer, c.messages) for c in convs]
     prompts[3] = prompts[3] + prompts[3][-20:]  # one long prompt: padding differs between groups
@@ -37,8 +42,54 @@ def test_refill_generation_equals_one_prompt_at_a_time(one_thread):
         cut = next((j for j, t in enumerate(a) if t in stops), None)
         expected.append(a if cut is None else a[: cut + 1])
     assert len({len(e) for e in expected}) >= 4  # rows really leave at different steps
-    got = generate_refill(v, prompts, 16, batch_size=4, refill_at=1, stop_ids=sorted(stops))
+    got = generate_refill(v, prompts, 16, batch_size=4, refill_at=1, stop_ids=sorted(stops), slots=slots)
     assert got == expected
+
+
+def test_sampled_answers_do_not_depend_on_the_queue(one_thread):
+    """Each prompt samples from its own stream, keyed by (seed, key): a run over part of the list, in another
+    order (keys = the prompts' indices), writes what the whole run wrote for them; another seed differs (control).
+    One row a batch, so the rounding is the same in both runs and only the streams are compared (across batch
+    sizes the matmuls' rounding differs, and a near-flat distribution can turn on it)."""
+    v = varied_llama()
+    convs = load_conversations("builtin", split="train", limit=7)
+    prompts = [prompt_ids(v.tokenizer, c.messages) for c in convs]
+    kw = dict(temperature=1.0, top_p=0.9, seed=3, batch_size=1)
+    whole = generate_refill(v, prompts, 10, **kw)
+    part = generate_refill(v, prompts[4:] + prompts[:2], 10, keys=[4, 5, 6, 0, 1], order="given", **kw)
+    assert part == whole[4:] + whole[:2]
+    other = generate_refill(v, prompts, 10, **(kw | {"seed": 4}))
+    assert sum(a != b for a, b in zip(other, whole)) >= 5
+    same_prompt = generate_refill(v, [prompts[0]] * 4, 10, **kw)  # what selfgen asks: one header, many turns
+    assert len({tuple(a) for a in same_prompt}) == 4 and same_prompt[0] == whole[0]
+
+
+def test_sampling_follows_the_nucleus_distribution():
+    """`sample` with one stream per row: 6,000 draws from fixed logits match the top-p renormalised softmax
+    (chi-square, fixed seeds); the full softmax, which the cut changes, is rejected (negative control)."""
+    from scipy.stats import chisquare
+
+    from data.generate import row_generator, sample
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0])
+    p = torch.softmax(logits / 0.8, -1)
+    keep = (p.cumsum(0) - p) <= 0.85  # the smallest prefix (p is sorted) reaching 0.85
+    nucleus = torch.where(keep, p, torch.zeros_like(p))
+    nucleus /= nucleus.sum()
+    draws = torch.cat([sample(logits.expand(500, 6), 0.8, 0.85, [row_generator(11, 500 * c + r) for r in range(500)])
+                       for c in range(12)])
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[~keep].sum() == 0  # nothing outside the nucleus
+    n = counts.sum().item()
+
+    def expected(q: torch.Tensor) -> object:
+        q = q.double() + 1e-12
+        return (q / q.sum() * n).numpy()
+
+    assert chisquare(counts[keep].numpy(), expected(nucleus[keep])).pvalue > 0.01
+    assert chisquare(counts.numpy(), expected(p)).pvalue < 1e-6  # the uncut softmax: rejected
+    # temperature 0 is the argmax, and rows do not share a stream
+    assert sample(torch.tensor([[0.1, 3.0, 0.2]]), 0.0, 1.0, None).tolist() == [1]
 
 
 def test_user_header_is_the_template_up_to_the_user_turn(tiny):
