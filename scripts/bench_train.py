@@ -2,10 +2,11 @@
 
     python scripts/bench_train.py                      # default verifier, 16 prompts, 64 new tokens
     python scripts/bench_train.py --prompts 32 --new-tokens 128 --steps 8
-    python scripts/bench_train.py --generation-only --dtype bfloat16 --prompts 48 --new-tokens 256 --batch-size 48
+    python scripts/bench_train.py --generation-only --dtype bfloat16 --threads 2 --prompts 400 --new-tokens 256 --batch-size 128
 
-1. Self-distillation: refill batching (`data.generate.generate_refill`, what data building uses), fixed batches of
-   `model.generate` (the previous path), and one-prompt-at-a-time `model.generate` (tokens/s, same prompts).
+1. Self-distillation (answer tokens/s, greedy, same prompts): refill batching on the slot cache
+   (`data.generate.generate_refill`, what data building uses), on HF's DynamicCache, and one prompt at a time
+   (`model.generate`, on the first --single-prompts prompts); `--paths` adds fixed batches and F.linear.
 2. Training: Medusa forward + backward + optimizer step in fp32 vs bf16 autocast (tokens/s, same batches).
 Prints ratios; nothing here is asserted.
 """
@@ -31,38 +32,49 @@ from models.verifier import build_tiny, load_smollm2  # noqa: E402
 from train.medusa import MedusaModule  # noqa: E402
 
 
+GEN_PATHS = {
+    "slots": "refill batching on the slot cache (data/generate.py, what data building uses)",
+    "dynamic": "refill batching on HF's DynamicCache (the previous path)",
+    "unpacked": "refill batching, slot cache, F.linear instead of prepacked linears",
+    "fixed": "fixed batches of model.generate",
+    "single": "one prompt at a time, model.generate",
+}
+
+
 def bench_generation(verifier, prompts: list[list[int]], new_tokens: int, batch_size: int,
-                     single: bool = True) -> dict[str, float]:
-    # Warm up both paths first (kernel selection, allocator): the first calls are not what we compare.
-    generate_answers(verifier, prompts[:batch_size], 4, 0.0, batch_size, seed=0, desc="warm-up")
+                     paths: list[str], single_prompts: int) -> dict[str, dict[str, float]]:
+    """Answer tokens/s of each path in `paths` (GEN_PATHS), greedy, in this process; "single" answers only the
+    first `single_prompts` prompts (one at a time is slow), the others all of them."""
+    # Warm up first (kernel selection, allocator): the first calls are not what we compare.
+    generate_refill(verifier, prompts[:batch_size], 4, batch_size=batch_size)
     verifier.model.generate(torch.tensor([prompts[0]], device=verifier.device), max_new_tokens=4, do_sample=False,
                             top_k=None, top_p=None, pad_token_id=verifier.tokenizer.pad_token_id)
-    if single:
+    out: dict[str, dict[str, float]] = {}
+    answers: dict[str, list[list[int]]] = {}
+    for path in paths:
         t0 = time.perf_counter()
-        answers = generate_answers(verifier, prompts, new_tokens, 0.0, batch_size, seed=0, desc="batched")
-        batched_s = time.perf_counter() - t0
-        batched_tokens = sum(len(a) for a in answers)
-    generate_refill(verifier, prompts[:batch_size], 4, batch_size=batch_size)
-    t0 = time.perf_counter()
-    refill = generate_refill(verifier, prompts, new_tokens, batch_size=batch_size)
-    refill_s = time.perf_counter() - t0
-    refill_tokens = sum(len(a) for a in refill)
-    t0 = time.perf_counter()
-    unpacked = generate_refill(verifier, prompts, new_tokens, batch_size=batch_size, pack=False)
-    unpacked_s = time.perf_counter() - t0
-    out = {"refill_tok_s": refill_tokens / refill_s, "tokens": refill_tokens,
-           "unpacked_tok_s": sum(len(a) for a in unpacked) / unpacked_s, "same_tokens": unpacked == refill}
-    if not single:
-        return out
-    t0 = time.perf_counter()
-    single_tokens = 0
-    for p in prompts:
-        out = verifier.model.generate(torch.tensor([p], device=verifier.device), max_new_tokens=new_tokens,
-                                      do_sample=False, top_k=None, top_p=None,
-                                      pad_token_id=verifier.tokenizer.pad_token_id)
-        single_tokens += out.shape[1] - len(p)
-    single_s = time.perf_counter() - t0
-    return out | {"batched_tok_s": batched_tokens / batched_s, "single_tok_s": single_tokens / single_s}
+        if path in ("slots", "dynamic", "unpacked"):
+            got = generate_refill(verifier, prompts, new_tokens, batch_size=batch_size, slots=path != "dynamic",
+                                  pack=path != "unpacked")
+        elif path == "fixed":
+            got = generate_answers(verifier, prompts, new_tokens, 0.0, batch_size, seed=0, desc="fixed")
+        elif path == "single":
+            got = []
+            for p in prompts[:single_prompts]:
+                ids = verifier.model.generate(torch.tensor([p], device=verifier.device), max_new_tokens=new_tokens,
+                                              do_sample=False, top_k=None, top_p=None,
+                                              pad_token_id=verifier.tokenizer.pad_token_id)
+                got.append(ids[0, len(p):].tolist())
+        else:
+            raise SystemExit(f"--paths: unknown path {path!r}; choose from {', '.join(GEN_PATHS)}")
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(a) for a in got)
+        answers[path] = got
+        out[path] = {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "prompts": len(got)}
+    if "slots" in answers:  # bf16 rounding differs between paths, so greedy answers can part at near-ties
+        for path, got in answers.items():
+            out[path]["same_as_slots"] = sum(a == b for a, b in zip(got, answers["slots"]))
+    return out
 
 
 def bench_training(verifier, batches: list[dict[str, torch.Tensor]], steps: int, bf16: bool) -> float:
@@ -94,8 +106,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is faster on a shared, loaded box)")
     ap.add_argument("--generation-only", action="store_true", help="skip the training benchmark")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="only this verifier dtype (generation)")
-    ap.add_argument("--refill-only", action="store_true",
-                    help="generation: only refill batching, prepacked linears against F.linear")
+    ap.add_argument("--paths", default="slots,dynamic,single",
+                    help=f"generation paths, comma-separated, from: {', '.join(GEN_PATHS)}")
+    ap.add_argument("--single-prompts", type=int, default=16,
+                    help="generation: prompts the one-at-a-time path answers (the others answer --prompts)")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.threads:
@@ -104,21 +118,20 @@ def main() -> None:
     if args.generation_only:
         load = load_smollm2 if args.verifier == "smollm2" else build_tiny
         convs = load_conversations("builtin", split="train", limit=args.prompts)
+        paths = args.paths.split(",")
         print(f"load average before: {os.getloadavg()}")
         for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
             verifier = load(cache_dir=args.cache_dir, dtype=dtype, device="cpu")
             prompts = [prompt_ids(verifier.tokenizer, c.messages) for c in convs]
-            g = bench_generation(verifier, prompts, args.new_tokens, args.batch_size, single=not args.refill_only)
-            print(f"verifier {dtype} prompts={args.prompts} new_tokens={args.new_tokens} batch={args.batch_size} "
-                  f"threads={torch.get_num_threads()} answer tokens={g['tokens']}")
-            print(f"  refill batching, prepacked linears {g['refill_tok_s']:8.1f} tok/s  "
-                  f"{g['refill_tok_s'] / g['unpacked_tok_s']:5.2f}x F.linear's, same tokens: {g['same_tokens']}")
-            print(f"  refill batching, F.linear          {g['unpacked_tok_s']:8.1f} tok/s")
-            if not args.refill_only:
-                ratio = g['batched_tok_s'] / g['single_tok_s']
-                print(f"  fixed batches     {g['batched_tok_s']:8.1f} tok/s  {ratio:5.2f}x")
-                print(f"  one at a time     {g['single_tok_s']:8.1f} tok/s  1.00x  (refill: "
-                      f"{g['refill_tok_s'] / g['single_tok_s']:.2f}x)")
+            g = bench_generation(verifier, prompts, args.new_tokens, args.batch_size, paths, args.single_prompts)
+            print(f"verifier {dtype} prompts={len(prompts)} ({sum(map(len, prompts))} prompt tokens) "
+                  f"new_tokens={args.new_tokens} batch={args.batch_size} threads={torch.get_num_threads()}")
+            base = g.get("single", {}).get("tok_s")
+            for path, r in g.items():
+                vs = f"{r['tok_s'] / base:6.2f}x one at a time" if base else ""
+                same = f"  same answers as slots: {r['same_as_slots']}/{r['prompts']}" if "same_as_slots" in r else ""
+                print(f"  {path:<9}{r['tok_s']:8.1f} tok/s  {r['tokens']:7d} tokens {r['seconds']:7.1f} s  {vs}{same}"
+                      f"   ({GEN_PATHS[path]})")
         print(f"load average after: {os.getloadavg()}")
         return
 
@@ -128,8 +141,9 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         verifier = load(cache_dir=args.cache_dir, dtype=dtype, device="cpu")
         prompts = [prompt_ids(verifier.tokenizer, c.messages) for c in convs]
-        gen = bench_generation(verifier, prompts, args.new_tokens, args.batch_size)
-        rows.append((f"self-distillation, verifier {dtype}", gen["batched_tok_s"], gen["single_tok_s"]))
+        gen = bench_generation(verifier, prompts, args.new_tokens, args.batch_size, ["slots", "single"],
+                               args.single_prompts)
+        rows.append((f"self-distillation, verifier {dtype}", gen["slots"]["tok_s"], gen["single"]["tok_s"]))
         if dtype == "float32":
             answers = generate_answers(verifier, prompts, args.new_tokens, 0.0, args.batch_size, 0, desc="data")
             examples = [{"input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a)} for p, a in zip(prompts, answers)]

@@ -24,13 +24,14 @@ def test_refill_generation_equals_one_prompt_at_a_time(one_thread, slots):
     """Rows stop at different steps (a stop token per row), leave, and queued prompts join a running batch with a
     longer cache: every answer must still be the verifier's own greedy answer for that prompt alone. Both decode
     paths: the preallocated slot cache (rows moved into the holes finished rows leave) and HF's DynamicCache."""
-    from data.generate import _slot_decoder
+    from data.generate import MIN_SHARED_PREFIX, _common_prefix, _slot_decoder
 
     v = varied_llama()
     assert _slot_decoder(v.model) is not None  # the slot path really runs on this model
     convs = load_conversations("builtin", split="train", limit=10)
     prompts = [prompt_ids(v.tokenizer, c.messages) for c in convs]
     prompts[3] = prompts[3] + prompts[3][-20:]  # one long prompt: padding differs between groups
+    assert _common_prefix(prompts) >= MIN_SHARED_PREFIX  # the template's system turn is computed once
     alone = []
     for p in prompts:
         out = v.model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, top_k=None, top_p=None,
