@@ -146,16 +146,24 @@ def _common_prefix(prompts: Sequence[list[int]]) -> int:
 
 
 class _Batch:
-    """The running rows: KV cache, 2-D attention mask, next position, last token and answer so far."""
+    """The running rows on HF's DynamicCache (any model): KV cache, 2-D attention mask, next position, last token.
+    Same interface as `_Slots`: `n`, `rows`, `last`, `add`, `step`, `remove`."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long)  # (B, T)
         self.rows: list[int] = []  # prompt index of each row
         self.pos: list[int] = []
         self.last: list[int] = []
 
-    def merge(self, cache: DynamicCache, mask: Tensor, rows: list[int], pos: list[int], last: list[int]) -> None:
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+    def add(self, cache: DynamicCache, mask: Tensor, rows: list[int], last: list[int]) -> None:
+        """Merge a prefilled group: both caches left-padded to the longer key length, concatenated on the batch."""
+        pos = mask.sum(1).tolist()  # a row's next position: its real columns
         if self.cache is None or not self.rows:
             self.cache, self.mask, self.rows, self.pos, self.last = cache, mask, rows, pos, last
             return
@@ -167,8 +175,22 @@ class _Batch:
         self.mask = torch.cat([pad(self.mask), pad(mask)])
         self.rows, self.pos, self.last = self.rows + rows, self.pos + pos, self.last + last
 
-    def keep(self, keep: list[int]) -> None:
-        """Keep only rows `keep` (indices into the batch), then cut key columns that no remaining row uses."""
+    def step(self) -> Tensor:
+        """One decode step for every row; returns the next-token logits (n, V)."""
+        device = self.cache.layers[0].keys.device
+        self.mask = torch.cat([self.mask, torch.ones((self.n, 1), dtype=torch.long)], dim=1)
+        out = self.model(input_ids=torch.tensor(self.last, device=device)[:, None],
+                         attention_mask=self.mask.to(device),
+                         position_ids=torch.tensor(self.pos, device=device)[:, None], cache=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.pos = [p + 1 for p in self.pos]
+        return out.logits[:, -1]
+
+    def remove(self, finished: list[int]) -> None:
+        """Drop rows `finished` (indices into the batch), then cut key columns that no remaining row uses."""
+        if not finished:
+            return
+        keep = [r for r in range(self.n) if r not in set(finished)]
         if not keep:
             self.cache, self.mask, self.rows, self.pos, self.last = None, self.mask[:0], [], [], []
             return
@@ -201,11 +223,9 @@ class _Slots:
     Duck-typed to what HF's attention modules call on a cache: `update(k, v, layer_idx, ...)` writes the step's one
     key per row at the row's own position and returns the keys to attend over."""
 
-    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.keys = torch.zeros((layers, rows, kv_heads, 0, head_dim), dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.length = torch.zeros(rows, dtype=torch.long, device=device)  # keys held by each row
+    def __init__(self, model: torch.nn.Module, decoder: torch.nn.Module, rows: int) -> None:
+        self.model, self.decoder, self.capacity = model, decoder, rows
+        self.keys = self.values = self.length = None  # allocated by the first `add`, shaped like its cache
         self.n = 0  # running rows: slots [0, n)
         self.rows: list[int] = []  # prompt index of each running row
         self.last: list[int] = []  # its last token (the next step's input)
@@ -225,6 +245,11 @@ class _Slots:
 
     def add(self, cache: DynamicCache, mask: Tensor, rows: list[int], last: list[int]) -> None:
         """Append a prefilled group: `cache` holds G rows of W columns, `mask` (G, W) marks the real ones."""
+        if self.keys is None:
+            k = cache.layers[0].keys  # (G, KVH, W, D)
+            shape = (len(cache.layers), self.capacity, k.shape[1], 0, k.shape[3])
+            self.keys, self.values = (torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(2))
+            self.length = torch.zeros(self.capacity, dtype=torch.long, device=k.device)  # keys held by each row
         lengths = mask.sum(1).tolist()
         self._fit(max([*lengths, int(self.length[: self.n].max()) if self.n else 0]) + 1)
         cols = [m.nonzero()[:, 0].to(self.keys.device) for m in mask.bool()]  # a row's real columns, in order
@@ -257,8 +282,17 @@ class _Slots:
         cols = torch.arange(self.keys.shape[3], device=pos.device)
         return pos[:, None], (cols[None, :] <= pos[:, None])[:, None, None, :]
 
-    def end_step(self) -> None:
+    def step(self) -> Tensor:
+        """One decode step for the running rows, HF's decoder layers on this cache; their next-token logits (n, V)."""
+        ids = torch.tensor(self.last, device=self.keys.device)[:, None]
+        position_ids, mask = self.begin_step()
+        h = self.decoder.embed_tokens(ids)
+        pe = self.decoder.rotary_emb(h, position_ids)
+        for layer in self.decoder.layers:
+            out = layer(h, attention_mask=mask, position_ids=position_ids, cache=self, position_embeddings=pe)
+            h = out[0] if isinstance(out, tuple) else out
         self.length[: self.n] += 1
+        return self.model.get_output_embeddings()(self.decoder.norm(h)[:, 0])
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *args: object, **kwargs: object
                ) -> tuple[Tensor, Tensor]:
@@ -271,27 +305,13 @@ class _Slots:
 
 
 def _slot_decoder(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The decoder `_slot_step` can drive (embed_tokens, rotary_emb, layers, norm: the Llama family), or None."""
+    """The decoder `_Slots.step` can drive (embed_tokens, rotary_emb, layers, norm: the Llama family), or None."""
     decoder = model.get_decoder()
     if all(hasattr(decoder, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")) and not getattr(
         model.config, "sliding_window", None
     ):
         return decoder
     return None
-
-
-def _slot_step(model: torch.nn.Module, decoder: torch.nn.Module, slots: _Slots) -> Tensor:
-    """One decode step for the running rows on the slot cache; returns their next-token logits (n, V)."""
-    device = slots.keys.device
-    ids = torch.tensor(slots.last, device=device)[:, None]
-    position_ids, mask = slots.begin_step()
-    h = decoder.embed_tokens(ids)
-    pe = decoder.rotary_emb(h, position_ids)
-    for layer in decoder.layers:
-        out = layer(h, attention_mask=mask, position_ids=position_ids, cache=slots, position_embeddings=pe)
-        h = out[0] if isinstance(out, tuple) else out
-    slots.end_step()
-    return model.get_output_embeddings()(decoder.norm(h)[:, 0])
 
 
 @torch.no_grad()
@@ -388,60 +408,23 @@ def generate_refill(
         return answers[i][-1] in stops or len(answers[i]) >= max_new_tokens
 
     decoder = _slot_decoder(model) if slots else None
+    running = _Slots(model, decoder, batch_size) if decoder is not None else _Batch(model)
     with decode_attention_for(model), (packed_linears(model) if pack else contextlib.nullcontext()):
-        if decoder is not None:
-            running: _Slots | None = None
-            while queue or (running is not None and running.n):
-                n = running.n if running is not None else 0
-                if queue and (batch_size - n >= refill_at or not n):
-                    # 1. prefill the next group, 2. copy its cache into free slots
-                    group, queue = queue[: batch_size - n], queue[batch_size - n :]
-                    cache, mask, first = prefill(group)
-                    if running is None:
-                        k = cache.layers[0].keys
-                        running = _Slots(len(cache.layers), batch_size, k.shape[1], k.shape[3], k.dtype, k.device)
-                    running.add(cache, mask, list(group), first)
-                else:
-                    # 3. one decode step for every running row, on the slot cache
-                    nxt = sample(_slot_step(model, decoder, running), temperature, top_p,
-                                 [gens.get(i) for i in running.rows]).tolist()
-                    running.last = nxt
-                    for i, t in zip(running.rows, nxt):
-                        answers[i].append(t)
-                # 4. finished rows leave
-                finished = [r for r, i in enumerate(running.rows) if done(i)]
-                for r in finished:
-                    finish(running.rows[r])
-                running.remove(finished)
-            return answers
-        batch = _Batch()
-        while queue or batch.rows:
-            free = batch_size - len(batch.rows)
-            if queue and (free >= refill_at or not batch.rows):
-                # 1. prefill the next group, left-padded; 2. merge it into the running batch
-                group, queue = queue[:free], queue[free:]
+        while queue or running.n:
+            if queue and (batch_size - running.n >= refill_at or not running.n):
+                # 1. prefill the next group; 2. it joins the running rows
+                group, queue = queue[: batch_size - running.n], queue[batch_size - running.n :]
                 cache, mask, first = prefill(group)
-                batch.merge(cache, mask, list(group), [len(prompts[i]) for i in group], first)
+                running.add(cache, mask, list(group), first)
             else:
-                # 3. one decode step for every row
-                batch.mask = torch.cat([batch.mask, torch.ones((len(batch.rows), 1), dtype=torch.long)], dim=1)
-                out = model(input_ids=torch.tensor(batch.last, device=device)[:, None],
-                            attention_mask=batch.mask.to(device),
-                            position_ids=torch.tensor(batch.pos, device=device)[:, None],
-                            cache=batch.cache, use_cache=True)
-                batch.cache = out.past_key_values
-                nxt = sample(out.logits[:, -1], temperature, top_p, [gens.get(i) for i in batch.rows]).tolist()
-                batch.pos = [p + 1 for p in batch.pos]
-                batch.last = nxt
-                for i, t in zip(batch.rows, nxt):
+                # 3. one decode step for every running row
+                nxt = sample(running.step(), temperature, top_p, [gens.get(i) for i in running.rows]).tolist()
+                running.last = nxt
+                for i, t in zip(running.rows, nxt):
                     answers[i].append(t)
             # 4. finished rows leave
-            keep = []
-            for r, i in enumerate(batch.rows):
-                if done(i):
-                    finish(i)
-                else:
-                    keep.append(r)
-            if len(keep) < len(batch.rows):
-                batch.keep(keep)
+            finished = [r for r, i in enumerate(running.rows) if done(i)]
+            for r in finished:
+                finish(running.rows[r])
+            running.remove(finished)
     return answers
