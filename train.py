@@ -79,6 +79,7 @@ def _run(cfg: DictConfig) -> Path:
     datamodule = instantiate(cfg.data, verifier=verifier)
     model = instantiate(cfg.model, verifier=verifier)
     datamodule.hidden_layers = model.hidden_layers  # which hidden states offline mode caches
+    datamodule.verifier_argmax = getattr(model, "uses_verifier_argmax", False)  # and M_q's argmax beside them
     if cfg.get("init_from"):
         model.warm_start(load_export(cfg.init_from, verifier), cfg.init_from)  # checked against the verifier
     logger = instantiate(cfg.logger) if cfg.get("logger") else False

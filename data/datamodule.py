@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from data.hidden_cache import build_hidden_cache, load_hidden
+from data.hidden_cache import build_argmax_cache, build_hidden_cache, load_argmax, load_hidden
 from data.filters import EvalGuard, apply_filters
 from data.prompts import Conversation, eval_prompt_texts, load_conversations, select_prompts
 from data.selfgen import selfgen_conversations
@@ -23,10 +23,12 @@ from models.verifier import Verifier
 MODES = ("selfdistill", "sharegpt")
 
 
-def collate(rows: list[dict[str, Any]], pad_id: int, hidden_path: Path | None = None) -> dict[str, torch.Tensor]:
+def collate(rows: list[dict[str, Any]], pad_id: int, hidden_path: Path | None = None,
+            argmax: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad a list of examples into (B, T) tensors; padding has attention 0 and loss 0.
 
-    With `hidden_path` (offline mode) the cached verifier hidden states come along as `hidden` (B, L, T, D).
+    With `hidden_path` (offline mode) the cached verifier hidden states come along as `hidden` (B, L, T, D), and
+    with `argmax` M_q's cached greedy token at each position as `verifier_argmax` (B, T), -1 on padding.
     """
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -44,6 +46,12 @@ def collate(rows: list[dict[str, Any]], pad_id: int, hidden_path: Path | None = 
         for i, h in enumerate(states):
             hidden[i, :, : h.shape[1]] = h
         batch["hidden"] = hidden
+        if argmax:
+            greedy = torch.full((len(rows), width), -1, dtype=torch.long)
+            for i, r in enumerate(rows):
+                row = load_argmax(hidden_path, r["row"])
+                greedy[i, : row.shape[0]] = row
+            batch["verifier_argmax"] = greedy
     return batch
 
 
@@ -63,6 +71,8 @@ class DistillDataModule(L.LightningDataModule):
             to learn after masking.
         cache_hidden_states: offline mode: compute the verifier hidden states of `hidden_layers` (set by train.py
             from the model) once, cache them on disk, and train from the cache instead of running the verifier.
+            When the model asks for it (`verifier_argmax`, set by train.py: EAGLE-3), M_q's greedy token at every
+            position is cached beside them (data.hidden_cache.build_argmax_cache) and batches carry it.
         group_by_length: training batches of similar lengths (random megabatches sorted by length), so they pad
             little; validation keeps its order.
     """
@@ -109,6 +119,7 @@ class DistillDataModule(L.LightningDataModule):
         self.eval_prompts, self.decontaminate = list(eval_prompts or []), decontaminate
         self.group_by_length = group_by_length
         self.hidden_layers: list[int] = [-1]
+        self.verifier_argmax = False  # offline mode also caches M_q's argmax per position (needs layer -1 cached)
         self.hidden_path: Path | None = None
         self.train_set: datasets.Dataset | None = None
         self.val_set: datasets.Dataset | None = None
@@ -157,7 +168,7 @@ class DistillDataModule(L.LightningDataModule):
         if self.mode == "selfdistill" or self.cache_hidden_states:
             ds = self.build()
             if self.cache_hidden_states:
-                build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir)
+                self.build_caches(ds)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -168,7 +179,7 @@ class DistillDataModule(L.LightningDataModule):
             raise UserError(f"data from {self.source!r} has {len(ds)} conversation(s); need at least 2 for a "
                             f"train/val split.")
         if self.cache_hidden_states:
-            self.hidden_path = build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir)
+            self.hidden_path = self.build_caches(ds)
             ds = ds.add_column("row", list(range(len(ds))))
         n_val = max(1, round(len(ds) * self.val_fraction))
         split = ds.train_test_split(test_size=n_val, seed=self.seed)
@@ -176,6 +187,18 @@ class DistillDataModule(L.LightningDataModule):
         n_tokens = sum(sum(m) for m in self.train_set["loss_mask"])
         print(f"[data] {len(self.train_set)} train / {len(self.val_set)} val conversations, "
               f"{n_tokens} assistant tokens to learn from")
+
+    @property
+    def caches_argmax(self) -> bool:
+        return self.cache_hidden_states and self.verifier_argmax and -1 in self.hidden_layers
+
+    def build_caches(self, ds: datasets.Dataset) -> Path:
+        """Offline mode's caches for `ds` (built once, resumable): the hidden states of `hidden_layers`, and M_q's
+        argmax per position where `verifier_argmax` asks for it. Returns the hidden-state cache's directory."""
+        path = build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir)
+        if self.caches_argmax:
+            build_argmax_cache(self.verifier, path, len(ds), self.hidden_layers.index(-1))
+        return path
 
     def _loader(self, ds: datasets.Dataset, shuffle: bool) -> DataLoader:
         pad = self.verifier.tokenizer.pad_token_id
@@ -189,7 +212,8 @@ class DistillDataModule(L.LightningDataModule):
             shuffle = False
         return DataLoader(
             ds.with_format("python"), batch_size=self.batch_size, shuffle=shuffle, sampler=sampler,
-            num_workers=self.num_workers, collate_fn=partial(collate, pad_id=pad, hidden_path=self.hidden_path),
+            num_workers=self.num_workers, collate_fn=partial(collate, pad_id=pad, hidden_path=self.hidden_path,
+                               argmax=self.caches_argmax),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -4,6 +4,11 @@ Training then reads them instead of running the verifier every epoch. One safete
 requested layers as a (L, T, D) bfloat16 tensor; layer ids index HF `output_hidden_states` (0 = embeddings, i = the
 input of layer i, -1 = the final-normed last hidden state). The cache is keyed by the verifier fingerprint, the
 dataset and the layers, written in shards (each atomic; a killed build resumes), and its disk size is printed first.
+
+Beside a cache that holds the final-normed layer (-1), `build_argmax_cache` stores M_q's greedy token at every
+position (the argmax of its lm_head over those states), for drafters whose targets need it (EAGLE-3 keeps only the
+targets whose argmax its draft vocabulary holds): a full-vocabulary projection per token, computed once instead of
+once per epoch.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from models.io import atomic_dir
+from models.packed import Linear
 from models.verifier import Verifier
 
 DTYPE = torch.bfloat16
@@ -85,6 +91,51 @@ def load_hidden(path: Path, row: int) -> Tensor:
     rows = _shard_rows(path)
     folder = path if rows is None else path / f"{row // rows:05d}"
     return load_file(str(folder / f"{row}.safetensors"))["hidden"]
+
+
+ARGMAX_ROWS = 256  # rows per file of the argmax cache
+
+
+def _argmax_file(path: Path, row: int) -> Path:
+    return path / "argmax" / f"{row // ARGMAX_ROWS:05d}" / "argmax.safetensors"
+
+
+@torch.no_grad()
+def build_argmax_cache(verifier: Verifier, path: Path, num_rows: int, final_index: int) -> Path:
+    """M_q's greedy token (int32, per position) for every cached row: the argmax of the verifier's lm_head over the
+    cached final-normed states (`final_index`: where layer -1 sits in the cache's layers), in the verifier's dtype
+    (bf16 through the prepacked head on CPU). Written in groups of ARGMAX_ROWS rows, each atomically, so a killed
+    build keeps its finished groups; returns `path / "argmax"`."""
+    starts = range(0, num_rows, ARGMAX_ROWS)
+    todo = [s for s in starts if not _argmax_file(path, s).is_file()]
+    if todo:
+        print(f"[data] caching M_q's argmax at every position of {num_rows} cached sequences "
+              f"({len(starts) - len(todo)} of {len(starts)} groups already written)")
+        weight = verifier.lm_head.weight.detach()
+        bias = getattr(verifier.lm_head, "bias", None)
+        head = Linear(weight, None if bias is None else bias.detach(), packed=True)
+        bar = tqdm(total=sum(min(ARGMAX_ROWS, num_rows - s) for s in todo), desc="caching M_q argmax", unit="seq",
+                   dynamic_ncols=True)
+        for start in todo:
+            with atomic_dir(_argmax_file(path, start).parent) as tmp:
+                rows = {}
+                for row in range(start, min(start + ARGMAX_ROWS, num_rows)):
+                    final = load_hidden(path, row)[final_index].to(weight.device, weight.dtype)  # (T, D)
+                    rows[str(row)] = head(final).float().argmax(-1).to(torch.int32)
+                    bar.update(1)
+                save_file(rows, str(tmp / "argmax.safetensors"))
+        bar.close()
+    return path / "argmax"
+
+
+@functools.lru_cache(maxsize=4)
+def _argmax_group(file: Path) -> dict[str, Tensor]:
+    return load_file(str(file))
+
+
+def load_argmax(path: Path, row: int) -> Tensor:
+    """M_q's cached greedy token at each position of dataset row `row` (T,), from `build_argmax_cache`."""
+    return _argmax_group(_argmax_file(path, row))[str(row)]
 
 
 def gather_layers(batch: dict[str, Tensor], layers: list[int], verifier: Verifier, wanted: list[int]) -> dict[int, Tensor]:

@@ -13,8 +13,10 @@ cache. Here every forward runs the same numerics whatever the number of tokens:
   fastest on this machine (`pad_rows`, timed once per process: oneDNN's bf16 kernels here take 41 ms for a
   one-token step padded to 2 rows and 37 ms padded to 4).
 - Keys: how a token's attention is summed depends on its own position t only, never on the forward computing it.
-  Keys at positions < t - W + 1 (always committed, each in its own slot) are attended over the whole preallocated
-  cache (length `max_length`, a multiple of 64) with a mask, so that reduction has one fixed length; the W = 16 most
+  Keys at positions < t - W + 1 (always committed, each in its own slot) are attended with a mask over the cache's
+  first 64-slot blocks, up to the last block any row of the forward reaches (`far_keys`): masked keys add exact
+  zeros, so the bits do not depend on how many blocks a forward reads, which `trimmed_keys_invariant` checks on
+  this machine's kernels when a cache is made (else every forward reads the whole cache, `max_length`); the W = 16 most
   recent positions are gathered along the token's own path (prefix slots, then its tree ancestors by depth), so a
   tree node off the first branch sums exactly the terms, in the same lanes, that a chain would. Attention math is
   fp32 (q, k, v, the cache, softmax), cast back to the model dtype before o_proj.
@@ -212,6 +214,7 @@ class StaticCache:
     min_rows: int  # the fewest rows a forward may have and stay batch-invariant
     pad_rows: int  # what short forwards are padded to (>= min_rows, the fastest here)
     length: int = 0
+    trim_keys: bool = False  # far keys read up to the last block a forward reaches (trimmed_keys_invariant holds)
 
     @property
     def max_length(self) -> int:
@@ -226,13 +229,14 @@ class StaticCache:
         return self.kv[:, :, self.engine.num_kv_heads :]
 
 
-def new_cache(model: nn.Module | Engine, max_length: int, batch_size: int = 1) -> StaticCache:
-    """A cache for up to `max_length` tokens (prompt + max_new_tokens + tree nodes), rounded up to KEY_BLOCK."""
+def new_cache(model: nn.Module | Engine, max_length: int, batch_size: int = 1, trim: bool = True) -> StaticCache:
+    """A cache for up to `max_length` tokens (prompt + max_new_tokens + tree nodes), rounded up to KEY_BLOCK.
+    `trim=False` attends the whole cache in every forward even where trimming was found exact (for comparison)."""
     engine = model if isinstance(model, Engine) else Engine(model)
     length = -(-max(max_length, 1) // KEY_BLOCK) * KEY_BLOCK
     min_rows = engine.min_rows(length)
     return StaticCache(engine, *_cache_tensors(engine, length, batch_size), min_rows=min_rows,
-                       pad_rows=engine.pad_rows(min_rows))
+                       pad_rows=engine.pad_rows(min_rows), trim_keys=trim and trimmed_keys_invariant(engine, length, min_rows))
 
 
 def _cache_tensors(engine: Engine, length: int, batch_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:
@@ -288,6 +292,77 @@ def _window_slots(prefix: int, offsets: Tensor, visible: Tensor, window: int) ->
     slots = torch.where(new, prefix + ancestor.gather(1, (pos - prefix).clamp(min=0)), pos.clamp(min=0))
     mask = torch.zeros(t, window, device=offsets.device).masked_fill_(pos < 0, float("-inf"))
     return slots, mask
+
+
+def _attend(q: Tensor, kv: Tensor, far_len: int, far_mask: Tensor, flat_slots: Tensor, near_mask: Tensor) -> Tensor:
+    """fp32 attention of q (B, Hkv, G Tp, Dh), query heads grouped by kv head, over the far keys (cache slots
+    0..far_len-1, `far_mask` (Tp, far_len) hiding those a row does not see) and each row's W near keys (cache slots
+    `flat_slots` (Tp W,), `near_mask` (Tp, W)); kv (B, 2 Hkv, L, Dh) holds keys, then values. Returns
+    (B, Hkv, G, Tp, Dh) fp32."""
+    bsz, hkv, window = q.shape[0], kv.shape[1] // 2, near_mask.shape[1]
+    tp, dh = near_mask.shape[0], q.shape[-1]
+    group = q.shape[2] // tp
+    kc, vc = kv[:, :hkv, :far_len], kv[:, hkv:, :far_len]
+    far = torch.matmul(q, kc.transpose(-1, -2))  # (B, Hkv, G Tp, Lf)
+    far = far.view(bsz, hkv, group, tp, -1) + far_mask
+    kn, vn = kv.index_select(2, flat_slots).view(bsz, 2, hkv, 1, tp, window, dh).unbind(1)
+    near = (q.view(bsz, hkv, group, tp, 1, dh) * kn).sum(-1) + near_mask  # (B, Hkv, G, Tp, W)
+    probs = torch.softmax(torch.cat([far, near], dim=-1), dim=-1)
+    p_far, p_near = probs.split([far_len, window], dim=-1)
+    # Values: one product per 64-key block, the blocks then summed in order (cumsum is a sequential scan), so blocks
+    # past the last one a row sees add exact zeros at the end. One product over all far_len keys would not do: the
+    # matmul kernel splits a long reduction into pieces whose sizes follow its length (measured: 256 and 320 keys
+    # sum the same 150 terms differently).
+    blocks = far_len // KEY_BLOCK
+    p_blocks = p_far.reshape(bsz, hkv, group * tp, blocks, KEY_BLOCK).transpose(2, 3)  # (B, Hkv, nb, G Tp, 64)
+    att = torch.matmul(p_blocks, vc.reshape(bsz, hkv, blocks, KEY_BLOCK, dh)).cumsum(2)[:, :, -1]  # (B, Hkv, G Tp, Dh)
+    return att.view(bsz, hkv, group, tp, dh) + (p_near[..., None] * vn).sum(-2)
+
+
+def far_keys(cache: StaticCache, last_position: int) -> int:
+    """How many cache slots a forward whose last token sits at `last_position` attends as far keys: the blocks up to
+    the last position any of its rows sees there (positions < t - W + 1), at least one block; the whole cache unless
+    `cache.trim_keys`."""
+    if not cache.trim_keys:
+        return cache.max_length
+    reach = last_position - WINDOW + 1  # far slots 0..reach-1
+    return min(cache.max_length, max(KEY_BLOCK, -(-reach // KEY_BLOCK) * KEY_BLOCK))
+
+
+_TRIM: dict[tuple, bool] = {}
+
+
+def trimmed_keys_invariant(engine: Engine, max_length: int, min_rows: int) -> bool:
+    """Whether attention gives the same bits whatever number of far-key blocks it reads past the last one a row
+    sees (masked keys add exact zeros, and keys sit in the same SIMD lanes since blocks are 64 wide, but a matmul
+    kernel may still sum another way for another length): probed on random data, through `_attend` itself, for
+    forwards of min_rows..64 tokens, every block count from the one a row needs up to `max_length`. Memoised per
+    shape and thread count. False keeps every forward on the whole cache (the old, always-exact layout)."""
+    hkv, group, dh = engine.num_kv_heads, engine.num_heads // engine.num_kv_heads, engine.head_dim
+    key = (hkv, group, dh, max_length, min_rows, torch.get_num_threads())
+    if key in _TRIM:
+        return _TRIM[key]
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(1, 2 * hkv, max_length, dh, generator=gen)
+    ok = True
+    for tp in sorted({r for r in _PROBE_ROWS if r >= min_rows} | {min_rows}):
+        q = torch.randn(1, hkv, group * tp, dh, generator=gen)
+        for last in sorted({WINDOW + 5, KEY_BLOCK + WINDOW, max_length // 2 + 7, max_length - 1}):
+            if last >= max_length or last - tp + 1 < 0:
+                continue
+            pos = last - tp + 1 + torch.arange(tp)
+            near = pos[:, None] - WINDOW + 1 + torch.arange(WINDOW)  # each row's own recent slots (a chain)
+            near_mask = torch.zeros(tp, WINDOW).masked_fill_(near < 0, float("-inf"))
+            flat = near.clamp(min=0).flatten()
+            outs = []
+            for far_len in range(max(KEY_BLOCK, -(-(last - WINDOW + 1) // KEY_BLOCK) * KEY_BLOCK), max_length + 1,
+                                 KEY_BLOCK):
+                mask = torch.zeros(tp, far_len).masked_fill_(torch.arange(far_len)[None] > (pos - WINDOW)[:, None],
+                                                              float("-inf"))
+                outs.append(_attend(q, kv, far_len, mask, flat, near_mask))
+            ok = ok and all(torch.equal(o, outs[-1]) for o in outs)
+    _TRIM[key] = ok
+    return ok
 
 
 @torch.no_grad()
@@ -346,9 +421,12 @@ def forward(
     # 2. Which keys a token sees, split by its own position t only, so that the split is the same whatever forward
     #    computes it: far keys (positions < t - W + 1, always committed, each in its own slot) attended over the whole
     #    cache with a mask; the W most recent positions gathered along the token's own path, oldest first.
+    #    The far keys are read up to the last block any row reaches (`far_len`) where the probe found the bits do not
+    #    depend on that length (cache.trim_keys), else over the whole cache.
     slots, near_mask = _window_slots(prefix, offsets, visible, WINDOW)  # (Tp, W)
-    far_mask = torch.zeros(tp, cache.max_length, device=dev)
-    far_mask.masked_fill_(torch.arange(cache.max_length, device=dev)[None] > (pos - WINDOW)[:, None], float("-inf"))
+    far_len = far_keys(cache, prefix + int(offsets.max()))
+    far_mask = torch.zeros(tp, far_len, device=dev)
+    far_mask.masked_fill_(torch.arange(far_len, device=dev)[None] > (pos - WINDOW)[:, None], float("-inf"))
     flat_slots = slots.flatten()
 
     wanted = None if hidden_layers is None else [i % (e.num_layers + 1) for i in hidden_layers]
@@ -363,16 +441,8 @@ def forward(
         qkv = _rotate(w["qkv"](x).float().view(bsz, tp, hq + 2 * hkv, dh), cos, sin)  # (B, Tp, Hq + 2 Hkv, Dh)
         kv = cache.kv[i]  # (B, 2 Hkv, L, Dh): keys, then values
         kv[:, :, prefix : prefix + t] = qkv[:, :t, hq:].transpose(1, 2)
-        kc, vc = kv[:, :hkv], kv[:, hkv:]
         q = qkv[:, :, :hq].transpose(1, 2).reshape(bsz, hkv, group * tp, dh)  # query heads sharing a kv head (GQA)
-        far = torch.matmul(q, kc.transpose(-1, -2))  # (B, Hkv, G Tp, L)
-        far = far.view(bsz, hkv, group, tp, -1) + far_mask
-        kn, vn = kv.index_select(2, flat_slots).view(bsz, 2, hkv, 1, tp, WINDOW, dh).unbind(1)
-        near = (q.view(bsz, hkv, group, tp, 1, dh) * kn).sum(-1) + near_mask  # (B, Hkv, G, Tp, W)
-        probs = torch.softmax(torch.cat([far, near], dim=-1), dim=-1)
-        p_far, p_near = probs.split([cache.max_length, WINDOW], dim=-1)
-        att = torch.matmul(p_far.reshape(bsz, hkv, group * tp, -1), vc).view(bsz, hkv, group, tp, dh)
-        att = (att + (p_near[..., None] * vn).sum(-2)).to(e.dtype)  # (B, Hkv, G, Tp, Dh)
+        att = _attend(q, kv, far_len, far_mask, flat_slots, near_mask).to(e.dtype)  # (B, Hkv, G, Tp, Dh)
         h = h + w["o"](att.view(bsz, hq, tp, dh).transpose(1, 2).reshape(bsz, tp, hq * dh))
         # 4. MLP.
         x = _rms_norm(h, w["ln2"], e.eps)

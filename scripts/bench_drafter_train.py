@@ -9,7 +9,8 @@ One batch of `batch_size` sequences of `seq_len` tokens (the first 40% a prompt,
 self-distilled data), its hidden states computed once by the verifier and fed as the `hidden` cache tensor the data
 module gives in offline mode; then forward + backward + optimizer step of each drafter's training step under bf16
 autocast, the first step untimed. Prints tokens/s (all tokens, and assistant tokens: the ones with targets), the
-matmul FLOPs per assistant token the step needs, the GFLOP/s that implies, and this machine's bf16 matmul rate on
+matmul FLOPs per assistant token the step needs (EAGLE-3 reads M_q's argmax from the offline cache, as training
+does, unless --no-cached-argmax), the GFLOP/s that implies, and this machine's bf16 matmul rate on
 the head's shape, measured in the same process: their ratio says how close a step is to the arithmetic. Nothing here
 is asserted.
 """
@@ -62,7 +63,8 @@ def flops_per_token(kind: str, verifier, module, args: argparse.Namespace) -> fl
             head = 2 * d * module.head_ids.numel()
         return 3 * (fc + layer) + head + 2 * head
     draft_head = 2 * d * net.draft_vocab_size
-    return 3 * fc + args.ttt_steps * 3 * (layer + draft_head) + head  # + q over the full vocabulary once
+    # q over the draft vocabulary's rows once; with --no-cached-argmax over the full vocabulary (for M_q's argmax)
+    return 3 * fc + args.ttt_steps * 3 * (layer + draft_head) + (head if args.no_cached_argmax else draft_head)
 
 
 def matmul_rate(m: int, k: int, n: int) -> float:
@@ -86,6 +88,9 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--train-vocab", type=int, default=4096, help="medusa_lean, eagle_lean: model.train_vocab=N")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-cached-argmax", action="store_true",
+                    help="EAGLE-3: compute M_q's argmax in every step (a full-vocabulary projection per target), as "
+                         "training without the offline argmax cache does")
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -114,8 +119,12 @@ def main() -> None:
             others = torch.randperm(verifier.vocab_size)
             others = others[~torch.isin(others, targets)][: max(module.hparams.train_vocab - targets.numel(), 0)]
             module.set_train_vocab(torch.cat([targets, others])[: module.hparams.train_vocab].sort().values)
+        batch.pop("verifier_argmax", None)
         if kind == "eagle3":
             module.net.set_draft_vocab(torch.randperm(verifier.vocab_size)[: module.net.draft_vocab_size])
+            if not args.no_cached_argmax:  # what offline mode's argmax cache gives every batch
+                with torch.no_grad():
+                    batch["verifier_argmax"] = verifier.lm_head(out.hidden_states[-1]).float().argmax(-1)
         opt = module.configure_optimizers()
         elapsed = 0.0
         for step in range(args.steps + 1):

@@ -1,7 +1,7 @@
 """Build a run's training data (and its hidden-state cache in offline mode) without training: the data steps of
 `train.py`, same config, same caches, resumable (kill it and run the same command again).
 
-    python scripts/build_data.py experiment=cpu_large model=eagle3     # prompts -> answers -> hidden states
+    python scripts/build_data.py experiment=cpu_large model=eagle3     # prompts -> answers -> hidden states (+ argmax)
     python scripts/build_data.py data.source=selfgen data.selfgen.num=64 data.limit=null verifier=tiny
 
 Prints the number of conversations and assistant tokens, and the time each step took.
@@ -19,7 +19,6 @@ from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.hidden_cache import build_hidden_cache  # noqa: E402
 from models.errors import exit_on_user_error  # noqa: E402
 
 
@@ -39,7 +38,9 @@ def build(cfg: DictConfig) -> None:
           f"tokens in all ({t1 - t0:.0f} s, cached steps included)")
     if cfg.data.cache_hidden_states:
         model = instantiate(cfg.model, verifier=verifier)
-        path = build_hidden_cache(verifier, ds, model.hidden_layers, datamodule.cache_dir)
+        datamodule.hidden_layers = model.hidden_layers  # as train.py sets them
+        datamodule.verifier_argmax = getattr(model, "uses_verifier_argmax", False)
+        path = datamodule.build_caches(ds)  # the hidden states, and M_q's argmax where the model reads it (EAGLE-3)
         print(f"[build_data] hidden states in {path} ({time.perf_counter() - t1:.0f} s)")
 
 

@@ -248,6 +248,31 @@ def test_killed_hidden_cache_resumes(tiny, tmp_path, capsys):
         assert a.shape == (2, len(ds[row]["input_ids"]), tiny.hidden_size) and torch.equal(a, b)
 
 
+def test_argmax_cache_is_the_heads_argmax_and_resumes(tiny, tmp_path, capsys, monkeypatch):
+    """M_q's greedy token per position, cached beside the hidden states (EAGLE-3's targets read it): the head's
+    argmax over each row's cached final states, written per group of rows; a missing group (a killed build) is
+    computed again and the finished ones are kept."""
+    import data.hidden_cache as hc
+
+    convs = load_conversations("builtin", split="train", limit=5)
+    ds = build_selfdistill(tiny, convs, tmp_path / "sd", max_new_tokens=4, batch_size=5)
+    path = hc.build_hidden_cache(tiny, ds, [0, -1], tmp_path / "cache", shard_rows=2)
+    monkeypatch.setattr(hc, "ARGMAX_ROWS", 2)
+    hc.build_argmax_cache(tiny, path, len(ds), final_index=1)
+    groups = sorted((path / "argmax").iterdir())
+    assert [g.name for g in groups] == ["00000", "00001", "00002"]
+    kept = (groups[0] / "argmax.safetensors").stat().st_mtime_ns
+    __import__("shutil").rmtree(groups[1])
+    hc._argmax_group.cache_clear()
+    capsys.readouterr()
+    hc.build_argmax_cache(tiny, path, len(ds), final_index=1)
+    assert "2 of 3 groups already written" in capsys.readouterr().out
+    assert (groups[0] / "argmax.safetensors").stat().st_mtime_ns == kept
+    for row in range(len(ds)):
+        final = hc.load_hidden(path, row)[1].float()
+        assert torch.equal(hc.load_argmax(path, row).long(), tiny.lm_head(final).argmax(-1)), row
+
+
 def test_registry_licences_and_chat_prompts(tmp_path):
     """The evals wheel's LICENSE.md marks non-commercial data folders; those are left out by default."""
     import zipfile

@@ -178,23 +178,32 @@ def test_offline_hidden_state_cache_matches_online(tiny, tmp_path, capsys):
     module = instantiate(cfg.model, verifier=tiny)
     dm = instantiate(cfg.data, verifier=tiny)
     dm.hidden_layers = module.hidden_layers
+    dm.verifier_argmax = module.uses_verifier_argmax  # as train.py sets them
     dm.prepare_data()
     dm.setup("fit")
     assert "GiB in" in capsys.readouterr().out  # the disk size is announced before caching
-    assert len(list(dm.hidden_path.glob("*/*.safetensors"))) == 12  # one file per sequence, in shard folders
+    assert len(list(dm.hidden_path.glob("0*/*.safetensors"))) == 12  # one file per sequence, in shard folders
+    assert len(list(dm.hidden_path.glob("argmax/*/argmax.safetensors"))) == 1  # M_q's argmax, beside them
     batch = next(iter(dm.train_dataloader()))
     assert batch["hidden"].shape[:3] == (4, len(module.hidden_layers), batch["input_ids"].shape[1])
+    # The cached argmax is the head's over the cached final states, position by position; -1 on padding.
+    real = batch["attention_mask"].bool()
+    final = batch["hidden"][:, module.hidden_layers.index(-1)].float()
+    expect = torch.stack([tiny.lm_head(f).argmax(-1) for f in final])
+    assert torch.equal(batch["verifier_argmax"][real], expect[real]) and bool((batch["verifier_argmax"][~real] == -1).all())
     torch.manual_seed(0)
     cached = module.model_step(batch, 3, train=False)["losses"]
-    online = {k: v for k, v in batch.items() if k != "hidden"}
+    online = {k: v for k, v in batch.items() if k not in ("hidden", "verifier_argmax")}
     fresh = module.model_step(online, 3, train=False)["losses"]
-    for a, b in zip(cached, fresh):  # the cache stores bf16; the online path runs fp32
+    for a, b in zip(cached, fresh):  # the cache stores bf16; the online path runs fp32 and projects the full head
         assert torch.allclose(a, b, rtol=2e-2), (a, b)
 
 
-def test_eagle3_targets_once_per_batch_match_each_step(tiny):
+@pytest.mark.parametrize("cached_argmax", [False, True], ids=["full-head", "cached-argmax"])
+def test_eagle3_targets_once_per_batch_match_each_step(tiny, cached_argmax):
     """EAGLE-3 computes q once per batch and every unrolled step reads it shifted: each (step, position) the loss
-    uses must get exactly M_q's distribution at t+j+1, restricted to the draft vocabulary."""
+    uses must get exactly M_q's distribution at t+j+1, restricted to the draft vocabulary. With M_q's argmax from
+    the offline cache, q comes from the draft vocabulary's rows of the head alone, and must be the same."""
     from train.eagle import EagleModule
 
     torch.manual_seed(0)
@@ -205,7 +214,8 @@ def test_eagle3_targets_once_per_batch_match_each_step(tiny):
     loss_mask = torch.tensor([[0] * 4 + [1] * 8, [0] * 6 + [1] * 5 + [0]]).bool()
     with torch.no_grad():
         final = tiny.model.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states[-1]
-    targets = module.draft_vocab_targets(final, loss_mask)
+    greedy = tiny.lm_head(final).argmax(-1) if cached_argmax else None  # what the argmax cache holds
+    targets = module.draft_vocab_targets(final, loss_mask, greedy)
     checked = 0
     for j in range(3):
         _, valid = step_inputs(ids, loss_mask, j)

@@ -76,6 +76,48 @@ def test_one_forward_over_n_tokens_gives_the_bits_of_n_steps(which, tiny, varied
     assert torch.equal(chained, steps)
 
 
+@pytest.mark.parametrize("which", ["tiny", "varied", "varied_bf16"])
+def test_trimmed_far_keys_give_the_bits_of_the_whole_cache(which, tiny, varied, varied_bf16):
+    """Forwards read the far keys only up to the last 64-slot block they reach (far_keys): a prefill, a chain of 110
+    tokens across two block boundaries, the same tokens one step at a time and a tree give exactly the bits of
+    the same forwards over the whole cache (trim=False)."""
+    v = {"tiny": tiny, "varied": varied, "varied_bf16": varied_bf16}[which]
+    ids = _ids(v, 150, seed=3)
+    tree = from_medusa_choices(CHOICES)
+    buf = tree_buffers(tree)
+    out = {}
+    for trim in (True, False):
+        a, b = (engine.new_cache(v.model, 320, trim=trim) for _ in range(2))
+        assert a.trim_keys == (trim and engine.trimmed_keys_invariant(a.engine, 320, a.min_rows))
+        pre = engine.forward(a, ids[:, :40]).logits
+        engine.forward(b, ids[:, :40])
+        chained = engine.forward(a, ids[:, 40:]).logits
+        steps = torch.cat([engine.forward(b, ids[:, j : j + 1]).logits for j in range(40, 150)], dim=1)
+        nodes = engine.forward(a, ids[:, 30 : 30 + tree.num_nodes], buf.positions, buf.mask).logits  # at 150
+        out[trim] = (pre, chained, steps, nodes)
+        if trim:
+            assert a.trim_keys  # this machine's kernels pass the probe; else the test only shows trim=False
+            assert [engine.far_keys(a, p) for p in (40, 79, 80, 143, 144, 400)] == [64, 64, 128, 128, 192, 320]
+    for x, y in zip(out[True], out[False]):
+        assert torch.equal(x, y)
+    assert torch.equal(out[True][1], out[True][2])
+
+
+def test_trimmed_keys_probe_refuses_a_length_dependent_sum(varied, monkeypatch):
+    """Negative control: an attention whose result depends on how many key blocks it reads (a sum whose order
+    follows the length) must make the probe keep the whole cache."""
+    e = engine.Engine(varied.model)
+    real = engine._attend
+
+    def length_dependent(q, kv, far_len, *rest):
+        return real(q, kv, far_len, *rest) * (1 + 1e-6 * far_len / engine.KEY_BLOCK)
+
+    monkeypatch.setattr(engine, "_attend", length_dependent)
+    monkeypatch.setattr(engine, "_TRIM", {})
+    assert not engine.trimmed_keys_invariant(e, 256, 2)
+    assert not engine.new_cache(e, 256).trim_keys
+
+
 @pytest.mark.parametrize("which", ["varied", "varied_bf16"])
 def test_every_pad_row_count_gives_the_same_bits(which, varied, varied_bf16):
     """Short forwards are padded to `pad_rows`, the fastest count from min_rows up: each candidate it may choose

@@ -120,6 +120,30 @@ def test_nan_loss_stops_with_a_message(tiny):
         module.training_step(batch, 0)
 
 
+def test_throughput_logs_count_step_and_wall_time(tiny, monkeypatch):
+    """tokens/s over each step's own time, and assistant tokens/s over the epoch's wall time from its first batch
+    (the time between steps counts there), on a fake clock."""
+    from hydra.utils import instantiate
+
+    from data.datamodule import collate
+    import train.base as base
+
+    module = instantiate(compose_train(["verifier=tiny"]).model, verifier=tiny)
+    logged: dict[str, list[float]] = {}
+    monkeypatch.setattr(module, "log", lambda name, value, **kw: logged.setdefault(name, []).append(value))
+    clock = iter([10.0, 12.0, 15.0, 16.0])  # batch 1 runs 10 -> 12; 3 s between; batch 2 runs 15 -> 16
+    monkeypatch.setattr(base.time, "perf_counter", lambda: next(clock))
+    batch = collate([{"input_ids": list(range(100, 120)), "loss_mask": [0] * 5 + [1] * 15},
+                     {"input_ids": list(range(100, 110)), "loss_mask": [0] * 4 + [1] * 6}], pad_id=0)
+    module.on_train_epoch_start()
+    for i in range(2):
+        module.on_train_batch_start(batch, i)
+        module.on_train_batch_end(None, batch, i)
+    assert logged["train/tokens_per_s"] == [30 / 2, 30 / 1]
+    assert logged["train/assistant_tokens_per_s"] == [21 / 2, 21 / 1]
+    assert logged["train/wall_assistant_tokens_per_s"] == [21 / 2, 42 / 6]
+
+
 def test_wandb_offline_run_holds_the_metrics(train_script, tmp_path):
     cfg = compose_train([*TINY, "logger=wandb", "logger.mode=offline", "trainer.max_steps=3",
                          "trainer.log_every_n_steps=1"], tmp_path)
@@ -131,6 +155,7 @@ def test_wandb_offline_run_holds_the_metrics(train_script, tmp_path):
     history = [r["history"]["item"] for r in records if r.get("type") == "history"]
     logged = set().union(*history)
     assert {"train/loss", "train/head1_loss", "train/head1_top1", "train/tokens_per_s", "lr-AdamW",
+            "train/assistant_tokens_per_s", "train/wall_assistant_tokens_per_s",
             "val/loss", "val/head1_top1", "val/head4_top5"} <= logged
     assert sum("train/loss" in h for h in history) == 3
     config_keys = json.dumps([r for r in records if r.get("type") in ("config", "run")])

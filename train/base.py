@@ -1,5 +1,5 @@
 """What every drafter training module shares: AdamW-style optimizer over the trainable parameters with a warmup
-schedule, the `train/tokens_per_s` log, and the depth-1 training accuracy of the last epoch that exports record
+schedule, the throughput logs (`train/tokens_per_s`, `train/assistant_tokens_per_s`, `train/wall_assistant_tokens_per_s`), and the depth-1 training accuracy of the last epoch that exports record
 (`train_depth1_top1`, beside the validation figures: the train/held-out gap says whether data or capacity limits).
 The verifier is a plain object (never a submodule), so `parameters()` are the drafter's own."""
 
@@ -37,12 +37,25 @@ class DrafterModule(L.LightningModule):
                                        num_training_steps=max(total, 1))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def on_train_epoch_start(self) -> None:
+        self._epoch_start, self._epoch_assistant = None, 0
+
     def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._tick = time.perf_counter()
+        if getattr(self, "_epoch_start", None) is None:
+            self._epoch_start, self._epoch_assistant = self._tick, 0
 
     def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
-        tokens = batch["attention_mask"].sum().item()
-        self.log("train/tokens_per_s", tokens / (time.perf_counter() - self._tick), batch_size=1)
+        """Throughput: `train/tokens_per_s` (every real token) and `train/assistant_tokens_per_s` (the tokens with
+        targets) over this step's forward, backward and optimizer step; `train/wall_assistant_tokens_per_s` over the
+        epoch so far, from its first batch's start, so data loading and everything between steps count too."""
+        now = time.perf_counter()
+        tokens, assistant = batch["attention_mask"].sum().item(), batch["loss_mask"].sum().item()
+        self._epoch_assistant = getattr(self, "_epoch_assistant", 0) + assistant
+        start = getattr(self, "_epoch_start", None) or self._tick
+        self.log("train/tokens_per_s", tokens / (now - self._tick), batch_size=1)
+        self.log("train/assistant_tokens_per_s", assistant / (now - self._tick), batch_size=1)
+        self.log("train/wall_assistant_tokens_per_s", self._epoch_assistant / (now - start), batch_size=1)
 
     def count_targets(self, vocab_size: int) -> Tensor | None:
         """Count how often each token is a training target (an assistant token of the training split), for the

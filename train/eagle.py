@@ -108,6 +108,12 @@ class EagleModule(DrafterModule):
         return list(dict.fromkeys([*self.net.feature_layers, -1]))
 
     @property
+    def uses_verifier_argmax(self) -> bool:
+        """EAGLE-3's targets need M_q's full-vocabulary argmax (is it in the draft vocabulary?): offline mode caches
+        it once (batch["verifier_argmax"]) instead of projecting every target through the 49k-row head each epoch."""
+        return isinstance(self.net, Eagle3Net)
+
+    @property
     def drafter_kind(self) -> str:
         return self.net.kind
 
@@ -145,7 +151,8 @@ class EagleModule(DrafterModule):
         if train and isinstance(self.net, Eagle1Net) and self.hparams.noise > 0:
             feats = feats + (torch.rand_like(feats) - 0.5) * self.hparams.noise
         embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
-        targets = self.draft_vocab_targets(final, loss_mask) if isinstance(self.net, Eagle3Net) else None
+        targets = (self.draft_vocab_targets(final, loss_mask, batch.get("verifier_argmax"))
+                   if isinstance(self.net, Eagle3Net) else None)
         rows = None if self.head_ids is None else self.head_rows(lm_head.weight)  # EAGLE-1's kept rows (train_vocab)
         losses, correct, valid_at, ranks, confs = [], [], [], [], []
         for j, (out_h, valid) in enumerate(unroll(self.net, feats, ids, attn, loss_mask, embed, steps)):
@@ -206,16 +213,28 @@ class EagleModule(DrafterModule):
         return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
 
     @torch.no_grad()
-    def draft_vocab_targets(self, final: Tensor, loss_mask: Tensor) -> dict[str, Tensor]:
+    def draft_vocab_targets(self, final: Tensor, loss_mask: Tensor, argmax: Tensor | None = None) -> dict[str, Tensor]:
         """EAGLE-3's targets, once per batch (every unrolled step reads the same positions, shifted): at each position
         s whose next token is an assistant token, M_q's argmax (a verifier id) and q restricted to the draft
-        vocabulary. Returns row (B, T) -> index into arg (M,) and q (M, V_draft); -1 where there is no target."""
+        vocabulary. Returns row (B, T) -> index into arg (M,) and q (M, V_draft); -1 where there is no target.
+
+        `argmax` (B, T): M_q's greedy tokens from the offline cache; then q needs only the draft vocabulary's rows
+        of the head (2,048 of 49,152 in the large recipe) instead of a full-vocabulary projection per target."""
         sel = F.pad(loss_mask[:, 1:], (0, 1), value=False)  # (B, T): x_{s+1} is an assistant token
         qb, qs = sel.nonzero(as_tuple=True)
         row = torch.full(sel.shape, -1, dtype=torch.long, device=sel.device)
         row[qb, qs] = torch.arange(qb.numel(), device=sel.device)
-        q_logits = self.verifier.lm_head(final[qb, qs]).float()  # (M, V)
-        return {"row": row, "arg": q_logits.argmax(-1), "q": q_logits[:, self.net.t2d].softmax(-1)}
+        head = self.verifier.lm_head
+        if argmax is None:
+            q_logits = head(final[qb, qs]).float()  # (M, V)
+            return {"row": row, "arg": q_logits.argmax(-1), "q": q_logits[:, self.net.t2d].softmax(-1)}
+        arg = argmax.to(sel.device)[qb, qs]
+        if bool((arg < 0).any()):
+            raise UserError("batch['verifier_argmax'] has no greedy token (-1) at a target position: the argmax "
+                            "cache does not match this batch. Delete <cache_dir>/hidden/<key>/argmax and rerun.")
+        bias = None if getattr(head, "bias", None) is None else head.bias[self.net.t2d]
+        q_logits = F.linear(final[qb, qs], head.weight[self.net.t2d], bias).float()  # (M, V_draft), verifier-id order
+        return {"row": row, "arg": arg, "q": q_logits.softmax(-1)}
 
     def _loss(self, losses: list[Tensor]) -> Tensor:
         steps = self.hparams.ttt_steps
