@@ -3,7 +3,8 @@
     python scripts/bench_verify.py [--dtype float32 bfloat16] [--threads 1 2] [--rounds 7] [--compile]
 
 For each dtype and thread count: a plain one-token step and a 17-node tree verify after a 128-token prefix, through
-both paths, interleaved in rounds, and in bf16 the engine without prepacked weights (F.linear) beside it (the
+both paths, interleaved in rounds, the engine reading its whole cache (trim=False) beside it, and in bf16 the engine
+without prepacked weights (F.linear) (the
 machine is shared: the ratio of medians is the figure to read, the spread says how noisy it was); HF `generate` greedy per token beside our engine's greedy loop. Then the bound: weight bytes
 over measured read bandwidth, and bf16 / fp32 matmul peaks.
 """
@@ -53,6 +54,9 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--cache-length", type=int, default=PREFIX + 64 + NODES,
+                    help="the engine's preallocated cache (prompt + max_new_tokens + tree in a decode run); forwards "
+                         "read its far keys only up to the last 64-key block they reach, the whole-cache rows all of it")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compile", action="store_true",
                     help="also time torch.compile(engine.forward) over F.linear (inductor cannot lower the prepacked "
@@ -73,10 +77,12 @@ def main() -> None:
             hf = kv.new_cache()
             kv.forward(model, hf, prefix)
             packed, unpacked = engine.Engine(model), engine.Engine(model, pack=False)  # prepacked (bf16 CPU) or not
-            ours = engine.new_cache(packed, PREFIX + 64 + NODES)
+            ours = engine.new_cache(packed, args.cache_length)
             engine.forward(ours, prefix)
-            plain = engine.new_cache(unpacked, PREFIX + 64 + NODES)
+            plain = engine.new_cache(unpacked, args.cache_length)
             engine.forward(plain, prefix)
+            whole = engine.new_cache(packed, args.cache_length, trim=False)  # every forward reads the whole cache
+            engine.forward(whole, prefix)
 
             def hf_step():
                 kv.forward(model, hf, one)
@@ -97,7 +103,14 @@ def main() -> None:
                 engine.forward(plain, one)
                 plain.length = PREFIX
 
+            def whole_step():
+                engine.forward(whole, one)
+                whole.length = PREFIX
+
             cases = {"hf step": hf_step, "hf tree": hf_tree, "engine step": our_step, "engine tree": our_tree}
+            if ours.trim_keys:  # far keys up to the last block a forward reaches, against the whole cache
+                cases |= {"whole-cache step": whole_step,
+                          "whole-cache tree": lambda: engine.forward(whole, nodes, buf.positions, buf.mask)}
             if packed.pack:  # the engine's weights through F.linear, as before prepacking
                 cases |= {"unpacked step": plain_step,
                           "unpacked tree": lambda: engine.forward(plain, nodes, buf.positions, buf.mask)}
