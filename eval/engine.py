@@ -153,14 +153,18 @@ class Engine:
 
     def min_rows(self, max_length: int) -> int:
         """Tokens a forward must have so that every matmul in it is batch-invariant on this machine: the weight
-        matmuls in the model dtype, and attention's two fp32 products, whose rows are group * tokens (GQA)."""
+        matmuls in the model dtype, and attention's two fp32 products (scores, and values per key block), whose rows
+        are group * tokens (GQA)."""
         first = self.layers[0]
         shapes = [(first[w].in_features, first[w].out_features) for w in ("qkv", "o", "gate_up", "down")]
         shapes.append((self.lm_head.in_features, self.lm_head.out_features))
         weights = min_invariant_rows(self.dtype, shapes, packed=self.pack)
-        attention = [(self.head_dim, max_length), (max_length, self.head_dim)]
+        # Attention's products as `_attend` runs them: scores over the whole cache's keys, values per 64-key block.
+        scores = min_invariant_rows(torch.float32, [(self.head_dim, max_length)], heads=self.num_kv_heads)
+        values = min_invariant_rows(torch.float32, [(KEY_BLOCK, self.head_dim)],
+                                    heads=self.num_kv_heads * (max_length // KEY_BLOCK))
         group = self.num_heads // self.num_kv_heads
-        return max(weights, -(-min_invariant_rows(torch.float32, attention, heads=self.num_kv_heads) // group))
+        return max(weights, -(-max(scores, values) // group))
 
     def pad_rows(self, min_rows: int) -> int:
         """The row count short forwards are padded to: of the probed counts from `min_rows` to MAX_PAD_ROWS (each
@@ -419,10 +423,10 @@ def forward(
     pos = prefix + offsets  # (Tp,)
     cos, sin = cache.rot_cos[pos], cache.rot_sin[pos]  # (Tp, Hq + 2 Hkv, Dh)
     # 2. Which keys a token sees, split by its own position t only, so that the split is the same whatever forward
-    #    computes it: far keys (positions < t - W + 1, always committed, each in its own slot) attended over the whole
-    #    cache with a mask; the W most recent positions gathered along the token's own path, oldest first.
-    #    The far keys are read up to the last block any row reaches (`far_len`) where the probe found the bits do not
-    #    depend on that length (cache.trim_keys), else over the whole cache.
+    #    computes it: far keys (positions < t - W + 1, always committed, each in its own slot) attended with a mask,
+    #    up to the last 64-slot block any row reaches (`far_len`; the whole cache unless cache.trim_keys, i.e. unless
+    #    the probe found the bits do not depend on that length); the W most recent positions gathered along the
+    #    token's own path, oldest first.
     slots, near_mask = _window_slots(prefix, offsets, visible, WINDOW)  # (Tp, W)
     far_len = far_keys(cache, prefix + int(offsets.max()))
     far_mask = torch.zeros(tp, far_len, device=dev)

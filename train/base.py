@@ -50,10 +50,12 @@ class DrafterModule(L.LightningModule):
         targets) over this step's forward, backward and optimizer step; `train/wall_assistant_tokens_per_s` over the
         epoch so far, from its first batch's start, so data loading and everything between steps count too."""
         now = time.perf_counter()
-        tokens, assistant = batch["attention_mask"].sum().item(), batch["loss_mask"].sum().item()
+        self.log("train/tokens_per_s", batch["attention_mask"].sum().item() / (now - self._tick), batch_size=1)
+        if "loss_mask" not in batch:  # a batch without targets marked (not one of the data module's)
+            return
+        assistant = batch["loss_mask"].sum().item()
         self._epoch_assistant = getattr(self, "_epoch_assistant", 0) + assistant
         start = getattr(self, "_epoch_start", None) or self._tick
-        self.log("train/tokens_per_s", tokens / (now - self._tick), batch_size=1)
         self.log("train/assistant_tokens_per_s", assistant / (now - self._tick), batch_size=1)
         self.log("train/wall_assistant_tokens_per_s", self._epoch_assistant / (now - start), batch_size=1)
 
