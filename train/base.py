@@ -1,5 +1,6 @@
 """What every drafter training module shares: AdamW-style optimizer over the trainable parameters with a warmup
-schedule, the throughput logs (`train/tokens_per_s`, `train/assistant_tokens_per_s`, `train/wall_assistant_tokens_per_s`), and the depth-1 training accuracy of the last epoch that exports record
+schedule, the throughput logs (`train/tokens_per_s`, `train/assistant_tokens_per_s`,
+`train/wall_assistant_tokens_per_s`), and the depth-1 training accuracy of the last epoch that exports record
 (`train_depth1_top1`, beside the validation figures: the train/held-out gap says whether data or capacity limits).
 The verifier is a plain object (never a submodule), so `parameters()` are the drafter's own."""
 
@@ -23,6 +24,8 @@ class DrafterModule(L.LightningModule):
     taking (optimizer, num_warmup_steps, num_training_steps), or None) and save `warmup_ratio` in their hparams."""
 
     _tick = 0.0
+    _epoch_start: float | None = None  # when this epoch's first training batch started
+    _epoch_assistant = 0  # assistant tokens of this epoch's training batches so far
     _train_d1: Tensor | None = None  # (hits, positions) of depth-1 top-1 over this epoch's training batches
     train_summary: dict[str, float] = {}
     target_counts: Tensor | None = None  # (V,) how often each token is a training target, exported beside the weights
@@ -42,7 +45,7 @@ class DrafterModule(L.LightningModule):
 
     def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._tick = time.perf_counter()
-        if getattr(self, "_epoch_start", None) is None:
+        if self._epoch_start is None:
             self._epoch_start, self._epoch_assistant = self._tick, 0
 
     def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -54,10 +57,9 @@ class DrafterModule(L.LightningModule):
         if "loss_mask" not in batch:  # a batch without targets marked (not one of the data module's)
             return
         assistant = batch["loss_mask"].sum().item()
-        self._epoch_assistant = getattr(self, "_epoch_assistant", 0) + assistant
-        start = getattr(self, "_epoch_start", None) or self._tick
+        self._epoch_assistant += assistant
         self.log("train/assistant_tokens_per_s", assistant / (now - self._tick), batch_size=1)
-        self.log("train/wall_assistant_tokens_per_s", self._epoch_assistant / (now - start), batch_size=1)
+        self.log("train/wall_assistant_tokens_per_s", self._epoch_assistant / (now - self._epoch_start), batch_size=1)
 
     def count_targets(self, vocab_size: int) -> Tensor | None:
         """Count how often each token is a training target (an assistant token of the training split), for the
