@@ -5,13 +5,14 @@ forwards give. HF's eager forward does not (in bf16 or fp32, depending on the CP
 path for a one-row input than for a multi-row one, and attention reduces over a key length that grows with the
 cache. Here every forward runs the same numerics whatever the number of tokens:
 
-- Rows: a forward over fewer than `min_rows` tokens is padded by repeating its last token (same position, same
-  mask row), so every matmul sees at least `min_rows` rows. `min_rows` is probed once per dtype on this machine's
-  kernels (`min_invariant_rows`): the smallest row count from which a row's result no longer depends on how many
-  rows share the call (typically 2 in bf16, 4 in fp32 on oneDNN CPUs).
-  Any row count from `min_rows` up gives the same bits, so a short forward is padded to the one of them that runs
-  fastest on this machine (`pad_rows`, timed once per process: oneDNN's bf16 kernels here take 41 ms for a
-  one-token step padded to 2 rows and 37 ms padded to 4).
+- Rows: every matmul's kernel is batch-invariant from some row count up, probed once per shape, dtype and thread
+  count on this machine's kernels (`min_invariant_rows`): the smallest count P from which a row's result no longer
+  depends on how many rows share the call. A call over fewer rows is padded to P by repeating its last row. The
+  weight matmuls pad themselves (`Linear.min_rows`, `Engine.weight_rows`: 1-4 on CPUs without AMX, 33-40 in bf16
+  with AMX, whose kernels take one path up to 32 rows and another above); attention's fp32 products need 2-4, so a
+  forward over fewer than `min_rows` tokens is padded by repeating its last token (same position, same mask row).
+  Any count from `min_rows` up gives the same bits, so a short forward is padded to the one of them that runs
+  fastest on this machine (`pad_rows`, timed once per process).
 - Keys: how a token's attention is summed depends on its own position t only, never on the forward computing it.
   Keys at positions < t - W + 1 (always committed, each in its own slot) are attended with a mask over the cache's
   first 64-slot blocks, up to the last block any row of the forward reaches (`far_keys`): masked keys add exact
@@ -42,23 +43,25 @@ from models.packed import Linear, can_pack
 SUPPORTED = ("llama", "mistral", "qwen2")  # same block as Llama; Qwen2 adds q/k/v biases
 WINDOW = 16  # the most recent keys of each token are attended in path order (trees up to this deep)
 KEY_BLOCK = 64  # the cache length is rounded up to this: softmax over keys never has a tail to handle
-_PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)
-_PROBE_CHECK = (0, 1, 2, 3, 4, 6, 7, 8, 15, 16, 32, 63)  # rows compared in each probe
+_PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 40, 64, 65, 96)  # row counts each probe runs
+_PROBE_CHECK = (0, 1, 2, 3, 4, 6, 7, 8, 15, 16, 31, 32, 39, 63, 64, 95)  # rows compared in each probe
+_CANDIDATES = (1, 2, 4, 8, 16, 33, 40, 48, 64)  # row counts a product may need (AMX bf16 kernels: 33-40)
 _MIN_ROWS: dict[tuple, int] = {}
 _PAD_ROWS: dict[tuple, int] = {}
 MAX_PAD_ROWS = 8  # padding beyond this costs more than kernel choice saves
 
 
 def min_invariant_rows(
-    dtype: torch.dtype, shapes: Sequence[tuple[int, int]], heads: int = 0, candidates=(1, 2, 4, 8, 16),
-    packed: bool = False,
+    dtype: torch.dtype, shapes: Sequence[tuple[int, int]], heads: int = 0, candidates=_CANDIDATES, packed: bool = False,
 ) -> int:
-    """Smallest row count P such that, for every (K, N) in `shapes`, every row of x[:M] @ W (W: K x N) has the bits
-    of that row repeated P times, for every probed M >= P: what `forward` relies on when it pads a short input by
-    repeating its last row. With `heads`, the product is batched over that many heads as attention's is
-    ((1, heads, M, K) @ (1, heads, K, N)). With `packed`, the weight products run through `Linear`'s prepacked
-    kernel, the one the engine then uses. Probed on random data with the current thread count; memoised."""
-    key = (dtype, tuple(sorted(set(shapes))), heads, torch.get_num_threads(), packed)
+    """Smallest row count P such that, for every (K, N) in `shapes`, x @ W (W: K x N) gives every row the same bits
+    whatever the call: a call over m rows, padded to P by repeating its last row when m < P (what `Linear` and
+    `forward` do), gives row r the bits of row r alone (at position 0, padded to P), for every probed m. With
+    `heads`, the product is batched over that many heads as attention's is ((1, heads, M, K) @ (1, heads, K, N)).
+    With `packed`, the weight products run through `Linear`'s prepacked kernel, the one the engine then uses. Probed
+    on random data with the current thread count; memoised. (On an AMX CPU oneDNN's bf16 kernels take one path up
+    to 32 rows and another above, so P is 33-40 for the default verifier's weights; 1-4 elsewhere.)"""
+    key = (dtype, tuple(sorted(set(shapes))), heads, torch.get_num_threads(), tuple(candidates), packed)
     if key in _MIN_ROWS:
         return _MIN_ROWS[key]
     gen = torch.Generator().manual_seed(0)
@@ -68,11 +71,17 @@ def min_invariant_rows(
         w = torch.randn(*lead, n, k, generator=gen).to(dtype)
         x = torch.randn(*lead, max(_PROBE_ROWS), k, generator=gen).to(dtype)
         mul = (lambda a: torch.matmul(a, w.transpose(-1, -2))) if heads else Linear(w, None, packed)
-        outs = {m: mul(x[..., :m, :]) for m in _PROBE_ROWS}
+
+        def padded(a: Tensor, p: int) -> Tensor:  # a's rows, computed in a call of at least p rows
+            m = a.shape[-2]
+            return mul(torch.cat([a, a[..., -1:, :].expand(*lead, p - m, k)], dim=-2))[..., :m, :] if m < p else mul(a)
+
+        unpadded = {m: mul(x[..., :m, :]) for m in _PROBE_ROWS}
         for p in candidates:
-            alone = {r: mul(x[..., r : r + 1, :].expand(*lead, p, k))[..., 0, :] for r in _PROBE_CHECK}
+            alone = {r: padded(x[..., r : r + 1, :], p)[..., 0, :] for r in _PROBE_CHECK}
             if all(
-                torch.equal(outs[m][..., r, :], alone[r]) for m in _PROBE_ROWS if m >= p for r in _PROBE_CHECK if r < m
+                torch.equal((unpadded[m] if m >= p else padded(x[..., :m, :], p))[..., r, :], alone[r])
+                for m in _PROBE_ROWS for r in _PROBE_CHECK if r < m
             ):
                 worst = max(worst, p)
                 break
@@ -150,21 +159,30 @@ class Engine:
                     )
                 )
         self.intermediate = self.layers[0]["down"].in_features
+        # Each weight's kernel is batch-invariant from its own row count up on this machine (probed per shape): a
+        # call over fewer rows is padded inside `Linear`, so the rest of the forward runs on the real rows. (On an
+        # AMX CPU that is 33-40 rows in bf16, while attention and the elementwise ops need 2-4.)
+        self.weight_rows = {}
+        for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+            lin = self.lm_head if name == "lm_head" else self.layers[0][name]
+            rows = min_invariant_rows(self.dtype, [(lin.in_features, lin.out_features)], packed=self.pack)
+            self.weight_rows[name] = rows
+            if name == "lm_head":
+                self.lm_head = lin.with_min_rows(rows)  # a view: drafters sharing the packed head keep theirs
+            else:
+                for w in self.layers:
+                    w[name] = w[name].with_min_rows(rows)
 
     def min_rows(self, max_length: int) -> int:
-        """Tokens a forward must have so that every matmul in it is batch-invariant on this machine: the weight
-        matmuls in the model dtype, and attention's two fp32 products (scores, and values per key block), whose rows
-        are group * tokens (GQA)."""
-        first = self.layers[0]
-        shapes = [(first[w].in_features, first[w].out_features) for w in ("qkv", "o", "gate_up", "down")]
-        shapes.append((self.lm_head.in_features, self.lm_head.out_features))
-        weights = min_invariant_rows(self.dtype, shapes, packed=self.pack)
+        """Tokens a forward must have so that attention's two fp32 products (scores, and values per key block),
+        whose rows are group * tokens (GQA), are batch-invariant on this machine. The weight matmuls pad themselves
+        (`weight_rows`)."""
         # Attention's products as `_attend` runs them: scores over the whole cache's keys, values per 64-key block.
         scores = min_invariant_rows(torch.float32, [(self.head_dim, max_length)], heads=self.num_kv_heads)
         values = min_invariant_rows(torch.float32, [(KEY_BLOCK, self.head_dim)],
                                     heads=self.num_kv_heads * (max_length // KEY_BLOCK))
         group = self.num_heads // self.num_kv_heads
-        return max(weights, -(-max(scores, values) // group))
+        return -(-max(scores, values) // group)
 
     def pad_rows(self, min_rows: int) -> int:
         """The row count short forwards are padded to: of the probed counts from `min_rows` to MAX_PAD_ROWS (each
@@ -349,7 +367,7 @@ def trimmed_keys_invariant(engine: Engine, max_length: int, min_rows: int) -> bo
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(1, 2 * hkv, max_length, dh, generator=gen)
     ok = True
-    for tp in sorted({r for r in _PROBE_ROWS if r >= min_rows} | {min_rows}):
+    for tp in sorted({r for r in _PROBE_ROWS if min_rows <= r <= 64} | {min_rows}):
         q = torch.randn(1, hkv, group * tp, dh, generator=gen)
         for last in sorted({WINDOW + 5, KEY_BLOCK + WINDOW, max_length // 2 + 7, max_length - 1}):
             if last >= max_length or last - tp + 1 < 0:

@@ -118,6 +118,32 @@ def test_trimmed_keys_probe_refuses_a_length_dependent_sum(varied, monkeypatch):
     assert not engine.new_cache(e, 256).trim_keys
 
 
+def test_weights_whose_kernel_changes_path_below_33_rows_pad_themselves(varied, monkeypatch):
+    """A kernel that rounds another way up to 32 rows than above (as oneDNN's bf16 kernels do on an AMX CPU): the
+    probe finds 33 for every weight, each call below it is padded inside `Linear`, and a 40-token forward then gives
+    the bits of 40 one-token steps (and of the real kernel's). Without the padding it does not (negative control)."""
+
+    class TwoPaths(engine.Linear):
+        def _kernel(self, rows):
+            y = super()._kernel(rows)
+            return y if rows.shape[0] > 32 else y * (1 + 2**-20)
+
+    ids = _ids(varied, 60, seed=2)
+    ref_chained, ref_steps = _chain_and_steps(varied.model, ids, 20)
+    monkeypatch.setattr(engine, "Linear", TwoPaths)
+    monkeypatch.setattr(engine, "_MIN_ROWS", {})
+    e = engine.Engine(varied.model)
+    assert e.weight_rows == {"qkv": 33, "o": 33, "gate_up": 33, "down": 33, "lm_head": 33}
+    chained, steps = _chain_and_steps(e, ids, 20)
+    assert torch.equal(chained, steps) and torch.equal(steps, ref_steps) and torch.equal(chained, ref_chained)
+    for w in e.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            w[name] = w[name].with_min_rows(1)
+    e.lm_head = e.lm_head.with_min_rows(1)
+    chained, steps = _chain_and_steps(e, ids, 20)
+    assert not torch.equal(chained, steps)
+
+
 @pytest.mark.parametrize("which", ["varied", "varied_bf16"])
 def test_every_pad_row_count_gives_the_same_bits(which, varied, varied_bf16):
     """Short forwards are padded to `pad_rows`, the fastest count from min_rows up: each candidate it may choose
