@@ -131,7 +131,7 @@ class _Verify:
             raise UserError(f"The engine verifies trees of at most {TREE_ROOM} nodes and depth {fast.WINDOW - 1}; "
                             f"this drafter proposes up to {tree_nodes} nodes, {tree_depth} deep. Use a smaller "
                             f"tree (tree.size, tree.depth), or engine=hf (not exact in bfloat16).")
-        self.cache = fast.new_cache(_engine(self.model), max_length + TREE_ROOM)
+        self.cache = fast.new_cache(engine_of(self.model), max_length + TREE_ROOM)
 
     def forward(self, tokens: Tensor, positions=None, mask=None, layers=None) -> kv.ForwardOutput:
         if self.fast:
@@ -146,7 +146,7 @@ class _Verify:
         return (fast if self.fast else kv).cache_length(self.cache)
 
 
-def _engine(model: torch.nn.Module) -> fast.Engine:
+def engine_of(model: torch.nn.Module) -> fast.Engine:
     """One fast.Engine (fused weight copies) per model, kept on the model and rebuilt if its weights were replaced
     (e.g. `.to(dtype)`); the weights are frozen while decoding, so their storage identifies them."""
     key = tuple((p.data_ptr(), p.dtype, p.device) for p in model.parameters())

@@ -31,7 +31,7 @@ from transformers import GenerationConfig
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
 from eval import cost
-from eval.decode import ENGINES, DecodeResult, sample_decode, speculative_decode, use_engine
+from eval.decode import ENGINES, DecodeResult, engine_of, sample_decode, speculative_decode, use_engine
 from eval.drafters import Drafter
 from eval.families import NEEDS_EXPORT, method_name
 from eval.sampling import SamplingConfig
@@ -359,6 +359,8 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
                "dtype_reason": dtype_reason, "engine": "engine" if use_engine(run.verifier, engine) else "hf",
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}
+    if setting["engine"] == "engine":  # rows each weight's kernel is padded to, to stay batch-invariant here
+        setting["engine_weight_rows"] = engine_of(run.verifier.model).weight_rows
     if run.predicted is not None:
         setting["cost_model"] = {**asdict(run.predicted), "tree_size_auto": run.auto_size,
                                  "draft_curve_ms": run.draft_curve,

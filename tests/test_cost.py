@@ -104,6 +104,11 @@ def test_profile_and_auto_size_in_the_harness(tiny, tmp_path):
     path = {"float32": "hf", "bfloat16": "engine"}  # auto: HF in fp32 on a CPU, the engine in bf16
     assert [c["path"] for c in curves] == [path[dtype], path[other]]
     assert profile["engine"] == path[dtype]
+    if path[dtype] == "engine":  # the rows each weight's kernel is padded to, probed on this machine
+        rows = profile["engine_weight_rows"]
+        assert sorted(rows) == ["down", "gate_up", "lm_head", "o", "qkv"] and all(r >= 1 for r in rows.values())
+    else:
+        assert "engine_weight_rows" not in profile
     first = curves[0]
     assert first["sizes"] == list(cost.SIZES) and all(t > 0 for t in first["ms"])
     assert all(b > 0 for b in first["bound_memory_ms"] + first["bound_compute_ms"])
