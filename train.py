@@ -20,6 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from models.cpu_memory import keep_freed_memory
 from models.errors import UserError, exit_on_user_error
 from models.export import load_export
 from train.safety import LAST_GOOD, RunLock, check_writable
@@ -72,6 +73,8 @@ def run(cfg: DictConfig) -> Path:
 
 
 def _run(cfg: DictConfig) -> Path:
+    if cfg.get("keep_freed_memory", True):
+        keep_freed_memory()
     L.seed_everything(cfg.seed, workers=True)
     ckpt_path = resolve_ckpt(cfg)
     check_output_locations(cfg)

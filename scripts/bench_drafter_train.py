@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.cpu_memory import keep_freed_memory  # noqa: E402
 from models.verifier import build_tiny, load_smollm2  # noqa: E402
 from train.eagle import EagleModule  # noqa: E402
 from train.medusa import MedusaModule  # noqa: E402
@@ -92,7 +93,10 @@ def main() -> None:
                     help="EAGLE-3: compute M_q's argmax in every step (a full-vocabulary projection per target), as "
                          "training without the offline argmax cache does")
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
+    ap.add_argument("--system-malloc", action="store_true",
+                    help="leave glibc's allocator as it is (training keeps freed memory: models/cpu_memory.py)")
     args = ap.parse_args()
+    kept = False if args.system_malloc else keep_freed_memory()
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,7 +111,7 @@ def main() -> None:
         out = verifier.model.get_decoder()(input_ids=ids, output_hidden_states=True, use_cache=False)
     assistant = int(loss_mask.sum())
     print(f"verifier={args.verifier} batch={bsz}x{seq} ({assistant} assistant tokens) threads={torch.get_num_threads()} "
-          f"torch={torch.__version__} load={os.getloadavg()[0]:.1f}")
+          f"torch={torch.__version__} load={os.getloadavg()[0]:.1f} freed memory kept={kept}")
     print(f"{'drafter':<10}{'s/step':>8}{'tok/s':>9}{'asst tok/s':>12}{'MFLOP/tok':>11}{'GFLOP/s':>9}{'peak':>7}"
           f"{'of peak':>9}")
     for kind in args.drafters:

@@ -1,0 +1,57 @@
+"""models.cpu_memory: with freed memory kept, a large tensor comes from glibc's heap (not a fresh mmap, which is
+page-faulted in afresh every time) and stays in the heap once freed, for the next step to reuse. Read through glibc's
+own accounting (mallinfo2), in a fresh process each, since the setting is process-wide."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = """
+import ctypes, json, sys, torch
+from models.cpu_memory import keep_freed_memory
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+before = libc.mallinfo2()
+x = torch.ones(16 * 2**20)  # 64 MB, as large as a training step's logits
+alive = libc.mallinfo2()
+del x
+freed = libc.mallinfo2()
+mb = lambda n: n / 2**20
+print(json.dumps({"applied": applied, "mapped_mb": mb(alive.hblkhd - before.hblkhd),
+                  "heap_grew_mb": mb(alive.arena - before.arena), "heap_kept_mb": mb(freed.arena - before.arena)}))
+"""
+
+
+def _has_mallinfo2() -> bool:
+    try:
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        return False
+
+
+def _probe(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _has_mallinfo2(), reason="needs glibc >= 2.33 (mallinfo2)")
+def test_large_tensors_come_from_the_heap_and_stay_there():
+    system = _probe("system")
+    assert system["mapped_mb"] >= 64 and system["heap_kept_mb"] < 64  # the default: its own mmap, unmapped on free
+    kept = _probe("keep")
+    assert kept["applied"] is True
+    assert kept["mapped_mb"] < 1 and kept["heap_grew_mb"] >= 64  # from the heap
+    assert kept["heap_kept_mb"] >= 64  # and kept there once freed
