@@ -282,13 +282,15 @@ def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tens
     """
     bsz, n = feats.shape[:2]
     positions = torch.arange(n, device=input_ids.device)[None].expand(bsz, n)
-    causal = unroll_mask(attention_mask[:, :n].bool(), 0)  # (B, 1, n, n): step 0's keys; later steps add a diagonal
+    valid_keys = attention_mask[:, :n].bool()
+    causal = unroll_mask(valid_keys, 0)  # (B, 1, n, n): step 0's keys; later steps add a diagonal
+    prefix = bool((valid_keys[:, 1:] <= valid_keys[:, :-1]).all())  # right padding: causal attention is exact
     hidden, past_k, past_v = feats, None, None
     for j in range(steps):
         tok, valid = step_inputs(input_ids, loss_mask, j)  # (B, n) each
         with torch.no_grad():
             emb = embed(tok)
-        out, k, v = net.step(hidden, emb, positions + j, UnrollMask(causal, j), past_k, past_v)
+        out, k, v = net.step(hidden, emb, positions + j, UnrollMask(causal, j, prefix), past_k, past_v)
         past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
         past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
         yield out, valid

@@ -50,16 +50,29 @@ class UnrollMask:
     """The attention pattern of unrolled training step `step` (EAGLE-3's training-time test), kept factored: query t
     sees the step-0 keys s <= t that are not padding (`causal`, (B, 1, n, n) bool) and, for each later step, only
     that step's key at its own position t. `models.eagle.unroll_mask` is the same pattern as one dense
-    (B, 1, n, (step + 1) n) mask; attending through it costs (step + 1) n^2 per head, where this form costs n^2 + step n."""
+    (B, 1, n, (step + 1) n) mask; attending through it costs (step + 1) n^2 per head, where this form costs n^2 + step n.
+    `keys_prefix`: every row's valid keys are a prefix (right padding, or none), so a plain causal mask gives every
+    valid query exactly its keys (outputs at padding positions are then unspecified: nothing reads them)."""
 
     causal: Tensor
     step: int
+    keys_prefix: bool = False
 
 
 def unrolled_attention(q: Tensor, keys: Tensor, values: Tensor, mask: UnrollMask, scale: float) -> Tensor:
     """Attention of q (B, H, n, hd) over keys/values (B, H_kv, (step + 1) n, hd) laid out step by step, under
-    `mask`: one (n x n) score block against the step-0 keys plus, per later step, the score of each query with that
-    step's key at its own position (a row-wise dot product), softmaxed together. Returns (B, H, n, hd)."""
+    `mask`: the step-0 keys causally, plus, per later step, the key at the query's own position, softmaxed together.
+    Returns (B, H, n, hd). On a CPU with right-padded rows it runs `_FlashUnrolled` (fused causal attention for the
+    n x n block, no n x n tensor kept); otherwise `factored_attention`."""
+    if mask.keys_prefix and q.device.type == "cpu":
+        return _FlashUnrolled.apply(q, keys.contiguous(), values.contiguous(), mask.step + 1, scale)
+    return factored_attention(q, keys, values, mask, scale)
+
+
+def factored_attention(q: Tensor, keys: Tensor, values: Tensor, mask: UnrollMask, scale: float) -> Tensor:
+    """`unrolled_attention` through autograd, any mask and device: one (n x n) score block against the step-0 keys
+    plus, per later step, the score of each query with that step's key at its own position (a row-wise dot
+    product), softmaxed together."""
     bsz, heads, n, hd = q.shape
     kv_heads, steps = keys.shape[1], mask.step + 1
     group = heads // kv_heads
@@ -74,6 +87,74 @@ def unrolled_attention(q: Tensor, keys: Tensor, values: Tensor, mask: UnrollMask
     if mask.step:
         out = out + (probs[..., n:].transpose(-1, -2)[..., None] * v[:, :, None, 1:]).sum(3)
     return out.reshape(bsz, heads, n, hd)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _FlashUnrolled(torch.autograd.Function):
+    """`unrolled_attention` for right-padded rows on a CPU, forward and backward by hand. The step-0 block runs
+    PyTorch's fused causal flash kernel, which returns its log-sum-exp L_c per query; the J = steps - 1 diagonal
+    scores d_j = q . k_j (one key per query per later step) are small, (n, J) per head. The full softmax's
+    normaliser is L = logaddexp(L_c, logsumexp_j d_j), so
+
+        out = exp(L_c - L) out_c + sum_j exp(d_j - L) v_j.
+
+    Backward: the flash kernel's backward, given this full `out` and full L, computes exactly the step-0 block's
+    share of the gradient (its probabilities exp(s - L) and its row term dO . out are the full softmax's); the
+    diagonal's share is written out: dS_j = p_j (dO . v_j - dO . out). Math in fp32 outside the flash kernel."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, keys: Tensor, values: Tensor, steps: int, scale: float) -> Tensor:
+        with torch.autocast(q.device.type, enabled=False):
+            bsz, heads, n, hd = q.shape
+            kv_heads = keys.shape[1]
+            group = heads // kv_heads
+            k = keys.to(q.dtype).view(bsz, kv_heads, steps, n, hd)
+            v = values.to(q.dtype).view(bsz, kv_heads, steps, n, hd)
+            k0, v0 = k[:, :, 0].repeat_interleave(group, dim=1), v[:, :, 0].repeat_interleave(group, dim=1)
+            out_c, lse_c = _flash(q, k0, v0, 0.0, True, scale=scale)  # (B, H, n, hd), (B, H, n)
+            ctx.scale, ctx.steps, ctx.shape, ctx.dtypes = scale, steps, (bsz, kv_heads, group, n, hd), (keys.dtype, values.dtype)
+            if steps == 1:
+                ctx.save_for_backward(q, k0, v0, out_c, lse_c)
+                return out_c
+            qg = q.view(bsz, kv_heads, group, n, hd).transpose(2, 3).float()  # (B, H_kv, n, G, hd)
+            kd = k[:, :, 1:].permute(0, 1, 3, 2, 4).float()  # (B, H_kv, n, J, hd): each query's own later keys
+            vd = v[:, :, 1:].permute(0, 1, 3, 2, 4).float()
+            d = torch.matmul(qg, kd.transpose(-1, -2)).mul_(scale)  # (B, H_kv, n, G, J)
+            lc = lse_c.view(bsz, kv_heads, group, n).transpose(2, 3)  # (B, H_kv, n, G)
+            lse = torch.logaddexp(lc, torch.logsumexp(d, dim=-1))
+            pd = d.sub_(lse[..., None]).exp_()  # the diagonal keys' probabilities
+            oc = out_c.view(bsz, kv_heads, group, n, hd).transpose(2, 3)
+            out = torch.matmul(pd, vd).add_((lc - lse).exp_()[..., None] * oc)  # (B, H_kv, n, G, hd)
+            out = out.transpose(2, 3).reshape(bsz, heads, n, hd).to(q.dtype)
+            lse = lse.transpose(2, 3).reshape(bsz, heads, n).contiguous()
+            ctx.save_for_backward(q, k0, v0, out, lse, pd, qg, kd, vd)
+            return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
+        with torch.autocast(dout.device.type, enabled=False):
+            bsz, kv_heads, group, n, hd = ctx.shape
+            heads = kv_heads * group
+            q, k0, v0, out, lse, *diag = ctx.saved_tensors
+            dout = dout.to(q.dtype).contiguous()
+            dq, dk0, dv0 = _flash_backward(dout, q, k0, v0, out, lse, 0.0, True, scale=ctx.scale)
+            dk0 = dk0.view(bsz, kv_heads, group, 1, n, hd).sum(2, dtype=torch.float32)  # GQA: a key serves G heads
+            dv0 = dv0.view(bsz, kv_heads, group, 1, n, hd).sum(2, dtype=torch.float32)
+            if ctx.steps == 1:
+                return dq, dk0.view(bsz, kv_heads, n, hd).to(ctx.dtypes[0]), dv0.view(bsz, kv_heads, n, hd).to(ctx.dtypes[1]), None, None
+            pd, qg, kd, vd = diag
+            do = dout.view(bsz, kv_heads, group, n, hd).transpose(2, 3).float()  # (B, H_kv, n, G, hd)
+            row = (do * out.view(bsz, kv_heads, group, n, hd).transpose(2, 3).float()).sum(-1)  # dO . out
+            ds = pd * torch.matmul(do, vd.transpose(-1, -2)).sub_(row[..., None])  # (B, H_kv, n, G, J)
+            dq = dq.float().view(bsz, kv_heads, group, n, hd).add_(torch.matmul(ds, kd).mul_(ctx.scale).transpose(2, 3))
+            dkd = torch.matmul(ds.transpose(-1, -2), qg).mul_(ctx.scale).permute(0, 1, 3, 2, 4)  # (B, H_kv, J, n, hd)
+            dvd = torch.matmul(pd.transpose(-1, -2), do).permute(0, 1, 3, 2, 4)
+            dk = torch.cat([dk0, dkd], dim=2).reshape(bsz, kv_heads, ctx.steps * n, hd)
+            dv = torch.cat([dv0, dvd], dim=2).reshape(bsz, kv_heads, ctx.steps * n, hd)
+            return dq.view(bsz, heads, n, hd).to(q.dtype), dk.to(ctx.dtypes[0]), dv.to(ctx.dtypes[1]), None, None
 
 
 class DraftAttention(nn.Module):

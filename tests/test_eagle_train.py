@@ -257,9 +257,12 @@ def test_validation_ranks_agree_with_top1_hits(tiny, kind):
     assert "confidence" not in module.model_step(batch, 1, train=True)  # training skips the extra softmax
 
 
-def test_factored_unroll_attention_equals_the_dense_mask():
+@pytest.mark.parametrize("keys_prefix", [False, True], ids=["factored", "flash"])
+def test_factored_unroll_attention_equals_the_dense_mask(keys_prefix):
     """Training-time-test attention through UnrollMask (a step-0 causal block plus one diagonal per later step)
-    gives the outputs and gradients of SDPA under the dense `unroll_mask`, with GQA and a right-padded row."""
+    gives the outputs and gradients of SDPA under the dense `unroll_mask`, with GQA and a right-padded row: through
+    autograd (`factored`) and through the fused causal kernel with its hand-written backward (`flash`, right padding
+    only), at every valid query (a padded query's output is unspecified there, and the loss weighs it 0)."""
     from models.eagle_layers import DraftAttention, UnrollMask
 
     torch.manual_seed(0)
@@ -271,11 +274,50 @@ def test_factored_unroll_attention_equals_the_dense_mask():
     causal = unroll_mask(valid, 0)
     for step in range(4):
         x = torch.randn(bsz, n, 12, requires_grad=True)
-        past_k = torch.randn(bsz, 2, step * n, 6) if step else None
-        past_v = torch.randn(bsz, 2, step * n, 6) if step else None
-        dense, _, _ = attn(x, positions + step, unroll_mask(valid, step), past_k, past_v)
-        (gd,) = torch.autograd.grad(dense.square().sum(), x)
-        factored, _, _ = attn(x, positions + step, UnrollMask(causal, step), past_k, past_v)
-        (gf,) = torch.autograd.grad(factored.square().sum(), x)
+        past_k = torch.randn(bsz, 2, step * n, 6, requires_grad=True) if step else None
+        past_v = torch.randn(bsz, 2, step * n, 6, requires_grad=True) if step else None
+        inputs = [x] + ([past_k, past_v] if step else [])
+        weight = torch.randn(bsz, n, 12) * valid[..., None]  # a weighted loss over the valid queries
+
+        def run(mask):
+            out, _, _ = attn(x, positions + step, mask, past_k, past_v)
+            return out * valid[..., None], torch.autograd.grad((out * weight).sum(), inputs)
+
+        dense, gd = run(unroll_mask(valid, step))
+        factored, gf = run(UnrollMask(causal, step, keys_prefix))
         torch.testing.assert_close(factored, dense, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(gf, gd, atol=1e-4, rtol=1e-4)
+        for a, b in zip(gf, gd):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
+def test_unroll_equals_steps_under_the_dense_mask(tiny, left):
+    """`unroll` (factored masks, the fused causal kernel where rows are right-padded) gives, at every valid position
+    of every step, what the drafter's steps give under the dense `unroll_mask`; with a left-padded row the causal
+    kernel would let its valid queries see the padding, so unroll must notice and not take it."""
+    from models.eagle import unroll
+
+    torch.manual_seed(0)
+    net = build_eagle("eagle3", tiny, draft_vocab_size=64, aux_layer_ids=[0, 1])
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    bsz, n, steps = 2, 9, 3
+    ids = torch.randint(0, 64, (bsz, n + 1))
+    attn = torch.ones(bsz, n + 1, dtype=torch.long)
+    if left:
+        attn[1, :3] = 0
+    else:
+        attn[1, 7:] = 0
+    loss_mask = attn.clone()
+    feats = torch.randn(bsz, n, tiny.config.hidden_size)
+    embed = tiny.model.get_input_embeddings()
+    valid_keys = attn[:, :n].bool()
+    positions = torch.arange(n)[None].expand(bsz, n)
+    hidden, past_k, past_v = feats, None, None
+    for j, (out, _) in enumerate(unroll(net, feats, ids, attn, loss_mask, embed, steps)):
+        tok, _ = step_inputs(ids, loss_mask, j)
+        ref, k, v = net.step(hidden, embed(tok), positions + j, unroll_mask(valid_keys, j), past_k, past_v)
+        past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
+        past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+        hidden = ref
+        torch.testing.assert_close(out[valid_keys], ref[valid_keys], atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.fused_head import frozen_head_ce
+from train.fused_head import frozen_head_ce, soft_target_ce
 
 
 @pytest.mark.parametrize("chunk", [3, 64])  # several chunks, and one
@@ -35,6 +35,39 @@ def test_loss_and_gradient_equal_autograd_for_labels_and_for_a_teacher(chunk):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(h2.grad, h1.grad, atol=1e-5, rtol=1e-5)
         assert torch.equal(arg, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("chunk", [3, 64])  # several chunks, and one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_target_ce_equals_autograd_with_gathered_rows(chunk, dtype):
+    """The fused soft-target cross-entropy (EAGLE-3's and EAGLE-1's loss against q) gives autograd's per-row loss
+    and gradient through a weighted sum, reads row index[i] of q for logits row i, returns the argmax with argmax's
+    tie-breaking, and leaves its input alone (an fp32 input is not overwritten by the in-place softmax)."""
+    g = torch.Generator().manual_seed(0)
+    n, m, v = 10, 7, 37
+    logits = (3 * torch.randn(n, v, generator=g)).to(dtype)
+    logits[2, 5] = logits[2, 20] = logits[2].max() + 1  # a tie for the top: the first index wins
+    q = torch.randn(m, v, generator=g).softmax(-1)
+    index = torch.randint(0, m, (n,), generator=g)
+    index[:2] = torch.tensor([m - 1, 0])
+    w = torch.rand(n, generator=g)  # a weighted sum, so a wrong backward scale shows
+    consecutive = torch.arange(2, 2 + n)  # rows read as a view of q, no gather
+    q_long = torch.randn(n + 4, v, generator=g).softmax(-1)
+    for rows, idx in ((q[index], None), (q, index), (q_long, consecutive)):
+        a = logits.detach().clone().requires_grad_(True)
+        b = logits.detach().clone().requires_grad_(True)
+        ref = -(rows[idx] if idx is not None else rows).mul(a.float().log_softmax(-1)).sum(-1)
+        got, arg = soft_target_ce(b, rows, idx, chunk=chunk)
+        (ref * w).sum().backward()
+        (got * w).sum().backward()
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert b.grad.dtype == dtype
+        torch.testing.assert_close(b.grad.float(), a.grad.float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(arg, logits.argmax(-1)) and int(arg[2]) == 5
+        assert torch.equal(b.detach(), logits)
+    with torch.no_grad():  # validation: no gradient buffer, same loss
+        got, _ = soft_target_ce(logits, q, index, chunk=chunk)
+    torch.testing.assert_close(got, -(q[index] * logits.float().log_softmax(-1)).sum(-1), atol=1e-5, rtol=1e-5)
 
 
 def test_medusa_training_step_loss_equals_the_unfused_one():
@@ -170,3 +203,51 @@ def test_eagle1_train_vocab_scores_the_kept_rows_against_the_full_argmax():
     assert torch.equal(val["correct"], torch.stack(ref_hits)) and torch.equal(val["rank"], torch.stack(ref_ranks))
     trained = module.model_step(batch, 1, train=True)
     torch.testing.assert_close(trained["losses"][0], ref_losses[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_eagle3_step_losses_and_hits_equal_a_plain_reference(train):
+    """EAGLE-3's per-step loss (fused, q's rows read by index) against one written out with autograd ops: at step j
+    and position t, -sum q log p with q = softmax of M_q's logits at t+j+1 over the draft vocabulary, averaged over
+    the targets whose M_q argmax lies in it; and the same top-1 hits."""
+    from helpers import varied_llama
+    from data.hidden_cache import gather_layers
+    from models.eagle import unroll
+    from train.eagle import EagleModule
+
+    v = varied_llama()
+    torch.manual_seed(0)
+    module = EagleModule(v, optimizer=lambda params: torch.optim.AdamW(params), kind="eagle3", ttt_steps=3,
+                         draft_vocab_size=200, aux_layer_ids=[0, 1])
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, v.vocab_size, (2, 20), generator=g)
+    mask = torch.zeros_like(ids)
+    mask[0, 6:] = 1
+    mask[1, 9:17] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+    states = gather_layers(batch, module.hidden_layers, v, module.hidden_layers)
+    final = states[-1]
+    q_logits = final @ v.lm_head.weight.T  # (B, T, V)
+    full_arg = q_logits.argmax(-1)
+    args = full_arg[mask.bool()].unique()
+    vocab = torch.cat([args[::2], 1000 + torch.randperm(30000, generator=g)[: 200 - len(args[::2])]])
+    module.net.set_draft_vocab(vocab)
+    t2d = module.net.t2d
+    feats = module.net.features(states)[:, : ids.shape[1] - 1]
+    ref_losses, ref_hits = [], []
+    for j, (out_h, valid) in enumerate(unroll(module.net, feats, ids, batch["attention_mask"], mask.bool(),
+                                              v.model.get_input_embeddings(), 3)):
+        bi, ti = valid.nonzero(as_tuple=True)
+        p = module.net.logits(out_h[bi, ti])
+        q = q_logits[bi, ti + j + 1][:, t2d].softmax(-1)
+        arg = full_arg[bi, ti + j + 1]
+        inside = t2d[arg]
+        assert inside.any() and not inside.all()  # some targets in the draft vocabulary, some not
+        ce = -(q * p.log_softmax(-1)).sum(-1)
+        ref_losses.append(ce[inside].mean())
+        hit = torch.zeros_like(valid)
+        hit[bi, ti] = module.net.draft_to_target(p.argmax(-1)) == arg
+        ref_hits.append(hit)
+    got = module.model_step(batch, 3, train=train)
+    torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(ref_losses), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got["correct"], torch.stack(ref_hits))

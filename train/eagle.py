@@ -29,7 +29,7 @@ from models.eagle import NAMES, Eagle1Net, Eagle3Net, build_eagle, target_rank, 
 from models.errors import NonFiniteLossError, UserError
 from models.export import check_vocab_size, save_export
 from models.verifier import Verifier
-from train.fused_head import frozen_head_ce
+from train.fused_head import frozen_head_ce, soft_target_ce
 from train.base import TOPK, DrafterModule
 from train.export import data_record
 from train.safety import last_good_advice
@@ -175,37 +175,38 @@ class EagleModule(DrafterModule):
                     q_logits = lm_head(final[bi, ti + j + 1]).float()  # (N, V)
                     q_arg = q_logits.argmax(-1)  # (N,) M_q's greedy token
                     q = (q_logits if rows is None else q_logits[:, self.head_ids]).softmax(-1)  # (N, V or kept)
-                else:
+                    at = None
+                else:  # EAGLE-3: q computed once per batch; this step's rows of it, read by the loss chunk by chunk
                     at = targets["row"][bi, ti + j + 1]
-                    q_arg, q = targets["arg"][at], targets["q"][at]  # (N,), (N, V_draft)
+                    q_arg, q = targets["arg"][at], targets["q"]  # (N,), (M, V_draft)
             if rows is None:
-                p_logits = self.net.logits(out_h[bi, ti], lm_head).float()  # (N, V or V_draft)
+                p_logits = self.net.logits(out_h[bi, ti], lm_head)  # (N, V or V_draft)
             else:
-                p_logits = F.linear(out_h[bi, ti].to(rows.dtype), rows).float()  # (N, kept)
+                p_logits = F.linear(out_h[bi, ti].to(rows.dtype), rows)  # (N, kept)
             # EAGLE-3 skips targets its draft vocabulary cannot express; EAGLE-1's kept rows span all of q.
             in_vocab = self.net.t2d[q_arg] if targets is not None else torch.ones_like(q_arg, dtype=torch.bool)
-            ce = -(q * p_logits.log_softmax(-1)).sum(-1)  # (N,)
+            ce, draft = soft_target_ce(p_logits, q, at)  # (N,) each: -sum q log p in fp32, and p's argmax
             ce = (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
             step_loss = ce
             if targets is None:
                 reg = F.smooth_l1_loss(out_h[bi, ti].float(), final[bi, ti + j + 1].float()) if bi.numel() else ce * 0
                 step_loss = self.hparams.feature_weight * reg + self.hparams.ce_weight * ce
             losses.append(step_loss if bi.numel() else p_logits.sum() * 0.0)
-            draft = p_logits.argmax(-1)
             hit[bi, ti] = (self.net.draft_to_target(draft) if rows is None else self.head_ids[draft]) == q_arg
             correct.append(hit)
             valid_at.append(valid)
             if train:  # ranks and confidences are validation's (a full-vocabulary pass each)
                 continue
+            p32 = p_logits.detach().float()
             rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
             if rows is None:
-                rank[bi, ti] = self.net.target_rank(p_logits.detach(), q_arg)
+                rank[bi, ti] = self.net.target_rank(p32, q_arg)
             else:  # rows are in verifier-id order: target_rank's mask form; an argmax outside them ranks V
-                rank[bi, ti] = target_rank(p_logits.detach(), q_arg, self._local >= 0)
+                rank[bi, ti] = target_rank(p32, q_arg, self._local >= 0)
             ranks.append(rank)
             # the draft's confidence in its top-1, to compare with how often it is right
             conf = torch.zeros(valid.shape, device=valid.device)
-            conf[bi, ti] = p_logits.detach().softmax(-1).amax(-1)
+            conf[bi, ti] = p32.softmax(-1).amax(-1)
             confs.append(conf)
         # (S, B, n) each; rank (validation): 0 = M_q's argmax is the draft's top-1, vocab_size = invalid or outside
         # the draft vocabulary

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 CHUNK = 512  # rows per chunk: a (512, 49152) fp32 block is 100 MB
+SOFT_CHUNK = 64  # soft_target_ce's rows per chunk: a (64, 8192) fp32 block (2 MB) stays in cache
 
 
 class _FrozenHeadCE(torch.autograd.Function):
@@ -79,3 +80,48 @@ def frozen_head_ce(hidden: Tensor, weight: Tensor, labels: Tensor | None = None,
     if teacher is not None:
         teacher = teacher.detach()
     return _FrozenHeadCE.apply(hidden, weight.detach(), labels, teacher, chunk)
+
+
+class _SoftTargetCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, q: Tensor, index: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+        n = logits.shape[0]
+        losses = torch.empty(n, dtype=torch.float32, device=logits.device)
+        argmax = torch.empty(n, dtype=torch.long, device=logits.device)
+        work = torch.empty((min(n, chunk), logits.shape[1]), dtype=torch.float32, device=logits.device)  # reused
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None  # dL/dlogits, in the logits' dtype
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            block = work[: e - s].copy_(logits[s:e])  # (c, V) fp32
+            qc = q[s:e] if index is None else q.index_select(0, index[s:e])
+            picked = torch.linalg.vecdot(qc, block)  # sum_x q(x) logit(x)
+            top, argmax[s:e] = block.max(-1)  # ties: the first maximal index, as argmax
+            probs = block.sub_(top[:, None]).exp_()  # the unnormalised softmax, one exp pass
+            total = probs.sum(-1)
+            losses[s:e] = top + total.log() - picked  # log-sum-exp - sum q logit = -sum q log p (q sums to 1)
+            if grad is not None:
+                grad[s:e] = probs.div_(total[:, None]).sub_(qc)  # dL/dlogits = softmax - q
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(argmax)
+        return losses, argmax
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
+        (grad,) = ctx.saved_tensors
+        # In the gradient's own dtype: a mixed bf16 x fp32 product would cast the whole (N, V) tensor twice
+        return grad * grad_losses.to(grad.dtype)[:, None], None, None, None
+
+
+def soft_target_ce(logits: Tensor, q: Tensor, index: Tensor | None = None, chunk: int = SOFT_CHUNK) -> tuple[Tensor, Tensor]:
+    """Per-row cross-entropy -sum_x q(x) log softmax(logits)(x) of `logits` (N, V) against the distributions `q`:
+    q (N, V) row by row, or, with `index` (N,), row index[i] of q (M, V) for logits row i (the rows are gathered one
+    chunk at a time, never as an (N, V) copy). Each row of q must sum to 1. Gradients flow to `logits` only.
+
+    Same loss and gradient as `-(q * logits.float().log_softmax(-1)).sum(-1)` through autograd, in one chunked pass:
+    the fp32 logits, the softmax and dL/dlogits = softmax - q share one buffer per chunk, and backward only scales the
+    saved gradient (autograd's path keeps log-softmax, its gradient and the product, each (N, V)). Returns (losses (N,)
+    fp32, the logits' argmax (N,))."""
+    q = q.detach()
+    if index is not None and index.numel() and bool((index.diff() == 1).all()):  # consecutive rows: a view, no gather
+        q, index = q[int(index[0]) : int(index[0]) + index.numel()], None
+    return _SoftTargetCE.apply(logits, q, index, chunk)
