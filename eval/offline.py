@@ -123,9 +123,9 @@ def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], dep
     ranks, valids, confs = [], [], []
     steps = unroll(net, net.features(states)[:, :n], ids, batch["attention_mask"], batch["loss_mask"].bool(), embed,
                    depth)
-    for j, (out, valid) in enumerate(steps):
-        bi, ti = valid.nonzero(as_tuple=True)
-        logits = _only(net.logits(out[bi, ti], verifier.lm_head).float(), keep)  # (N, V_draft)
+    for j, step in enumerate(steps):
+        valid, bi, ti = step.valid, step.batch, step.position
+        logits = _only(net.logits(step.at_targets, verifier.lm_head).float(), keep)  # (N, V_draft)
         rank, conf = _rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
         pad = lambda x, v: torch.cat([x, x.new_full((x.shape[0], 1), v)], dim=1)  # (B, n) -> (B, T)
         ranks.append(pad(rank, vocab))

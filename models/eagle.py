@@ -17,6 +17,7 @@ shared by training (train/eagle.py) and offline scoring (scripts/drafter_accurac
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -271,29 +272,82 @@ def step_inputs(input_ids: Tensor, loss_mask: Tensor, step: int) -> tuple[Tensor
     return tokens, valid
 
 
+@dataclass(frozen=True)
+class UnrolledStep:
+    """One unrolled step's outputs. `out` (B, W, D) holds the step's W columns (step 0: every position t, W = n;
+    later steps: a window of positions, see `unroll`); `valid` (B, n) marks positions t whose target x_{t+j+2}
+    is an assistant token (as `step_inputs` gives); `batch`, `position` and `column` (N,) list those targets:
+    batch row, position t, and t's column in `out`."""
+
+    out: Tensor
+    valid: Tensor
+    batch: Tensor
+    position: Tensor
+    column: Tensor
+
+    @property
+    def at_targets(self) -> Tensor:
+        """The outputs at the valid targets, in `batch`/`position` order. (N, D)"""
+        return self.out[self.batch, self.column]
+
+
 def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor,
-           embed: nn.Module, steps: int) -> Iterator[tuple[Tensor, Tensor]]:
+           embed: nn.Module, steps: int) -> Iterator[UnrolledStep]:
     """Unroll the drafter `steps` times over a batch, teacher-forced on the true tokens.
 
     Step 0 at position t reads (x_{t+1}, F_t) and predicts x_{t+2}; step j > 0 reads (x_{t+j+1}, its own step j-1
     output at t) at rotary position t+j and predicts x_{t+j+2}, attending the step-0 keys at positions <= t plus the
     keys its own earlier steps made at t: what it sees when drafting a chain at decode time.
-    feats: (B, n, D) F_t for t = 0..n-1, n = T-1. Yields per step (output (B, n, D), valid (B, n)).
+
+    Step 0 runs over every position (its keys are every later query's context). Steps 1.. run only over a window per
+    row, the span of positions whose targets some step >= 1 needs (assistant tokens: prompts and padding drop out),
+    left-aligned into W columns; a position's step-j output feeds only its own step j+1, so nothing outside the
+    window is ever read. feats: (B, n, D) F_t for t = 0..n-1, n = T-1. Yields one `UnrolledStep` per step.
     """
     bsz, n = feats.shape[:2]
-    positions = torch.arange(n, device=input_ids.device)[None].expand(bsz, n)
+    device = input_ids.device
     valid_keys = attention_mask[:, :n].bool()
-    causal = unroll_mask(valid_keys, 0)  # (B, 1, n, n): step 0's keys; later steps add a diagonal
-    prefix = bool((valid_keys[:, 1:] <= valid_keys[:, :-1]).all())  # right padding: causal attention is exact
-    hidden, past_k, past_v = feats, None, None
-    for j in range(steps):
-        tok, valid = step_inputs(input_ids, loss_mask, j)  # (B, n) each
+    keys = unroll_mask(valid_keys, 0)  # (B, 1, n, n): query t sees the non-padding keys s <= t
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    keys = keys | (eye & ~keys.any(-1, keepdim=True))  # a query with no key (left padding) sees its own: no NaN
+    right_padded = bool((valid_keys[:, 1:] <= valid_keys[:, :-1]).all())  # plain causal attention is exact then
+    inputs = [step_inputs(input_ids, loss_mask, j) for j in range(steps)]  # (tokens, valid) (B, n) each
+
+    def step_of(out: Tensor, valid: Tensor, column_of: Tensor | None) -> UnrolledStep:
+        bi, ti = valid.nonzero(as_tuple=True)
+        return UnrolledStep(out, valid, bi, ti, ti if column_of is None else column_of[bi, ti])
+
+    tok, valid = inputs[0]
+    with torch.no_grad():
+        emb = embed(tok)
+    positions = torch.arange(n, device=device)[None].expand(bsz, n)
+    out, k0, v0 = net.step(feats, emb, positions, UnrollMask(keys, 0, right_padded), None, None)
+    yield step_of(out, valid, None)
+    if steps == 1:
+        return
+    # The window: per row, the positions [lo, hi) some later step has a target at, as columns 0..W-1.
+    need = torch.stack([v for _, v in inputs[1:]]).any(0)  # (B, n)
+    idx = torch.arange(n, device=device)
+    lo = torch.where(need, idx, n).amin(-1).clamp(max=n - 1)  # (B,)
+    hi = torch.where(need, idx + 1, 0).amax(-1)
+    width = int((hi - lo).clamp(min=1).max())
+    offsets = torch.arange(width, device=device)
+    cols = (lo[:, None] + offsets).clamp(max=n - 1)  # (B, W): each column's position (past the end: unread)
+    column_of = torch.full((bsz, n), -1, dtype=torch.long, device=device)  # position -> column, (B, n)
+    inside = cols - lo[:, None] == offsets
+    rows = torch.arange(bsz, device=device)[:, None].expand(bsz, width)
+    column_of[rows[inside], cols[inside]] = offsets.expand(bsz, width)[inside]
+    window_keys = keys.gather(2, cols[:, None, :, None].expand(bsz, 1, width, n))  # (B, 1, W, n)
+    hidden = out.gather(1, cols[..., None].expand(bsz, width, out.shape[-1]))
+    past_k, past_v = [k0], [v0]
+    for j in range(1, steps):
+        tok, valid = inputs[j]
         with torch.no_grad():
-            emb = embed(tok)
-        out, k, v = net.step(hidden, emb, positions + j, UnrollMask(causal, j, prefix), past_k, past_v)
-        past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
-        past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-        yield out, valid
+            emb = embed(tok.gather(1, cols))
+        out, k, v = net.step(hidden, emb, cols + j, UnrollMask(window_keys, j), past_k, past_v)
+        past_k.append(k)
+        past_v.append(v)
+        yield step_of(out, valid, column_of)
         hidden = out
 
 

@@ -47,46 +47,50 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class UnrollMask:
-    """The attention pattern of unrolled training step `step` (EAGLE-3's training-time test), kept factored: query t
-    sees the step-0 keys s <= t that are not padding (`causal`, (B, 1, n, n) bool) and, for each later step, only
-    that step's key at its own position t. `models.eagle.unroll_mask` is the same pattern as one dense
-    (B, 1, n, (step + 1) n) mask; attending through it costs (step + 1) n^2 per head, where this form costs n^2 + step n.
-    `keys_prefix`: every row's valid keys are a prefix (right padding, or none), so a plain causal mask gives every
-    valid query exactly its keys (outputs at padding positions are then unspecified: nothing reads them)."""
+    """The attention pattern of unrolled training step `step` (EAGLE-3's training-time test), kept factored. The
+    step's queries sit in W columns (step 0: every position, W = n; later steps: the window of positions whose
+    targets need them, `models.eagle.unroll`). Query w sees the step-0 keys `keys` marks ((B, 1, W, n) bool: those
+    at positions s <= its own t, not padding) and, for each step 1..`step`, that step's key in its own column. The
+    dense (B, 1, n, (step + 1) n) form is `models.eagle.unroll_mask`; this one costs W n + step W per head.
+    `is_causal`: `keys` is the plain causal pattern (step 0 over right-padded rows), which the fused kernel applies
+    without reading a mask (queries at padding positions then also see padding keys: nothing reads their outputs)."""
 
-    causal: Tensor
+    keys: Tensor
     step: int
-    keys_prefix: bool = False
+    is_causal: bool = False
 
 
-def unrolled_attention(q: Tensor, keys: Tensor, values: Tensor, mask: UnrollMask, scale: float) -> Tensor:
-    """Attention of q (B, H, n, hd) over keys/values (B, H_kv, (step + 1) n, hd) laid out step by step, under
-    `mask`: the step-0 keys causally, plus, per later step, the key at the query's own position, softmaxed together.
-    Returns (B, H, n, hd). On a CPU with right-padded rows it runs `_FlashUnrolled` (fused causal attention for the
-    n x n block, no n x n tensor kept); otherwise `factored_attention`."""
-    if mask.keys_prefix and q.device.type == "cpu":
-        return _FlashUnrolled.apply(q, keys.contiguous(), values.contiguous(), mask.step + 1, scale)
-    return factored_attention(q, keys, values, mask, scale)
+def unrolled_attention(q: Tensor, k0: Tensor, v0: Tensor, kd: Tensor | None, vd: Tensor | None, mask: UnrollMask,
+                       scale: float) -> Tensor:
+    """Attention of q (B, H, W, hd) over the step-0 keys/values k0, v0 (B, H_kv, n, hd) under `mask.keys`, plus
+    each query's own keys/values of steps 1..J, kd, vd (B, H_kv, W, J, hd) (None at step 0), softmaxed together.
+    Returns (B, H, W, hd). On a CPU: `_FlashUnrolled` (PyTorch's fused flash kernel for the step-0 block, no W x n
+    tensor kept for backward); elsewhere `factored_attention`."""
+    if q.device.type == "cpu":
+        bias = None if mask.is_causal else torch.zeros((), dtype=q.dtype).masked_fill(~mask.keys, float("-inf"))
+        if kd is None:
+            kd = vd = q.new_empty(q.shape[0], k0.shape[1], q.shape[2], 0, q.shape[3])
+        return _FlashUnrolled.apply(q, k0.to(q.dtype), v0.to(q.dtype), kd.to(q.dtype), vd.to(q.dtype), bias, scale)
+    return factored_attention(q, k0, v0, kd, vd, mask, scale)
 
 
-def factored_attention(q: Tensor, keys: Tensor, values: Tensor, mask: UnrollMask, scale: float) -> Tensor:
-    """`unrolled_attention` through autograd, any mask and device: one (n x n) score block against the step-0 keys
-    plus, per later step, the score of each query with that step's key at its own position (a row-wise dot
-    product), softmaxed together."""
-    bsz, heads, n, hd = q.shape
-    kv_heads, steps = keys.shape[1], mask.step + 1
-    group = heads // kv_heads
-    qg = q.reshape(bsz, kv_heads, group, n, hd)
-    k = keys.reshape(bsz, kv_heads, steps, n, hd)
-    v = values.reshape(bsz, kv_heads, steps, n, hd)
-    causal = torch.matmul(qg, k[:, :, :1].transpose(-1, -2)).float() * scale  # (B, H_kv, G, n, n)
-    causal = causal.masked_fill(~mask.causal[:, :, None], float("-inf"))
-    diag = (qg[:, :, :, None] * k[:, :, None, 1:]).sum(-1).float() * scale  # (B, H_kv, G, step, n)
-    probs = torch.cat([causal, diag.transpose(-1, -2)], dim=-1).softmax(-1).to(q.dtype)  # (B, H_kv, G, n, n + step)
-    out = torch.matmul(probs[..., :n], v[:, :, :1])  # (B, H_kv, G, n, hd)
-    if mask.step:
-        out = out + (probs[..., n:].transpose(-1, -2)[..., None] * v[:, :, None, 1:]).sum(3)
-    return out.reshape(bsz, heads, n, hd)
+def factored_attention(q: Tensor, k0: Tensor, v0: Tensor, kd: Tensor | None, vd: Tensor | None, mask: UnrollMask,
+                       scale: float) -> Tensor:
+    """`unrolled_attention` through autograd, any device: one (W x n) score block against the step-0 keys plus each
+    query's J own later keys (row-wise dot products), softmaxed together."""
+    bsz, heads, width, hd = q.shape
+    kv_heads, n = k0.shape[1], k0.shape[2]
+    qg = q.reshape(bsz, kv_heads, heads // kv_heads, width, hd)
+    scores = torch.matmul(qg, k0.to(q.dtype)[:, :, None].transpose(-1, -2)).float() * scale  # (B, H_kv, G, W, n)
+    scores = scores.masked_fill(~mask.keys[:, :, None], float("-inf"))
+    if kd is not None:
+        diag = torch.einsum("bkgwd,bkwjd->bkgwj", qg, kd.to(q.dtype)).float() * scale  # (B, H_kv, G, W, J)
+        scores = torch.cat([scores, diag], dim=-1)
+    probs = scores.softmax(-1).to(q.dtype)
+    out = torch.matmul(probs[..., :n], v0.to(q.dtype)[:, :, None])  # (B, H_kv, G, W, hd)
+    if kd is not None:
+        out = out + torch.einsum("bkgwj,bkwjd->bkgwd", probs[..., n:], vd.to(q.dtype))
+    return out.reshape(bsz, heads, width, hd)
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -94,67 +98,65 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 
 class _FlashUnrolled(torch.autograd.Function):
-    """`unrolled_attention` for right-padded rows on a CPU, forward and backward by hand. The step-0 block runs
-    PyTorch's fused causal flash kernel, which returns its log-sum-exp L_c per query; the J = steps - 1 diagonal
-    scores d_j = q . k_j (one key per query per later step) are small, (n, J) per head. The full softmax's
-    normaliser is L = logaddexp(L_c, logsumexp_j d_j), so
+    """`unrolled_attention` on a CPU, forward and backward by hand. The step-0 block runs PyTorch's fused flash
+    kernel (causal, or under the additive mask `bias`), which returns its log-sum-exp L_0 per query; the J diagonal
+    scores d_j = q . k_j (one key per query per later step) are small, (W, J) per head. The full softmax's
+    normaliser is L = logaddexp(L_0, logsumexp_j d_j), so
 
-        out = exp(L_c - L) out_c + sum_j exp(d_j - L) v_j.
+        out = exp(L_0 - L) out_0 + sum_j exp(d_j - L) v_j.
 
     Backward: the flash kernel's backward, given this full `out` and full L, computes exactly the step-0 block's
     share of the gradient (its probabilities exp(s - L) and its row term dO . out are the full softmax's); the
     diagonal's share is written out: dS_j = p_j (dO . v_j - dO . out). Math in fp32 outside the flash kernel."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, keys: Tensor, values: Tensor, steps: int, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k0: Tensor, v0: Tensor, kd: Tensor, vd: Tensor, bias: Tensor | None,
+                scale: float) -> Tensor:
         with torch.autocast(q.device.type, enabled=False):
-            bsz, heads, n, hd = q.shape
-            kv_heads = keys.shape[1]
-            group = heads // kv_heads
-            k = keys.to(q.dtype).view(bsz, kv_heads, steps, n, hd)
-            v = values.to(q.dtype).view(bsz, kv_heads, steps, n, hd)
-            k0, v0 = k[:, :, 0].repeat_interleave(group, dim=1), v[:, :, 0].repeat_interleave(group, dim=1)
-            out_c, lse_c = _flash(q, k0, v0, 0.0, True, scale=scale)  # (B, H, n, hd), (B, H, n)
-            ctx.scale, ctx.steps, ctx.shape, ctx.dtypes = scale, steps, (bsz, kv_heads, group, n, hd), (keys.dtype, values.dtype)
-            if steps == 1:
-                ctx.save_for_backward(q, k0, v0, out_c, lse_c)
-                return out_c
-            qg = q.view(bsz, kv_heads, group, n, hd).transpose(2, 3).float()  # (B, H_kv, n, G, hd)
-            kd = k[:, :, 1:].permute(0, 1, 3, 2, 4).float()  # (B, H_kv, n, J, hd): each query's own later keys
-            vd = v[:, :, 1:].permute(0, 1, 3, 2, 4).float()
-            d = torch.matmul(qg, kd.transpose(-1, -2)).mul_(scale)  # (B, H_kv, n, G, J)
-            lc = lse_c.view(bsz, kv_heads, group, n).transpose(2, 3)  # (B, H_kv, n, G)
-            lse = torch.logaddexp(lc, torch.logsumexp(d, dim=-1))
+            bsz, heads, width, hd = q.shape
+            kv_heads, group, steps = k0.shape[1], heads // k0.shape[1], kd.shape[3]
+            k0h, v0h = k0.repeat_interleave(group, dim=1), v0.repeat_interleave(group, dim=1)
+            out0, lse0 = _flash(q, k0h, v0h, 0.0, bias is None, attn_mask=bias, scale=scale)  # (B,H,W,hd), (B,H,W)
+            ctx.scale, ctx.group = scale, group
+            if steps == 0:
+                ctx.save_for_backward(q, k0h, v0h, bias, out0, lse0)
+                return out0
+            qg = q.view(bsz, kv_heads, group, width, hd).transpose(2, 3).float()  # (B, H_kv, W, G, hd)
+            kdf, vdf = kd.float(), vd.float()  # (B, H_kv, W, J, hd): each query's own later keys
+            d = torch.matmul(qg, kdf.transpose(-1, -2)).mul_(scale)  # (B, H_kv, W, G, J)
+            l0 = lse0.view(bsz, kv_heads, group, width).transpose(2, 3)  # (B, H_kv, W, G)
+            lse = torch.logaddexp(l0, torch.logsumexp(d, dim=-1))
             pd = d.sub_(lse[..., None]).exp_()  # the diagonal keys' probabilities
-            oc = out_c.view(bsz, kv_heads, group, n, hd).transpose(2, 3)
-            out = torch.matmul(pd, vd).add_((lc - lse).exp_()[..., None] * oc)  # (B, H_kv, n, G, hd)
-            out = out.transpose(2, 3).reshape(bsz, heads, n, hd).to(q.dtype)
-            lse = lse.transpose(2, 3).reshape(bsz, heads, n).contiguous()
-            ctx.save_for_backward(q, k0, v0, out, lse, pd, qg, kd, vd)
+            o0 = out0.view(bsz, kv_heads, group, width, hd).transpose(2, 3)
+            out = torch.matmul(pd, vdf).add_((l0 - lse).exp_()[..., None] * o0)  # (B, H_kv, W, G, hd)
+            out = out.transpose(2, 3).reshape(bsz, heads, width, hd).to(q.dtype)
+            lse = lse.transpose(2, 3).reshape(bsz, heads, width).contiguous()
+            ctx.save_for_backward(q, k0h, v0h, bias, out, lse, pd, qg, kdf, vdf)
             return out
 
     @staticmethod
     def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
         with torch.autocast(dout.device.type, enabled=False):
-            bsz, kv_heads, group, n, hd = ctx.shape
-            heads = kv_heads * group
-            q, k0, v0, out, lse, *diag = ctx.saved_tensors
+            q, k0h, v0h, bias, out, lse, *diag = ctx.saved_tensors
+            bsz, heads, width, hd = q.shape
+            group = ctx.group
+            kv_heads, n = heads // group, k0h.shape[2]
             dout = dout.to(q.dtype).contiguous()
-            dq, dk0, dv0 = _flash_backward(dout, q, k0, v0, out, lse, 0.0, True, scale=ctx.scale)
-            dk0 = dk0.view(bsz, kv_heads, group, 1, n, hd).sum(2, dtype=torch.float32)  # GQA: a key serves G heads
-            dv0 = dv0.view(bsz, kv_heads, group, 1, n, hd).sum(2, dtype=torch.float32)
-            if ctx.steps == 1:
-                return dq, dk0.view(bsz, kv_heads, n, hd).to(ctx.dtypes[0]), dv0.view(bsz, kv_heads, n, hd).to(ctx.dtypes[1]), None, None
-            pd, qg, kd, vd = diag
-            do = dout.view(bsz, kv_heads, group, n, hd).transpose(2, 3).float()  # (B, H_kv, n, G, hd)
-            row = (do * out.view(bsz, kv_heads, group, n, hd).transpose(2, 3).float()).sum(-1)  # dO . out
-            ds = pd * torch.matmul(do, vd.transpose(-1, -2)).sub_(row[..., None])  # (B, H_kv, n, G, J)
-            dq = dq.float().view(bsz, kv_heads, group, n, hd).add_(torch.matmul(ds, kd).mul_(ctx.scale).transpose(2, 3))
-            dkd = torch.matmul(ds.transpose(-1, -2), qg).mul_(ctx.scale).permute(0, 1, 3, 2, 4)  # (B, H_kv, J, n, hd)
-            dvd = torch.matmul(pd.transpose(-1, -2), do).permute(0, 1, 3, 2, 4)
-            dk = torch.cat([dk0, dkd], dim=2).reshape(bsz, kv_heads, ctx.steps * n, hd)
-            dv = torch.cat([dv0, dvd], dim=2).reshape(bsz, kv_heads, ctx.steps * n, hd)
-            return dq.view(bsz, heads, n, hd).to(q.dtype), dk.to(ctx.dtypes[0]), dv.to(ctx.dtypes[1]), None, None
+            dq, dk0, dv0 = _flash_backward(dout, q, k0h, v0h, out, lse, 0.0, bias is None, attn_mask=bias,
+                                           scale=ctx.scale)
+            dk0 = dk0.view(bsz, kv_heads, group, n, hd).sum(2).to(k0h.dtype)  # GQA: a key serves G heads
+            dv0 = dv0.view(bsz, kv_heads, group, n, hd).sum(2).to(v0h.dtype)
+            if not diag:
+                return dq, dk0, dv0, None, None, None, None
+            pd, qg, kdf, vdf = diag
+            do = dout.view(bsz, kv_heads, group, width, hd).transpose(2, 3).float()  # (B, H_kv, W, G, hd)
+            row = (do * out.view(bsz, kv_heads, group, width, hd).transpose(2, 3).float()).sum(-1)  # dO . out
+            ds = pd * torch.matmul(do, vdf.transpose(-1, -2)).sub_(row[..., None])  # (B, H_kv, W, G, J)
+            dq = dq.float().view(bsz, kv_heads, group, width, hd).add_(
+                torch.matmul(ds, kdf).mul_(ctx.scale).transpose(2, 3))
+            dkd = torch.matmul(ds.transpose(-1, -2), qg).mul_(ctx.scale)  # (B, H_kv, W, J, hd)
+            dvd = torch.matmul(pd.transpose(-1, -2), do)
+            return dq.view(bsz, heads, width, hd).to(q.dtype), dk0, dv0, dkd.to(q.dtype), dvd.to(q.dtype), None, None
 
 
 class DraftAttention(nn.Module):
@@ -177,9 +179,11 @@ class DraftAttention(nn.Module):
         cos, sin = rope(positions, self.head_dim, self.rope_theta)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None = None,
-                past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, in); positions (B, T); mask (B, 1, T, S_past + T) bool, True = may attend, or an UnrollMask.
+    def forward(self, x: Tensor, positions: Tensor, mask: Tensor | UnrollMask, past_k: Tensor | list | None = None,
+                past_v: Tensor | list | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, in); positions (B, T); mask (B, 1, T, S_past + T) bool, True = may attend, with past_k/past_v
+        (B, H_kv, S_past, hd) or None; or an UnrollMask, with past_k/past_v the lists of earlier unrolled steps'
+        keys/values (step 0's (B, H_kv, n, hd), then one (B, H_kv, W, hd) per later step; None at step 0).
 
         Returns (output (B, T, D), k, v) where k, v are this call's own keys/values (B, H_kv, T, hd), so the
         caller decides what to keep (a cache, or the keys of one unrolled training step).
@@ -189,11 +193,15 @@ class DraftAttention(nn.Module):
         cos, sin = rope(positions, self.head_dim, self.rope_theta)
         q = apply_rope(q, cos, sin)
         k, v = self.project_kv(x, positions)
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)  # (B, H_kv, S, hd)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
         if isinstance(mask, UnrollMask):
-            out = unrolled_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, self.head_dim**-0.5)
+            if past_k:  # a later step: step 0's keys, and this query's own keys of steps 1..j
+                kd, vd = torch.stack([*past_k[1:], k], dim=3), torch.stack([*past_v[1:], v], dim=3)
+                out = unrolled_attention(q, past_k[0], past_v[0], kd, vd, mask, self.head_dim**-0.5)
+            else:
+                out = unrolled_attention(q, k, v, None, None, mask, self.head_dim**-0.5)
         else:
+            keys = k if past_k is None else torch.cat([past_k, k], dim=2)  # (B, H_kv, S, hd)
+            values = v if past_v is None else torch.cat([past_v, v], dim=2)
             out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)

@@ -257,14 +257,19 @@ def test_validation_ranks_agree_with_top1_hits(tiny, kind):
     assert "confidence" not in module.model_step(batch, 1, train=True)  # training skips the extra softmax
 
 
-@pytest.mark.parametrize("keys_prefix", [False, True], ids=["factored", "flash"])
-def test_factored_unroll_attention_equals_the_dense_mask(keys_prefix):
-    """Training-time-test attention through UnrollMask (a step-0 causal block plus one diagonal per later step)
+@pytest.mark.parametrize("flash", [False, True], ids=["factored", "flash"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_factored_unroll_attention_equals_the_dense_mask(flash, is_causal, monkeypatch):
+    """Training-time-test attention through UnrollMask (a step-0 block plus each query's own keys of later steps)
     gives the outputs and gradients of SDPA under the dense `unroll_mask`, with GQA and a right-padded row: through
-    autograd (`factored`) and through the fused causal kernel with its hand-written backward (`flash`, right padding
-    only), at every valid query (a padded query's output is unspecified there, and the loss weighs it 0)."""
+    autograd (`factored`, the path off the CPU) and through the fused flash kernel with its hand-written backward
+    (`flash`), under the mask or causal (`is_causal`, right padding), at every valid query (a padded query's
+    output is unspecified with `is_causal`, and the loss weighs it 0)."""
+    import models.eagle_layers as layers
     from models.eagle_layers import DraftAttention, UnrollMask
 
+    if not flash:  # what runs on a GPU
+        monkeypatch.setattr(layers, "unrolled_attention", lambda *a: layers.factored_attention(*a))
     torch.manual_seed(0)
     attn = DraftAttention(in_dim=12, hidden_size=12, num_heads=4, num_kv_heads=2, head_dim=6, rope_theta=10000.0)
     bsz, n = 2, 7
@@ -272,52 +277,78 @@ def test_factored_unroll_attention_equals_the_dense_mask(keys_prefix):
     valid[1, 5:] = False
     positions = torch.arange(n)[None].expand(bsz, n)
     causal = unroll_mask(valid, 0)
+    x0 = torch.randn(bsz, n, 12, requires_grad=True)
+    _, k0, v0 = attn(x0, positions, UnrollMask(causal, 0, is_causal))
+    past_k, past_v = [k0], [v0]
     for step in range(4):
         x = torch.randn(bsz, n, 12, requires_grad=True)
-        past_k = torch.randn(bsz, 2, step * n, 6, requires_grad=True) if step else None
-        past_v = torch.randn(bsz, 2, step * n, 6, requires_grad=True) if step else None
-        inputs = [x] + ([past_k, past_v] if step else [])
+        inputs = [x, x0] if step else [x]
         weight = torch.randn(bsz, n, 12) * valid[..., None]  # a weighted loss over the valid queries
-
-        def run(mask):
-            out, _, _ = attn(x, positions + step, mask, past_k, past_v)
-            return out * valid[..., None], torch.autograd.grad((out * weight).sum(), inputs)
-
-        dense, gd = run(unroll_mask(valid, step))
-        factored, gf = run(UnrollMask(causal, step, keys_prefix))
-        torch.testing.assert_close(factored, dense, atol=1e-5, rtol=1e-5)
+        dense_k = torch.cat(past_k[:step], dim=2) if step else None
+        dense_v = torch.cat(past_v[:step], dim=2) if step else None
+        dense, _, _ = attn(x, positions + step, unroll_mask(valid, step), dense_k, dense_v)
+        gd = torch.autograd.grad((dense * weight).sum(), inputs, retain_graph=True)
+        mask = UnrollMask(causal, step, is_causal and step == 0)
+        factored, k, v = attn(x, positions + step, mask, past_k[:step] or None, past_v[:step] or None)
+        gf = torch.autograd.grad((factored * weight).sum(), inputs, retain_graph=True)
+        torch.testing.assert_close(factored * valid[..., None], dense * valid[..., None], atol=1e-5, rtol=1e-5)
         for a, b in zip(gf, gd):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        if step == 0:
+            past_k, past_v = [k0], [v0]
+        else:
+            past_k.append(k)
+            past_v.append(v)
 
 
 @pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
 def test_unroll_equals_steps_under_the_dense_mask(tiny, left):
-    """`unroll` (factored masks, the fused causal kernel where rows are right-padded) gives, at every valid position
-    of every step, what the drafter's steps give under the dense `unroll_mask`; with a left-padded row the causal
-    kernel would let its valid queries see the padding, so unroll must notice and not take it."""
+    """`unroll` (step 0 over every position, later steps over the window of positions their targets need, factored
+    masks, the fused causal kernel where rows are right-padded) gives, at every target of every step, the outputs
+    and the gradients the drafter's steps give over every position under the dense `unroll_mask`. Prompts and
+    padding of different lengths per row, so the window starts at a different position in each. With a left-padded
+    row the causal kernel would let its valid queries see the padding, so unroll must notice and not take it."""
     from models.eagle import unroll
 
     torch.manual_seed(0)
     net = build_eagle("eagle3", tiny, draft_vocab_size=64, aux_layer_ids=[0, 1])
     for p in net.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    bsz, n, steps = 2, 9, 3
+    bsz, n, steps = 3, 12, 4
     ids = torch.randint(0, 64, (bsz, n + 1))
     attn = torch.ones(bsz, n + 1, dtype=torch.long)
+    loss_mask = torch.zeros(bsz, n + 1, dtype=torch.long)
+    loss_mask[0, 4:] = 1  # prompt of 4, answer to the end
+    loss_mask[2, 2:6] = loss_mask[2, 9:11] = 1  # two answers, then two unmasked tokens
     if left:
         attn[1, :3] = 0
+        loss_mask[1, 8:] = 1  # no target's chain starts on padding: x_8 is 3 steps past the first real token
     else:
-        attn[1, 7:] = 0
-    loss_mask = attn.clone()
-    feats = torch.randn(bsz, n, tiny.config.hidden_size)
+        attn[1, 9:] = 0
+        loss_mask[1, 7:9] = 1
+    feats = torch.randn(bsz, n, tiny.config.hidden_size, requires_grad=True)
     embed = tiny.model.get_input_embeddings()
     valid_keys = attn[:, :n].bool()
     positions = torch.arange(n)[None].expand(bsz, n)
-    hidden, past_k, past_v = feats, None, None
-    for j, (out, _) in enumerate(unroll(net, feats, ids, attn, loss_mask, embed, steps)):
-        tok, _ = step_inputs(ids, loss_mask, j)
-        ref, k, v = net.step(hidden, embed(tok), positions + j, unroll_mask(valid_keys, j), past_k, past_v)
+    got, ref, hidden, past_k, past_v = [], [], feats, None, None
+    for j, st in enumerate(unroll(net, feats, ids, attn, loss_mask, embed, steps)):
+        tok, valid = step_inputs(ids, loss_mask, j)
+        assert torch.equal(st.valid, valid) and valid.any()
+        out, k, v = net.step(hidden, embed(tok), positions + j, unroll_mask(valid_keys, j), past_k, past_v)
         past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
         past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-        hidden = ref
-        torch.testing.assert_close(out[valid_keys], ref[valid_keys], atol=1e-5, rtol=1e-5)
+        hidden = out
+        assert torch.equal(st.position, valid.nonzero()[:, 1])
+        got.append(st.at_targets)
+        ref.append(out[valid])
+    if not left:
+        assert st.out.shape[1] < n  # the later steps ran over a window, not every position
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    weights = [torch.randn_like(r) for r in ref]
+    params = [feats, *net.parameters()]
+    g_got = torch.autograd.grad(sum((a * w).sum() for a, w in zip(got, weights)), params, allow_unused=True)
+    g_ref = torch.autograd.grad(sum((b * w).sum() for b, w in zip(ref, weights)), params, allow_unused=True)
+    for a, b in zip(g_got, g_ref):
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

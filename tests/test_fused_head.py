@@ -179,10 +179,9 @@ def test_eagle1_train_vocab_scores_the_kept_rows_against_the_full_argmax():
     feats = module.net.features(states)[:, : ids.shape[1] - 1]
     embed = v.model.get_input_embeddings()
     ref_losses, ref_hits, ref_ranks = [], [], []
-    for j, (out_h, valid) in enumerate(unroll(module.net, feats, ids, batch["attention_mask"], mask.bool(), embed,
-                                              steps)):
-        bi, ti = valid.nonzero(as_tuple=True)
-        h, tgt = out_h[bi, ti], final[bi, ti + j + 1]
+    for j, st in enumerate(unroll(module.net, feats, ids, batch["attention_mask"], mask.bool(), embed, steps)):
+        valid, bi, ti = st.valid, st.batch, st.position
+        h, tgt = st.at_targets, final[bi, ti + j + 1]
         q = (tgt @ v.lm_head.weight[keep].T).softmax(-1)
         p_full = h @ v.lm_head.weight.T  # (N, V)
         ce = -(q * p_full[:, keep].log_softmax(-1)).sum(-1).mean()
@@ -235,10 +234,10 @@ def test_eagle3_step_losses_and_hits_equal_a_plain_reference(train):
     t2d = module.net.t2d
     feats = module.net.features(states)[:, : ids.shape[1] - 1]
     ref_losses, ref_hits = [], []
-    for j, (out_h, valid) in enumerate(unroll(module.net, feats, ids, batch["attention_mask"], mask.bool(),
-                                              v.model.get_input_embeddings(), 3)):
-        bi, ti = valid.nonzero(as_tuple=True)
-        p = module.net.logits(out_h[bi, ti])
+    for j, st in enumerate(unroll(module.net, feats, ids, batch["attention_mask"], mask.bool(),
+                                  v.model.get_input_embeddings(), 3)):
+        valid, bi, ti = st.valid, st.batch, st.position
+        p = module.net.logits(st.at_targets)
         q = q_logits[bi, ti + j + 1][:, t2d].softmax(-1)
         arg = full_arg[bi, ti + j + 1]
         inside = t2d[arg]

@@ -155,16 +155,16 @@ class EagleModule(DrafterModule):
                    if isinstance(self.net, Eagle3Net) else None)
         rows = None if self.head_ids is None else self.head_rows(lm_head.weight)  # EAGLE-1's kept rows (train_vocab)
         losses, correct, valid_at, ranks, confs = [], [], [], [], []
-        for j, (out_h, valid) in enumerate(unroll(self.net, feats, ids, attn, loss_mask, embed, steps)):
+        for j, step in enumerate(unroll(self.net, feats, ids, attn, loss_mask, embed, steps)):
             # Targets: q at position t+j+1 (predicting x_{t+j+2}), where x_{t+j+2} is an assistant token.
-            bi, ti = valid.nonzero(as_tuple=True)
+            valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets  # h: (N, D) outputs there
             hit = torch.zeros_like(valid)
             if train and targets is None and bi.numel():
                 # EAGLE-1 training: fused cross-entropy to q through the frozen lm_head (train/fused_head.py)
                 # With train_vocab both p and q live on the kept rows; the logged top-1 compares rows (no full pass).
-                per_row, p_arg, q_arg = frozen_head_ce(out_h[bi, ti], lm_head.weight if rows is None else rows,
+                per_row, p_arg, q_arg = frozen_head_ce(h, lm_head.weight if rows is None else rows,
                                                        teacher=final[bi, ti + j + 1])
-                reg = F.smooth_l1_loss(out_h[bi, ti].float(), final[bi, ti + j + 1].float())
+                reg = F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float())
                 losses.append(self.hparams.feature_weight * reg + self.hparams.ce_weight * per_row.mean())
                 hit[bi, ti] = p_arg == q_arg
                 correct.append(hit)
@@ -180,16 +180,16 @@ class EagleModule(DrafterModule):
                     at = targets["row"][bi, ti + j + 1]
                     q_arg, q = targets["arg"][at], targets["q"]  # (N,), (M, V_draft)
             if rows is None:
-                p_logits = self.net.logits(out_h[bi, ti], lm_head)  # (N, V or V_draft)
+                p_logits = self.net.logits(h, lm_head)  # (N, V or V_draft)
             else:
-                p_logits = F.linear(out_h[bi, ti].to(rows.dtype), rows)  # (N, kept)
+                p_logits = F.linear(h.to(rows.dtype), rows)  # (N, kept)
             # EAGLE-3 skips targets its draft vocabulary cannot express; EAGLE-1's kept rows span all of q.
             in_vocab = self.net.t2d[q_arg] if targets is not None else torch.ones_like(q_arg, dtype=torch.bool)
             ce, draft = soft_target_ce(p_logits, q, at)  # (N,) each: -sum q log p in fp32, and p's argmax
             ce = (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
             step_loss = ce
             if targets is None:
-                reg = F.smooth_l1_loss(out_h[bi, ti].float(), final[bi, ti + j + 1].float()) if bi.numel() else ce * 0
+                reg = F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float()) if bi.numel() else ce * 0
                 step_loss = self.hparams.feature_weight * reg + self.hparams.ce_weight * ce
             losses.append(step_loss if bi.numel() else p_logits.sum() * 0.0)
             hit[bi, ti] = (self.net.draft_to_target(draft) if rows is None else self.head_ids[draft]) == q_arg
