@@ -352,3 +352,23 @@ def test_unroll_equals_steps_under_the_dense_mask(tiny, left):
     for a, b in zip(g_got, g_ref):
         if b is not None:
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_unroll_with_no_later_targets_trains(tiny):
+    """Answers of one or two tokens leave the later unrolled steps no target (an empty window): the step still
+    runs, its loss is finite and its gradient reaches the drafter."""
+    from train.eagle import EagleModule
+
+    torch.manual_seed(0)
+    module = EagleModule(tiny, optimizer=torch.optim.AdamW, kind="eagle3", ttt_steps=4, draft_vocab_size=64,
+                         aux_layer_ids=[0, 1])
+    module.net.set_draft_vocab(torch.arange(64))
+    ids = torch.randint(0, 64, (2, 3))
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 2] = 1  # one answer token: step 0 predicts it from position 0, no later step has a target
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    res = module.model_step(batch, 4, train=True)
+    assert res["valid"][0].sum() == 2 and not res["valid"][1:].any()
+    loss = module._loss(res["losses"])
+    loss.backward()
+    assert torch.isfinite(loss) and module.net.fc.weight.grad.abs().sum() > 0
