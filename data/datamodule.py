@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from data.hidden_cache import build_argmax_cache, build_hidden_cache, load_argmax, load_hidden
+from data.hidden_cache import build_argmax_cache, build_hidden_cache, cache_layers, load_argmax, load_hidden
 from data.filters import EvalGuard, apply_filters
 from data.prompts import Conversation, eval_prompt_texts, load_conversations, select_prompts
 from data.selfgen import selfgen_conversations
@@ -24,11 +24,12 @@ MODES = ("selfdistill", "sharegpt")
 
 
 def collate(rows: list[dict[str, Any]], pad_id: int, hidden_path: Path | None = None,
-            argmax: bool = False) -> dict[str, torch.Tensor]:
+            argmax: bool = False, hidden_layers: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Right-pad a list of examples into (B, T) tensors; padding has attention 0 and loss 0.
 
-    With `hidden_path` (offline mode) the cached verifier hidden states come along as `hidden` (B, L, T, D), and
-    with `argmax` M_q's cached greedy token at each position as `verifier_argmax` (B, T), -1 on padding.
+    With `hidden_path` (offline mode) the cached verifier hidden states come along as `hidden` (B, L, T, D) (the
+    cache's layers, or `hidden_layers` of them, in that order), and with `argmax` M_q's cached greedy token at each
+    position as `verifier_argmax` (B, T), -1 on padding.
     """
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -41,7 +42,7 @@ def collate(rows: list[dict[str, Any]], pad_id: int, hidden_path: Path | None = 
         loss_mask[i, :n] = torch.as_tensor(r["loss_mask"])
     batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
     if hidden_path is not None:
-        states = [load_hidden(hidden_path, r["row"]) for r in rows]  # (L, T_i, D) each
+        states = [load_hidden(hidden_path, r["row"], hidden_layers) for r in rows]  # (L, T_i, D) each
         hidden = states[0].new_zeros((len(rows), states[0].shape[0], width, states[0].shape[2]))
         for i, h in enumerate(states):
             hidden[i, :, : h.shape[1]] = h
@@ -195,9 +196,9 @@ class DistillDataModule(L.LightningDataModule):
     def build_caches(self, ds: datasets.Dataset) -> Path:
         """Offline mode's caches for `ds` (built once, resumable): the hidden states of `hidden_layers`, and M_q's
         argmax per position where `verifier_argmax` asks for it. Returns the hidden-state cache's directory."""
-        path = build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir)
+        path = build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir)  # or one holding more
         if self.caches_argmax:
-            build_argmax_cache(self.verifier, path, len(ds), self.hidden_layers.index(-1))
+            build_argmax_cache(self.verifier, path, len(ds), cache_layers(path).index(-1))
         return path
 
     def _loader(self, ds: datasets.Dataset, shuffle: bool) -> DataLoader:
@@ -213,7 +214,7 @@ class DistillDataModule(L.LightningDataModule):
         return DataLoader(
             ds.with_format("python"), batch_size=self.batch_size, shuffle=shuffle, sampler=sampler,
             num_workers=self.num_workers, collate_fn=partial(collate, pad_id=pad, hidden_path=self.hidden_path,
-                               argmax=self.caches_argmax),
+                               argmax=self.caches_argmax, hidden_layers=self.hidden_layers),
         )
 
     def train_dataloader(self) -> DataLoader:

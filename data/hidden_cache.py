@@ -20,6 +20,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -36,10 +37,32 @@ def hidden_cache_dir(verifier: Verifier, ds: datasets.Dataset, layers: list[int]
     return Path(cache_dir).expanduser() / "hidden" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def cache_layers(path: Path) -> list[int]:
+    """The layer ids a cache directory holds, in its stored order."""
+    for name in ("done.json", "meta.json"):
+        if (path / name).is_file():
+            return list(json.loads((path / name).read_text())["layers"])
+    raise FileNotFoundError(f"{path} is not a hidden-state cache (no done.json or meta.json)")
+
+
+def superset_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[int], cache_dir: str | Path) -> Path | None:
+    """A finished cache of the same verifier and dataset that holds every layer of `layers` (and more), if one
+    exists: e.g. EAGLE-3's [2, 15, 27, -1] serves EAGLE-1 and Medusa's [-1], so one build serves all three. A cache
+    qualifies only if its own key (verifier fingerprint, dataset fingerprint, its layers) names its directory."""
+    root = Path(cache_dir).expanduser() / "hidden"
+    for done in sorted(root.glob("*/done.json")):
+        held = json.loads(done.read_text()).get("layers", [])
+        if set(layers) <= set(held) and hidden_cache_dir(verifier, ds, held, cache_dir) == done.parent:
+            return done.parent
+    return None
+
+
 @torch.no_grad()
 def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[int], cache_dir: str | Path,
                        batch_size: int = 8, shard_rows: int = 256) -> Path:
     """Compute and store the hidden states of `layers` for every row of `ds` (once); returns the cache directory.
+    A finished cache of the same verifier and data holding more layers is used instead (`superset_cache`): read it
+    with `load_hidden(path, row, layers)`.
 
     Rows are written in shards of `shard_rows` (`<path>/<shard:05d>/<row>.safetensors`), each shard atomically, so a
     killed build keeps its finished shards and the next call computes only the missing ones.
@@ -47,6 +70,11 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
     path = hidden_cache_dir(verifier, ds, layers, cache_dir)
     if (path / "done.json").is_file():
         return path
+    wider = superset_cache(verifier, ds, layers, cache_dir)
+    if wider is not None:
+        print(f"[data] hidden-state cache: layers {layers} are in the finished cache of layers {cache_layers(wider)} "
+              f"({wider}); reading them from it, nothing to build")
+        return wider
     n_tokens = sum(len(ids) for ids in ds["input_ids"])
     size = n_tokens * len(layers) * verifier.hidden_size * torch.finfo(DTYPE).bits // 8
     print(f"[data] caching verifier hidden states of layers {layers} for {len(ds)} sequences ({n_tokens} tokens): "
@@ -86,11 +114,24 @@ def _shard_rows(path: Path) -> int | None:
     return json.loads(meta.read_text())["shard_rows"] if meta.is_file() else None  # None: an older, flat cache
 
 
-def load_hidden(path: Path, row: int) -> Tensor:
-    """The cached (L, T, D) hidden states of dataset row `row`."""
+@functools.lru_cache(maxsize=64)
+def _layer_index(path: Path, layers: tuple[int, ...]) -> tuple[int, ...] | None:
+    held = cache_layers(path)
+    return None if list(layers) == held else tuple(held.index(layer) for layer in layers)
+
+
+def load_hidden(path: Path, row: int, layers: list[int] | None = None) -> Tensor:
+    """The cached (L, T, D) hidden states of dataset row `row`: every layer the cache holds, or `layers` (ids, in
+    that order), read alone from the file (a cache of more layers serves a drafter that needs fewer)."""
     rows = _shard_rows(path)
     folder = path if rows is None else path / f"{row // rows:05d}"
-    return load_file(str(folder / f"{row}.safetensors"))["hidden"]
+    file = str(folder / f"{row}.safetensors")
+    index = None if layers is None else _layer_index(path, tuple(layers))
+    if index is None:
+        return load_file(file)["hidden"]
+    with safe_open(file, framework="pt") as f:
+        part = f.get_slice("hidden")
+        return torch.cat([part[i : i + 1] for i in index])
 
 
 ARGMAX_ROWS = 256  # rows per file of the argmax cache

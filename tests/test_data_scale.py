@@ -415,3 +415,32 @@ def test_refill_through_prepacked_linears_gives_the_same_answers(one_thread):
     packed = generate_refill(v, prompts, 12, batch_size=3, refill_at=1)
     plain = generate_refill(v, prompts, 12, batch_size=3, refill_at=1, pack=False)
     assert packed == plain and len({tuple(a) for a in packed}) > 1
+
+
+def test_a_cache_of_more_layers_serves_fewer(tiny, tmp_path, capsys):
+    """One hidden-state build serves every drafter: a finished cache of the same verifier and data holding more
+    layers (EAGLE-3's) is read for fewer (EAGLE-1's and Medusa's [-1]), layer by layer in the asked order, with the
+    bits an exact cache of those layers has; other data, or a cache that lacks a layer, is not taken."""
+    import datasets as hf_datasets
+
+    from data.datamodule import collate
+    from data.hidden_cache import build_hidden_cache, cache_layers, load_hidden
+
+    convs = load_conversations("builtin", split="train", limit=5)
+    ds = build_selfdistill(tiny, convs, tmp_path / "sd", max_new_tokens=4, batch_size=5)
+    wide = build_hidden_cache(tiny, ds, [0, 1, -1], tmp_path / "c", shard_rows=2)
+    capsys.readouterr()
+    for layers in ([-1], [1, 0], [-1, 0]):
+        assert build_hidden_cache(tiny, ds, layers, tmp_path / "c", shard_rows=2) == wide
+        assert "nothing to build" in capsys.readouterr().out
+        exact = build_hidden_cache(tiny, ds, layers, tmp_path / f"exact{len(layers)}{layers[0]}", shard_rows=2)
+        assert cache_layers(exact) == layers
+        for row in range(len(ds)):
+            assert torch.equal(load_hidden(wide, row, layers), load_hidden(exact, row))
+        rows = [{"input_ids": ds[r]["input_ids"], "loss_mask": ds[r]["loss_mask"], "row": r} for r in range(3)]
+        assert torch.equal(collate(rows, 0, wide, hidden_layers=layers)["hidden"],
+                           collate(rows, 0, exact)["hidden"])
+    assert len(list((tmp_path / "c" / "hidden").iterdir())) == 1  # nothing else was built there
+    other = hf_datasets.Dataset.from_dict(ds[:3])  # other data: its own cache
+    assert build_hidden_cache(tiny, other, [-1], tmp_path / "c", shard_rows=2) != wide
+    assert build_hidden_cache(tiny, ds, [0, 2], tmp_path / "c", shard_rows=2) != wide  # layer 2 is not in it

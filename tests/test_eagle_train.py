@@ -416,3 +416,19 @@ def test_flash_unrolled_attention_in_bf16_follows_fp32(is_causal):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=0)  # measured: 0.0023 at most, outputs up to 0.73
     for a, b in zip(gg, gw):  # measured: 0.4-0.55% relative error per step's input gradient
         assert float((a.float() - b).norm() / b.norm()) < 0.015
+
+
+def test_eagle1_and_medusa_train_from_eagle3s_hidden_cache(train_script, tmp_path, tiny, capsys):
+    """Offline mode, the 1M-token workflow: EAGLE-3's hidden-state cache (its feature layers and -1) is built once;
+    EAGLE-1 and Medusa then train from it (they read layer -1 alone) instead of building their own."""
+    common = [*[o for o in TINY if not o.startswith("model.")], "logger=csv", "+trainer.fast_dev_run=true",
+              "data.cache_hidden_states=true", f"cache_dir={tmp_path / 'cache'}"]
+    train_script.run(compose_train([*common, "model=eagle3", "model.aux_layer_ids=[0,1]",
+                                    "model.draft_vocab_size=256"], tmp_path / "e3"))
+    (built,) = list((tmp_path / "cache" / "hidden").iterdir())
+    capsys.readouterr()
+    for model in ("eagle", "medusa"):
+        export = train_script.run(compose_train([*common, f"model={model}"], tmp_path / model))
+        assert "nothing to build" in capsys.readouterr().out
+        assert load_export(export, tiny, model).config["trained_steps"] == 1
+    assert list((tmp_path / "cache" / "hidden").iterdir()) == [built]
