@@ -354,13 +354,17 @@ def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tens
 def target_rank(p_logits: Tensor, target: Tensor, t2d: Tensor | None = None) -> Tensor:
     """Rank of each target (a verifier id) in the draft logits: 0 if it is the draft's top-1 (`argmax`), ties broken
     by the lower id as `argmax` breaks them (bf16 logits tie often; counting a tie as top-1 would flatter the
-    tables). With `t2d` (EAGLE-3) the logits are over the draft vocabulary; a target outside it gets the verifier's
-    vocabulary size. (N, V) -> (N,)"""
+    tables). With `t2d` (EAGLE-3) the logits are over the draft vocabulary, whose ids are the t2d-selected target
+    ids in ascending order, so a target's draft index is the count of selected ids below it and "lower id" is "lower
+    draft index": ranked in (N, V_draft), never widened to the full vocabulary. A target outside the vocabulary, or
+    whose logit is -inf, gets the verifier's vocabulary size. (N, V_draft) -> (N,)"""
+    size = p_logits.shape[-1]
+    inside = torch.ones_like(target, dtype=torch.bool)
     if t2d is not None:
-        full = p_logits.new_full((p_logits.shape[0], t2d.numel()), float("-inf"))
-        full[:, t2d] = p_logits  # draft ids are the t2d-selected target ids in ascending order
-        p_logits = full
+        size = t2d.numel()
+        inside = t2d[target]
+        target = (t2d.cumsum(0) - 1)[target].clamp(min=0)  # the draft index of each target inside
     at = p_logits.gather(1, target[:, None])  # (N, 1)
-    lower = torch.arange(p_logits.shape[-1], device=p_logits.device) < target[:, None]  # (N, V)
+    lower = torch.arange(p_logits.shape[-1], device=p_logits.device) < target[:, None]  # (N, V_draft)
     rank = ((p_logits > at) | ((p_logits == at) & lower)).sum(-1)
-    return torch.where(at[:, 0] == float("-inf"), torch.full_like(rank, p_logits.shape[-1]), rank)
+    return torch.where(inside & (at[:, 0] != float("-inf")), rank, torch.full_like(rank, size))

@@ -9,6 +9,29 @@ from eval.offline import acceptance_tables, chain_rounds
 from models.eagle import target_rank
 
 
+def test_draft_vocabulary_rank_equals_the_rank_widened_to_the_full_vocabulary():
+    """EAGLE-3's ranks are computed over the draft vocabulary alone: equal to ranking the logits scattered into the
+    full vocabulary (the rest -inf), on logits with many ties, targets inside and outside the vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    vocab, draft, n = 300, 40, 200
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.randperm(vocab, generator=g)[:draft]] = True
+    p = torch.randint(0, 6, (n, draft), generator=g).float()  # ties everywhere
+    p[0, :] = float("-inf")
+    inside_ids = t2d.nonzero()[:, 0]
+    target = torch.where(torch.rand(n, generator=g) < 0.8, inside_ids[torch.randint(0, draft, (n,), generator=g)],
+                         torch.randint(0, vocab, (n,), generator=g))
+    full = p.new_full((n, vocab), float("-inf"))
+    full[:, t2d] = p
+    at = full.gather(1, target[:, None])
+    lower = torch.arange(vocab) < target[:, None]
+    want = ((full > at) | ((full == at) & lower)).sum(-1)
+    want = torch.where(at[:, 0] == float("-inf"), vocab, want)
+    got = target_rank(p, target, t2d)
+    assert torch.equal(got, want)
+    assert (got == vocab).any() and (got == 0).any() and ((got > 0) & (got < vocab)).any()
+
+
 def test_target_rank_full_and_draft_vocabulary():
     p = torch.tensor([[3.0, 1.0, 2.0], [0.0, 5.0, 1.0]])
     assert target_rank(p, torch.tensor([2, 1])).tolist() == [1, 0]
