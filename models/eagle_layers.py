@@ -114,11 +114,11 @@ class _FlashUnrolled(torch.autograd.Function):
                 scale: float) -> Tensor:
         with torch.autocast(q.device.type, enabled=False):
             bsz, heads, width, hd = q.shape
-            kv_heads, group, steps = k0.shape[1], heads // k0.shape[1], kd.shape[3]
+            kv_heads, group, later = k0.shape[1], heads // k0.shape[1], kd.shape[3]  # later: J
             k0h, v0h = k0.repeat_interleave(group, dim=1), v0.repeat_interleave(group, dim=1)
             out0, lse0 = _flash(q, k0h, v0h, 0.0, bias is None, attn_mask=bias, scale=scale)  # (B,H,W,hd), (B,H,W)
             ctx.scale, ctx.group = scale, group
-            if steps == 0:
+            if later == 0:
                 ctx.save_for_backward(q, k0h, v0h, bias, out0, lse0)
                 return out0
             qg = q.view(bsz, kv_heads, group, width, hd).transpose(2, 3).float()  # (B, H_kv, W, G, hd)
