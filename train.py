@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from models.cpu_memory import keep_freed_memory
 from models.errors import UserError, exit_on_user_error
 from models.export import load_export
-from train.safety import LAST_GOOD, RunLock, check_writable
+from train.safety import LAST_GOOD, CheckpointOnMaxSteps, RestoreLoaderPosition, RunLock, check_writable
 
 
 def resolve_ckpt(cfg: DictConfig) -> str | None:
@@ -86,7 +86,9 @@ def _run(cfg: DictConfig) -> Path:
     if cfg.get("init_from"):
         model.warm_start(load_export(cfg.init_from, verifier), cfg.init_from)  # checked against the verifier
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [RestoreLoaderPosition()]
+    if cfg.callbacks.get("checkpoint") is not None:
+        callbacks.append(CheckpointOnMaxSteps(cfg.callbacks.checkpoint.dirpath))  # a mid-epoch stop resumes mid-epoch
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
     if logger:
         logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "verifier_fingerprint": verifier.fingerprint})
@@ -97,9 +99,11 @@ def _run(cfg: DictConfig) -> Path:
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **safe)
     if trainer.checkpoint_callback is not None and not trainer.fast_dev_run:
         # ModelCheckpoint saves every N steps; also keep the final state, so `ckpt_path=last` with a larger
-        # max_epochs / max_steps continues from where this run ended.
+        # max_epochs / max_steps continues from where this run ended. A run stopped by max_steps has it already
+        # (CheckpointOnMaxSteps, saved inside the epoch); one stopped by max_epochs is saved here.
         last = Path(trainer.checkpoint_callback.dirpath) / "last.ckpt"
-        trainer.save_checkpoint(last, weights_only=False)
+        if not 0 < trainer.max_steps <= trainer.global_step:
+            trainer.save_checkpoint(last, weights_only=False)
         if trainer.is_global_zero and not last.is_file():
             raise UserError(f"training finished but {last} was not written: check that {last.parent} is writable "
                             f"and has free space. The export is at {cfg.callbacks.export.dirpath}.")

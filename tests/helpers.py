@@ -5,8 +5,12 @@ pick whichever was imported first."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
+
+import lightning as L
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,3 +39,35 @@ def compose_train(overrides: list[str], output_dir: Path | None = None):
         cfg.output_dir = str(output_dir) if output_dir else "outputs/test"
         del cfg.hydra
     return cfg
+
+
+def batch_recorder_overrides(path: Path) -> list[str]:
+    """Hydra overrides that add a BatchRecorder writing to `path` (a training run's callbacks come from config)."""
+    return ["+callbacks.record._target_=helpers.BatchRecorder", f"+callbacks.record.path={path}"]
+
+
+class BatchRecorder(L.Callback):
+    """A Lightning callback that appends, for every training batch, the step, epoch, batch index and a digest of
+    each row's tokens to a JSONL file: which examples a run trained on, in which order."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        rows = [hashlib.sha1(r[m.bool()].numpy().tobytes()).hexdigest()[:12]
+                for r, m in zip(batch["input_ids"], batch["attention_mask"])]
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "epoch": trainer.current_epoch, "batch_idx": batch_idx,
+                                "rows": rows}) + "\n")
+
+
+class CrashAt(L.Callback):
+    """A Lightning callback that raises at the start of training step `step`: a crash after the checkpoints of the
+    steps before it were written."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"CrashAt: crashed at step {self.step}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, compose_train
+from helpers import ROOT, batch_recorder_overrides, compose_train
 from models.errors import NonFiniteLossError, UserError
 from models.export import load_export
 
@@ -311,3 +311,36 @@ def test_init_from_refuses_another_kind_or_shape(train_script, tmp_path):
     with pytest.raises(UserError, match="model.train_vocab unset"):
         train_script.run(compose_train([*TINY, *varied, "model.train_vocab=64", f"init_from={medusa}"],
                                        tmp_path / "d"))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_resumed_runs_train_on_the_batches_of_an_unbroken_run(train_script, tmp_path, grouped):
+    """Three-batch epochs. A run crashes at step 5 (its last checkpoint: step 4, one batch into epoch 1), resumes
+    and stops on max_steps=7 (one batch into epoch 2), resumes to step 10 (across an epoch's end): it trains on
+    the examples of one unbroken 10-step run, in the same order."""
+    common = [*TINY, "logger=csv", "trainer.max_epochs=20", f"data.group_by_length={str(grouped).lower()}",
+              "callbacks.checkpoint.every_n_train_steps=2"]
+
+    def batches(path: Path) -> list[tuple[int, int, int, list[str]]]:
+        return [(r["step"], r["epoch"], r["batch_idx"], r["rows"]) for r in map(json.loads, path.read_text().splitlines())]
+
+    unbroken = tmp_path / "unbroken"
+    train_script.run(compose_train([*common, "trainer.max_steps=10", *batch_recorder_overrides(unbroken / "b.jsonl")],
+                                   unbroken))
+    expected = batches(unbroken / "b.jsonl")
+    assert [b[0] for b in expected] == list(range(10)) and {b[1] for b in expected} == {0, 1, 2, 3}
+    assert len({tuple(b[3]) for b in expected if b[1] == 0}) == 3  # three distinct batches an epoch
+    assert [b[3] for b in expected if b[1] == 0] != [b[3] for b in expected if b[1] == 1]  # reshuffled each epoch
+
+    broken = tmp_path / "broken"
+    with pytest.raises(RuntimeError, match="crashed at step 5"):
+        train_script.run(compose_train([*common, "trainer.max_steps=10", "+callbacks.crash._target_=helpers.CrashAt",
+                                        "+callbacks.crash.step=5", *batch_recorder_overrides(broken / "crashed.jsonl")],
+                                       broken))
+    assert torch.load(broken / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    for steps in (7, 10):
+        train_script.run(compose_train([*common, f"trainer.max_steps={steps}", "ckpt_path=last",
+                                        *batch_recorder_overrides(broken / f"to{steps}.jsonl")], broken))
+    seen = [b for b in batches(broken / "crashed.jsonl") if b[0] < 4]  # step 4 was trained, then lost in the crash
+    seen += batches(broken / "to7.jsonl") + batches(broken / "to10.jsonl")
+    assert seen == expected

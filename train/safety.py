@@ -158,6 +158,43 @@ class DivergenceGuard(Callback):
         self.candidate_step = None
 
 
+class RestoreLoaderPosition(Callback):
+    """Restore the training dataloader's position from the checkpoint being resumed.
+
+    Lightning loads a stateful dataloader's `state_dict` when it first builds the training loader, but
+    `trainer.estimated_stepping_batches` (which the LR schedule reads in `configure_optimizers`) builds it before
+    the checkpoint is read, and the position is then silently dropped (Lightning issue #20550). This loads the
+    pending position at the start of training and restarts the loader's iterator from it, as the normal path
+    would have. Without a pending position (a fresh run, or a fixed Lightning) it does nothing.
+    """
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loop = trainer.fit_loop
+        if not getattr(loop, "_combined_loader_states_to_load", None) or getattr(loop, "_data_fetcher", None) is None:
+            return
+        loop._load_combined_loader_states()
+        iter(loop._data_fetcher)  # the iterator made before the restore holds the old position
+
+
+class CheckpointOnMaxSteps(Callback):
+    """Save `last.ckpt` from inside the step that reaches `trainer.max_steps`.
+
+    A checkpoint saved after `fit` returns counts a partial epoch as completed and holds no dataloader position,
+    so a run stopped by `max_steps` mid-epoch and resumed with a larger one would start the next epoch and skip
+    the rest of this one. Saved here, the state is the one a periodic checkpoint would hold at this step, and
+    the resumed run continues the same epoch at the next batch. (Runs that stop on `max_epochs` end at an epoch
+    boundary; train.py saves those after `fit`.)
+    """
+
+    def __init__(self, dirpath: str | os.PathLike) -> None:
+        self.dirpath = Path(dirpath)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not trainer.fast_dev_run and 0 < trainer.max_steps <= trainer.global_step:
+            trainer.save_checkpoint(self.dirpath / "last.ckpt", weights_only=False)
+
+
 def _ckpt_step(path: Path) -> int | None:
     try:
         return int(torch.load(path, map_location="cpu", weights_only=True).get("global_step"))
