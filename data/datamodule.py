@@ -183,12 +183,17 @@ class DistillDataModule(L.LightningDataModule):
         if self.cache_hidden_states:
             self.hidden_path = self.build_caches(ds)
             ds = ds.add_column("row", list(range(len(ds))))
-        n_val = max(1, round(len(ds) * self.val_fraction))
-        split = ds.train_test_split(test_size=n_val, seed=self.seed)
-        self.train_set, self.val_set = split["train"], split["test"]
+        self.train_set, self.val_set = self.split(ds)
         n_tokens = sum(sum(m) for m in self.train_set["loss_mask"])
         print(f"[data] {len(self.train_set)} train / {len(self.val_set)} val conversations, "
               f"{n_tokens} assistant tokens to learn from")
+
+    def split(self, ds: datasets.Dataset) -> tuple[datasets.Dataset, datasets.Dataset]:
+        """(train, held-out): `val_fraction` of the rows (at least one), drawn with `seed`. The same settings give
+        the same split, so scripts/heldout_accuracy.py scores exactly the rows a run held out."""
+        n_val = max(1, round(len(ds) * self.val_fraction))
+        split = ds.train_test_split(test_size=n_val, seed=self.seed)
+        return split["train"], split["test"]
 
     @property
     def caches_argmax(self) -> bool:

@@ -175,3 +175,13 @@ def verifier_top1(verifier: Verifier, rows: list[dict[str, Any]], batch_size: in
     if not count:
         raise ValueError("verifier_top1 needs rows with at least one assistant token (loss_mask).")
     return total / count
+
+
+def first_answer_tokens(row: dict[str, Any], n: int | None) -> dict[str, Any]:
+    """`row` (input_ids + loss_mask) cut after its first `n` assistant tokens (None: whole), so answers of any
+    length are scored over the same window as a decode of n new tokens (the eval protocol's 128)."""
+    answer = [i for i, m in enumerate(row["loss_mask"]) if m]
+    if n is None or len(answer) <= n:
+        return row
+    end = answer[n - 1] + 1
+    return {**row, "input_ids": row["input_ids"][:end], "loss_mask": row["loss_mask"][:end]}

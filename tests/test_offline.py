@@ -154,3 +154,61 @@ def test_ranks_over_the_training_rows_of_a_train_vocab_export():
         assert (sub[j][ok][~inside] == v.vocab_size).all()
         assert (sub[j][ok][inside] <= full[j][ok][inside]).all()  # fewer competitors, never a worse rank
         assert (sub[j][ok][inside] < v.vocab_size).all()
+
+
+def test_first_answer_tokens_keeps_the_first_n_assistant_tokens():
+    from eval.offline import first_answer_tokens
+
+    row = {"input_ids": [5, 6, 7, 8, 9, 10, 11], "loss_mask": [0, 0, 1, 1, 0, 1, 1], "row": 3}
+    cut = first_answer_tokens(row, 3)
+    assert cut["input_ids"] == [5, 6, 7, 8, 9, 10] and cut["loss_mask"] == [0, 0, 1, 1, 0, 1] and cut["row"] == 3
+    assert first_answer_tokens(row, 1)["input_ids"] == [5, 6, 7]
+    assert first_answer_tokens(row, 4) is row and first_answer_tokens(row, None) is row
+
+
+def test_heldout_accuracy_scores_the_runs_held_out_rows_by_source(train_script, tmp_path):
+    """Two prompt files as the run's sources: the script rebuilds the run's held-out split, tags each row with the
+    file its prompt came from, and scores each window over that many answer tokens at most."""
+    import importlib.util
+    import json
+
+    from hydra.utils import instantiate
+    from omegaconf import open_dict
+
+    from helpers import ROOT, compose_train
+
+    topics = {"pets": ["cats", "dogs", "parrots", "goldfish", "rabbits", "hamsters"],
+              "food": ["bread", "rice", "cheese", "apples", "soup", "pasta"]}
+    files = []
+    for name, words in topics.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"question_id": i, "turns": [f"Tell me three facts about {w}."]}) + "\n"
+                                for i, w in enumerate(words)))
+        files.append(str(path))
+    overrides = ["verifier=tiny", f"data.source=[{','.join(files)}]", "data.limit=null", "data.max_new_tokens=10",
+                 "data.gen_batch_size=12", "data.batch_size=4", "data.val_fraction=0.5", "model=medusa",
+                 "logger=csv"]
+    export = train_script.run(compose_train([*overrides, "+trainer.fast_dev_run=true"], tmp_path / "run"))
+
+    spec = importlib.util.spec_from_file_location("heldout_accuracy", ROOT / "scripts" / "heldout_accuracy.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cfg = compose_train(overrides, tmp_path / "run")
+    with open_dict(cfg):
+        cfg.export, cfg.answer_tokens, cfg.verifier.dtype = str(export), [4, None], "float32"
+    results = script.heldout_tables(cfg)
+
+    verifier = instantiate(cfg.verifier)
+    datamodule = instantiate(cfg.data, verifier=verifier)
+    _, held_out = datamodule.split(datamodule.build())
+    texts = [verifier.tokenizer.decode(r) for r in held_out["input_ids"]]
+    expected = {name: sum(any(f"about {w}." in t for w in words) for t in texts) for name, words in topics.items()}
+    whole, window = results["None"], results["4"]
+    assert whole["all"]["rows"] == len(held_out) == 6
+    assert {k: v["rows"] for k, v in whole.items() if k != "all"} == {k: v for k, v in expected.items() if v}
+    assert whole["all"]["assistant_tokens"] == sum(sum(m) for m in held_out["loss_mask"])
+    assert window["all"]["assistant_tokens"] == sum(min(sum(m), 4) for m in held_out["loss_mask"])
+    assert window["all"]["assistant_tokens"] < whole["all"]["assistant_tokens"]
+    for groups in results.values():
+        for r in groups.values():
+            assert 0 < r["verifier_top1"] <= 1 and len(r["chain_accuracy"]) == 3
