@@ -5,12 +5,13 @@ forwards give. HF's eager forward does not (in bf16 or fp32, depending on the CP
 path for a one-row input than for a multi-row one, and attention reduces over a key length that grows with the
 cache. Here every forward runs the same numerics whatever the number of tokens:
 
-- Rows: every matmul's kernel is batch-invariant from some row count up, probed once per shape, dtype and thread
-  count on this machine's kernels (`min_invariant_rows`): the smallest count P from which a row's result no longer
-  depends on how many rows share the call. A call over fewer rows is padded to P by repeating its last row. The
-  weight matmuls pad themselves (`Linear.min_rows`, `Engine.weight_rows`: 1-4 on CPUs without AMX, 33-40 in bf16
-  with AMX, whose kernels take one path up to 32 rows and another above); attention's fp32 products need 2-4, so a
-  forward over fewer than `min_rows` tokens is padded by repeating its last token (same position, same mask row).
+- Rows: a matmul kernel picks its path by row count, so each product runs only over row counts that give every row
+  the same bits, probed once per shape, dtype and thread count on this machine's kernels. The weight matmuls keep
+  to their own range (`linear_rows`, `Linear.min_rows` / `max_rows`, `Engine.weight_rows`): in bf16 on an AMX CPU
+  oneDNN takes one path for 1-32 rows and another above, so a call over more than 32 rows is split into calls of at
+  most 32; without AMX one path from 1-4 rows up, so short calls are padded by repeating their last row.
+  Attention's fp32 products need 2-4 rows (`min_invariant_rows`), so a forward over fewer than `min_rows` tokens is
+  padded by repeating its last token (same position, same mask row).
   Any count from `min_rows` up gives the same bits, so a short forward is padded to the one of them that runs
   fastest on this machine (`pad_rows`, timed once per process).
 - Keys: how a token's attention is summed depends on its own position t only, never on the forward computing it.
@@ -52,25 +53,23 @@ MAX_PAD_ROWS = 8  # padding beyond this costs more than kernel choice saves
 
 
 def min_invariant_rows(
-    dtype: torch.dtype, shapes: Sequence[tuple[int, int]], heads: int = 0, candidates=_CANDIDATES, packed: bool = False,
+    dtype: torch.dtype, shapes: Sequence[tuple[int, int]], heads: int, candidates=_CANDIDATES,
 ) -> int:
-    """Smallest row count P such that, for every (K, N) in `shapes`, x @ W (W: K x N) gives every row the same bits
-    whatever the call: a call over m rows, padded to P by repeating its last row when m < P (what `Linear` and
-    `forward` do), gives row r the bits of row r alone (at position 0, padded to P), for every probed m. With
-    `heads`, the product is batched over that many heads as attention's is ((1, heads, M, K) @ (1, heads, K, N)).
-    With `packed`, the weight products run through `Linear`'s prepacked kernel, the one the engine then uses. Probed
-    on random data with the current thread count; memoised. (On an AMX CPU oneDNN's bf16 kernels take one path up
-    to 32 rows and another above, so P is 33-40 for the default verifier's weights; 1-4 elsewhere.)"""
-    key = (dtype, tuple(sorted(set(shapes))), heads, torch.get_num_threads(), tuple(candidates), packed)
+    """Smallest row count P such that, for every (K, N) in `shapes`, the product of (1, heads, M, K) and
+    (1, heads, K, N) -- attention's, batched over `heads` -- gives every row the same bits whatever the call: a call
+    over m rows, padded to P by repeating its last row when m < P (what `forward` does), gives row r the bits of row
+    r alone (at position 0, padded to P), for every probed m. Probed on random data with the current thread count;
+    memoised. (The weight products are probed by `linear_rows`.)"""
+    key = (dtype, tuple(sorted(set(shapes))), heads, torch.get_num_threads(), tuple(candidates))
     if key in _MIN_ROWS:
         return _MIN_ROWS[key]
     gen = torch.Generator().manual_seed(0)
     worst = 1
     for k, n in key[1]:
-        lead = (1, heads) if heads else ()
+        lead = (1, heads)
         w = torch.randn(*lead, n, k, generator=gen).to(dtype)
         x = torch.randn(*lead, max(_PROBE_ROWS), k, generator=gen).to(dtype)
-        mul = (lambda a: torch.matmul(a, w.transpose(-1, -2))) if heads else Linear(w, None, packed)
+        mul = lambda a: torch.matmul(a, w.transpose(-1, -2))
 
         def padded(a: Tensor, p: int) -> Tensor:  # a's rows, computed in a call of at least p rows
             m = a.shape[-2]
@@ -92,6 +91,59 @@ def min_invariant_rows(
             )
     _MIN_ROWS[key] = worst
     return worst
+
+
+_LINEAR_ROWS: dict[tuple, tuple[int, int | None]] = {}
+_CALL_ROWS = (*range(1, 41), 48, 63, 64, 65, 96, 128)  # the call sizes `linear_rows` compares, every one up to 40
+MIN_CHUNK = 16  # calls split smaller than this would read the weights too often to pay
+
+
+def linear_rows(dtype: torch.dtype, in_features: int, out_features: int, packed: bool = False) -> tuple[int, int | None]:
+    """The row counts (lo, hi) between which a weight product's kernel gives every row the same bits on this machine,
+    whatever the call: `Linear` pads a call over fewer than lo rows (repeating its last row) and splits one over more
+    than hi (None: no limit) into calls of at most hi rows. Kernels choose their path by row count: oneDNN's bf16
+    kernels on an AMX CPU take one path for 1-32 rows and another above (1-32 and 33+ each agree within
+    themselves), so there (1, 32): a one-token step runs one row, a 17-node tree one call of 17, a 64-token
+    prefill two calls of 32. Without AMX a single path from 1-4 rows up: (lo, None). Where no split of at least
+    MIN_CHUNK rows works, padding alone: (P, None) with P up to 64.
+
+    Probed on random data through `Linear` itself (the kernel the engine then calls), with the current thread count,
+    memoised: each of R rows computed alone (padded to lo) against the same rows in calls of every size in
+    _CALL_ROWS, each row in every position of a call. The two paths differ in the fp32 order of a sum and a bf16
+    output hides most of that (about 1 element in 20,000 differs on the default verifier's shapes), so R is chosen
+    for about a million compared elements per call size."""
+    key = (dtype, in_features, out_features, packed, torch.get_num_threads())
+    if key in _LINEAR_ROWS:
+        return _LINEAR_ROWS[key]
+    gen = torch.Generator().manual_seed(0)
+    lin = Linear(torch.randn(out_features, in_features, generator=gen).to(dtype), None, packed)
+    rows = min(1024, max(2 * max(_CALL_ROWS), -(-(1 << 20) // out_features)))
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+
+    def in_calls(m: int, lo: int) -> Tensor:  # x's rows (all of them that fill whole calls), m rows to a call
+        calls = [x[i : i + m] for i in range(0, rows - m + 1, m)]
+        if m < lo:  # padded as Linear pads
+            calls = [torch.cat([c, c[-1:].expand(lo - m, in_features)]) for c in calls]
+        return torch.cat([lin._kernel(c)[:m] for c in calls])
+
+    found = None
+    for lo in _CANDIDATES:
+        alone = in_calls(1, lo)
+        bad = [m for m in _CALL_ROWS if m >= lo and not torch.equal(in_calls(m, lo), alone[: (rows // m) * m])]
+        if not bad:
+            found = (lo, None)
+        elif min(bad) - 1 >= max(lo, MIN_CHUNK):
+            found = (lo, min(min(bad) - 1, 40))  # every size up to 40 is compared; above it only some are
+        if found:
+            break
+    if found is None:
+        raise UserError(
+            f"No row counts make {dtype} matmuls of shape K={in_features}, N={out_features} batch-invariant on this "
+            f"machine (padded to up to {_CANDIDATES[-1]} rows, or split into calls of {MIN_CHUNK}+ rows), so exact "
+            f"speculative decoding is not possible here in {dtype}. Use float32."
+        )
+    _LINEAR_ROWS[key] = found
+    return found
 
 
 def packed_head(lm_head: nn.Module) -> nn.Module | Linear:
@@ -159,19 +211,19 @@ class Engine:
                     )
                 )
         self.intermediate = self.layers[0]["down"].in_features
-        # Each weight's kernel is batch-invariant from its own row count up on this machine (probed per shape): a
-        # call over fewer rows is padded inside `Linear`, so the rest of the forward runs on the real rows. (On an
-        # AMX CPU that is 33-40 rows in bf16, while attention and the elementwise ops need 2-4.)
-        self.weight_rows = {}
+        # Each weight's kernel gives every row the same bits over its own range of row counts on this machine
+        # (probed per shape): `Linear` pads a call below it and splits one above it, so the rest of the forward runs
+        # on the real rows. (On an AMX CPU in bf16: 1-32 rows; without AMX from 1-4 rows up.)
+        self.weight_rows: dict[str, tuple[int, int | None]] = {}
         for name in ("qkv", "o", "gate_up", "down", "lm_head"):
             lin = self.lm_head if name == "lm_head" else self.layers[0][name]
-            rows = min_invariant_rows(self.dtype, [(lin.in_features, lin.out_features)], packed=self.pack)
+            rows = linear_rows(self.dtype, lin.in_features, lin.out_features, packed=self.pack)
             self.weight_rows[name] = rows
             if name == "lm_head":
-                self.lm_head = lin.with_min_rows(rows)  # a view: drafters sharing the packed head keep theirs
+                self.lm_head = lin.with_rows(*rows)  # a view: drafters sharing the packed head keep theirs
             else:
                 for w in self.layers:
-                    w[name] = w[name].with_min_rows(rows)
+                    w[name] = w[name].with_rows(*rows)
 
     def min_rows(self, max_length: int) -> int:
         """Tokens a forward must have so that attention's two fp32 products (scores, and values per key block),

@@ -33,30 +33,41 @@ class Linear:
     twice (measured: a bf16 step of the default verifier 50.6 -> 39.9 ms on one thread, bitwise the same logits).
     Otherwise plain F.linear.
 
-    `min_rows`: a call over fewer rows is padded to that many by repeating its last row, and only its own rows are
-    returned. Kernels pick their path by row count (on an AMX CPU, oneDNN's bf16 kernels take another path up to 32
-    rows than above), so a weight whose kernel is batch-invariant only from P rows up gets `min_rows = P`
-    (`with_min_rows`; eval.engine probes P per shape)."""
+    `min_rows` / `max_rows`: kernels pick their path by row count (on an AMX CPU, oneDNN's bf16 kernels take one
+    path up to 32 rows and another above), so a weight gets the row counts [min_rows, max_rows] over which its kernel
+    gives every row the same bits (eval.engine probes them per shape, `with_rows`). A call over fewer than
+    `min_rows` rows is padded by repeating its last row; one over more than `max_rows` (None: no limit) is split into
+    calls of at most `max_rows` rows (the last one padded if short); only the call's own rows come back."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, packed: bool, min_rows: int = 1) -> None:
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, packed: bool, min_rows: int = 1, max_rows: int | None = None
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = packed and can_pack(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
-        self.min_rows = min_rows
+        self.min_rows, self.max_rows = min_rows, max_rows
 
-    def with_min_rows(self, min_rows: int) -> Linear:
-        """The same weights (shared, not copied), padding every call to at least `min_rows` rows."""
+    def with_rows(self, min_rows: int, max_rows: int | None = None) -> Linear:
+        """The same weights (shared, not copied), every kernel call over min_rows..max_rows rows."""
         other = copy.copy(self)
-        other.min_rows = min_rows
+        other.min_rows, other.max_rows = min_rows, max_rows
         return other
 
     def __call__(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)
         m = rows.shape[0]
-        if m < self.min_rows:
-            rows = torch.cat([rows, rows[-1:].expand(self.min_rows - m, self.in_features)])
-        return self._kernel(rows)[:m].view(*x.shape[:-1], self.out_features)
+        if self.max_rows is not None and m > self.max_rows:
+            out = torch.cat([self._padded(part) for part in rows.split(self.max_rows)])
+        else:
+            out = self._padded(rows)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _padded(self, rows: Tensor) -> Tensor:
+        m = rows.shape[0]
+        if m >= self.min_rows:
+            return self._kernel(rows)
+        return self._kernel(torch.cat([rows, rows[-1:].expand(self.min_rows - m, self.in_features)]))[:m]
 
     def _kernel(self, rows: Tensor) -> Tensor:
         """(M, in_features) -> (M, out_features), one kernel call."""

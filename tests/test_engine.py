@@ -118,30 +118,71 @@ def test_trimmed_keys_probe_refuses_a_length_dependent_sum(varied, monkeypatch):
     assert not engine.new_cache(e, 256).trim_keys
 
 
-def test_weights_whose_kernel_changes_path_below_33_rows_pad_themselves(varied, monkeypatch):
-    """A kernel that rounds another way up to 32 rows than above (as oneDNN's bf16 kernels do on an AMX CPU): the
-    probe finds 33 for every weight, each call below it is padded inside `Linear`, and a 40-token forward then gives
-    the bits of 40 one-token steps (and of the real kernel's). Without the padding it does not (negative control)."""
+class _AboveOneCall(engine.Linear):
+    """As oneDNN's bf16 kernels on an AMX CPU: one rounding for calls of 1-32 rows, another above."""
 
-    class TwoPaths(engine.Linear):
-        def _kernel(self, rows):
-            y = super()._kernel(rows)
-            return y if rows.shape[0] > 32 else y * (1 + 2**-20)
+    def _kernel(self, rows):
+        y = super()._kernel(rows)
+        return y if rows.shape[0] <= 32 else y * (1 + 2**-20)
 
+
+class _EachCountItsOwn(engine.Linear):
+    """In calls of up to 32 rows each row rounds by its place in the call (no split works); from 33 rows one path."""
+
+    def _kernel(self, rows):
+        y = super()._kernel(rows)
+        place = torch.arange(rows.shape[0], dtype=y.dtype)[:, None]
+        return y if rows.shape[0] > 32 else y * (1 + place * 2**-20)
+
+
+@pytest.mark.parametrize(
+    "kernel, rows", [(_AboveOneCall, 32), (_EachCountItsOwn, None)], ids=["split-above-32", "pad-to-33"]
+)
+def test_weights_keep_to_the_row_counts_their_kernel_is_invariant_over(varied, monkeypatch, kernel, rows):
+    """A kernel whose rounding depends on the call's row count: the probe finds the range over which it does not
+    (split calls above 32 rows, or pad every call to 33), `Linear` keeps every call inside it, and a 40-token forward
+    then gives the bits of 40 one-token steps, and of the real kernel's where it runs the real kernel's path.
+    Without the range (every call as it comes) it does not (negative control)."""
     ids = _ids(varied, 60, seed=2)
     ref_chained, ref_steps = _chain_and_steps(varied.model, ids, 20)
-    monkeypatch.setattr(engine, "Linear", TwoPaths)
-    monkeypatch.setattr(engine, "_MIN_ROWS", {})
+    real = engine.Engine(varied.model).weight_rows  # the real kernel's own padding (fp32 here: a few rows)
+    monkeypatch.setattr(engine, "Linear", kernel)
+    monkeypatch.setattr(engine, "_LINEAR_ROWS", {})
     e = engine.Engine(varied.model)
-    assert e.weight_rows == {"qkv": 33, "o": 33, "gate_up": 33, "down": 33, "lm_head": 33}
+    if rows == 32:  # the real kernel's padding, and calls split at 32 rows
+        assert e.weight_rows == {name: (lo, 32) for name, (lo, _) in real.items()}
+    else:  # no split of 16+ rows works: every call padded to 33
+        assert e.weight_rows == {name: (33, None) for name in real}
     chained, steps = _chain_and_steps(e, ids, 20)
-    assert torch.equal(chained, steps) and torch.equal(steps, ref_steps) and torch.equal(chained, ref_chained)
+    assert torch.equal(chained, steps)
+    if kernel is _AboveOneCall:  # every call within 1-32 rows: the real kernel's bits
+        assert torch.equal(steps, ref_steps) and torch.equal(chained, ref_chained)
     for w in e.layers:
         for name in ("qkv", "o", "gate_up", "down"):
-            w[name] = w[name].with_min_rows(1)
-    e.lm_head = e.lm_head.with_min_rows(1)
+            w[name] = w[name].with_rows(1)
+    e.lm_head = e.lm_head.with_rows(1)
     chained, steps = _chain_and_steps(e, ids, 20)
     assert not torch.equal(chained, steps)
+
+
+def test_linear_splits_and_pads_calls_and_returns_only_their_rows():
+    """`Linear` with min_rows 3 and max_rows 4: 1 row runs in a call of 3; 10 rows in calls of 4, 4 and 2 (padded to
+    3); every row gets what F.linear gives it, in order."""
+    calls = []
+
+    class Recording(engine.Linear):
+        def _kernel(self, rows):
+            calls.append(rows.shape[0])
+            return super()._kernel(rows)
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(5, 7, generator=g), torch.randn(5, generator=g)
+    lin = Recording(w, b, False, min_rows=3, max_rows=4)
+    for shape, expected in [((1, 1, 7), [3]), ((2, 5, 7), [4, 4, 3]), ((1, 4, 7), [4])]:
+        calls.clear()
+        x = torch.randn(*shape, generator=g)
+        assert torch.allclose(lin(x), torch.nn.functional.linear(x, w, b), atol=1e-6) and lin(x).shape == shape[:-1] + (5,)
+        assert calls[: len(expected)] == expected
 
 
 @pytest.mark.parametrize("which", ["varied", "varied_bf16"])
@@ -249,7 +290,7 @@ def test_bf16_prepacked_weights_compute_the_same_layer_with_biases():
         e = engine.Engine(model, pack=pack)
         assert e.pack is pack and e.layers[0]["qkv"].packed is pack and e.lm_head.packed is pack
         cache = engine.new_cache(e, 32)
-        assert (e.dtype, True) in {(k[0], k[-1]) for k in engine._MIN_ROWS} or not pack
+        assert (e.dtype, 64, 128, True) in {k[:4] for k in engine._LINEAR_ROWS} or not pack  # probed on it
         out[pack] = torch.cat([engine.forward(cache, ids[:, :20]).logits, engine.forward(cache, ids[:, 20:21]).logits], 1)
     with torch.no_grad():
         ref = model.float()(ids[:, :21]).logits
@@ -269,8 +310,10 @@ def test_default_verifier_bf16_chain_and_tree_are_bitwise_the_steps(cache_dir):
         "scatter the short blue waves far more than the long red ones, so blue light reaches the eye from every side.",
         return_tensors="pt",
     ).input_ids
-    chained, steps = _chain_and_steps(v.model, ids, ids.shape[1] - 16)
-    assert torch.equal(chained, steps)
+    assert ids.shape[1] > 41
+    for n in (16, 40):  # one call of 16 rows; 40 rows, beyond the 32 over which AMX's bf16 kernels keep one path
+        chained, steps = _chain_and_steps(v.model, ids, ids.shape[1] - n)
+        assert torch.equal(chained, steps)
     tree = from_medusa_choices(CHOICES)
     buf = tree_buffers(tree)
     cache = engine.new_cache(v.model, ids.shape[1] + tree.num_nodes)
