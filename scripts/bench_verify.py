@@ -3,8 +3,9 @@
     python scripts/bench_verify.py [--dtype float32 bfloat16] [--threads 1 2] [--rounds 7] [--compile]
 
 For each dtype and thread count: a plain one-token step and a 17-node tree verify after a 128-token prefix, through
-both paths, interleaved in rounds, the engine reading its whole cache (trim=False) beside it, and in bf16 the engine
-without prepacked weights (F.linear) (the
+both paths, interleaved in rounds, the engine reading its whole cache (trim=False) beside it, where its weight calls
+are split (AMX bf16: at 32 rows) the engine with every call padded past the split instead (the layout before), and in
+bf16 the engine without prepacked weights (F.linear) (the
 machine is shared: the ratio of medians is the figure to read, the spread says how noisy it was); HF `generate` greedy per token beside our engine's greedy loop. Then the bound: weight bytes
 over measured read bandwidth, and bf16 / fp32 matmul peaks.
 """
@@ -83,6 +84,18 @@ def main() -> None:
             engine.forward(plain, prefix)
             whole = engine.new_cache(packed, args.cache_length, trim=False)  # every forward reads the whole cache
             engine.forward(whole, prefix)
+            split = any(hi is not None for _, hi in packed.weight_rows.values())
+            if split:  # the layout before splitting: every call padded past the split size (AMX: 33 rows)
+                padded_engine = engine.Engine(model)
+                for weight, (_, hi) in packed.weight_rows.items():
+                    if hi is None:
+                        continue
+                    if weight == "lm_head":
+                        padded_engine.lm_head = padded_engine.lm_head.with_rows(hi + 1)
+                    for w in padded_engine.layers if weight != "lm_head" else []:
+                        w[weight] = w[weight].with_rows(hi + 1)
+                padded = engine.new_cache(padded_engine, args.cache_length)
+                engine.forward(padded, prefix)
 
             def hf_step():
                 kv.forward(model, hf, one)
@@ -111,6 +124,13 @@ def main() -> None:
             if ours.trim_keys:  # far keys up to the last block a forward reaches, against the whole cache
                 cases |= {"whole-cache step": whole_step,
                           "whole-cache tree": lambda: engine.forward(whole, nodes, buf.positions, buf.mask)}
+            if split:
+                def padded_step():
+                    engine.forward(padded, one)
+                    padded.length = PREFIX
+
+                cases |= {"padded step": padded_step,
+                          "padded tree": lambda: engine.forward(padded, nodes, buf.positions, buf.mask)}
             if packed.pack:  # the engine's weights through F.linear, as before prepacking
                 cases |= {"unpacked step": plain_step,
                           "unpacked tree": lambda: engine.forward(plain, nodes, buf.positions, buf.mask)}
@@ -150,6 +170,10 @@ def main() -> None:
             print(f"  tree/step: hf {med['hf tree'] / med['hf step']:.2f}x, engine "
                   f"{med['engine tree'] / med['engine step']:.2f}x; engine/hf: step {med['engine step'] / med['hf step']:.2f}x, "
                   f"tree {med['engine tree'] / med['hf tree']:.2f}x")
+            if split:
+                print(f"  weight calls split at {packed.weight_rows['qkv'][1]} rows, against padded past it: step "
+                      f"{med['padded step'] / med['engine step']:.2f}x, tree {med['padded tree'] / med['engine tree']:.2f}x "
+                      f"faster (padded tree/step {med['padded tree'] / med['padded step']:.2f}x)")
             if packed.pack:
                 print(f"  prepacked weights: step {med['unpacked step'] / med['engine step']:.2f}x, tree "
                       f"{med['unpacked tree'] / med['engine tree']:.2f}x faster than F.linear (unpacked tree/step "
