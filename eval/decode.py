@@ -182,7 +182,7 @@ def _result(
     )
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def greedy_decode(
     verifier: Verifier,
     input_ids: Tensor,
@@ -205,7 +205,7 @@ def _draw(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator |
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample_decode(
     verifier: Verifier, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
     sampling: SamplingConfig | None = None, generator: torch.Generator | None = None, engine: str = "auto",
@@ -232,7 +232,7 @@ def sample_decode(
     return _result(input_ids, out, forwards, lengths, 0, timer, start)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_decode(
     verifier: Verifier,
     drafter: Drafter,

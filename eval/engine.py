@@ -439,7 +439,7 @@ def trimmed_keys_invariant(engine: Engine, max_length: int, min_rows: int) -> bo
     return ok
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def forward(
     cache: StaticCache,
     tokens: Tensor,
