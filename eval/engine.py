@@ -129,11 +129,12 @@ def linear_rows(dtype: torch.dtype, in_features: int, out_features: int, packed:
     found = None
     for lo in _CANDIDATES:
         alone = in_calls(1, lo)
-        bad = [m for m in _CALL_ROWS if m >= lo and not torch.equal(in_calls(m, lo), alone[: (rows // m) * m])]
-        if not bad:
+        bad = next((m for m in _CALL_ROWS if m >= lo and not torch.equal(in_calls(m, lo), alone[: (rows // m) * m])),
+                   None)  # the smallest call size that rounds otherwise
+        if bad is None:
             found = (lo, None)
-        elif min(bad) - 1 >= max(lo, MIN_CHUNK):
-            found = (lo, min(min(bad) - 1, 40))  # every size up to 40 is compared; above it only some are
+        elif bad - 1 >= max(lo, MIN_CHUNK):
+            found = (lo, min(bad - 1, 40))  # every size up to 40 is compared; above it only some are
         if found:
             break
     if found is None:
@@ -217,13 +218,17 @@ class Engine:
         self.weight_rows: dict[str, tuple[int, int | None]] = {}
         for name in ("qkv", "o", "gate_up", "down", "lm_head"):
             lin = self.lm_head if name == "lm_head" else self.layers[0][name]
-            rows = linear_rows(self.dtype, lin.in_features, lin.out_features, packed=self.pack)
-            self.weight_rows[name] = rows
-            if name == "lm_head":
-                self.lm_head = lin.with_rows(*rows)  # a view: drafters sharing the packed head keep theirs
-            else:
-                for w in self.layers:
-                    w[name] = w[name].with_rows(*rows)
+            self.keep_rows(name, linear_rows(self.dtype, lin.in_features, lin.out_features, packed=self.pack))
+
+    def keep_rows(self, name: str, rows: tuple[int, int | None]) -> None:
+        """Every kernel call of weight `name` (qkv, o, gate_up, down, lm_head), in every layer, over rows[0] to
+        rows[1] rows (None: no limit): see `Linear`."""
+        self.weight_rows[name] = rows
+        if name == "lm_head":
+            self.lm_head = self.lm_head.with_rows(*rows)  # a view: drafters sharing the packed head keep theirs
+        else:
+            for w in self.layers:
+                w[name] = w[name].with_rows(*rows)
 
     def min_rows(self, max_length: int) -> int:
         """Tokens a forward must have so that attention's two fp32 products (scores, and values per key block),

@@ -88,12 +88,8 @@ def main() -> None:
             if split:  # the layout before splitting: every call padded past the split size (AMX: 33 rows)
                 padded_engine = engine.Engine(model)
                 for weight, (_, hi) in packed.weight_rows.items():
-                    if hi is None:
-                        continue
-                    if weight == "lm_head":
-                        padded_engine.lm_head = padded_engine.lm_head.with_rows(hi + 1)
-                    for w in padded_engine.layers if weight != "lm_head" else []:
-                        w[weight] = w[weight].with_rows(hi + 1)
+                    if hi is not None:
+                        padded_engine.keep_rows(weight, (hi + 1, None))
                 padded = engine.new_cache(padded_engine, args.cache_length)
                 engine.forward(padded, prefix)
 
