@@ -19,18 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
 from data.prompts import load_conversations, select_prompts
+from eval import cost
 from eval.accept import mean_accept_length
 from eval.decode import greedy_decode, speculative_decode
 from eval.drafters import Drafter
 from eval.families import family_config, method_name
 from eval.harness import Runner, assistant_of, verifier_source_of, build_drafter, family_of, run_prompts
 from eval.report import Sample
+from eval.tree import AutoTree
 from models.errors import UserError
 from models.export import export_kind, read_config
 from models.verifier import Verifier, load_verifier
@@ -116,9 +119,14 @@ def build_drafters(cfg: DictConfig, verifier: Verifier, exports: list[Path]) -> 
     for name in ("draft_model", "prompt_lookup", "lookahead") + (("hybrid",) if exports else ()):
         families.append((name, cfg.drafter if name == chosen else family_config(name),
                          exports[0] if exports else None))
+    policy = instantiate(cfg.tree, _convert_="all")
+    if isinstance(policy, AutoTree) and policy.size == "auto":  # one budget for every family, so they compare
+        print(f"[eval] method=all compares every family at one node budget: tree.size=auto drafts "
+              f"{cost.FALLBACK_SIZE} nodes here. Give tree.size=N to choose.")
+        policy = AutoTree(size=cost.FALLBACK_SIZE)
     drafters = {}
     for name, drafter_cfg, export in families:
-        drafter = build_drafter(cfg, drafter_cfg, verifier, export)
+        drafter = build_drafter(cfg, drafter_cfg, verifier, export, policy)
         drafters[method_name(name, drafter)] = drafter
     return drafters
 

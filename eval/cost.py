@@ -33,6 +33,7 @@ from models.errors import UserError
 from models.verifier import Verifier
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)  # measured; the rest interpolated
+FALLBACK_SIZE = 16  # tree.size=auto's budget where it cannot be planned (no acceptance estimates; method=all)
 SHAPE_TABLE = [[0.6, 0.75, 0.8, 0.85]] * 4  # the shape of the measured trees: bushy, 4 deep, like a Medusa tree
 
 
@@ -320,6 +321,16 @@ def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[s
     from models.verifier import load_verifier
 
     auto = isinstance(policy, AutoTree) and policy.size == "auto"
+    if auto and acceptance_table(kind, config) is None:
+        # tree.size=auto is the default, so it must not fail where the budget cannot be planned: families that do
+        # not draft under `tree` (prompt lookup, lookahead, a draft model) ignore it, an EAGLE export older than
+        # its acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto at all: its
+        # drafter says so).
+        if kind in ("eagle", "eagle3", "hybrid"):
+            print(f"[eval] tree.size=auto: this {kind} export records no acceptance estimates (eagle_topk_accuracy, "
+                  f"val_step_top1: re-export it with a current train.py), so it drafts {FALLBACK_SIZE} nodes. "
+                  f"Give tree.size=N to choose.")
+        policy, auto = AutoTree(size=FALLBACK_SIZE), False
     if not (cfg.get("profile") or auto):
         return build(policy), [], None, None
     prefix = torch.tensor([prefix_ids()], device=verifier.device)

@@ -284,7 +284,11 @@ def setup(cfg: DictConfig) -> Setup:
     source = verifier_source_of(cfg, export)
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
     policy = instantiate(cfg.tree, _convert_="all")
-    prefix = lambda: prompt_ids(verifier.tokenizer, _turns(convs[0])[0])  # noqa: E731  a real prefix for the curve
+    def prefix() -> list[int]:  # a real prefix for the cost curve, checked before anything runs on it
+        ids = prompt_ids(verifier.tokenizer, _turns(convs[0])[0])
+        check_length(verifier, ids, int(cfg.max_new_tokens), f"prompt {convs[0].id!r}")
+        return ids
+
     drafter, curves, planned, draft = cost.for_run(cfg, source, verifier, family, config, policy, prefix,
                                                    lambda p: build_drafter(cfg, cfg.drafter, verifier, export, p))
     predicted = cost.predict(family, config, drafter, curves[0], draft) if curves and family in EXPORT_KINDS else None

@@ -92,7 +92,7 @@ def test_profile_and_auto_size_in_the_harness(tiny, tmp_path):
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose(config_name="eval", overrides=[
             f"checkpoint={export}", "threads=1", "max_new_tokens=8", "num_prompts=2", "wandb.mode=disabled",
-            "tree.size=auto", "profile=true", "profile_dtypes=[float32,bfloat16]", "profile_threads=[1]", "dtype=auto",
+            "profile=true", "profile_dtypes=[float32,bfloat16]", "profile_threads=[1]", "dtype=auto",  # tree.size: auto
             f"output_dir={out}"])
     evaluate(cfg, progress=False)
     profile = json.loads((out / "profile.json").read_text())

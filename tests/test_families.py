@@ -284,6 +284,8 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
     assert families == {"baseline", "medusa", "draft_model", "prompt_lookup", "lookahead", "hybrid", "hf_generate",
                         "hf_prompt_lookup", "hf_assisted"}
     assert report["trees"]["draft_model/chain-4"]["draft_model"].endswith("[:1]")  # drafter= kept its options
+    # tree.size=auto (the default) gives every family one budget, 16: all 14 nodes this 3-head, top-2 table holds
+    assert "medusa/auto-14" in report["methods"], list(report["methods"])
     for name, row in report["methods"].items():
         assert row["greedy_match"] == 1.0, name
         assert row["tokens_per_s"] > 0 and (row["tau"] is None) == (name in ("baseline", "hf_generate",

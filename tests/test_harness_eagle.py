@@ -76,3 +76,10 @@ def test_eagle_report_is_exact_on_a_varied_verifier_and_a_wrong_commit_shows(var
     monkeypatch.setattr(decode.kv, "commit", off_by_one)
     broken, _ = run_objects(varied, make_drafter(kind, varied, DynamicTree(), net=net), tmp_path / "broken")
     assert broken["greedy_match"] < 1.0
+
+
+def test_the_default_budget_is_16_for_an_export_without_acceptance_estimates(eagle_exports, tmp_path, capsys):
+    # tree.size=auto is the default; these exports record no eagle_topk_accuracy, so nothing can be planned.
+    report, profile = run_eval([f"checkpoint={eagle_exports['eagle']}", "num_prompts=1"], tmp_path)
+    assert report["method"] == "eagle/auto-16" and report["greedy_match"] == 1.0
+    assert "records no acceptance estimates" in capsys.readouterr().out and "cost_model" not in profile
