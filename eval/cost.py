@@ -326,10 +326,13 @@ def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[s
         # not draft under `tree` (prompt lookup, lookahead, a draft model) ignore it, an EAGLE export older than
         # its acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto at all: its
         # drafter says so).
-        if kind in ("eagle", "eagle3", "hybrid"):
+        if kind in ("eagle", "eagle3"):
             print(f"[eval] tree.size=auto: this {kind} export records no acceptance estimates (eagle_topk_accuracy, "
                   f"val_step_top1: re-export it with a current train.py), so it drafts {FALLBACK_SIZE} nodes. "
                   f"Give tree.size=N to choose.")
+        elif kind == "hybrid":
+            print(f"[eval] tree.size=auto: drafter=hybrid plans its budget from an EAGLE export's acceptance "
+                  f"estimates only; this export's tree drafts {FALLBACK_SIZE} nodes. Give tree.size=N to choose.")
         policy, auto = AutoTree(size=FALLBACK_SIZE), False
     if not (cfg.get("profile") or auto):
         return build(policy), [], None, None

@@ -291,3 +291,22 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
         assert row["tokens_per_s"] > 0 and (row["tau"] is None) == (name in ("baseline", "hf_generate",
                                                                             "hf_prompt_lookup", "hf_assisted"))
     assert set(report["by_category"]) and all(set(r) == set(report["methods"]) for r in report["by_category"].values())
+
+
+def test_hybrid_on_a_medusa_export_drafts_the_default_budget(varied, tmp_path, capsys):
+    # tree.size=auto (the default) plans a hybrid only from an EAGLE export's estimates; a Medusa one drafts 16 nodes.
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+
+    export = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3), varied, tmp_path / "m",
+                         {"medusa_topk_accuracy": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4]]})
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[
+            "drafter=hybrid", f"checkpoint={export}", "num_prompts=1", "max_new_tokens=10", "threads=1",
+            "warmup=false", "dtype=float32", "wandb.mode=disabled", f"output_dir={tmp_path / 'out'}"])
+    report = evaluate(cfg, progress=False)
+    assert report["method"] == "hybrid/hybrid-14" and report["greedy_match"] == 1.0  # the table's 14 nodes (< 16)
+    assert "plans its budget from an EAGLE export" in capsys.readouterr().out
