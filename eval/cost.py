@@ -350,7 +350,6 @@ def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[s
 
     planned, draft = None, None
     if auto:
-        auto_size(kind, config, curves[0])  # refuses an export without acceptance estimates before anything is built
         draft = drafting(build(AutoTree(size=max(SIZES) - 1)))
         planned = auto_size(kind, config, curves[0], draft)
         policy = AutoTree(size=planned.size)
