@@ -30,6 +30,7 @@ from torch import Tensor
 
 from eval.tree import Tree, _rank_probs, auto_tree, tree_buffers
 from models.errors import UserError
+from models.export import export_kind
 from models.verifier import Verifier
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)  # measured; the rest interpolated
@@ -128,11 +129,15 @@ def draft_curve(verifier: Verifier, drafter: Any, prefix_ids: Tensor, sizes: Seq
     after the prefix `prefix_ids` (1, P) in steady state (the previous round accepted nothing, so one new position
     comes in). EAGLE: `EagleDrafter.trial` (its layer over the new features, then growing s nodes, each depth a drafter forward and a
     head over the frontier); Medusa: one `propose`, the same for every s (its heads run once a round whatever the
-    tree; the tree only indexes their top-k). None for other drafters."""
+    tree; the tree only indexes their top-k); the hybrid: its primary's (the grafted prompt lookup's string search is
+    left out). None for other drafters."""
     from eval.decode import _Verify
     from eval.drafters import MedusaDrafter
     from eval.eagle import EagleDrafter
+    from eval.hybrid import HybridDrafter
 
+    if isinstance(drafter, HybridDrafter):
+        drafter = drafter.primary
     if not isinstance(drafter, (MedusaDrafter, EagleDrafter)):
         return None
     layers = drafter.feature_layers
@@ -180,7 +185,10 @@ def acceptance_table(kind: str, config: dict[str, Any]) -> list[list[float]] | N
     """The drafter's acceptance estimates as a cumulative top-k table, one row per depth, or None when the export
     records none. Medusa: its heads' top-k table. EAGLE: `eagle_topk_accuracy`, the top-k at each unrolled step
     where the chain of top-1 drafts reaches it; an older export has only `val_step_top1`, read as a chain (nothing on
-    siblings, so a plan from it never asks for more nodes than its depth)."""
+    siblings, so a plan from it never asks for more nodes than its depth). The hybrid: its primary's, the export's
+    own kind (prompt lookup is grafted within the primary's budget, so the plan is the primary's)."""
+    if kind == "hybrid":
+        kind = export_kind(config) or kind
     if kind == "medusa":
         return config.get("medusa_topk_accuracy") or None
     if config.get("eagle_topk_accuracy"):
@@ -218,10 +226,10 @@ def plan(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int
 
 
 def best_size(sizes: Sequence[int], ms: Sequence[float], table: Sequence[Sequence[float]],
-              max_nodes: int = 64, draft: Sequence[float] | None = None) -> Plan:
-    """The draft budget s in 0..max_nodes-1 that maximises E[tokens](s) / (t(s + 1) + d(s)) (ties: the smaller s);
-    without a draft curve, d = 0."""
-    plans = [plan(sizes, ms, expected_tokens(table, s), s, draft) for s in range(max_nodes)]
+              max_nodes: int = 64, draft: Sequence[float] | None = None, min_drafts: int = 0) -> Plan:
+    """The draft budget s in min_drafts..max_nodes-1 that maximises E[tokens](s) / (t(s + 1) + d(s)) (ties: the
+    smaller s); without a draft curve, d = 0."""
+    plans = [plan(sizes, ms, expected_tokens(table, s), s, draft) for s in range(min_drafts, max_nodes)]
     return max(plans, key=lambda p: (p.predicted_speedup, -p.size))
 
 
@@ -287,13 +295,15 @@ def write(curves: Sequence[Curve], out_dir: Path, title: str = "") -> list[Path]
 # -- the harness's use: tree.size=auto, and the predicted speedup beside the measured one ---------------------------
 
 def auto_size(kind: str, config: dict[str, Any], curve: Curve, draft: Sequence[float] | None = None) -> Plan:
-    """The best draft budget for this export on this curve and the drafter's draft curve (`tree.size=auto`)."""
+    """The best draft budget for this export on this curve and the drafter's draft curve (`tree.size=auto`). The
+    hybrid plans its primary's budget from the primary's table, at least one draft: the grafted prompt-lookup chain
+    needs a node, and what it adds to acceptance is not in the table."""
     table = acceptance_table(kind, config)
     if table is None:
         need = "medusa_topk_accuracy" if kind == "medusa" else "eagle_topk_accuracy or val_step_top1"
         raise UserError(f"tree.size=auto needs the export's acceptance estimates ({need} in its config.json), and "
                         f"this export has none. Give a number (tree.size=16), or re-export with a current train.py.")
-    return best_size(curve.sizes, curve.ms, table, draft=draft)
+    return best_size(curve.sizes, curve.ms, table, draft=draft, min_drafts=1 if kind == "hybrid" else 0)
 
 
 def predict(kind: str, config: dict[str, Any], drafter: Any, curve: Curve,
@@ -326,13 +336,10 @@ def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[s
         # not draft under `tree` (prompt lookup, lookahead, a draft model) ignore it, an EAGLE export older than
         # its acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto at all: its
         # drafter says so).
-        if kind in ("eagle", "eagle3"):
-            print(f"[eval] tree.size=auto: this {kind} export records no acceptance estimates (eagle_topk_accuracy, "
-                  f"val_step_top1: re-export it with a current train.py), so it drafts {FALLBACK_SIZE} nodes. "
-                  f"Give tree.size=N to choose.")
-        elif kind == "hybrid":
-            print(f"[eval] tree.size=auto: drafter=hybrid plans its budget from an EAGLE export's acceptance "
-                  f"estimates only; this export's tree drafts {FALLBACK_SIZE} nodes. Give tree.size=N to choose.")
+        if kind in ("eagle", "eagle3", "hybrid"):
+            print(f"[eval] tree.size=auto: this export records no acceptance estimates (medusa_topk_accuracy, or "
+                  f"eagle_topk_accuracy / val_step_top1: re-export it with a current train.py), so it drafts "
+                  f"{FALLBACK_SIZE} nodes. Give tree.size=N to choose.")
         policy, auto = AutoTree(size=FALLBACK_SIZE), False
     if not (cfg.get("profile") or auto):
         return build(policy), [], None, None

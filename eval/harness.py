@@ -291,7 +291,10 @@ def setup(cfg: DictConfig) -> Setup:
 
     drafter, curves, planned, draft = cost.for_run(cfg, source, verifier, family, config, policy, prefix,
                                                    lambda p: build_drafter(cfg, cfg.drafter, verifier, export, p))
-    predicted = cost.predict(family, config, drafter, curves[0], draft) if curves and family in EXPORT_KINDS else None
+    if curves and family in EXPORT_KINDS:
+        predicted = cost.predict(family, config, drafter, curves[0], draft)
+    else:  # the hybrid under tree.size=auto: its primary's plan (what the grafted lookup adds is not in it)
+        predicted = planned
     return Setup(verifier, drafter, method_name(family, drafter), convs, curves, predicted, planned is not None, draft)
 
 

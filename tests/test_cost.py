@@ -59,6 +59,18 @@ def test_draft_time_enters_the_prediction():
     assert cost.best_size(SIZES, flat, ACCURACY, draft=[100.0] * len(SIZES)).size == 0  # drafting dearer than it pays
 
 
+def test_the_hybrid_plans_from_its_primarys_table_and_drafts_at_least_one_node():
+    linear = cost.Curve("float32", 1, "hf", SIZES, [float(n) for n in SIZES], [], [], {})  # no tree pays
+    medusa = {"model_type": "medusa", "medusa_topk_accuracy": ACCURACY}
+    assert cost.acceptance_table("hybrid", medusa) == ACCURACY
+    eagle = {"architectures": ["Eagle3LlamaForCausalLM"], "eagle_topk_accuracy": [[0.5, 0.7]]}
+    assert cost.acceptance_table("hybrid", eagle) == [[0.5, 0.7]]
+    assert cost.auto_size("medusa", medusa, linear).size == 0  # plain decoding
+    assert cost.auto_size("hybrid", medusa, linear).size == 1  # the grafted lookup chain needs a node
+    flat = cost.Curve("float32", 1, "hf", SIZES, [10.0] * 7, [], [], {})
+    assert cost.auto_size("hybrid", medusa, flat).size == cost.auto_size("medusa", medusa, flat).size == 63
+
+
 def test_auto_size_needs_the_exports_estimates():
     curve = cost.Curve("float32", 1, "hf", SIZES, [10.0] * 7, [], [], {})
     with pytest.raises(UserError, match="val_step_top1"):
