@@ -333,9 +333,9 @@ def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[s
     auto = isinstance(policy, AutoTree) and policy.size == "auto"
     if auto and acceptance_table(kind, config) is None:
         # tree.size=auto is the default, so it must not fail where the budget cannot be planned: families that do
-        # not draft under `tree` (prompt lookup, lookahead, a draft model) ignore it, an EAGLE export older than
-        # its acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto at all: its
-        # drafter says so).
+        # not draft under `tree` (prompt lookup, lookahead, a draft model) ignore it, an EAGLE export (or a hybrid
+        # on one) older than its acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto
+        # at all: its drafter says so).
         if kind in ("eagle", "eagle3", "hybrid"):
             print(f"[eval] tree.size=auto: this export records no acceptance estimates (medusa_topk_accuracy, or "
                   f"eagle_topk_accuracy / val_step_top1: re-export it with a current train.py), so it drafts "
