@@ -35,6 +35,17 @@ def smollm2(cache_dir):
     return load_smollm2(cache_dir=cache_dir, dtype="float32", device="cpu")
 
 
+@pytest.fixture(autouse=True)
+def _no_thread_count_left_behind():
+    """Every test leaves torch's thread count as it found it: memoised kernel probes are keyed by it, and a test
+    that ran after one that changed it would probe (and pass or fail) on another kernel path."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Small matmuls on this 2-core box are much faster on one thread (thread wake-ups dominate)."""

@@ -136,13 +136,17 @@ class _EachCountItsOwn(engine.Linear):
 
 
 @pytest.mark.parametrize(
-    "kernel, rows", [(_AboveOneCall, 32), (_EachCountItsOwn, None)], ids=["split-above-32", "pad-to-33"]
+    "kernel, rows, outside",
+    [(_AboveOneCall, 32, (1, None)), (_EachCountItsOwn, None, (1, 32))],
+    ids=["split-above-32", "pad-to-33"],
 )
-def test_weights_keep_to_the_row_counts_their_kernel_is_invariant_over(varied, monkeypatch, kernel, rows):
+def test_weights_keep_to_the_row_counts_their_kernel_is_invariant_over(varied, monkeypatch, kernel, rows, outside):
     """A kernel whose rounding depends on the call's row count: the probe finds the range over which it does not
     (split calls above 32 rows, or pad every call to 33), `Linear` keeps every call inside it, and a 40-token forward
     then gives the bits of 40 one-token steps, and of the real kernel's where it runs the real kernel's path.
-    Without the range (every call as it comes) it does not (negative control)."""
+    Negative control: calls kept to a range the stand-in kernel itself rounds differently over (`outside`: no
+    split for the first, no padding for the second) break it, whatever the machine's own kernel does (on a kernel
+    that is batch-invariant by itself, as fp32 on a CPU without AMX can be, "calls as they come" would not)."""
     ids = _ids(varied, 60, seed=2)
     ref_chained, ref_steps = _chain_and_steps(varied.model, ids, 20)
     real = engine.Engine(varied.model).weight_rows  # the real kernel's own padding (fp32 here: a few rows)
@@ -158,7 +162,7 @@ def test_weights_keep_to_the_row_counts_their_kernel_is_invariant_over(varied, m
     if kernel is _AboveOneCall:  # every call within 1-32 rows: the real kernel's bits
         assert torch.equal(steps, ref_steps) and torch.equal(chained, ref_chained)
     for name in real:
-        e.keep_rows(name, (1, None))
+        e.keep_rows(name, outside)
     chained, steps = _chain_and_steps(e, ids, 20)
     assert not torch.equal(chained, steps)
 

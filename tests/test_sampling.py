@@ -189,8 +189,10 @@ DRAFTERS = ["medusa-chain-sampled", "medusa-tree-sampled", "medusa-tree-topk", "
 def real_verifier():
     from helpers import varied_llama
 
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    return varied_llama()
+    yield varied_llama()
+    torch.set_num_threads(before)
 
 
 def _drafter(kind: str, verifier, cfg: SamplingConfig):
