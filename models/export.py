@@ -1,19 +1,23 @@
 """Export I/O for every drafter family, in one place: write atomically, read the config and the weights, detect the
 kind, check the verifier, rebuild the network.
 
-An export is a directory with `config.json` and `model.safetensors`:
+An export is a directory an engine loads as it is: `config.json` and `model.safetensors`, and nothing else an
+engine globs (vLLM loads every `*.safetensors` at the top of the folder):
 - Medusa: vLLM's Medusa layout (`model_type: medusa`, `blocks.{h}.layers.{l}.*`, `lm_heads.{h}.weight` or one
   shared `lm_head.weight` with `original_lm_head: true`);
-- EAGLE-1 / EAGLE-3: the Llama-drafter layouts vLLM and SGLang load (`architectures` names the kind).
+- EAGLE-3: the `speculators` format (models/speculators_format.py), which `vllm serve EXPORT_DIR` serves as it is;
+- EAGLE-1: the Llama-drafter layout vLLM and SGLang load (`architectures` names the kind).
 Every config also carries this project's keys: `verifier` (the description `models.verifier.load_verifier` takes),
 `verifier_path` (a display name, and what older exports stored), `verifier_fingerprint`, and what training adds
-(accuracy tables, trained steps).
+(accuracy tables, trained steps). Side data that is not the drafter's weights lives in the `specdraft/` subfolder
+(SIDE_DIR), where no engine looks.
 """
 
 from __future__ import annotations
 
 import json
 import pickle
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from torch import Tensor, nn
 
 from models.eagle import NAMES, EAGLE_NETS, Eagle1Net, Eagle3Net, EagleNet, check_aux_layers, layer_config
 from models import reference_formats as ref
+from models import speculators_format as spec
 from models.errors import UserError
 from models.io import atomic_dir
 from models.medusa import MedusaHeads
@@ -33,7 +38,9 @@ from models.verifier import Verifier, check_fingerprint, verifier_source
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-COUNTS_NAME = "target_counts.safetensors"  # training-target counts per verifier token (optional)
+SIDE_DIR = "specdraft"  # this project's side data, in a subfolder no engine reads
+COUNTS_NAME = "target_counts.safetensors"  # training-target counts per verifier token (optional), in SIDE_DIR
+ENGINE_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # what vLLM's loader globs at the folder's top
 # SGLang takes the first registered name (LlamaForCausalLMEagle); vLLM resolves the list through the second
 # (EagleLlamaForCausalLM, kept as is by its EAGLEConfig). Never plain LlamaForCausalLM: SGLang would build the target.
 EAGLE_ARCHITECTURES = {"eagle": ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
@@ -81,7 +88,7 @@ def _raw_config(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UserError(f"{cfg_file} holds a JSON {type(config).__name__}, not an object of config keys; "
                         f"re-export the checkpoint.")
-    return config
+    return spec.flatten(config, str(cfg_file)) if spec.is_speculators(config) else config
 
 
 def _require(config: dict[str, Any], keys: tuple[str, ...], path: Path) -> None:
@@ -247,6 +254,12 @@ def load_export(path: str | Path, verifier: Verifier, kind: str | None = None) -
                             f"verifier it is used with. Re-export it with this toolkit (train.py), or convert a "
                             f"reference-format checkpoint with scripts/convert.py.")
         check_fingerprint(config["verifier_fingerprint"], verifier, f"{KIND_NAMES[found]} export {str(path)!r}")
+        if [f for f in stray_weight_files(path) if f.name != COUNTS_NAME]:
+            check_engine_ready(path)  # a stray weight file: refused with its name and the fix
+        if (path / COUNTS_NAME).is_file():  # written before the side data moved: loads here, vLLM refuses it
+            warnings.warn(f"{path / COUNTS_NAME}: this export was written before side data moved to {SIDE_DIR}/; it "
+                          f"loads here, but vLLM refuses the folder. Rewrite it: python scripts/convert.py "
+                          f"from-reference {path} <new dir>.", stacklevel=2)
     tensors = read_weights(path)
     weights = path / WEIGHTS_NAME
     if found == "medusa":
@@ -301,10 +314,10 @@ def load_export(path: str | Path, verifier: Verifier, kind: str | None = None) -
 
 
 def read_target_counts(path: Path, vocab_size: int) -> Tensor | None:
-    """The export's training-target counts (`COUNTS_NAME`, written beside the weights; engines ignore it), or None
-    when it has none."""
-    file = path / COUNTS_NAME
-    if not file.is_file():
+    """The export's training-target counts (`SIDE_DIR/COUNTS_NAME`; exports written before the side data moved there
+    have it beside the weights, and still load here), or None when it has none."""
+    file = next((f for f in (path / SIDE_DIR / COUNTS_NAME, path / COUNTS_NAME) if f.is_file()), None)
+    if file is None:
         return None
     try:
         counts = load_file(str(file))["counts"]
@@ -397,11 +410,20 @@ def _eagle_config(net: EagleNet, verifier: Verifier) -> dict[str, Any]:
     return config
 
 
+def served_verifier(verifier: Verifier) -> str:
+    """What an engine serving the export loads as its verifier: the verifier's checkpoint (a local directory or a
+    Hub id), else its display name (a verifier built in memory: `models.verifier.save_checkpoint` writes one)."""
+    return verifier.checkpoint or verifier.name
+
+
 def save_export(net: MedusaHeads | EagleNet, verifier: Verifier, path: str | Path,
-                extra: dict[str, Any] | None = None, target_counts: Tensor | None = None) -> Path:
+                extra: dict[str, Any] | None = None, target_counts: Tensor | None = None,
+                speculative_tokens: int = spec.DEFAULT_SPECULATIVE_TOKENS, served: str | None = None) -> Path:
     """Write `config.json` + `model.safetensors` for a Medusa or EAGLE drafter, atomically. Returns the directory.
-    `target_counts` (V,): how often each verifier token was a training target, written as `COUNTS_NAME` beside
-    them (the decoder's `draft_vocab` reads it; serving engines ignore the file)."""
+    `target_counts` (V,): how often each verifier token was a training target, written as `SIDE_DIR/COUNTS_NAME`
+    (the decoder's `draft_vocab` reads it; no engine looks there). An EAGLE-3 export is in the speculators format:
+    `speculative_tokens` is the chain vLLM drafts when it serves the folder as it is, and `served` (default:
+    `served_verifier(verifier)`) the verifier it loads."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
     if isinstance(net, MedusaHeads):
         config = _medusa_config(net)
@@ -417,13 +439,39 @@ def save_export(net: MedusaHeads | EagleNet, verifier: Verifier, path: str | Pat
     else:
         raise TypeError(f"save_export takes MedusaHeads or an EAGLE net, not {type(net).__name__}")
     config |= _verifier_keys(verifier) | (extra or {})
+    if config.get("eagle_kind") in spec.SPECULATORS_KINDS:
+        architectures = list(getattr(verifier.config, "architectures", None) or [type(verifier.model).__name__])
+        config = spec.to_speculators(config, served or served_verifier(verifier), architectures, speculative_tokens)
     text = json.dumps(config, indent=2)  # before any file is written: a value that is not JSON fails here
     with atomic_dir(path) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(text)
         if target_counts is not None:
-            save_file({"counts": target_counts.detach().cpu().double().contiguous()}, str(tmp / COUNTS_NAME))
+            (tmp / SIDE_DIR).mkdir()
+            save_file({"counts": target_counts.detach().cpu().double().contiguous()}, str(tmp / SIDE_DIR / COUNTS_NAME))
     return Path(path)
+
+
+def stray_weight_files(path: str | Path) -> list[Path]:
+    """Files at the top of an export folder that a serving engine would load as weights besides WEIGHTS_NAME
+    (vLLM globs `*.safetensors`, else `*.bin` / `*.pt`, and refuses tensors its drafter has no parameter for)."""
+    path = Path(path).expanduser()
+    return sorted(f for f in path.iterdir() if f.is_file() and f.name != WEIGHTS_NAME
+                  and f.suffix in ENGINE_WEIGHT_SUFFIXES)
+
+
+def check_engine_ready(path: str | Path) -> None:
+    """Refuse an export folder that a serving engine would not load as it is: a stray weight file beside the
+    weights (one message naming it and the fix)."""
+    path = Path(path).expanduser()
+    for f in stray_weight_files(path):
+        legacy = f.name == COUNTS_NAME
+        fix = (f"an export written before the side data moved to {SIDE_DIR}/: rewrite it with `python "
+               f"scripts/convert.py from-reference {path} <new dir>` (or move the file to {path / SIDE_DIR / f.name})"
+               if legacy else f"move it out of the folder (this toolkit keeps side data in {SIDE_DIR}/)")
+        raise UserError(f"{f}: a weight file beside {WEIGHTS_NAME}. vLLM loads every *.safetensors in an export "
+                        f"folder and refuses tensors its drafter has no parameter for, so it would not serve "
+                        f"{path}: {fix}.")
 
 
 # -- the reference layouts (models/reference_formats.py), both ways ----------------------------------------------------
@@ -463,8 +511,22 @@ def to_reference(kind: str | None, export_dir: str | Path, out_dir: str | Path, 
     return Path(out_dir)
 
 
-def from_reference(ref_dir: str | Path, out_dir: str | Path, verifier: Verifier) -> Path:
+# Keys of a flattened export config that save_export writes anew (the layer's and the formats' own).
+REWRITTEN_KEYS = ("eagle_config", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "speculative_tokens",
+                  "speculators_verifier", "converted_from")
+
+
+def from_reference(ref_dir: str | Path, out_dir: str | Path, verifier: Verifier, served: str | None = None,
+                   speculative_tokens: int | None = None) -> Path:
     """A reference-layout checkpoint (or an older export) -> this project's export for `verifier`, written by
     save_export (so it gets the fingerprint and every engine fix). Returns `out_dir`."""
     loaded = load_export(ref_dir, verifier)
-    return save_export(loaded.net, verifier, out_dir, {"converted_from": str(ref_dir)})
+    kept = {}
+    if not loaded.config.get("reference_layout"):  # an older export: keep what training recorded in it
+        net = loaded.net
+        written = _medusa_config(net) if isinstance(net, MedusaHeads) else _eagle_config(net, verifier)
+        regenerated = {*written, *_verifier_keys(verifier), *REWRITTEN_KEYS}
+        kept = {k: v for k, v in loaded.config.items() if k not in regenerated}
+    tokens = speculative_tokens or loaded.config.get("speculative_tokens") or spec.DEFAULT_SPECULATIVE_TOKENS
+    return save_export(loaded.net, verifier, out_dir, kept | {"converted_from": str(ref_dir)},
+                       target_counts=loaded.target_counts, speculative_tokens=int(tokens), served=served)

@@ -12,6 +12,8 @@ training code holds it by reference so Lightning checkpoints never contain it.
 
 from __future__ import annotations
 
+import copy
+
 import hashlib
 import importlib.util
 import json
@@ -44,13 +46,16 @@ class Verifier:
     source: how to load it again, `{"loader": <key of LOADERS>, **arguments}`; exports store it, so that
         `load_verifier(source)` rebuilds this verifier (the fingerprint then checks that it did).
     name: a display name for logs and reports.
+    checkpoint: where a serving engine loads the same weights and tokenizer from (a local Hugging Face directory or
+        a Hub id), or None for a verifier built in memory (`save_checkpoint` writes one).
     """
 
     def __init__(
         self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, source: dict[str, Any], name: str,
-        fingerprint: dict[str, Any],
+        fingerprint: dict[str, Any], checkpoint: str | None = None,
     ) -> None:
         self.model, self.tokenizer, self.source, self.name, self.fingerprint = model, tokenizer, source, name, fingerprint
+        self.checkpoint = checkpoint
 
     def __repr__(self) -> str:
         return f"Verifier(name={self.name!r}, source={self.source}, fingerprint={self.fingerprint})"
@@ -161,11 +166,27 @@ def _resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def _finish(model: nn.Module, tokenizer: PreTrainedTokenizerBase, source: dict[str, Any], name: str) -> Verifier:
+def _finish(model: nn.Module, tokenizer: PreTrainedTokenizerBase, source: dict[str, Any], name: str,
+            checkpoint: str | None = None) -> Verifier:
     freeze(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return Verifier(model=model, tokenizer=tokenizer, source=source, name=name, fingerprint=fingerprint(model))
+    return Verifier(model=model, tokenizer=tokenizer, source=source, name=name, fingerprint=fingerprint(model),
+                    checkpoint=checkpoint)
+
+
+def save_checkpoint(verifier: Verifier, path: str | os.PathLike) -> Path:
+    """Write the verifier as a Hugging Face checkpoint directory (weights, config, tokenizer, chat template), in
+    float32, atomically, and make it the verifier's `checkpoint`: for a verifier built in memory (the tiny test
+    verifiers) that a serving engine must load. Returns the directory."""
+    with atomic_dir(path) as tmp:
+        model = verifier.model
+        if model.dtype != torch.float32:  # Module.to works in place: convert a copy
+            model = copy.deepcopy(model).to(torch.float32)
+        model.save_pretrained(tmp)
+        verifier.tokenizer.save_pretrained(tmp)
+    verifier.checkpoint = str(Path(path).resolve())
+    return Path(path)
 
 
 def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: str = "auto") -> Verifier:
@@ -187,7 +208,8 @@ def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: 
             f"verifier.path={path!r} could not be loaded as a causal LM ({type(e).__name__}: {str(e).splitlines()[0]}). "
             f"Give a local checkpoint directory or a Hub id this machine can reach; the default is verifier=smollm2."
         ) from e
-    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "hf", "path": path}, name or Path(path).name)
+    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "hf", "path": path}, name or Path(path).name,
+                   str(local.resolve()) if looks_local else path)
 
 
 def smollm2_gguf_path() -> Path:
@@ -288,7 +310,8 @@ def load_smollm2(
     torch_dtype = _resolve_dtype(dtype)
     tokenizer = _from_cache(ckpt, AutoTokenizer.from_pretrained)
     model = _from_cache(ckpt, lambda c: AutoModelForCausalLM.from_pretrained(c, dtype=torch_dtype))
-    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "smollm2"}, "SmolLM2-135M-Instruct")
+    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "smollm2"}, "SmolLM2-135M-Instruct",
+                   str(Path(ckpt).resolve()))
 
 
 def build_tiny(

@@ -5,6 +5,9 @@
     python scripts/convert.py to-reference outputs/<run>/export ref/ [--weights medusa_lm_head.pt]
     # reference (or an older export) -> export, for the verifier it was trained on
     python scripts/convert.py from-reference ref/ outputs/<run>/export [--verifier smollm2|<hub id or dir>]
+    # an EAGLE-3 export served where the verifier lives elsewhere, or drafting another number of tokens in vLLM
+    python scripts/convert.py from-reference outputs/<run>/export served/ --served-verifier /models/my-llama \
+        --speculative-tokens 5
 
 `python -m eval checkpoint=<reference dir> verifier_path=<verifier>` reads the reference layouts directly too.
 """
@@ -35,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     fr.add_argument("--verifier", default=None, help="smollm2, a Hub id or a local HF directory (default: the one the "
                                                      "file names in base_model_name_or_path / verifier_path)")
     fr.add_argument("--cache-dir", default=None)
+    fr.add_argument("--served-verifier", default=None,
+                    help="EAGLE-3: the verifier path or Hub id vLLM loads when it serves the export as it is "
+                         "(speculators_config.verifier.name_or_path; default: where this machine has the verifier)")
+    fr.add_argument("--speculative-tokens", type=int, default=None,
+                    help="EAGLE-3: tokens vLLM drafts per step when it serves the export as it is (default: the "
+                         "export's own, else 3)")
     args = parser.parse_args(argv)
     try:
         if args.command == "to-reference":
@@ -43,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             source = args.verifier or export_verifier(read_config(args.ref_dir))
             if not source:
                 raise UserError(f"{args.ref_dir} names no verifier; pass --verifier <the verifier it was trained on>.")
-            out = from_reference(args.ref_dir, args.out_dir, load_verifier(source, "float32", "cpu", args.cache_dir))
+            out = from_reference(args.ref_dir, args.out_dir, load_verifier(source, "float32", "cpu", args.cache_dir),
+                                 served=args.served_verifier, speculative_tokens=args.speculative_tokens)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.errors import UserError
-from models.export import from_reference, load_export, read_weights, save_export, to_reference
+from models.export import from_reference, load_export, read_config, read_weights, save_export, to_reference
 from models.medusa import MedusaHeads
 
 H, NH, HD, KV, INTER = 64, 4, 16, 2, 256  # build_tiny's shapes
@@ -153,8 +153,8 @@ def test_eagle3_reference_round_trip(tiny4, tmp_path, sglang_ids, ours_ids):
     assert net.draft_to_target(torch.arange(4)).tolist() == [0, 3, 6, 9]
     ours = from_reference(ref, tmp_path / "ours", tiny4)
     cfg = json.loads((ours / "config.json").read_text())
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == ours_ids
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == sglang_ids
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == ours_ids  # the speculators format: vLLM's convention
+    assert cfg["speculators_model_type"] == "eagle3" and "eagle_config" not in cfg  # SGLang reads the reference
     back = to_reference("eagle3", ours, tmp_path / "back")
     _same(sd, load_file(str(back / "model.safetensors")))
     back_cfg = json.loads((back / "config.json").read_text())
@@ -214,7 +214,14 @@ def test_layer_ids_an_engine_would_read_differently(tiny4, tmp_path):
 
     path = save_export(build_eagle("eagle3", tiny4, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]), tiny4,
                        tmp_path / "e3")
-    cfg = json.loads((path / "config.json").read_text())
+    spec_cfg = json.loads((path / "config.json").read_text())
+    spec_cfg["eagle_aux_hidden_state_layer_ids"] = [2, 1, 3]  # the speculators format: vLLM would sort them
+    (path / "config.json").write_text(json.dumps(spec_cfg))
+    with pytest.raises(UserError, match=r"config.json: eagle_aux_hidden_state_layer_ids=\[2, 1, 3\]: not strictly"):
+        load_export(path, tiny4)
+    spec_cfg["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    (path / "config.json").write_text(json.dumps(spec_cfg))
+    cfg = read_config(path)  # the flat layout an older export has, with SGLang's nested key
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]  # what SGLang would read as 2, 3, 4
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match=r"e3/config.json: eagle_config.eagle_aux_hidden_state_layer_ids=\[1, 2, 3\]"):

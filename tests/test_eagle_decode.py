@@ -313,7 +313,7 @@ def test_draft_vocab_drafts_the_full_heads_best_within_the_subset(varied, refere
         make_drafter("eagle", varied, tree, checkpoint=path, draft_vocab=0)
     from safetensors.torch import save_file
 
-    save_file({"counts": counts[:100].double()}, str(path / "target_counts.safetensors"))  # another verifier's
+    save_file({"counts": counts[:100].double()}, str(path / "specdraft" / "target_counts.safetensors"))  # another's
     with pytest.raises(UserError, match="another verifier"):
         make_drafter("eagle", varied, tree, checkpoint=path, draft_vocab=64)
 

@@ -80,9 +80,10 @@ def test_validate_only_rewrites_the_export_from_the_checkpoint(train_script, tmp
     weights = (export / "model.safetensors").read_bytes()
     from safetensors.torch import load_file
 
-    counts = load_file(str(export / "target_counts.safetensors"))["counts"]  # every training target, once
+    counts = load_file(str(export / "specdraft" / "target_counts.safetensors"))["counts"]  # every target, once
     assert counts.sum() == trained["train_tokens"] and counts.numel() == 49152
-    (export / "target_counts.safetensors").unlink()  # as a previous train.py wrote it
+    assert sorted(f.name for f in export.iterdir() if f.is_file()) == ["config.json", "model.safetensors"]
+    (export / "specdraft" / "target_counts.safetensors").unlink()  # as a previous train.py wrote it
     older = {k: v for k, v in trained.items() if k != "eagle_topk_accuracy"}  # as a previous train.py wrote it
     older["train_depth1_top1"] = -1.0  # the checkpoint's own record wins over the export's
     (export / "config.json").write_text(json.dumps(older))
@@ -95,7 +96,7 @@ def test_validate_only_rewrites_the_export_from_the_checkpoint(train_script, tmp
     assert again["val_step_top1"] == pytest.approx(trained["val_step_top1"])
     assert torch.allclose(torch.tensor(again["eagle_topk_accuracy"]), torch.tensor(trained["eagle_topk_accuracy"]))
     assert (export / "model.safetensors").read_bytes() == weights
-    assert torch.equal(load_file(str(export / "target_counts.safetensors"))["counts"], counts)
+    assert torch.equal(load_file(str(export / "specdraft" / "target_counts.safetensors"))["counts"], counts)
 
 
 def test_resume_without_a_checkpoint_is_refused(train_script, tmp_path):
@@ -256,7 +257,7 @@ def test_train_vocab_is_exported_and_the_decoder_drafts_over_it(train_script, tm
     tiny = varied_llama()
     config = json.loads((export / "config.json").read_text())
     assert config["train_vocab"] == 64
-    counts = load_file(str(export / "target_counts.safetensors"))["counts"]
+    counts = load_file(str(export / "specdraft" / "target_counts.safetensors"))["counts"]
     drafter = make_drafter(None, tiny, Chain(), checkpoint=export)
     assert drafter.head_ids.numel() == 64
     # The 64 most frequent targets: every kept count is at least every dropped one.

