@@ -17,7 +17,7 @@ from data.filters import EvalGuard, apply_filters
 from data.prompts import Conversation, eval_prompt_texts, load_conversations, select_prompts
 from data.selfgen import selfgen_conversations
 from data.sampler import EpochSampler
-from data.selfdistill import build_selfdistill, build_sharegpt, check_has_targets
+from data.selfdistill import GENERATORS, build_selfdistill, build_sharegpt, check_has_targets
 from models.errors import UserError
 from models.verifier import Verifier
 
@@ -102,6 +102,7 @@ class DistillDataModule(L.LightningDataModule):
         eval_prompts: list[str] | None = None,
         decontaminate: bool = True,
         group_by_length: bool = False,
+        generator: str = "hf",
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -120,6 +121,10 @@ class DistillDataModule(L.LightningDataModule):
         self.selfgen = dict(selfgen or {})
         self.eval_prompts, self.decontaminate = list(eval_prompts or []), decontaminate
         self.group_by_length = group_by_length
+        if generator not in GENERATORS:
+            raise UserError(f"data.generator={generator!r} is not one of {list(GENERATORS)} (hf: this process's "
+                            f"batched refill generation; vllm: the real vLLM's offline batched generation).")
+        self.generator = generator
         self.hidden_layers: list[int] = [-1]
         self.verifier_argmax = False  # offline mode also caches M_q's argmax per position (needs layer -1 cached)
         self.hidden_path: Path | None = None
@@ -133,7 +138,7 @@ class DistillDataModule(L.LightningDataModule):
             return build_sharegpt(self.verifier, convs, self.max_length)
         return build_selfdistill(
             self.verifier, convs, self.cache_dir, self.max_new_tokens, self.temperature,
-            self.gen_batch_size, self.seed, self.max_length, self.shard_size, groups=groups,
+            self.gen_batch_size, self.seed, self.max_length, self.shard_size, groups=groups, generator=self.generator,
         )
 
     def conversations(self, with_groups: bool = False) -> list[Conversation] | tuple[list[Conversation], list[int]]:

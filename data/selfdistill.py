@@ -35,6 +35,9 @@ FEATURES = datasets.Features(
 )
 
 
+GENERATORS = {"hf": "refill", "vllm": "vllm-0.32.0"}  # data.generator -> what the cache key records
+
+
 def cache_key(verifier: Verifier, convs: list[Conversation], settings: dict[str, Any]) -> str:
     """A short hash of everything the generated dataset depends on."""
     payload = {
@@ -131,6 +134,7 @@ def build_selfdistill(
     shard_size: int = 256,
     top_p: float = 1.0,
     groups: list[int] | None = None,
+    generator: str = "hf",
 ) -> datasets.Dataset:
     """The self-distilled dataset for `convs` (first user turn of each), from the cache or generated and cached.
 
@@ -142,11 +146,17 @@ def build_selfdistill(
     All pending shards go through one refill run, queued in order (see the loop below). Sampling (temperature > 0)
     is per prompt, seeded by `seed` and the prompt's index within its group. Once every shard is there they are joined
     into `<cache>/selfdistill/<key>`; the shards stay (token ids only: ~4 MB per 1M tokens) for later builds.
+
+    `generator`: `hf` (this process, `generate_refill`) or `vllm` (the real vLLM's offline batched generation, one
+    vLLM process per shard, models/vllm_engine.py: what users run at scale on GPU nodes). The generator is in the
+    cache key: the two write separate datasets.
     """
     if shard_size < 1:
         raise UserError(f"data.shard_size={shard_size}: give a whole number of prompts >= 1 per shard.")
+    if generator not in GENERATORS:
+        raise UserError(f"data.generator={generator!r} is not one of {list(GENERATORS)}.")
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "max_length": max_length,
-                "engine": "refill", "batch_size": batch_size, "shard_size": shard_size, "top_p": top_p}
+                "engine": GENERATORS[generator], "batch_size": batch_size, "shard_size": shard_size, "top_p": top_p}
     if temperature > 0:
         settings["rng"] = "per-prompt"  # sampled answers drawn from each prompt's own stream (data.generate)
     key = cache_key(verifier, convs, settings)
@@ -223,8 +233,27 @@ def build_selfdistill(
 
     for k in [k for k, n in left.items() if n == 0]:  # shards whose every prompt was too long
         save(k)
-    generate_refill(verifier, [prompts[i] for i in order], max_new_tokens, temperature, top_p, batch_size, seed,
-                    on_done=on_done, keys=[_index_in_group(i, groups) for i in order], order="given")
+    if generator == "vllm":  # one vLLM process per shard: a killed build resumes from the shards it saved
+        from models import vllm_engine
+
+        if not verifier.checkpoint:
+            raise UserError(f"data.generator=vllm: the verifier {verifier.name} was built in memory and vLLM loads "
+                            f"from a directory; use data.generator=hf, or a checkpoint verifier.")
+        j = 0
+        for k, n in left.items():
+            if n == 0:
+                continue
+            rows = order[j : j + n]
+            run = vllm_engine.serve(verifier.checkpoint, [prompts[i] for i in rows], max_new_tokens,
+                                    dtype=str(verifier.model.dtype).removeprefix("torch."), temperature=temperature,
+                                    top_p=top_p, seed=seed + k, max_model_len=max_length + max_new_tokens,
+                                    warmup=False, batch=True)
+            for off, answer in enumerate(run.outputs):
+                on_done(j + off, _stop_at(answer, verifier.tokenizer.eos_token_id))
+            j += n
+    else:
+        generate_refill(verifier, [prompts[i] for i in order], max_new_tokens, temperature, top_p, batch_size, seed,
+                        on_done=on_done, keys=[_index_in_group(i, groups) for i in order], order="given")
     bar.close()
     shards = [d for d in (datasets.load_from_disk(str(folder)) for _, _, folder in plan) if len(d)]
     ds = datasets.concatenate_datasets(shards) if len(shards) > 1 else shards[0]
@@ -233,6 +262,12 @@ def build_selfdistill(
         (tmp / "settings.json").write_text(json.dumps({"verifier": verifier.source, **settings, "num": len(convs),
                                                        "groups": groups}))
     return datasets.load_from_disk(str(path))
+
+
+def _stop_at(answer: list[int], eos: int) -> list[int]:
+    """An answer cut after its first EOS, as the HF generator ends its answers (vLLM may also stop at other ids its
+    generation config names, which are kept as they are)."""
+    return answer[: answer.index(eos) + 1] if eos in answer else answer
 
 
 def _index_in_group(i: int, groups: list[int]) -> int:

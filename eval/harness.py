@@ -34,6 +34,7 @@ from eval import cost
 from eval.decode import ENGINES, DecodeResult, engine_of, sample_decode, speculative_decode, use_engine
 from eval.drafters import Drafter
 from eval.families import NEEDS_EXPORT, method_name
+from eval.peers import check_peers, vllm_peer
 from eval.sampling import SamplingConfig
 from hydra.utils import instantiate
 from eval.report import Sample, write_outputs
@@ -319,6 +320,19 @@ def sampling_record(cfg: DictConfig) -> dict[str, Any]:
             "sampled_drafts": bool(cfg.get("sampled_drafts", False)) and not s.greedy}
 
 
+def run_peers(cfg: DictConfig, run: Setup, samples: list[Sample]) -> dict[str, Any]:
+    """engine_peers=[vllm]: the run's prompts through the real vLLM, plain and with the export drafting."""
+    export = None if cfg.checkpoint is None else Path(str(cfg.checkpoint)).expanduser()
+    config = read_config(export) if export is not None else {}
+    kind = export_kind(config) if export is not None else None
+    prompts = [prompt_ids(run.verifier.tokenizer, _turns(c)[0]) for c in run.convs]
+    tokens = cfg.get("engine_peer_tokens") or config.get("speculative_tokens")
+    print(f"engine_peers: vLLM plain and {kind or 'no drafter'} on {len(prompts)} prompts")
+    return {"vllm": vllm_peer(run.verifier, kind, export, prompts, [s.outputs["baseline"] for s in samples],
+                              int(cfg.max_new_tokens), str(cfg.dtype), int(cfg.threads), float(cfg.temperature),
+                              float(cfg.top_p), int(cfg.seed), tokens)}
+
+
 def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     """Run `python -m eval` as configured by conf/eval.yaml; returns report.json's content."""
     if isinstance(cfg.threads, int) and int(cfg.threads) < 1:
@@ -341,6 +355,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine where it is "
                         f"exact and faster, hf: Hugging Face's forward).")
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k fail before anything loads
+    peers = check_peers(cfg.get("engine_peers") or [], bool(cfg.multi_turn), str(cfg.get("method", "single")))
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
@@ -358,6 +373,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         runner = Runner(run.verifier, run.drafter, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens),
                         sampling, int(cfg.seed), engine, assistant, depth)
         samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
+        peer_report = run_peers(cfg, run, samples) if peers else None
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
@@ -377,7 +393,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     out_dir = Path(str(cfg.output_dir))
     if run.curves:
         cost.write(run.curves, out_dir, f"{run.verifier.name}: verifier forward cost")
-    report = write_outputs(samples, meta, setting, run.drafter.max_depth, out_dir, cfg.wandb)
+    report = write_outputs(samples, meta, setting, run.drafter.max_depth, out_dir, cfg.wandb, peers=peer_report)
     if run.predicted is not None:
         p = run.predicted
         print(f"speedup: predicted {p.predicted_speedup:.2f}x from the cost curve ({p.size} drafts, E[tokens/round] "

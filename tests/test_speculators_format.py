@@ -1,0 +1,105 @@
+"""Exports an engine loads as they are: the speculators format for EAGLE-3 (models/speculators_format.py), side data
+out of the engine's glob, and one clear message per bad input (a stray weight file, a speculators config with a
+missing or contradictory field, a missing or wrong vLLM interpreter). The real vLLM reading them:
+tests/test_engine_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from models.eagle import build_eagle
+from models.errors import UserError
+from models.export import COUNTS_NAME, SIDE_DIR, load_export, read_config, save_export
+from models.verifier import build_tiny, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny4(cache_dir):
+    return build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", num_layers=4)
+
+
+@pytest.fixture()
+def eagle3_export(tiny4, tmp_path):
+    net = build_eagle("eagle3", tiny4, draft_vocab_size=64, aux_layer_ids=[1, 2, 3])
+    net.set_draft_vocab(torch.arange(64) * 3)
+    counts = torch.arange(tiny4.vocab_size, dtype=torch.float64)
+    return save_export(net, tiny4, tmp_path / "e3", {"trained_steps": 5}, target_counts=counts, speculative_tokens=4)
+
+
+def test_eagle3_export_is_in_the_speculators_format_vllm_reads(eagle3_export, tiny4, tmp_path):
+    cfg = json.loads((eagle3_export / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 4
+    assert spec["verifier"] == {"name_or_path": tiny4.name, "architectures": ["LlamaForCausalLM"]}
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["hidden_size"] == 64 and layer["num_hidden_layers"] == 1
+    # vLLM's speculators reader defaults norm_before_residual to true; our layer is false: written explicitly.
+    assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["draft_vocab_size"] == 64
+    assert cfg["trained_steps"] == 5 and cfg["verifier_fingerprint"] == tiny4.fingerprint
+    # Only the weights at the top: the side data is where no engine globs.
+    assert sorted(f.name for f in eagle3_export.iterdir()) == ["config.json", "model.safetensors", SIDE_DIR]
+    loaded = load_export(eagle3_export, tiny4)
+    assert loaded.kind == "eagle3" and loaded.net.aux_layer_ids == [1, 2, 3]
+    assert torch.equal(loaded.target_counts, torch.arange(tiny4.vocab_size, dtype=torch.float64))
+    assert read_config(eagle3_export)["speculative_tokens"] == 4
+    # A verifier saved as a checkpoint is what the export names for the engine to load.
+    save_checkpoint(tiny4, tmp_path / "verifier")
+    again = save_export(loaded.net, tiny4, tmp_path / "again")
+    assert json.loads((again / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == \
+        str((tmp_path / "verifier").resolve())
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["speculators_config"]["proposal_methods"][0].pop("speculative_tokens"), "speculative_tokens"),
+    (lambda c: c["speculators_config"].__setitem__("algorithm", "eagle"), "contradicts speculators_model_type"),
+    (lambda c: c["speculators_config"]["verifier"].pop("name_or_path"), "verifier.name_or_path is missing"),
+    (lambda c: c.pop("norm_before_residual"), "norm_before_residual is not set"),
+    (lambda c: c.__setitem__("norm_before_residual", True), "norm_before_residual=True, but"),
+    (lambda c: c.pop("transformer_layer_config"), "transformer_layer_config is missing"),
+    (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators_model_type='dflash'"),
+])
+def test_a_speculators_config_with_a_missing_or_contradictory_field_is_refused(eagle3_export, tiny4, edit, message):
+    cfg = json.loads((eagle3_export / "config.json").read_text())
+    edit(cfg)
+    (eagle3_export / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=message) as info:
+        load_export(eagle3_export, tiny4)
+    assert "config.json" in str(info.value)
+
+
+def test_a_stray_weight_file_is_refused_and_an_old_export_still_loads(eagle3_export, tiny4):
+    save_file({"x": torch.zeros(2)}, str(eagle3_export / "extra.safetensors"))
+    with pytest.raises(UserError, match=r"extra.safetensors: a weight file beside model.safetensors.*vLLM loads "
+                                        r"every \*.safetensors.*move it out of the folder"):
+        load_export(eagle3_export, tiny4)
+    (eagle3_export / "extra.safetensors").unlink()
+    (eagle3_export / SIDE_DIR / COUNTS_NAME).rename(eagle3_export / COUNTS_NAME)  # as exports were written before
+    with pytest.warns(UserWarning, match="vLLM refuses the folder"):
+        loaded = load_export(eagle3_export, tiny4)
+    assert torch.equal(loaded.target_counts, torch.arange(tiny4.vocab_size, dtype=torch.float64))
+
+
+def test_a_missing_or_wrong_vllm_interpreter_is_named_with_the_fix(tmp_path, monkeypatch):
+    from models import vllm_engine
+
+    monkeypatch.setenv("SPECDRAFT_VLLM_VENV", str(tmp_path / "none"))
+    with pytest.raises(UserError, match=r"no vLLM interpreter at .*none/bin/python: run `bash scripts/setup_vllm.sh`"):
+        vllm_engine.vllm_python()
+    venv = tmp_path / "old"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"  # an interpreter whose vLLM is another version
+    python.write_text("#!/bin/sh\necho 0.31.0\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("SPECDRAFT_VLLM_VENV", str(venv))
+    with pytest.raises(UserError, match=r"has vLLM 0.31.0, this project is tested with 0.32.0"):
+        vllm_engine.vllm_python()
+    with pytest.raises(UserError, match="does not serve 'draft_model' drafters"):
+        vllm_engine.speculative_config("draft_model", tmp_path, 3)
