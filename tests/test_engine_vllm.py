@@ -170,3 +170,32 @@ def test_vllm_generates_the_self_distilled_set_in_the_same_layout(vllm, smollm2,
         assert sum(b["loss_mask"]) > 0
         same += a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
     assert same >= 6, f"only {same} of 8 answers agree"
+
+
+def test_python_m_eval_runs_vllm_as_a_peer(vllm, exports, tmp_path):
+    """`python -m eval checkpoint=EXPORT engine_peers=[vllm]`: report.json holds vLLM plain and vLLM with the export
+    drafting, on the run's prompts: tokens/s, alpha_k, tau, speedup and the setup they were measured with; the
+    tokens/s plot and the table carry the two vLLM rows."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+    from helpers import ROOT
+
+    out = tmp_path / "eval"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[
+            f"checkpoint={exports['eagle']}", "engine_peers=[vllm]", "engine_peer_tokens=2", "tree=chain",
+            "tree.depth=2", "dtype=float32", "threads=2", "max_new_tokens=24", "num_prompts=2", "warmup=false",
+            "wandb.mode=disabled", f"output_dir={out}"])
+    report = evaluate(cfg, progress=False)
+    peer = json.loads((out / "report.json").read_text())["engine_peers"]["vllm"]
+    assert peer == json.loads(json.dumps(report["engine_peers"]["vllm"]))
+    assert peer["version"] == vllm.VERSION and peer["setup"]["ld_preload"].endswith("libiomp5.so")
+    assert peer["plain"]["tokens"] > 0 and peer["plain"]["tokens_per_s"] > 0
+    spec = peer["speculative"]
+    assert spec["method"] == "eagle" and spec["speculative_tokens"] == 2
+    assert len(spec["accept_rate_per_position"]) == 2 and spec["tau"] >= 1 and spec["counts"]["num_drafts"] > 0
+    assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / peer["plain"]["tokens_per_s"])
+    assert peer["greedy_match_ours"] >= 0.5  # fp32: vLLM's greedy answers are our plain decoding's

@@ -18,6 +18,8 @@ from typing import Any
 
 from safetensors import safe_open
 
+from models.speculators_format import flatten, is_speculators
+
 Shape = tuple[int, ...]
 
 
@@ -34,6 +36,11 @@ class Export:
     def read(cls, path: str | Path, weights: str = "model.safetensors") -> "Export":
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
+        if is_speculators(config):
+            # An EAGLE-3 export in the speculators format, read as the flat EAGLE-3 layout: what `convert.py
+            # to-reference` writes for SGLang and the EAGLE repository, and the fields vLLM's speculators reader hands
+            # its EAGLE-3 model. The real vLLM reads the format itself in tests/test_engine_vllm.py.
+            config = flatten(config, str(path / "config.json"))
         shapes, dtypes = {}, {}
         with safe_open(str(path / weights), framework="pt") as f:
             for name in f.keys():
