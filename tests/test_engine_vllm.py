@@ -47,12 +47,21 @@ def vllm():
     return vllm_engine
 
 
+class _Exports(dict):
+    """family -> export directory, trained by train.py on the default verifier when a test first asks for it."""
+
+    def __init__(self, train_script, root: Path) -> None:
+        super().__init__()
+        self.train_script, self.root = train_script, root
+
+    def __missing__(self, kind: str) -> Path:
+        self[kind] = self.train_script.run(compose_train([f"model={kind}", *RECIPE], self.root / kind))
+        return self[kind]
+
+
 @pytest.fixture(scope="session")
 def exports(vllm, train_script, tmp_path_factory):
-    """family -> export directory, trained by train.py on the default verifier."""
-    root = tmp_path_factory.mktemp("engine-exports")
-    return {kind: train_script.run(compose_train([f"model={kind}", *RECIPE], root / kind))
-            for kind in ("medusa", "eagle", "eagle3")}
+    return _Exports(train_script, tmp_path_factory.mktemp("engine-exports"))
 
 
 @pytest.fixture(scope="session")
