@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import compose_train
 from models.eagle import build_eagle, step_inputs, unroll_mask
-from models.export import load_export, save_export
+from models.export import load_export, read_config, save_export
 from models.errors import UserError
 from train.eagle import draft_vocab_from_counts, validation_summary, validation_tallies
 
@@ -88,9 +88,11 @@ def test_export_round_trip_and_layout(tiny, tmp_path, kind):
         assert "layers.0.input_layernorm.weight" not in tensors  # EAGLE-1 layer 0 has no input norm
         prefix = "layers.0."
     else:
-        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 64
+        assert cfg["speculators_model_type"] == "eagle3" and cfg["draft_vocab_size"] == 64  # vLLM's own format
         assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # vLLM: input of layer k
-        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0]  # SGLang: output of layer k
+        flat = read_config(tmp_path / kind)  # the flat layout to-reference writes for SGLang
+        assert flat["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert flat["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0]  # SGLang: output of layer k
         assert tensors["fc.weight"].shape == (h, 2 * h)
         assert tensors["midlayer.self_attn.q_proj.weight"].shape == (4 * hd, 2 * h)  # cat(embeds, hidden) in
         assert tensors["norm.weight"].shape == (h,) and tensors["lm_head.weight"].shape == (64, h)
