@@ -464,7 +464,7 @@ def check_engine_ready(path: str | Path) -> None:
     """Refuse an export folder that a serving engine would not load as it is: a stray weight file beside the
     weights (one message naming it and the fix)."""
     path = Path(path).expanduser()
-    for f in stray_weight_files(path):
+    for f in sorted(stray_weight_files(path), key=lambda f: f.name == COUNTS_NAME):  # a foreign file named first
         legacy = f.name == COUNTS_NAME
         fix = (f"an export written before the side data moved to {SIDE_DIR}/: rewrite it with `python "
                f"scripts/convert.py from-reference {path} <new dir>` (or move the file to {path / SIDE_DIR / f.name})"
