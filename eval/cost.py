@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.tree import Tree, _rank_probs, auto_tree, tree_buffers
+from eval.tree import Tree, auto_tree, rank_probs, tree_buffers
 from models.errors import UserError
-from models.export import export_kind
+from models.export import ExportInfo
+from models.families import FAMILIES
 from models.verifier import Verifier
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)  # measured; the rest interpolated
@@ -132,7 +133,7 @@ def draft_curve(verifier: Verifier, drafter: Any, prefix_ids: Tensor, sizes: Seq
     tree; the tree only indexes their top-k); the hybrid: its primary's (the grafted prompt lookup's string search is
     left out). None for other drafters."""
     from eval.decode import _Verify
-    from eval.drafters import MedusaDrafter
+    from eval.medusa import MedusaDrafter
     from eval.eagle import EagleDrafter
     from eval.hybrid import HybridDrafter
 
@@ -170,7 +171,7 @@ def interpolate(sizes: Sequence[int], ms: Sequence[float], n: int) -> float:
 def tree_values(tree: Tree, topk_accuracy: Sequence[Sequence[float]]) -> list[float]:
     """Each draft node's path-acceptance probability from a Medusa top-k table (eval.tree.auto_tree's node value);
     a rank the table lacks counts as never right."""
-    probs = _rank_probs(topk_accuracy)
+    probs = rank_probs(topk_accuracy)
     values = []
     for path in tree.paths[1:]:
         v = 1.0
@@ -179,22 +180,6 @@ def tree_values(tree: Tree, topk_accuracy: Sequence[Sequence[float]]) -> list[fl
             v *= row[rank] if rank < len(row) else 0.0
         values.append(v)
     return values
-
-
-def acceptance_table(kind: str, config: dict[str, Any]) -> list[list[float]] | None:
-    """The drafter's acceptance estimates as a cumulative top-k table, one row per depth, or None when the export
-    records none. Medusa: its heads' top-k table. EAGLE: `eagle_topk_accuracy`, the top-k at each unrolled step
-    where the chain of top-1 drafts reaches it; an older export has only `val_step_top1`, read as a chain (nothing on
-    siblings, so a plan from it never asks for more nodes than its depth). The hybrid: its primary's, the export's
-    own kind (prompt lookup is grafted within the primary's budget, so the plan is the primary's)."""
-    if kind == "hybrid":
-        kind = export_kind(config) or kind
-    if kind == "medusa":
-        return config.get("medusa_topk_accuracy") or None
-    if config.get("eagle_topk_accuracy"):
-        return config["eagle_topk_accuracy"]
-    top1 = config.get("val_step_top1")
-    return [[float(p)] for p in top1] if top1 else None
 
 
 def expected_tokens(table: Sequence[Sequence[float]], size: int) -> float:
@@ -294,32 +279,32 @@ def write(curves: Sequence[Curve], out_dir: Path, title: str = "") -> list[Path]
 
 # -- the harness's use: tree.size=auto, and the predicted speedup beside the measured one ---------------------------
 
-def auto_size(kind: str, config: dict[str, Any], curve: Curve, draft: Sequence[float] | None = None) -> Plan:
-    """The best draft budget for this export on this curve and the drafter's draft curve (`tree.size=auto`). The
-    hybrid plans its primary's budget from the primary's table, at least one draft: the grafted prompt-lookup chain
-    needs a node, and what it adds to acceptance is not in the table."""
-    table = acceptance_table(kind, config)
+def auto_size(family: str, export: ExportInfo, curve: Curve, draft: Sequence[float] | None = None) -> Plan:
+    """The best draft budget for drafter `family` on this export, this curve and the drafter's draft curve
+    (`tree.size=auto`), planned on the export's acceptance estimates (ExportInfo.acceptance: the hybrid plans its
+    primary's budget, at least the family's `min_drafts`: the grafted prompt-lookup chain needs a node, and what it
+    adds to acceptance is not in the table)."""
+    table = export.acceptance
     if table is None:
-        need = "medusa_topk_accuracy" if kind == "medusa" else "eagle_topk_accuracy or val_step_top1"
+        need = " or ".join(FAMILIES[export.kind].acceptance)
         raise UserError(f"tree.size=auto needs the export's acceptance estimates ({need} in its config.json), and "
                         f"this export has none. Give a number (tree.size=16), or re-export with a current train.py.")
-    return best_size(curve.sizes, curve.ms, table, draft=draft, min_drafts=1 if kind == "hybrid" else 0)
+    return best_size(curve.sizes, curve.ms, table, draft=draft, min_drafts=FAMILIES[family].min_drafts)
 
 
-def predict(kind: str, config: dict[str, Any], drafter: Any, curve: Curve,
-            draft: Sequence[float] | None = None) -> Plan | None:
-    """What the curve predicts for the drafter as built (Medusa: its fixed tree; EAGLE: the best tree of its node
-    budget under its table), or None without acceptance estimates."""
-    table = acceptance_table(kind, config)
+def predict(export: ExportInfo, drafter: Any, curve: Curve, draft: Sequence[float] | None = None) -> Plan | None:
+    """What the curve predicts for the drafter as built (a fixed tree, Medusa's: that tree; a dynamic one, EAGLE's:
+    the best tree of its node budget under its table), or None without acceptance estimates."""
+    table = export.acceptance
     if table is None:
         return None
-    if kind == "medusa":
+    if FAMILIES[export.kind].tree == "fixed":
         tree = drafter.tree
         return plan(curve.sizes, curve.ms, 1.0 + sum(tree_values(tree, table)), tree.num_drafts, draft)
     return plan(curve.sizes, curve.ms, expected_tokens(table, drafter.size), drafter.size, draft)
 
 
-def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[str, Any], policy: Any,
+def for_run(cfg: Any, source: Any, verifier: Verifier, family: str, export: ExportInfo | None, policy: Any,
             prefix_ids: Any, build: Callable[[Any], Any]
             ) -> tuple[Any, list[Curve], Plan | None, list[float] | None]:
     """`python -m eval`'s curves and its drafter. With profile=true or tree.size=auto: the run's dtype and threads
@@ -331,12 +316,12 @@ def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[s
     from models.verifier import load_verifier
 
     auto = isinstance(policy, AutoTree) and policy.size == "auto"
-    if auto and acceptance_table(kind, config) is None:
+    if auto and (export is None or export.acceptance is None or FAMILIES[family].tree == "own"):
         # tree.size=auto is the default, so it must not fail where the budget cannot be planned: families that do
         # not draft under `tree` (prompt lookup, lookahead, a draft model) ignore it, an EAGLE export (or a hybrid
         # on one) older than its acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto
         # at all: its drafter says so).
-        if kind in ("eagle", "eagle3", "hybrid"):
+        if export is not None and FAMILIES[family].tree in ("dynamic", "primary"):
             print(f"[eval] tree.size=auto: this export records no acceptance estimates (medusa_topk_accuracy, or "
                   f"eagle_topk_accuracy / val_step_top1: re-export it with a current train.py), so it drafts "
                   f"{FALLBACK_SIZE} nodes. Give tree.size=N to choose.")
@@ -358,7 +343,7 @@ def for_run(cfg: Any, source: Any, verifier: Verifier, kind: str, config: dict[s
     planned, draft = None, None
     if auto:
         draft = drafting(build(AutoTree(size=max(SIZES) - 1)))
-        planned = auto_size(kind, config, curves[0], draft)
+        planned = auto_size(family, export, curves[0], draft)
         policy = AutoTree(size=planned.size)
     drafter = build(policy)
     if draft is None:

@@ -22,7 +22,7 @@ from torch import Tensor
 from eval import engine as fast
 from eval import kv
 from eval.accept import greedy_accept, mean_accept_length, per_position_acceptance
-from eval.drafters import Draft, Drafter
+from eval.protocol import Draft, Drafter
 from eval.sampling import SamplingConfig, check_draft_p, sample_accept, typical_accept, warp
 from eval.tree import Tree, TreeBuffers, tree_buffers, truncate
 from models.errors import UserError

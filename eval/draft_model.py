@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from eval import kv
-from eval.drafters import Draft
+from eval.protocol import Draft
 from eval.tree import Chain, TreePolicy, chain
 from models.draft_model import read_draft_info, truncate
 from models.errors import UserError

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters import Draft, row_head
 from eval.engine import packed_head
+from eval.heads import row_head
+from eval.protocol import Draft
 from eval.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy
 from models.eagle import Eagle1Net, EagleNet
@@ -50,7 +51,7 @@ def dynamic_policy(policy: TreePolicy) -> DynamicTree:
 
 
 class EagleDrafter:
-    """EAGLE-1 / EAGLE-3 drafter for the drafter protocol (eval.drafters.Drafter), with its own KV cache.
+    """EAGLE-1 / EAGLE-3 drafter for the drafter protocol (eval.protocol.Drafter), with its own KV cache.
 
     tree: a Chain, an AutoTree budget or a DynamicTree (see `dynamic_policy`).
     sampling: with a SamplingConfig of temperature > 0, drafts are sampled from the drafter's warped softmax at
@@ -312,3 +313,10 @@ class _Fed:
         for j, c in enumerate(nodes):
             self.out_of[c] = out[0, j]
         return out[0]
+
+
+def eagle_drafter(net: EagleNet, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,
+                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                  head_ids: Tensor | None = None) -> EagleDrafter:
+    """The drafter for a loaded EAGLE-1 / EAGLE-3 network (models/families.py names it the families' decoder)."""
+    return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids)

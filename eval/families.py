@@ -1,9 +1,11 @@
-"""Every drafter family behind `python -m eval drafter=<name>`: one factory per `conf/drafter/<name>.yaml`.
+"""Every drafter family behind `python -m eval drafter=<name>`: one factory per `conf/drafter/<name>.yaml` (the
+registry, models/families.py, names it), and `build_drafter`, which instantiates one from its config.
 
 Each factory is instantiated by Hydra as a partial (`_target_` + `_partial_: true`, its own options filled in) and
-called with what only the harness knows: `factory(verifier, tree, checkpoint)`. `tree` (conf/tree) is the tree
-policy of the export-based families (Medusa, EAGLE, and the hybrid's primary); the chain families set their shape in
-their own options (draft_model.depth, prompt_lookup.num_tokens, lookahead.window / ngram / guesses).
+called with what only the harness knows: `factory(verifier, tree, export)`, `export` the ExportInfo read once by the
+harness (or None). `tree` (conf/tree) is the tree policy of the export-based families (Medusa, EAGLE, and the
+hybrid's primary); the chain families set their shape in their own options (draft_model.depth,
+prompt_lookup.num_tokens, lookahead.window / ngram / guesses).
 """
 
 from __future__ import annotations
@@ -11,30 +13,36 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
-from eval.drafters import Drafter, make_drafter
+from eval.drafters import make_drafter
+from eval.protocol import Drafter
+from eval.runner import sampling_config
 from eval.tree import Chain, TreePolicy
-from models.errors import UserError
+from models.errors import UserError, VerifierMismatchError
+from models.export import ExportInfo
+from models.families import FAMILIES
 from models.verifier import Verifier
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "drafter"
-FAMILIES = ("medusa", "eagle", "eagle3", "draft_model", "prompt_lookup", "lookahead", "hybrid")
-NEEDS_EXPORT = ("export", "medusa", "eagle", "eagle3", "hybrid")
 
 
-def _export(checkpoint: str | Path | None, family: str) -> Path:
+def _export(checkpoint: ExportInfo | str | Path | None, family: str) -> ExportInfo | Path:
     if checkpoint is None:
+        no_export = [n for n, f in FAMILIES.items() if not f.needs_export]
         raise UserError(f"drafter={family} needs checkpoint=<export dir>: the `export/` directory train.py printed, "
                         f"e.g. python -m eval drafter={family} checkpoint=outputs/medusa-smollm2/export. "
-                        f"drafter=draft_model, prompt_lookup and lookahead need no export.")
-    return Path(str(checkpoint)).expanduser()
+                        f"{', '.join(f'drafter={n}' for n in no_export)} need no export.")
+    return checkpoint if isinstance(checkpoint, ExportInfo) else Path(str(checkpoint)).expanduser()
 
 
-def export(verifier: Verifier, tree: TreePolicy, checkpoint: str | Path | None, kind: str | None = None,
-           **proposals: Any) -> Drafter:
-    """Medusa / EAGLE / EAGLE-3 from an export; `kind` None takes the export's own, else refuses another kind.
-    `proposals`: sampling= and generator= for sampled drafts, draft_vocab= (eval.drafters.make_drafter)."""
+def export(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None,
+           kind: str | None = None, **proposals: Any) -> Drafter:
+    """The drafter of a family with an export (Medusa, EAGLE-1, EAGLE-3: models/families.py); `kind` None takes the
+    export's own, else refuses another kind. `proposals`: sampling= and generator= for sampled drafts, draft_vocab=
+    (eval.drafters.make_drafter)."""
     return make_drafter(kind, verifier, tree, checkpoint=_export(checkpoint, kind or "export"), **proposals)
 
 
@@ -66,7 +74,7 @@ def lookahead(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, wind
     return LookaheadDrafter(window, ngram, guesses, pool_from_prompt)
 
 
-def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: str | Path | None, num_tokens: int | None = None,
+def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None, num_tokens: int | None = None,
            max_ngram_size: int = 3, min_ngram_size: int = 1, budget: int | None = None, **proposals: Any) -> Drafter:
     """The export's drafter (Medusa / EAGLE, under `tree`) with prompt-lookup chains of up to `num_tokens` grafted
     in, within `budget` nodes (null: the export drafter's own node count). num_tokens null: as long as prompt
@@ -84,9 +92,35 @@ def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: str | Path | None, 
 def family_config(name: str) -> Any:
     """conf/drafter/<name>.yaml, for runs that build several families (method=all)."""
     file = CONF / f"{name}.yaml"
-    if not file.is_file():
+    if name not in FAMILIES or not file.is_file():
         raise UserError(f"drafter={name!r} is not known; choose one of {sorted(FAMILIES)} (conf/drafter/).")
     return OmegaConf.load(file)
+
+
+def family_of(drafter_cfg: DictConfig) -> str:
+    """The family a drafter config builds: its factory's name, or for `export` the kind it names ("export": any)."""
+    name = str(drafter_cfg._target_).rsplit(".", 1)[-1]
+    return str(drafter_cfg.get("kind") or "export") if name == "export" else name
+
+
+def build_drafter(cfg: DictConfig, drafter_cfg: DictConfig, verifier: Verifier, export: ExportInfo | None,
+                  policy: TreePolicy) -> Drafter:
+    """Instantiate one family's factory (conf/drafter/*.yaml) and call it with the verifier, the tree policy and the
+    export; with `sampled_drafts`, the families that draft from an export also get the warped sampling settings for
+    their proposals."""
+    factory = instantiate(drafter_cfg, _convert_="all")
+    proposals = {}
+    if bool(cfg.get("sampled_drafts", False)):
+        name = family_of(drafter_cfg)
+        if name != "export" and not FAMILIES[name].needs_export:
+            raise UserError(f"sampled_drafts=true applies to the drafters of an export (Medusa, EAGLE, the hybrid), "
+                            f"not to drafter={name}; drop sampled_drafts.")
+        proposals = {"sampling": sampling_config(cfg),
+                     "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
+    try:
+        return factory(verifier, policy, export, **proposals)
+    except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
+        raise VerifierMismatchError(str(e).replace("verifier.path=", "verifier_path=")) from None
 
 
 def method_name(family: str, drafter: Drafter) -> str:

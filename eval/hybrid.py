@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters import Draft, Drafter
+from eval.protocol import Draft, Drafter
 from eval.tree import Tree
 from models.errors import UserError
 

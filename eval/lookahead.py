@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters import Draft
+from eval.protocol import Draft
 from eval.tree import Tree
 from models.errors import UserError
 

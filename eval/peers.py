@@ -56,7 +56,7 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts
                               if temperature == 0 and ours else None),
         "speculative": None,
     }
-    if kind in vllm_engine.METHODS and export is not None:
+    if kind in vllm_engine.methods() and export is not None:
         spec = vllm_engine.serve(verifier.checkpoint, prompts, max_new_tokens,
                                  spec=vllm_engine.speculative_config(kind, export, tokens), **common)
         tps = spec.tokens / spec.seconds if spec.seconds else 0.0

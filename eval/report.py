@@ -21,7 +21,8 @@ from torch import Tensor
 from eval.accept import mean_accept_length, per_position_acceptance
 from models.wandb_mode import wandb_mode
 
-METHODS = ("baseline", "speculative", "hf_generate", "hf_prompt_lookup")
+SPECULATIVE = "speculative"  # the method label of a single-family run's drafter
+METHODS = ("baseline", SPECULATIVE, "hf_generate", "hf_prompt_lookup")
 ASSISTED = "hf_assisted"  # HF assisted generation with the run's draft model: drafter=draft_model runs only
 REPORT_KEYS = (
     "method", "tree", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
@@ -34,10 +35,11 @@ PARTS = ("verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times bu
 
 @dataclass
 class Sample:
-    """One measured decode: a prompt (one turn of a conversation) through every method in METHODS.
+    """One measured decode: a prompt (one turn of a conversation) through every method (METHODS, or with
+    method=all one label per drafter in place of `speculative`).
 
-    seconds / outputs: per method. accept_lengths: (R,) drafts accepted per speculative round, bonus excluded.
-    forwards: verifier forwards of our two loops; times: their DecodeResult.times (for the time breakdown).
+    seconds / outputs: per method. lengths: per drafter, (R,) drafts accepted per speculative round, bonus excluded.
+    forwards: verifier forwards of our loops; times: their DecodeResult.times (for the time breakdown).
     """
 
     id: str
@@ -46,9 +48,14 @@ class Sample:
     prompt_tokens: int
     seconds: dict[str, float]
     outputs: dict[str, list[int]]
-    accept_lengths: Tensor
+    lengths: dict[str, Tensor]
     forwards: dict[str, int]
     times: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def accept_lengths(self) -> Tensor:
+        """The single-family run's drafter's accepted drafts per round (the first drafter's with method=all)."""
+        return self.lengths.get(SPECULATIVE, next(iter(self.lengths.values())))
 
     @property
     def new_tokens(self) -> dict[str, int]:
@@ -293,6 +300,16 @@ def log_wandb(
     return mode
 
 
+def write_samples(samples: Sequence[Sample], out_dir: Path) -> Path:
+    """outputs.jsonl: one line per decoded prompt, each method's output token ids (what every figure was measured on)."""
+    path = out_dir / "outputs.jsonl"
+    with open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"id": s.id, "category": s.category, "turn": s.turn, "prompt_tokens": s.prompt_tokens,
+                                "outputs": s.outputs}) + "\n")
+    return path
+
+
 def write_outputs(
     samples: Sequence[Sample], meta: Mapping[str, Any], setting: Mapping[str, Any], depth: int, out_dir: Path,
     wandb_cfg: Mapping[str, Any] | None = None, console: Console | None = None,
@@ -307,6 +324,7 @@ def write_outputs(
     profile = build_profile(samples, setting)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     (out_dir / "profile.json").write_text(json.dumps(profile, indent=2))
+    write_samples(samples, out_dir)
     plots = save_plots(samples, report, out_dir)
     print_summary(report, profile, console)
     wandb_cfg = dict(wandb_cfg or {})

@@ -200,7 +200,7 @@ def _rank(r: object) -> int:
     return r
 
 
-def _rank_probs(topk_accuracy: Sequence[Sequence[float]]) -> list[list[float]]:
+def rank_probs(topk_accuracy: Sequence[Sequence[float]]) -> list[list[float]]:
     """P(rank r of head k is the right token) from cumulative top-k accuracies: acc[k][r] - acc[k][r-1]."""
     if not topk_accuracy or any(not row for row in topk_accuracy):
         raise UserError(
@@ -226,7 +226,7 @@ def auto_tree(topk_accuracy: Sequence[Sequence[float]], size: int) -> Tree:
     """
     if size < 0:
         raise UserError(f"auto_tree(size={size}): the number of draft nodes must be >= 0.")
-    probs = _rank_probs(topk_accuracy)
+    probs = rank_probs(topk_accuracy)
     chosen: list[tuple[int, ...]] = []
     # Max-heap on value; ties broken by the shorter, then lexicographically smaller path, for a deterministic tree.
     heap: list[tuple[float, int, tuple[int, ...]]] = []

@@ -28,9 +28,6 @@ from models.eagle_layers import DraftDecoderLayer, RMSNorm, UnrollMask
 from models.errors import UserError
 from models.verifier import Verifier
 
-NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
-
-
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low / middle / high feature layers: the inputs of layers 2, L//2 and L-3 (the engines' own default,
     distinct from L = 7 on); a 3..6-layer verifier gets [0, L//2, L-1]; fewer than 3 layers is refused (no three
@@ -119,6 +116,7 @@ class Eagle1Net(_EagleNet):
     lm_head makes the draft logits over the full vocabulary."""
 
     kind = "eagle"
+    shares_verifier_head = True  # drafts through M_q's lm_head (so `draft_vocab` can cut its rows)
 
     def __init__(self, fc_bias: bool = False, **shape: Any) -> None:
         super().__init__(**shape)
@@ -153,6 +151,7 @@ class Eagle3Net(_EagleNet):
     and its own norm and head draft over a reduced vocabulary (`d2t`: draft id -> target id offset, `t2d`: mask)."""
 
     kind = "eagle3"
+    shares_verifier_head = False  # its own head over the draft vocabulary
 
     def __init__(self, draft_vocab_size: int | None = None, aux_layer_ids: Sequence[int] | None = None,
                  **shape: Any) -> None:
@@ -211,7 +210,6 @@ class Eagle3Net(_EagleNet):
 
 
 EagleNet = Eagle1Net | Eagle3Net
-EAGLE_NETS: dict[str, type[_EagleNet]] = {"eagle": Eagle1Net, "eagle3": Eagle3Net}
 
 
 def check_aux_layers(layer_ids: Sequence[int], num_layers: int, where: str = "EAGLE-3 aux_layer_ids") -> None:
@@ -238,10 +236,10 @@ def check_aux_layers(layer_ids: Sequence[int], num_layers: int, where: str = "EA
 def build_eagle(kind: str, verifier: Verifier, draft_vocab_size: int | None = None,
                 aux_layer_ids: Sequence[int] | None = None) -> EagleNet:
     """A fresh EAGLE-1 (`kind="eagle"`) or EAGLE-3 (`"eagle3"`) drafter shaped like `verifier`'s layers."""
-    if kind not in EAGLE_NETS:
-        raise UserError(f"EAGLE kind {kind!r} is not one of {sorted(EAGLE_NETS)}.")
-    if kind == "eagle":
+    if kind == Eagle1Net.kind:
         return Eagle1Net(**layer_config(verifier))
+    if kind != Eagle3Net.kind:
+        raise UserError(f"EAGLE kind {kind!r} is not one of {[Eagle1Net.kind, Eagle3Net.kind]}.")
     return Eagle3Net(draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, **layer_config(verifier))
 
 

@@ -1,12 +1,12 @@
-"""Export I/O for every drafter family, in one place: write atomically, read the config and the weights, detect the
-kind, check the verifier, rebuild the network.
+"""Export I/O for every drafter family with an export: write atomically, read the config and the weights, detect the
+family, check the verifier, rebuild the network. What is each family's own (its config keys, tensor names, reference
+layout) comes from its entry in models/families.py.
 
 An export is a directory an engine loads as it is: `config.json` and `model.safetensors`, and nothing else an
 engine globs (vLLM loads every `*.safetensors` at the top of the folder):
-- Medusa: vLLM's Medusa layout (`model_type: medusa`, `blocks.{h}.layers.{l}.*`, `lm_heads.{h}.weight` or one
-  shared `lm_head.weight` with `original_lm_head: true`);
+- Medusa: vLLM's Medusa layout (models/medusa.py);
 - EAGLE-3: the `speculators` format (models/speculators_format.py), which `vllm serve EXPORT_DIR` serves as it is;
-- EAGLE-1: the Llama-drafter layout vLLM and SGLang load (`architectures` names the kind).
+- EAGLE-1: the Llama-drafter layout vLLM and SGLang load (models/eagle_export.py).
 Every config also carries this project's keys: `verifier` (the description `models.verifier.load_verifier` takes),
 `verifier_path` (a display name, and what older exports stored), `verifier_fingerprint`, and what training adds
 (accuracy tables, trained steps). Side data that is not the drafter's weights lives in the `specdraft/` subfolder
@@ -28,12 +28,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from models.eagle import NAMES, EAGLE_NETS, Eagle1Net, Eagle3Net, EagleNet, check_aux_layers, layer_config
 from models import reference_formats as ref
 from models import speculators_format as spec
+from models.eagle_export import aux_layer_ids  # noqa: F401  (re-exported: the conformance modules read it here)
 from models.errors import UserError
+from models.families import FAMILIES, family_of_config, family_of_net, title
 from models.io import atomic_dir
-from models.medusa import MedusaHeads
 from models.verifier import Verifier, check_fingerprint, verifier_source
 
 CONFIG_NAME = "config.json"
@@ -41,25 +41,19 @@ WEIGHTS_NAME = "model.safetensors"
 SIDE_DIR = "specdraft"  # this project's side data, in a subfolder no engine reads
 COUNTS_NAME = "target_counts.safetensors"  # training-target counts per verifier token (optional), in SIDE_DIR
 ENGINE_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # what vLLM's loader globs at the folder's top
-# SGLang takes the first registered name (LlamaForCausalLMEagle); vLLM resolves the list through the second
-# (EagleLlamaForCausalLM, kept as is by its EAGLEConfig). Never plain LlamaForCausalLM: SGLang would build the target.
-EAGLE_ARCHITECTURES = {"eagle": ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
-ARCHITECTURE_KINDS = {"LlamaForCausalLMEagle": "eagle", "EagleLlamaForCausalLM": "eagle",
-                      "LlamaForCausalLMEagle3": "eagle3", "Eagle3LlamaForCausalLM": "eagle3"}
-SERVING_DTYPES = ("bfloat16", "float16")
-KIND_NAMES = {"medusa": "Medusa", **NAMES}
 
 
 @dataclass
 class Export:
-    """A loaded export: its kind (`medusa`, `eagle`, `eagle3`), the network, its config, and for a Medusa export
-    that shares the verifier's head, the export's own copy of that head's weight."""
+    """A loaded export: its kind (a family of models/families.py with an export), the network, its config, and for
+    a Medusa export that shares the verifier's head, the export's own copy of that head's weight."""
 
     kind: str
-    net: MedusaHeads | EagleNet
+    net: nn.Module
     config: dict[str, Any]
     lm_head: Tensor | None = None
     target_counts: Tensor | None = None  # (V,) how often each verifier token was a training target (COUNTS_NAME)
+    path: Path | None = None  # the directory it was read from
 
     @property
     def train_ids(self) -> Tensor | None:
@@ -91,15 +85,11 @@ def _raw_config(path: Path) -> dict[str, Any]:
     return spec.flatten(config, str(cfg_file)) if spec.is_speculators(config) else config
 
 
-def _require(config: dict[str, Any], keys: tuple[str, ...], path: Path) -> None:
-    missing = [k for k in keys if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
-    if missing:
-        raise UserError(f"{path / CONFIG_NAME} lacks the whole-number key(s) {missing} a {config.get('model_type')} "
-                        f"export needs; re-export the checkpoint.")
-
-
 def _is_project_export(config: dict[str, Any]) -> bool:
-    return config.get("model_type") == "medusa" or "verifier_fingerprint" in config or "eagle_kind" in config
+    """Written by this toolkit (a fingerprint, or a layout only it writes), not a reference repository's checkpoint."""
+    return "verifier_fingerprint" in config or "eagle_kind" in config or any(
+        f.export.model_type is not None and config.get("model_type") == f.export.model_type
+        for f in FAMILIES.values() if f.export is not None)
 
 
 def _load_tensors(file: Path) -> dict[str, Tensor]:
@@ -126,14 +116,14 @@ def _read_reference(path: Path, config: dict[str, Any]) -> tuple[dict[str, Any],
                         f"({', '.join(ref.MEDUSA_FILES + ref.EAGLE_FILES)}).")
     tensors = _load_tensors(weights)
     kind = ref.layout_of(config, list(tensors))
-    if kind not in ("eagle", "eagle3"):
+    if kind is None:
         names = sorted(tensors)[:6]
         raise UserError(f"{weights}: unknown layout: not a specdraft export ({path / CONFIG_NAME} has no "
                         f"verifier_fingerprint; architectures={config.get('architectures')}) and its tensors {names} "
                         f"are none of the reference layouts (EAGLE-3: midlayer.*; EAGLE-1: fc.weight + layers.0.*; "
-                        f"Medusa: medusa_lm_head.* with {{h}}.{{l}}.linear.*). Convert it with scripts/convert.py or "
+                        f"Medusa: medusa_lm_head.* with {{h}}.{{l}}.linear.*). Convert it with `python -m scripts.convert` or "
                         f"pass an export train.py wrote.")
-    return ref.eagle_from_reference(kind, config, tensors)
+    return FAMILIES[kind].export.from_reference(config, tensors, weights)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -143,6 +133,53 @@ def read_config(path: str | Path) -> dict[str, Any]:
     path = Path(path).expanduser()
     config = _raw_config(path)
     return config if _is_project_export(config) else _read_reference(path, config)[0]
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """An export directory as read once, before any weight: its family (`kind`), its config, the verifier it names
+    and its acceptance estimates. `load_export(info, verifier)` then reads the weights."""
+
+    path: Path
+    kind: str
+    config: dict[str, Any]
+
+    @property
+    def verifier(self) -> dict[str, Any] | None:
+        """The verifier description the export stores (export_verifier), or None."""
+        return export_verifier(self.config)
+
+    @property
+    def acceptance(self) -> list[list[float]] | None:
+        """Its acceptance estimates as a cumulative top-k table, one row per depth, from the first of its family's
+        `acceptance` keys the config has (a per-depth list of top-1 rates is read as a chain: one rank per depth,
+        nothing on siblings); None when it records none."""
+        for key in FAMILIES[self.kind].acceptance:
+            value = self.config.get(key)
+            if value:
+                return [list(row) if isinstance(row, (list, tuple)) else [float(row)] for row in value]
+        return None
+
+    @property
+    def speculative_tokens(self) -> int | None:
+        """The chain an engine drafts when it serves the export as it is (speculators format), or None."""
+        return self.config.get("speculative_tokens")
+
+
+def read_info(path: str | Path | ExportInfo) -> ExportInfo:
+    """The export at `path` (config.json read once; a reference layout's converted), refusing a directory that holds
+    no family's export."""
+    if isinstance(path, ExportInfo):
+        return path
+    path = Path(path).expanduser()
+    config = read_config(path)
+    kind = export_kind(config)
+    if kind is None:
+        known = sorted(a for f in FAMILIES.values() if f.export for a in f.export.architectures + f.export.reads)
+        raise UserError(f"{path / CONFIG_NAME}: model_type={config.get('model_type')!r}, architectures="
+                        f"{config.get('architectures')}: no drafter family's export (expected architectures naming "
+                        f"one of {known}, or model_type 'medusa').")
+    return ExportInfo(path, kind, config)
 
 
 def read_weights(path: str | Path) -> dict[str, Tensor]:
@@ -158,13 +195,8 @@ def read_weights(path: str | Path) -> dict[str, Tensor]:
 
 
 def export_kind(config: dict[str, Any]) -> str | None:
-    """`medusa`, `eagle` or `eagle3` from an export's config; None if it is none of them."""
-    if config.get("model_type") == "medusa":
-        return "medusa"
-    for arch in config.get("architectures") or []:
-        if arch in ARCHITECTURE_KINDS:
-            return ARCHITECTURE_KINDS[arch]
-    return config.get("eagle_kind") if config.get("eagle_kind") in EAGLE_NETS else None
+    """The family an export's config holds (models.families.family_of_config); None if it is none of them."""
+    return family_of_config(config)
 
 
 def export_verifier(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -176,141 +208,32 @@ def export_verifier(config: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _load_state(net: nn.Module, tensors: dict[str, Tensor], path: Path) -> None:
-    try:
-        net.load_state_dict(tensors, strict=True)
-    except RuntimeError as e:
-        raise UserError(f"{path / WEIGHTS_NAME} does not match its config.json: {str(e).splitlines()[0]}") from e
-
-
-def aux_layer_ids(config: dict[str, Any], num_layers: int, file: str | Path = CONFIG_NAME) -> list[int]:
-    """An EAGLE-3 export's feature layers in this project's convention (id k = input of layer k = HF
-    `hidden_states[k]`), refusing ids that an engine would read differently.
-
-    The top-level `eagle_aux_hidden_state_layer_ids` is this convention (vLLM reads it); `eagle_config.
-    eagle_aux_hidden_state_layer_ids` must then be each id minus 1 (SGLang adds 1). An older export with only the
-    nested key stored this convention there; none at all = the engines' default [2, L//2, L-3]."""
-    top = config.get("eagle_aux_hidden_state_layer_ids")
-    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if top is not None:
-        check_aux_layers(top, num_layers, f"{file}: eagle_aux_hidden_state_layer_ids")
-        if nested is not None and list(nested) != [k - 1 for k in top]:
-            raise UserError(f"{file}: eagle_config.eagle_aux_hidden_state_layer_ids={list(nested)} is not "
-                            f"eagle_aux_hidden_state_layer_ids - 1 = {[k - 1 for k in top]}: SGLang reads the nested "
-                            f"key as 'output of layer k' and vLLM the top-level one as 'input of layer k', so the two "
-                            f"engines would feed different layers. Set the nested key to {[k - 1 for k in top]}.")
-        return list(top)
-    if nested is not None:
-        check_aux_layers(nested, num_layers, f"{file}: eagle_config.eagle_aux_hidden_state_layer_ids")
-        return list(nested)
-    default = [2, num_layers // 2, num_layers - 3]
-    check_aux_layers(default, num_layers, f"{file}: no eagle_aux_hidden_state_layer_ids, so the engines' default")
-    return default
-
-
-def _check_medusa(config: dict[str, Any], tensors: dict[str, Tensor], file: Path) -> None:
-    heads = {int(k.split(".")[1]) for k in tensors if k.startswith("blocks.")}
-    if len(heads) != int(config["num_heads"]):
-        raise UserError(f"{file}: config.json num_heads={config['num_heads']} but the weights hold {len(heads)} heads "
-                        f"(blocks.{{0..{len(heads) - 1}}}). Re-export the checkpoint, or fix num_heads.")
-    w = tensors.get("blocks.0.layers.0.weight")
-    if w is not None and tuple(w.shape) != (config["hidden_size"],) * 2:
-        raise UserError(f"{file}: config.json hidden_size={config['hidden_size']} but blocks.0.layers.0.weight is "
-                        f"{tuple(w.shape)}. Re-export the checkpoint, or fix hidden_size.")
-
-
-def _check_eagle(config: dict[str, Any], tensors: dict[str, Tensor], file: Path, verifier_hidden: int) -> None:
-    fc = tensors.get("fc.weight")
-    if fc is None:
-        raise UserError(f"{file}: no fc.weight tensor; this is not an EAGLE export. Re-export the checkpoint.")
-    if "hidden_size" in config and int(fc.shape[0]) != int(config["hidden_size"]):
-        raise UserError(f"{file}: config.json hidden_size={config['hidden_size']} but fc.weight is {tuple(fc.shape)} "
-                        f"(hidden size {fc.shape[0]}). Re-export the checkpoint, or fix hidden_size.")
-    if int(fc.shape[0]) != verifier_hidden:
-        raise UserError(f"{file}: fc.weight {tuple(fc.shape)} is for a hidden size of {fc.shape[0]}, but the verifier's "
-                        f"hidden_size is {verifier_hidden}. Pass the verifier the drafter was trained on.")
-
-
-def load_export(path: str | Path, verifier: Verifier, kind: str | None = None) -> Export:
-    """Rebuild the drafter an export holds, refusing one of another kind than `kind` (when given) or one made for
-    another verifier. A reference-layout checkpoint (models/reference_formats.py) loads too; having no fingerprint,
-    it is checked against the verifier by shape only."""
-    path = Path(path).expanduser()
-    config = read_config(path)
-    cfg_file = path / CONFIG_NAME
-    found = export_kind(config)
-    if found is None:
-        raise UserError(f"{cfg_file}: model_type={config.get('model_type')!r}, architectures="
-                        f"{config.get('architectures')}: neither a Medusa nor an EAGLE export (expected model_type "
-                        f"'medusa' or architectures naming one of {sorted(ARCHITECTURE_KINDS)}).")
+def load_export(path: str | Path | ExportInfo, verifier: Verifier, kind: str | None = None) -> Export:
+    """Rebuild the drafter an export holds (a directory, or its ExportInfo already read), refusing one of another
+    kind than `kind` (when given) or one made for another verifier. A reference-layout checkpoint
+    (models/reference_formats.py) loads too; having no fingerprint, it is checked against the verifier by shape
+    only."""
+    info = read_info(path)
+    path, found, config = info.path, info.kind, dict(info.config)
     if kind is not None and found != kind:
-        raise UserError(f"checkpoint={str(path)!r} is an {KIND_NAMES[found]} export but was given as "
-                        f"{KIND_NAMES.get(kind, kind)}. Use drafter={found} for it, or pass an {KIND_NAMES.get(kind, kind)} "
-                        f"export.")
+        raise UserError(f"checkpoint={str(path)!r} is an {title(found)} export but was given as {title(kind)}. Use "
+                        f"drafter={found} for it, or pass an {title(kind)} export.")
     reference = bool(config.get("reference_layout"))  # names no verifier: the one given is trusted
     if not reference:
         if not isinstance(config.get("verifier_fingerprint"), dict) or not config["verifier_fingerprint"]:
             raise UserError(f"{path / CONFIG_NAME} has no verifier_fingerprint, so it cannot be checked against the "
                             f"verifier it is used with. Re-export it with this toolkit (train.py), or convert a "
-                            f"reference-format checkpoint with scripts/convert.py.")
-        check_fingerprint(config["verifier_fingerprint"], verifier, f"{KIND_NAMES[found]} export {str(path)!r}")
+                            f"reference-format checkpoint with `python -m scripts.convert`.")
+        check_fingerprint(config["verifier_fingerprint"], verifier, f"{title(found)} export {str(path)!r}")
         if [f for f in stray_weight_files(path) if f.name != COUNTS_NAME]:
             check_engine_ready(path)  # a stray weight file: refused with its name and the fix
         if (path / COUNTS_NAME).is_file():  # written before the side data moved: loads here, vLLM refuses it
             warnings.warn(f"{path / COUNTS_NAME}: this export was written before side data moved to {SIDE_DIR}/; it "
-                          f"loads here, but vLLM refuses the folder. Rewrite it: python scripts/convert.py "
+                          f"loads here, but vLLM refuses the folder. Rewrite it: python -m scripts.convert "
                           f"from-reference {path} <new dir>.", stacklevel=2)
-    tensors = read_weights(path)
-    weights = path / WEIGHTS_NAME
-    if found == "medusa":
-        _require(config, ("hidden_size", "num_heads", "num_hidden_layers"), path)
-        _check_medusa(config, tensors, weights)
-        shared = bool(config.get("original_lm_head", False))
-        lm_head = verifier.lm_head.weight.detach().cpu()
-        if reference and not shared and all(torch.equal(tensors[f"lm_heads.{h}.weight"].to(lm_head.dtype), lm_head)
-                                            for h in range(int(config["num_heads"]))):
-            shared = True  # the reference copies a shared head into every head: share it again
-            for h in range(int(config["num_heads"])):
-                tensors.pop(f"lm_heads.{h}.weight")
-            config["original_lm_head"] = True
-        heads = MedusaHeads(hidden_size=config["hidden_size"], vocab_size=int(config.get("vocab_size") or verifier.vocab_size),
-                            num_heads=config["num_heads"], num_layers=config["num_hidden_layers"], share_lm_head=shared)
-        lm_head = tensors.pop("lm_head.weight", None) if shared else None
-        _load_state(heads, tensors, path)
-        return Export(found, heads.eval().requires_grad_(False), config, lm_head,
-                      read_target_counts(path, heads.vocab_size))
-    lc = layer_config(verifier)
-    _check_eagle(config, tensors, weights, lc["hidden_size"])
-    if found == "eagle3":
-        aux = aux_layer_ids(config, lc["num_verifier_layers"], cfg_file)
-        draft = min(int(config.get("draft_vocab_size") or lc["vocab_size"]), lc["vocab_size"])
-        d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
-        if draft == lc["vocab_size"]:
-            if d2t is not None and bool(d2t.any()):
-                raise UserError(f"{weights}: d2t is not all zeros but draft_vocab_size = the vocabulary size "
-                                f"({draft}): a full-vocabulary draft maps ids to themselves. Re-export the checkpoint.")
-        else:
-            if d2t is None:
-                raise UserError(f"{weights}: no d2t tensor, but draft_vocab_size={draft} is smaller than the "
-                                f"verifier's vocabulary ({lc['vocab_size']}): the draft ids cannot be mapped.")
-            if t2d is None and d2t.numel() == draft:
-                target = d2t.long() + torch.arange(d2t.numel())
-                if int(target.max()) < lc["vocab_size"]:
-                    t2d = torch.zeros(lc["vocab_size"], dtype=torch.bool)
-                    t2d[target] = True
-            if (t2d is None or t2d.numel() != lc["vocab_size"] or d2t.numel() != draft
-                    or int((d2t + d2t.new_tensor(range(d2t.numel()))).max()) >= lc["vocab_size"]):
-                raise UserError(f"{weights}: the draft vocabulary (d2t/t2d) does not fit the verifier's "
-                                f"vocabulary of {lc['vocab_size']} tokens. Retrain the drafter for this verifier.")
-            tensors |= {"d2t": d2t.long(), "t2d": t2d.bool()}
-        net: EagleNet = Eagle3Net(draft_vocab_size=draft, aux_layer_ids=aux, **lc)
-    else:
-        bias = tensors.get("fc.bias")
-        if bias is not None and not bool(bias.any()):
-            tensors.pop("fc.bias")  # the zero bias the export writes for SGLang and the EAGLE repository
-        net = Eagle1Net(fc_bias="fc.bias" in tensors, **lc)
-    _load_state(net, tensors, path)
-    return Export(found, net.eval().requires_grad_(False), config, target_counts=read_target_counts(path, lc["vocab_size"]))
+    net, lm_head = FAMILIES[found].export.read(config, read_weights(path), verifier, path / WEIGHTS_NAME, reference)
+    counts = read_target_counts(path, int(verifier.vocab_size))
+    return Export(found, net.eval().requires_grad_(False), config, lm_head, counts, path)
 
 
 def read_target_counts(path: Path, vocab_size: int) -> Tensor | None:
@@ -353,95 +276,28 @@ def _verifier_keys(verifier: Verifier) -> dict[str, Any]:
     return {"verifier": verifier.source, "verifier_path": path, "verifier_fingerprint": verifier.fingerprint}
 
 
-def _medusa_config(heads: MedusaHeads) -> dict[str, Any]:
-    return {
-        "model_type": "medusa",
-        "architectures": ["MedusaModel"],
-        "num_heads": heads.num_heads,
-        "num_hidden_layers": heads.num_layers,
-        "hidden_size": heads.hidden_size,
-        "vocab_size": heads.vocab_size,
-        "truncated_vocab_size": heads.vocab_size,
-        "medusa_fc_bias": True,
-        "original_lm_head": heads.share_lm_head,
-    }
-
-
-def _serving_dtype(verifier: Verifier) -> str:
-    """The dtype the drafter is served in: the verifier's own when it is a serving dtype, else bfloat16 (SGLang with
-    --dtype auto would turn a declared float32 into float16 beside a bf16 target)."""
-    declared = str(getattr(verifier.config, "dtype", None) or getattr(verifier.config, "torch_dtype", None) or "")
-    declared = declared.replace("torch.", "")
-    return declared if declared in SERVING_DTYPES else "bfloat16"
-
-
-def _eagle_config(net: EagleNet, verifier: Verifier) -> dict[str, Any]:
-    lc = layer_config(verifier)
-    dtype = _serving_dtype(verifier)
-    config = {
-        "architectures": list(EAGLE_ARCHITECTURES[net.kind]),
-        "model_type": "llama",
-        "hidden_size": lc["hidden_size"],
-        "intermediate_size": lc["intermediate_size"],
-        "num_attention_heads": lc["num_attention_heads"],
-        "num_key_value_heads": lc["num_key_value_heads"],
-        "head_dim": lc["head_dim"],
-        "num_hidden_layers": 1,
-        "rms_norm_eps": lc["rms_norm_eps"],
-        "rope_theta": lc["rope_theta"],
-        "attention_bias": lc["attention_bias"],
-        "hidden_act": "silu",
-        "vocab_size": lc["vocab_size"],
-        "max_position_embeddings": int(getattr(verifier.config, "max_position_embeddings", 2048)),
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-        "eagle_kind": net.kind,
-        "verifier_num_hidden_layers": lc["num_verifier_layers"],
-    }
-    if isinstance(net, Eagle3Net):
-        ids = list(net.aux_layer_ids)
-        check_aux_layers(ids, lc["num_verifier_layers"])
-        config["draft_vocab_size"] = net.draft_vocab_size
-        # vLLM (both model runners) reads the top-level key, as the input of layer k (this project's convention);
-        # SGLang reads only the nested one, as the output of layer k (it adds 1): the same layers, written twice.
-        config["eagle_aux_hidden_state_layer_ids"] = ids
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}
-    return config
-
-
 def served_verifier(verifier: Verifier) -> str:
     """What an engine serving the export loads as its verifier: the verifier's checkpoint (a local directory or a
     Hub id), else its display name (a verifier built in memory: `models.verifier.save_checkpoint` writes one)."""
     return verifier.checkpoint or verifier.name
 
 
-def save_export(net: MedusaHeads | EagleNet, verifier: Verifier, path: str | Path,
+def save_export(net: nn.Module, verifier: Verifier, path: str | Path,
                 extra: dict[str, Any] | None = None, target_counts: Tensor | None = None,
                 speculative_tokens: int = spec.DEFAULT_SPECULATIVE_TOKENS, served: str | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` for a Medusa or EAGLE drafter, atomically. Returns the directory.
+    """Write `config.json` + `model.safetensors` for the network of a family with an export (models/families.py),
+    atomically. Returns the directory.
     `target_counts` (V,): how often each verifier token was a training target, written as `SIDE_DIR/COUNTS_NAME`
     (the decoder's `draft_vocab` reads it; no engine looks there). An EAGLE-3 export is in the speculators format:
     `speculative_tokens` is the chain vLLM drafts when it serves the folder as it is, and `served` (default:
     `served_verifier(verifier)`) the verifier it loads."""
-    tensors = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
-    if isinstance(net, MedusaHeads):
-        config = _medusa_config(net)
-        if net.share_lm_head:  # vLLM reads one `lm_head.weight` and shares it across heads when `original_lm_head`
-            tensors["lm_head.weight"] = verifier.lm_head.weight.detach().cpu().contiguous()
-    elif isinstance(net, tuple(EAGLE_NETS.values())):
-        config = _eagle_config(net, verifier)
-        if "fc.bias" not in tensors and isinstance(net, Eagle1Net):
-            # SGLang and the EAGLE repository build fc with a bias and would leave a missing one random; vLLM drops
-            # an unexpected `.bias` (harmless: it is zero). Not `"bias": true` in the config: engines read that as
-            # "attention has biases".
-            tensors["fc.bias"] = torch.zeros(net.hidden_size, dtype=net.fc.weight.dtype)
-    else:
-        raise TypeError(f"save_export takes MedusaHeads or an EAGLE net, not {type(net).__name__}")
+    fmt = _format(family_of_net(net))
+    config, tensors = fmt.write(net, verifier)
     config |= _verifier_keys(verifier) | (extra or {})
-    if config.get("eagle_kind") in spec.SPECULATORS_KINDS:
+    if fmt.speculators_type is not None:
         architectures = list(getattr(verifier.config, "architectures", None) or [type(verifier.model).__name__])
-        config = spec.to_speculators(config, served or served_verifier(verifier), architectures, speculative_tokens)
+        config = spec.to_speculators(config, fmt.speculators_type, served or served_verifier(verifier),
+                                     architectures, speculative_tokens)
     text = json.dumps(config, indent=2)  # before any file is written: a value that is not JSON fails here
     with atomic_dir(path) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -466,8 +322,8 @@ def check_engine_ready(path: str | Path) -> None:
     path = Path(path).expanduser()
     for f in sorted(stray_weight_files(path), key=lambda f: f.name == COUNTS_NAME):  # a foreign file named first
         legacy = f.name == COUNTS_NAME
-        fix = (f"an export written before the side data moved to {SIDE_DIR}/: rewrite it with `python "
-               f"scripts/convert.py from-reference {path} <new dir>` (or move the file to {path / SIDE_DIR / f.name})"
+        fix = (f"an export written before the side data moved to {SIDE_DIR}/: rewrite it with `python -m "
+               f"scripts.convert from-reference {path} <new dir>` (or move the file to {path / SIDE_DIR / f.name})"
                if legacy else f"move it out of the folder (this toolkit keeps side data in {SIDE_DIR}/)")
         raise UserError(f"{f}: a weight file beside {WEIGHTS_NAME}. vLLM loads every *.safetensors in an export "
                         f"folder and refuses tensors its drafter has no parameter for, so it would not serve "
@@ -476,13 +332,18 @@ def check_engine_ready(path: str | Path) -> None:
 
 # -- the reference layouts (models/reference_formats.py), both ways ----------------------------------------------------
 
-REFERENCE_WEIGHTS = {"medusa": ("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
-                     "eagle": ("pytorch_model.bin", "model.safetensors"), "eagle3": ("model.safetensors", "pytorch_model.bin")}
+def _format(name: str) -> Any:
+    """The export format of family `name` (models/families.py)."""
+    fmt = FAMILIES[name].export
+    if fmt is None:
+        raise UserError(f"the {title(name)} family has no export format (models/families.py).")
+    return fmt
 
 
 def to_reference(kind: str | None, export_dir: str | Path, out_dir: str | Path, weights_name: str | None = None) -> Path:
     """This project's export -> the reference layout of its kind (Medusa repository, EAGLE repository, SpecForge),
-    written atomically into `out_dir`. `weights_name` picks the file (default: the first of REFERENCE_WEIGHTS[kind]);
+    written atomically into `out_dir`. `weights_name` picks the file (default: the first its family's
+    `reference_weights` names);
     `.pt` / `.bin` are written with torch.save, `.safetensors` with safetensors. Returns `out_dir`."""
     export_dir = Path(export_dir).expanduser()
     config = _raw_config(export_dir)
@@ -492,15 +353,13 @@ def to_reference(kind: str | None, export_dir: str | Path, out_dir: str | Path, 
     found = export_kind(config)
     if found is None or (kind is not None and kind != found):
         raise UserError(f"{export_dir / CONFIG_NAME}: an export of kind {found!r}, asked for {kind!r}.")
+    fmt = _format(found)
     tensors = read_weights(export_dir)
-    if found == "medusa":
-        cfg, out = ref.medusa_to_reference(config, tensors, config.get("verifier_path"), export_dir / WEIGHTS_NAME)
-    else:
-        cfg, out = ref.eagle_to_reference(found, config, tensors)
-    name = weights_name or REFERENCE_WEIGHTS[found][0]
-    if name not in REFERENCE_WEIGHTS[found]:
-        raise UserError(f"weights file {name!r} is not one the {KIND_NAMES[found]} reference reads; use one of "
-                        f"{list(REFERENCE_WEIGHTS[found])}.")
+    cfg, out = fmt.to_reference(config, tensors, config.get("verifier_path"), export_dir / WEIGHTS_NAME)
+    name = weights_name or fmt.reference_weights[0]
+    if name not in fmt.reference_weights:
+        raise UserError(f"weights file {name!r} is not one the {title(found)} reference reads; use one of "
+                        f"{list(fmt.reference_weights)}.")
     out = {k: v.contiguous() for k, v in out.items()}
     with atomic_dir(out_dir) as tmp:
         if name.endswith(".safetensors"):
@@ -523,8 +382,7 @@ def from_reference(ref_dir: str | Path, out_dir: str | Path, verifier: Verifier,
     loaded = load_export(ref_dir, verifier)
     kept = {}
     if not loaded.config.get("reference_layout"):  # an older export: keep what training recorded in it
-        net = loaded.net
-        written = _medusa_config(net) if isinstance(net, MedusaHeads) else _eagle_config(net, verifier)
+        written = _format(loaded.kind).write(loaded.net, verifier)[0]
         regenerated = {*written, *_verifier_keys(verifier), *REWRITTEN_KEYS}
         kept = {k: v for k, v in loaded.config.items() if k not in regenerated}
     tokens = speculative_tokens or loaded.config.get("speculative_tokens") or spec.DEFAULT_SPECULATIVE_TOKENS

@@ -21,6 +21,11 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from models.errors import UserError
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -145,3 +150,21 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- checks shared by every family's export reader (models/families.py) ----------------------------------------------
+
+def require_ints(config: dict[str, Any], keys: tuple[str, ...], file: Path) -> None:
+    """Refuse a config.json (`file`) that lacks one of `keys` as a whole number."""
+    missing = [k for k in keys if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
+    if missing:
+        raise UserError(f"{file} lacks the whole-number key(s) {missing} a {config.get('model_type')} export needs; "
+                        f"re-export the checkpoint.")
+
+
+def load_state(net: nn.Module, tensors: dict[str, Tensor], file: Path) -> None:
+    """`net.load_state_dict(tensors, strict=True)`, a mismatch refused naming the weights `file`."""
+    try:
+        net.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise UserError(f"{file} does not match its config.json: {str(e).splitlines()[0]}") from e

@@ -10,8 +10,14 @@ one shared `lm_head.weight` with `original_lm_head: true`), so `state_dict()` is
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import Tensor, nn
+
+from models.errors import UserError
+from models.io import load_state, require_ints
 
 
 class ResidualBlock(nn.Module):
@@ -68,9 +74,10 @@ class MedusaHeads(nn.Module):
         feats = self.head_features(hidden, k)
         return proj(feats.to(proj.weight.dtype))  # a shared frozen head may be bf16 while the blocks train in fp32
 
-    def forward(self, hidden: Tensor, lm_head: nn.Module | None = None) -> Tensor:
-        """All heads at once. (B, T, D) -> (K, B, T, V)"""
-        return torch.stack([self.head_logits(hidden, k, lm_head) for k in range(self.num_heads)])
+    @property
+    def shares_verifier_head(self) -> bool:
+        """Drafts through the verifier's lm_head (so `draft_vocab` can cut its rows)."""
+        return self.share_lm_head
 
 
 def medusa_targets(input_ids: Tensor, loss_mask: Tensor, num_heads: int) -> list[tuple[Tensor, Tensor]]:
@@ -90,3 +97,53 @@ def medusa_targets(input_ids: Tensor, loss_mask: Tensor, num_heads: int) -> list
             valid[:, : seqlen - shift] = loss_mask[:, shift:].bool()
         out.append((targets, valid))
     return out
+
+
+# -- the export layout (models/families.py registers it; models/export.py does the files) ----------------------------
+
+def medusa_layout(heads: MedusaHeads, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """vLLM's Medusa layout: the config keys and the tensors. A shared head is written once as `lm_head.weight`
+    (vLLM shares it across heads when `original_lm_head`)."""
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "num_heads": heads.num_heads,
+        "num_hidden_layers": heads.num_layers,
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+        "truncated_vocab_size": heads.vocab_size,
+        "medusa_fc_bias": True,
+        "original_lm_head": heads.share_lm_head,
+    }
+    tensors = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+    if heads.share_lm_head:
+        tensors["lm_head.weight"] = verifier.lm_head.weight.detach().cpu().contiguous()
+    return config, tensors
+
+
+def medusa_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Path,
+                       reference: bool) -> tuple[MedusaHeads, Tensor | None]:
+    """The heads an export holds, and the export's copy of the shared head (None when each head has its own)."""
+    require_ints(config, ("hidden_size", "num_heads", "num_hidden_layers"), file.parent / "config.json")
+    heads = {int(k.split(".")[1]) for k in tensors if k.startswith("blocks.")}
+    if len(heads) != int(config["num_heads"]):
+        raise UserError(f"{file}: config.json num_heads={config['num_heads']} but the weights hold {len(heads)} heads "
+                        f"(blocks.{{0..{len(heads) - 1}}}). Re-export the checkpoint, or fix num_heads.")
+    w = tensors.get("blocks.0.layers.0.weight")
+    if w is not None and tuple(w.shape) != (config["hidden_size"],) * 2:
+        raise UserError(f"{file}: config.json hidden_size={config['hidden_size']} but blocks.0.layers.0.weight is "
+                        f"{tuple(w.shape)}. Re-export the checkpoint, or fix hidden_size.")
+    shared = bool(config.get("original_lm_head", False))
+    own = verifier.lm_head.weight.detach().cpu()
+    num = int(config["num_heads"])
+    if reference and not shared and all(torch.equal(tensors[f"lm_heads.{h}.weight"].to(own.dtype), own)
+                                        for h in range(num)):
+        shared = True  # the reference copies a shared head into every head: share it again
+        for h in range(num):
+            tensors.pop(f"lm_heads.{h}.weight")
+        config["original_lm_head"] = True
+    net = MedusaHeads(hidden_size=config["hidden_size"], vocab_size=int(config.get("vocab_size") or verifier.vocab_size),
+                      num_heads=num, num_layers=config["num_hidden_layers"], share_lm_head=shared)
+    lm_head = tensors.pop("lm_head.weight", None) if shared else None
+    load_state(net, tensors, file)
+    return net, lm_head

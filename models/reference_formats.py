@@ -25,7 +25,6 @@ from models.errors import UserError
 
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
-REFERENCE_KINDS = ("medusa", "eagle", "eagle3")
 # Keys of this project's exports that a reference config does not carry.
 PROJECT_KEYS = ("verifier", "verifier_path", "verifier_fingerprint", "eagle_kind", "verifier_num_hidden_layers",
                 "eagle_aux_hidden_state_layer_ids", "dtype", "reference_layout")
@@ -97,7 +96,8 @@ def medusa_from_reference(config: dict[str, Any], tensors: dict[str, Tensor], fi
     return cfg, out
 
 
-def eagle_from_reference(kind: str, config: dict[str, Any], tensors: dict[str, Tensor]) -> tuple[dict, dict]:
+def eagle_from_reference(kind: str, config: dict[str, Any], tensors: dict[str, Tensor],
+                         file: Path | None = None) -> tuple[dict, dict]:
     """An EAGLE-1 / EAGLE-3 reference config + state dict -> this project's (same tensor names; embeddings dropped;
     EAGLE-3 layer ids moved to this project's convention, top-level)."""
     cfg = dict(config) | {"eagle_kind": kind, "reference_layout": kind}
@@ -133,7 +133,8 @@ def medusa_to_reference(config: dict[str, Any], tensors: dict[str, Tensor], base
     return cfg, out
 
 
-def eagle_to_reference(kind: str, config: dict[str, Any], tensors: dict[str, Tensor]) -> tuple[dict, dict]:
+def eagle_to_reference(kind: str, config: dict[str, Any], tensors: dict[str, Tensor], base_model: str | None = None,
+                       file: Path | None = None) -> tuple[dict, dict]:
     """This project's EAGLE export -> the EAGLE repository's (EAGLE-1) / SpecForge's (EAGLE-3) config + state dict."""
     cfg = _strip(config)
     out = dict(tensors)

@@ -19,8 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 from models.errors import UserError
+from models.families import FAMILIES
 
-SPECULATORS_KINDS = {"eagle3": "eagle3"}  # our kind -> speculators_model_type vLLM registers (EAGLE-1 has none)
+
+def _families() -> dict[str, str]:
+    """speculators_model_type -> the family whose export is written in it (models/families.py)."""
+    return {f.export.speculators_type: n for n, f in FAMILIES.items()
+            if f.export is not None and f.export.speculators_type is not None}
+
+
 # The algorithm's flags whose defaults differ between vLLM's reader and the `speculators` library, or whose
 # meaning our network fixes: written explicitly, and checked on reading. Our EAGLE-3 layer keeps the un-normed
 # hidden state as its residual (vLLM's default for this format would norm it first).
@@ -35,13 +42,12 @@ def is_speculators(config: dict[str, Any]) -> bool:
     return "speculators_model_type" in config or "speculators_config" in config
 
 
-def to_speculators(flat: dict[str, Any], verifier_name_or_path: str, verifier_architectures: list[str],
+def to_speculators(flat: dict[str, Any], algorithm: str, verifier_name_or_path: str,
+                   verifier_architectures: list[str],
                    speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS) -> dict[str, Any]:
-    """A flat EAGLE-3 export config (models/export.py `_eagle_config` plus this project's keys) in the speculators
-    format. `speculative_tokens`: the chain length vLLM drafts when it serves the export as it is."""
-    kind = flat.get("eagle_kind")
-    if kind not in SPECULATORS_KINDS:
-        raise ValueError(f"the speculators format holds {sorted(SPECULATORS_KINDS)}, not {kind!r}")
+    """A flat EAGLE-3 export config (models/eagle_export.py's layout plus this project's keys) in the speculators
+    format as `algorithm` (the family's `speculators_type`). `speculative_tokens`: the chain length vLLM drafts when
+    it serves the export as it is."""
     if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
         raise UserError(f"speculative_tokens={speculative_tokens!r}: give a whole number >= 1 (the tokens vLLM drafts "
                         f"per step when it serves the export).")
@@ -50,7 +56,7 @@ def to_speculators(flat: dict[str, Any], verifier_name_or_path: str, verifier_ar
     own = {k: v for k, v in flat.items() if k not in LAYER_KEYS and k not in ("architectures", "eagle_config")}
     return {
         "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": SPECULATORS_KINDS[kind],
+        "speculators_model_type": algorithm,
         "transformer_layer_config": layer,
         **EAGLE3_FLAGS,
         "draft_vocab_size": flat["draft_vocab_size"],
@@ -58,7 +64,7 @@ def to_speculators(flat: dict[str, Any], verifier_name_or_path: str, verifier_ar
         "eagle_aux_hidden_state_layer_ids": list(flat["eagle_aux_hidden_state_layer_ids"]),
         "torch_dtype": flat.get("torch_dtype"),
         "speculators_config": {
-            "algorithm": SPECULATORS_KINDS[kind],
+            "algorithm": algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -83,10 +89,10 @@ def flatten(config: dict[str, Any], file: str = "config.json") -> dict[str, Any]
     """A speculators-format config as this project's flat EAGLE-3 config, every field vLLM needs checked first:
     one message per problem, naming the key and the fix."""
     algo = config.get("speculators_model_type")
-    if algo not in SPECULATORS_KINDS.values():
+    if algo not in _families():
         raise UserError(f"{file}: speculators_model_type={algo!r}: this toolkit reads the speculators format for "
-                        f"{sorted(SPECULATORS_KINDS.values())}. Export the drafter with this toolkit, or convert it "
-                        f"with scripts/convert.py.")
+                        f"{sorted(_families())}. Export the drafter with this toolkit, or convert it "
+                        f"with `python -m scripts.convert`.")
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict) or "hidden_size" not in layer:
         raise UserError(f"{file}: transformer_layer_config is missing or has no hidden_size: the speculators format "
@@ -124,7 +130,7 @@ def flatten(config: dict[str, Any], file: str = "config.json") -> dict[str, Any]
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:  # the older flat layout's SGLang key (output of layer k - 1): what to_reference writes
         flat["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}
-    flat["eagle_kind"] = "eagle3"
+    flat["eagle_kind"] = _families()[algo]
     flat["speculative_tokens"] = tokens
     flat["speculators_verifier"] = dict(verifier)
     return flat

@@ -18,12 +18,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from models.errors import UserError
+from models.families import FAMILIES
 
 VERSION = "0.32.0"
 WORKER = Path(__file__).with_name("vllm_worker.py")
-# Families vLLM 0.32 drafts with, and the --speculative-config method of each (an EAGLE-3 export in the
-# speculators format is also served as the model itself, with no speculative config).
-METHODS = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3"}
+
+
+def methods() -> dict[str, str]:
+    """Families vLLM drafts with, and the --speculative-config method of each (models/families.py `serve`; an
+    EAGLE-3 export in the speculators format is also served as the model itself, with no speculative config)."""
+    return {n: f.serve for n, f in FAMILIES.items() if f.serve is not None}
 
 
 def venv_dir() -> Path:
@@ -63,9 +67,9 @@ def engine_env(threads: int | None = None) -> dict[str, str]:
 
 def speculative_config(kind: str, export_dir: str | Path, tokens: int) -> dict[str, Any]:
     """The --speculative-config that serves an export of `kind` drafting `tokens` tokens per step."""
-    if kind not in METHODS:
-        raise UserError(f"vLLM {VERSION} does not serve {kind!r} drafters; it serves {sorted(METHODS)}.")
-    return {"method": METHODS[kind], "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(tokens)}
+    if kind not in methods():
+        raise UserError(f"vLLM {VERSION} does not serve {kind!r} drafters; it serves {sorted(methods())}.")
+    return {"method": methods()[kind], "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(tokens)}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The learning curve: tau and teacher-forced chain accuracy of drafters trained on more and more verifier tokens.
 
-    python scripts/learning_curve.py outputs/eagle-40k/export outputs/eagle-250k/export ... \
+    python -m scripts.learning_curve outputs/eagle-40k/export outputs/eagle-250k/export ... \
         --tree-sizes 16 24 --num-prompts 20 --max-new-tokens 128 --out outputs/learning_curve
 
 Every export is decoded greedily on the same built-in eval prompts (never trained on) with the verifier in float32,
@@ -27,19 +27,17 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from data.chat import prompt_ids  # noqa: E402
-from data.prompts import load_conversations, select_prompts  # noqa: E402
-from data.selfdistill import build_selfdistill  # noqa: E402
-from eval.accept import mean_accept_length  # noqa: E402
-from eval.decode import greedy_decode, speculative_decode  # noqa: E402
-from eval.drafters import make_drafter  # noqa: E402
-from eval.offline import score_export, verifier_top1  # noqa: E402
-from eval.tree import AutoTree  # noqa: E402
-from models.export import KIND_NAMES, export_kind, export_verifier, load_export, read_config  # noqa: E402
-from models.verifier import load_verifier  # noqa: E402
+from data.chat import prompt_ids
+from data.prompts import load_conversations, select_prompts
+from data.selfdistill import build_selfdistill
+from eval.accept import mean_accept_length
+from eval.decode import greedy_decode, speculative_decode
+from eval.drafters import make_drafter
+from eval.offline import score_export, verifier_top1
+from eval.tree import AutoTree
+from models.export import export_kind, export_verifier, load_export, read_config
+from models.families import title
+from models.verifier import load_verifier
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -101,7 +99,7 @@ def main() -> None:
     print(f"verifier's mean top-1 probability on its own answers (T=1): {ceiling:.3f}")
     results = []
     for export, config, n_tokens in zip(exports, configs, tokens):
-        row: dict[str, Any] = {"export": str(export), "drafter": KIND_NAMES.get(export_kind(config), str(export_kind(config))),
+        row: dict[str, Any] = {"export": str(export), "drafter": title(export_kind(config)),
                                "train_tokens": int(n_tokens), "tau": {}, "greedy_match": {}}
         for size in args.tree_sizes:
             drafter = make_drafter(None, verifier, AutoTree(size), checkpoint=export)

@@ -2,13 +2,13 @@
 compared by real greedy speculative decoding, chains of the same depth.
 
     python train.py model=medusa && python train.py model=draft_model       # both on the default data
-    python scripts/medusa_vs_draft_model.py --threads 1 --num-prompts 10 --max-new-tokens 64
+    python -m scripts.medusa_vs_draft_model --threads 1 --num-prompts 10 --max-new-tokens 64
 
 Three drafters, each proposing a chain of --depth tokens that one verifier forward checks: the Medusa export (each
 head's top-1), the distilled draft model (its own argmax, token after token, with its own KV cache), and as a
 baseline the untrained truncated copy of the verifier with as many layers as the distilled one. They decode the
 built-in eval split (never trained on) interleaved per prompt with our plain greedy decoding (eval.compare's
-FamilyRunner, driven by eval.harness.run_prompts), in --dtype (default float32). Printed per drafter: tau (tokens
+eval.runner.Runner, driven by eval.runner.run_prompts), in --dtype (default float32). Printed per drafter: tau (tokens
 per verifier forward, bonus included), alpha_k (fraction of rounds whose k-th draft was accepted), tokens/s against
 plain greedy and whether the output equals plain greedy's. Writes medusa_vs_draft_model.json and .png to --out.
 """
@@ -17,25 +17,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from data.prompts import load_conversations, select_prompts  # noqa: E402
-from eval.accept import per_position_acceptance  # noqa: E402
-from eval.compare import FamilyRunner, rows  # noqa: E402
-from eval.draft_model import make_draft_model_drafter  # noqa: E402
-from eval.drafters import make_drafter  # noqa: E402
-from eval.harness import run_prompts  # noqa: E402
-from eval.tree import Chain  # noqa: E402
-from models.draft_model import read_draft_info  # noqa: E402
-from models.errors import UserError, exit_on_user_error  # noqa: E402
-from models.export import export_verifier, read_config  # noqa: E402
-from models.verifier import default_cache_dir, load_verifier  # noqa: E402
+from data.prompts import load_conversations, select_prompts
+from eval.accept import per_position_acceptance
+from eval.compare import rows
+from eval.draft_model import make_draft_model_drafter
+from eval.drafters import make_drafter
+from eval.runner import Runner, run_prompts
+from eval.tree import Chain
+from models.draft_model import read_draft_info
+from models.errors import UserError, exit_on_user_error
+from models.export import export_verifier, read_config
+from models.verifier import default_cache_dir, load_verifier
 
 
 def save_chart(methods: dict[str, dict], depth: int, title: str, path: Path) -> Path:
@@ -95,7 +91,7 @@ def run(args: argparse.Namespace) -> None:
                                                                                 layers=layers),
     }
     convs = select_prompts(load_conversations("builtin", split="eval"), args.num_prompts)
-    runner = FamilyRunner(verifier, drafters, args.max_new_tokens, lookup=10)
+    runner = Runner(verifier, drafters, args.max_new_tokens, lookup=10)
     samples = run_prompts(runner, convs, multi_turn=False, warmup=True)
     table = rows(samples, list(drafters))
     methods = {}

@@ -13,7 +13,7 @@ from helpers import ROOT
 from eval import cost
 from eval.tree import AutoTree, auto_tree, chain
 from models.errors import UserError
-from models.export import save_export
+from models.export import ExportInfo, save_export
 from models.medusa import MedusaHeads
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
@@ -25,11 +25,11 @@ def test_expected_tokens_are_the_tree_node_values():
     assert cost.tree_values(tree, ACCURACY) == pytest.approx([0.6, 0.15, 0.27])
     assert cost.expected_tokens(ACCURACY, 3) == pytest.approx(1 + 0.6 + 0.27 + 0.15)
     assert cost.tree_values(chain(5), ACCURACY)[-1] == 0.0  # no fifth head in the table: never right
-    eagle = cost.acceptance_table("eagle3", {"val_step_top1": [0.7, 0.5]})
+    eagle = ExportInfo(Path("."), "eagle3", {"val_step_top1": [0.7, 0.5]}).acceptance
     assert cost.expected_tokens(eagle, 10) == pytest.approx(1 + 0.7 + 0.35)  # a chain: siblings unknown
     # With its per-depth top-k table an EAGLE export plans trees with siblings, and the table wins over the chain.
     table = [[0.5, 0.7], [0.4, 0.6]]
-    eagle = cost.acceptance_table("eagle", {"eagle_topk_accuracy": table, "val_step_top1": [0.9, 0.9]})
+    eagle = ExportInfo(Path("."), "eagle", {"eagle_topk_accuracy": table, "val_step_top1": [0.9, 0.9]}).acceptance
     assert eagle == table
     assert cost.expected_tokens(eagle, 3) == pytest.approx(1 + 0.5 + 0.2 + 0.5 * 0.4)  # (0), (1), (0, 0)
 
@@ -61,10 +61,11 @@ def test_draft_time_enters_the_prediction():
 
 def test_the_hybrid_plans_from_its_primarys_table_and_drafts_at_least_one_node():
     linear = cost.Curve("float32", 1, "hf", SIZES, [float(n) for n in SIZES], [], [], {})  # no tree pays
-    medusa = {"model_type": "medusa", "medusa_topk_accuracy": ACCURACY}
-    assert cost.acceptance_table("hybrid", medusa) == ACCURACY
-    eagle = {"architectures": ["Eagle3LlamaForCausalLM"], "eagle_topk_accuracy": [[0.5, 0.7]]}
-    assert cost.acceptance_table("hybrid", eagle) == [[0.5, 0.7]]
+    medusa = ExportInfo(Path("."), "medusa", {"model_type": "medusa", "medusa_topk_accuracy": ACCURACY})
+    assert medusa.acceptance == ACCURACY
+    eagle = ExportInfo(Path("."), "eagle3", {"architectures": ["Eagle3LlamaForCausalLM"],
+                                               "eagle_topk_accuracy": [[0.5, 0.7]]})
+    assert eagle.acceptance == [[0.5, 0.7]]
     assert cost.auto_size("medusa", medusa, linear).size == 0  # plain decoding
     assert cost.auto_size("hybrid", medusa, linear).size == 1  # the grafted lookup chain needs a node
     flat = cost.Curve("float32", 1, "hf", SIZES, [10.0] * 7, [], [], {})
@@ -74,7 +75,7 @@ def test_the_hybrid_plans_from_its_primarys_table_and_drafts_at_least_one_node()
 def test_auto_size_needs_the_exports_estimates():
     curve = cost.Curve("float32", 1, "hf", SIZES, [10.0] * 7, [], [], {})
     with pytest.raises(UserError, match="val_step_top1"):
-        cost.auto_size("eagle", {}, curve)
+        cost.auto_size("eagle", ExportInfo(Path("."), "eagle", {}), curve)
     with pytest.raises(UserError, match="'auto'"):
         AutoTree(size="big")
 

@@ -20,7 +20,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from helpers import varied_llama
 from eval import decode, kv
 from eval.decode import greedy_decode, speculative_decode
-from eval.drafters import Draft, Drafter, MedusaDrafter, make_drafter
+from eval.drafters import Draft, Drafter, make_drafter
+from eval.medusa import MedusaDrafter
 from eval.tree import AutoTree, Tree, TreeBuffers, auto_tree, chain, from_medusa_choices
 from models.errors import UserError
 from models.export import save_export
@@ -261,7 +262,7 @@ def test_factory_loads_an_export_and_its_accuracy(base, tmp_path):
     assert draft.tokens.shape == (1, 7)
     with pytest.raises(UserError, match="3 heads"):
         make_drafter("medusa", base, chain(4), checkpoint=tmp_path / "export")
-    with pytest.raises(UserError, match="not known"):
+    with pytest.raises(UserError, match="no family with an export"):
         make_drafter("lookahead", base, chain(4), net=heads)
 
 

@@ -141,7 +141,7 @@ def test_vllm_serves_the_eagle3_export_as_the_model_itself(vllm, exports, prompt
 def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, exports, smollm2, tmp_path):
     """The failure users met: an EAGLE export with the target counts beside its weights (as exports were written
     before side data moved to specdraft/). vLLM refuses it; our loader names the file and the fix; the rewrite
-    that message proposes (scripts/convert.py from-reference) is served."""
+    that message proposes (python -m scripts.convert from-reference) is served."""
     from models.errors import UserError
     from models.export import check_engine_ready, from_reference, load_export
 
@@ -151,7 +151,7 @@ def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, expor
     with pytest.raises(vllm.EngineError, match="counts"):
         vllm.serve(smollm2.checkpoint, [[1, 2, 3]], 4, dtype="float32", spec=vllm.speculative_config("eagle", old, 2))
     with pytest.raises(UserError, match=r"target_counts.safetensors: a weight file beside model.safetensors.*"
-                                        r"scripts/convert.py from-reference"):
+                                        r"scripts.convert from-reference"):
         check_engine_ready(old)
     with pytest.warns(UserWarning, match="vLLM refuses the folder"):
         assert load_export(old, smollm2).target_counts is not None  # still loads in python -m eval

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from models.errors import UserError
-from models.export import KIND_NAMES, Export, frequent_ids
+from models.export import Export, frequent_ids
+from models.families import title
 
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 
@@ -99,9 +100,9 @@ class DrafterModule(L.LightningModule):
             raise UserError(f"init_from={source!r}: only Medusa and EAGLE runs start from an export (model=medusa, "
                             f"eagle, eagle3). Drop init_from.")
         if export.kind != self.drafter_kind:
-            raise UserError(f"init_from={source!r} is an {KIND_NAMES[export.kind]} export but this run trains "
-                            f"{KIND_NAMES[self.drafter_kind]} (model={self.drafter_kind}): pass model={export.kind}, "
-                            f"or an {KIND_NAMES[self.drafter_kind]} export.")
+            raise UserError(f"init_from={source!r} is an {title(export.kind)} export but this run trains "
+                            f"{title(self.drafter_kind)} (model={self.drafter_kind}): pass model={export.kind}, "
+                            f"or an {title(self.drafter_kind)} export.")
         mine, theirs = self.drafter_net.state_dict(), export.net.state_dict()
         diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in set(mine) & set(theirs)
                                                         if mine[k].shape != theirs[k].shape)
@@ -122,7 +123,7 @@ class DrafterModule(L.LightningModule):
         with torch.no_grad():
             self.drafter_net.load_state_dict(theirs)
         self.warm = export
-        print(f"[init_from] {KIND_NAMES[export.kind]} weights from {source}"
+        print(f"[init_from] {title(export.kind)} weights from {source}"
               + (f", its {size} vocabulary rows" if size else ""))
 
     # -- training over the most frequent targets' rows of the verifier's lm_head (model.train_vocab) ---------------

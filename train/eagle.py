@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.eagle import NAMES, Eagle1Net, Eagle3Net, build_eagle, target_rank, unroll
+from models.families import title
+from models.eagle import Eagle1Net, Eagle3Net, build_eagle, target_rank, unroll
 from models.errors import NonFiniteLossError, UserError
 from models.export import check_vocab_size, save_export
 from models.verifier import Verifier
@@ -59,7 +60,7 @@ def validation_tallies(correct: Tensor, valid: Tensor, rank: Tensor, topk: int =
 def validation_summary(agg: dict[str, Tensor]) -> dict[str, Any]:
     """What exports record from the summed tallies: `val_step_top1` (each step's top-1 over its valid targets),
     `estimated_tau` (1 + the mean accepted chain) and `eagle_topk_accuracy` (S, topk), the cumulative top-k where
-    the chain reaches each step: the per-depth table tree planning reads (eval.cost.acceptance_table)."""
+    the chain reaches each step: the per-depth table tree planning reads (models.export.ExportInfo.acceptance)."""
     acc = agg["hits"] / agg["counts"].clamp(min=1)
     tau = 1 + agg["accept"] / agg["starts"].clamp(min=1)
     topk = agg["topk_hits"] / agg["reached"].clamp(min=1)[:, None]
@@ -279,7 +280,7 @@ class EagleModule(DrafterModule):
 
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
-        extra = {**self.val_summary, **self.train_summary, "trained_steps": self.trained_steps, "drafter": NAMES[self.net.kind],
+        extra = {**self.val_summary, **self.train_summary, "trained_steps": self.trained_steps, "drafter": title(self.net.kind),
                  "draft_vocab_coverage": self.draft_vocab_coverage, **self.train_vocab_record(),
                  **data_record(self._trainer)}
         return save_export(self.net, self.verifier, path, extra, target_counts=self.target_counts)

@@ -1,0 +1,148 @@
+"""The EAGLE-1 and EAGLE-3 export layouts (models/families.py registers them; models/export.py does the files).
+
+Both are the Llama-drafter layouts vLLM and SGLang load: a Llama config for one decoder layer (`architectures`
+names the family), `fc.weight`, `layers.0.*` (EAGLE-1) or `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d` (EAGLE-3).
+EAGLE-3's feature layers are written twice, once per engine's convention (`aux_layer_ids`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.eagle import Eagle1Net, Eagle3Net, EagleNet, check_aux_layers, layer_config
+from models.errors import UserError
+from models.io import load_state
+
+SERVING_DTYPES = ("bfloat16", "float16")
+# SGLang takes the first registered name (LlamaForCausalLMEagle); vLLM resolves the list through the second
+# (EagleLlamaForCausalLM, kept as is by its EAGLEConfig). Never plain LlamaForCausalLM: SGLang would build the target.
+ARCHITECTURES = {"eagle": ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
+
+
+def serving_dtype(verifier: Any) -> str:
+    """The dtype the drafter is served in: the verifier's own when it is a serving dtype, else bfloat16 (SGLang with
+    --dtype auto would turn a declared float32 into float16 beside a bf16 target)."""
+    declared = str(getattr(verifier.config, "dtype", None) or getattr(verifier.config, "torch_dtype", None) or "")
+    declared = declared.replace("torch.", "")
+    return declared if declared in SERVING_DTYPES else "bfloat16"
+
+
+def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The config keys and tensors of an EAGLE-1 or EAGLE-3 export."""
+    lc = layer_config(verifier)
+    dtype = serving_dtype(verifier)
+    config = {
+        "architectures": list(ARCHITECTURES[net.kind]),
+        "model_type": "llama",
+        "hidden_size": lc["hidden_size"],
+        "intermediate_size": lc["intermediate_size"],
+        "num_attention_heads": lc["num_attention_heads"],
+        "num_key_value_heads": lc["num_key_value_heads"],
+        "head_dim": lc["head_dim"],
+        "num_hidden_layers": 1,
+        "rms_norm_eps": lc["rms_norm_eps"],
+        "rope_theta": lc["rope_theta"],
+        "attention_bias": lc["attention_bias"],
+        "hidden_act": "silu",
+        "vocab_size": lc["vocab_size"],
+        "max_position_embeddings": int(getattr(verifier.config, "max_position_embeddings", 2048)),
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "eagle_kind": net.kind,
+        "verifier_num_hidden_layers": lc["num_verifier_layers"],
+    }
+    tensors = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    if isinstance(net, Eagle3Net):
+        ids = list(net.aux_layer_ids)
+        check_aux_layers(ids, lc["num_verifier_layers"])
+        config["draft_vocab_size"] = net.draft_vocab_size
+        # vLLM (both model runners) reads the top-level key, as the input of layer k (this project's convention);
+        # SGLang reads only the nested one, as the output of layer k (it adds 1): the same layers, written twice.
+        config["eagle_aux_hidden_state_layer_ids"] = ids
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}
+    elif "fc.bias" not in tensors:
+        # SGLang and the EAGLE repository build fc with a bias and would leave a missing one random; vLLM drops an
+        # unexpected `.bias` (harmless: it is zero). Not `"bias": true` in the config: engines read that as
+        # "attention has biases".
+        tensors["fc.bias"] = torch.zeros(net.hidden_size, dtype=net.fc.weight.dtype)
+    return config, tensors
+
+
+def aux_layer_ids(config: dict[str, Any], num_layers: int, file: str | Path = "config.json") -> list[int]:
+    """An EAGLE-3 export's feature layers in this project's convention (id k = input of layer k = HF
+    `hidden_states[k]`), refusing ids that an engine would read differently.
+
+    The top-level `eagle_aux_hidden_state_layer_ids` is this convention (vLLM reads it); `eagle_config.
+    eagle_aux_hidden_state_layer_ids` must then be each id minus 1 (SGLang adds 1). An older export with only the
+    nested key stored this convention there; none at all = the engines' default [2, L//2, L-3]."""
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if top is not None:
+        check_aux_layers(top, num_layers, f"{file}: eagle_aux_hidden_state_layer_ids")
+        if nested is not None and list(nested) != [k - 1 for k in top]:
+            raise UserError(f"{file}: eagle_config.eagle_aux_hidden_state_layer_ids={list(nested)} is not "
+                            f"eagle_aux_hidden_state_layer_ids - 1 = {[k - 1 for k in top]}: SGLang reads the nested "
+                            f"key as 'output of layer k' and vLLM the top-level one as 'input of layer k', so the two "
+                            f"engines would feed different layers. Set the nested key to {[k - 1 for k in top]}.")
+        return list(top)
+    if nested is not None:
+        check_aux_layers(nested, num_layers, f"{file}: eagle_config.eagle_aux_hidden_state_layer_ids")
+        return list(nested)
+    default = [2, num_layers // 2, num_layers - 3]
+    check_aux_layers(default, num_layers, f"{file}: no eagle_aux_hidden_state_layer_ids, so the engines' default")
+    return default
+
+
+def _draft_vocab(tensors: dict[str, Tensor], draft: int, vocab: int, file: Path) -> None:
+    """Check EAGLE-3's d2t / t2d against the verifier's vocabulary, derive a missing t2d, in place."""
+    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    if draft == vocab:
+        if d2t is not None and bool(d2t.any()):
+            raise UserError(f"{file}: d2t is not all zeros but draft_vocab_size = the vocabulary size ({draft}): a "
+                            f"full-vocabulary draft maps ids to themselves. Re-export the checkpoint.")
+        return
+    if d2t is None:
+        raise UserError(f"{file}: no d2t tensor, but draft_vocab_size={draft} is smaller than the verifier's "
+                        f"vocabulary ({vocab}): the draft ids cannot be mapped.")
+    if t2d is None and d2t.numel() == draft:
+        target = d2t.long() + torch.arange(d2t.numel())
+        if int(target.max()) < vocab:
+            t2d = torch.zeros(vocab, dtype=torch.bool)
+            t2d[target] = True
+    if (t2d is None or t2d.numel() != vocab or d2t.numel() != draft
+            or int((d2t + d2t.new_tensor(range(d2t.numel()))).max()) >= vocab):
+        raise UserError(f"{file}: the draft vocabulary (d2t/t2d) does not fit the verifier's vocabulary of {vocab} "
+                        f"tokens. Retrain the drafter for this verifier.")
+    tensors |= {"d2t": d2t.long(), "t2d": t2d.bool()}
+
+
+def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Path,
+                      reference: bool) -> tuple[EagleNet, None]:
+    """The EAGLE-1 (`kind` "eagle") or EAGLE-3 ("eagle3") network an export holds, shaped like `verifier`'s layers."""
+    lc = layer_config(verifier)
+    fc = tensors.get("fc.weight")
+    if fc is None:
+        raise UserError(f"{file}: no fc.weight tensor; this is not an EAGLE export. Re-export the checkpoint.")
+    if "hidden_size" in config and int(fc.shape[0]) != int(config["hidden_size"]):
+        raise UserError(f"{file}: config.json hidden_size={config['hidden_size']} but fc.weight is {tuple(fc.shape)} "
+                        f"(hidden size {fc.shape[0]}). Re-export the checkpoint, or fix hidden_size.")
+    if int(fc.shape[0]) != lc["hidden_size"]:
+        raise UserError(f"{file}: fc.weight {tuple(fc.shape)} is for a hidden size of {fc.shape[0]}, but the verifier's "
+                        f"hidden_size is {lc['hidden_size']}. Pass the verifier the drafter was trained on.")
+    if kind == "eagle3":
+        aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json")
+        draft = min(int(config.get("draft_vocab_size") or lc["vocab_size"]), lc["vocab_size"])
+        _draft_vocab(tensors, draft, lc["vocab_size"], file)
+        net: EagleNet = Eagle3Net(draft_vocab_size=draft, aux_layer_ids=aux, **lc)
+    else:
+        bias = tensors.get("fc.bias")
+        if bias is not None and not bool(bias.any()):
+            tensors.pop("fc.bias")  # the zero bias the export writes for SGLang and the EAGLE repository
+        net = Eagle1Net(fc_bias="fc.bias" in tensors, **lc)
+    load_state(net, tensors, file)
+    return net, None

@@ -1,0 +1,160 @@
+"""The drafter families, in one place: what each is made of, for training (train.py), export I/O (models/export.py),
+decoding (eval/) and serving (models/vllm_engine.py). Every other module reads this registry instead of naming
+families; adding one is its modules plus one entry in FAMILIES (tests/test_families_registry.py runs every entry
+through train -> export -> read -> decode).
+
+Pieces that live above models/ (a LightningModule in train/, a drafter in eval/) are named by their dotted path, as
+Hydra's `_target_` names them, and resolved where they are used (`resolve`): models/ imports neither train/ nor
+eval/. `conf/model/<name>.yaml` and `conf/drafter/<name>.yaml` must target the same paths (a test checks it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from models import reference_formats as ref
+from models.eagle import Eagle1Net, Eagle3Net
+from models.eagle_export import eagle_layout, eagle_from_layout
+from models.errors import UserError
+from models.medusa import MedusaHeads, medusa_from_layout, medusa_layout
+
+# (net, verifier) -> (the family's config keys, tensors to write)
+Writer = Callable[[nn.Module, Any], tuple[dict[str, Any], dict[str, Tensor]]]
+# (config, tensors, verifier, weights file, reference layout?) -> (network, the export's copy of a shared head or None)
+Reader = Callable[[dict[str, Any], dict[str, Tensor], Any, Path, bool], tuple[nn.Module, Tensor | None]]
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """How a family's export is written and read; models/export.py does the files, the verifier fingerprint and the
+    side data, this says what is the family's own."""
+
+    architectures: tuple[str, ...]  # written into config.json, in this order; any of them identifies the family
+    write: Writer
+    read: Reader
+    model_type: str | None = None  # identifies the family first, when set (vLLM's Medusa layout: "medusa")
+    reads: tuple[str, ...] = ()  # further `architectures` read as this family
+    reference_weights: tuple[str, ...] = ()  # the reference repository's weight file names, the first written
+    to_reference: Callable[..., tuple[dict, dict]] | None = None  # (config, tensors, base model, file) -> reference
+    from_reference: Callable[..., tuple[dict, dict]] | None = None  # (config, tensors, file) -> this project's
+    speculators_type: str | None = None  # vLLM's `speculators_model_type`: the export is in that format
+
+
+@dataclass(frozen=True)
+class Family:
+    """One drafter family.
+
+    drafter: what `python -m eval drafter=<name>` instantiates (conf/drafter/<name>.yaml's `_target_`).
+    decoder: for a family with an export, the eval builder `(net, config, verifier, tree, sampling=, generator=,
+        head_ids=) -> Drafter` that drafts with the loaded network.
+    training: the LightningModule `python train.py model=<name>` trains (conf/model/<name>.yaml), or None.
+    network: the nn.Module class an export of this family holds, or None.
+    export: its export format, or None (no export, or a plain HF checkpoint: the draft model).
+    needs_export: eval needs `checkpoint=<export dir>`.
+    tree: how `tree` (conf/tree) shapes its drafts: "fixed" (one tree every round, planned from the export's
+        acceptance table), "dynamic" (grown each round within a node budget), "primary" (the export's drafter's
+        budget), "own" (the family's own options: a chain length, a window).
+    acceptance: the export config keys holding its acceptance estimates, best first (tree.size=auto plans on them).
+    min_drafts: the fewest drafts tree.size=auto may plan (the hybrid's grafted lookup chain needs a node).
+    serve: vLLM's speculative method for its export (models/vllm_engine.py), or None.
+    """
+
+    name: str
+    title: str
+    drafter: str
+    decoder: str | None = None
+    training: str | None = None
+    network: type[nn.Module] | None = None
+    export: ExportFormat | None = None
+    needs_export: bool = False
+    tree: str = "own"
+    acceptance: tuple[str, ...] = ()
+    min_drafts: int = 0
+    serve: str | None = None
+
+    @property
+    def has_export(self) -> bool:
+        return self.export is not None
+
+
+_EAGLE_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")  # SGLang reads the first, vLLM the second
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("medusa", "Medusa", drafter="eval.families.export", decoder="eval.medusa.medusa_drafter",
+           training="train.medusa.MedusaModule", network=MedusaHeads, needs_export=True, tree="fixed",
+           acceptance=("medusa_topk_accuracy",), serve="medusa",
+           export=ExportFormat(("MedusaModel",), medusa_layout, medusa_from_layout, model_type="medusa",
+                               reference_weights=("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
+                               to_reference=ref.medusa_to_reference, from_reference=ref.medusa_from_reference)),
+    Family("eagle", "EAGLE-1", drafter="eval.families.export", decoder="eval.eagle.eagle_drafter",
+           training="train.eagle.EagleModule", network=Eagle1Net, needs_export=True, tree="dynamic",
+           acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle",
+           export=ExportFormat(_EAGLE_ARCHS, eagle_layout, partial(eagle_from_layout, "eagle"),
+                               reference_weights=("pytorch_model.bin", "model.safetensors"),
+                               to_reference=partial(ref.eagle_to_reference, "eagle"),
+                               from_reference=partial(ref.eagle_from_reference, "eagle"))),
+    Family("eagle3", "EAGLE-3", drafter="eval.families.export", decoder="eval.eagle.eagle_drafter",
+           training="train.eagle.EagleModule", network=Eagle3Net, needs_export=True, tree="dynamic",
+           acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
+           export=ExportFormat(("LlamaForCausalLMEagle3",), eagle_layout, partial(eagle_from_layout, "eagle3"),
+                               reads=("Eagle3LlamaForCausalLM",),
+                               reference_weights=("model.safetensors", "pytorch_model.bin"),
+                               to_reference=partial(ref.eagle_to_reference, "eagle3"),
+                               from_reference=partial(ref.eagle_from_reference, "eagle3"),
+                               speculators_type="eagle3")),
+    Family("draft_model", "draft model", drafter="eval.families.draft_model",
+           training="train.draft_model.DraftModelModule"),
+    Family("prompt_lookup", "prompt lookup", drafter="eval.families.prompt_lookup"),
+    Family("lookahead", "lookahead", drafter="eval.families.lookahead"),
+    Family("hybrid", "hybrid", drafter="eval.families.hybrid", needs_export=True, tree="primary", min_drafts=1),
+)}
+EXPORT_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.has_export)  # the families an export directory holds
+
+
+def family(name: str, setting: str = "drafter") -> Family:
+    """The registry entry `name`, or one error naming the choices (`setting`: the option that gave the name)."""
+    if name not in FAMILIES:
+        raise UserError(f"{setting}={name!r} is not a drafter family; choose one of {sorted(FAMILIES)}.")
+    return FAMILIES[name]
+
+
+def title(name: str | None) -> str:
+    """A family's name for messages (`EAGLE-3`), or the name itself when it is none."""
+    return FAMILIES[name].title if name in FAMILIES else str(name)
+
+
+def family_of_config(config: dict[str, Any]) -> str | None:
+    """The family an export's config.json (flattened: models/speculators_format.py) holds, or None: its model_type,
+    else an architecture one family writes or reads, else the project's `eagle_kind` key."""
+    for name in EXPORT_FAMILIES:
+        if FAMILIES[name].export.model_type and config.get("model_type") == FAMILIES[name].export.model_type:
+            return name
+    for arch in config.get("architectures") or []:
+        for name in EXPORT_FAMILIES:
+            fmt = FAMILIES[name].export
+            if arch in fmt.architectures or arch in fmt.reads:
+                return name
+    kind = config.get("eagle_kind")
+    return kind if kind in EXPORT_FAMILIES else None
+
+
+def family_of_net(net: nn.Module) -> str:
+    """The family whose network `net` is."""
+    for name, fam in FAMILIES.items():
+        if fam.network is not None and type(net) is fam.network:
+            return name
+    raise UserError(f"{type(net).__name__} is no drafter network of a registered family "
+                    f"({', '.join(f.network.__name__ for f in FAMILIES.values() if f.network)}).")
+
+
+def resolve(path: str) -> Any:
+    """The object a dotted path names (`eval.medusa.medusa_drafter`), imported on first use."""
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
