@@ -1,7 +1,7 @@
 """Acceptance rate against KL(q || p) over drafts of graded quality: the rule measured beside alpha = sum min(p, q).
 
-    python scripts/acceptance_vs_kl.py --out outputs/theory            # SmolLM2, 4 built-in eval prompts
-    python scripts/acceptance_vs_kl.py --verifier tiny --out /tmp/kl   # the random 2-layer test verifier, seconds
+    python -m scripts.acceptance_vs_kl --out outputs/theory            # SmolLM2, 4 built-in eval prompts
+    python -m scripts.acceptance_vs_kl --verifier tiny --out /tmp/kl   # the random 2-layer test verifier, seconds
 
 The verifier M_q answers a few built-in eval prompts greedily; its next-token distributions q at every answer
 position (temperature 1, the whole vocabulary unless --top-k) are the contexts. Each q is perturbed into drafts p of
@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from data.chat import prompt_ids  # noqa: E402
-from data.prompts import load_conversations  # noqa: E402
-from eval.sampling import warp  # noqa: E402
-from eval.theory import acceptance_rate, kl_divergence, measure_acceptance, mix_uniform, perturb  # noqa: E402
-from models.verifier import Verifier, build_tiny, load_verifier  # noqa: E402
+from data.chat import prompt_ids
+from data.prompts import load_conversations
+from eval.sampling import warp
+from eval.theory import acceptance_rate, kl_divergence, measure_acceptance, mix_uniform, perturb
+from models.verifier import Verifier, build_tiny, load_verifier
 
 SIGMAS = [0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
 LAMS = [0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 0.95]

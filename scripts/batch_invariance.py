@@ -1,6 +1,6 @@
 """Where does the verifier's numerics depend on how many tokens a forward holds?
 
-    python scripts/batch_invariance.py [--dtype bfloat16 float32] [--threads 1] [--tokens 16]
+    python -m scripts.batch_invariance [--dtype bfloat16 float32] [--threads 1] [--tokens 16]
 
 For each dtype: (1) one forward over n tokens against n one-token forwards, through Hugging Face (eval.kv) and
 through eval.engine, with the largest logit difference; (2) HF hooked module by module: the first module whose

@@ -1,6 +1,6 @@
 """Drafting cost per round, EAGLE's bounded frontier against EAGLE-2's rule, side by side in one process.
 
-    python scripts/bench_draft.py outputs/eagle-lc240k/export [--dtype bfloat16] [--threads 1] [--rounds 5]
+    python -m scripts.bench_draft outputs/eagle-lc240k/export [--dtype bfloat16] [--threads 1] [--rounds 5]
 
 For an EAGLE export on the default verifier: the draft curve (eval.cost.draft_curve: ms of one round's drafting for
 s drafts after a real prefix) with the frontier bounded as `propose` does it, and with EAGLE-2's rule (the topk best

@@ -1,8 +1,8 @@
 """Training throughput of each drafter from cached verifier hidden states (offline mode), and what bounds it.
 
-    python scripts/bench_drafter_train.py                        # Medusa, EAGLE-1, EAGLE-3 on the default verifier
-    python scripts/bench_drafter_train.py --drafters eagle3 --batch-size 16 --seq-len 512 --steps 6
-    python scripts/bench_drafter_train.py --drafters medusa medusa_lean eagle eagle_lean --train-vocab 4096
+    python -m scripts.bench_drafter_train                        # Medusa, EAGLE-1, EAGLE-3 on the default verifier
+    python -m scripts.bench_drafter_train --drafters eagle3 --batch-size 16 --seq-len 512 --steps 6
+    python -m scripts.bench_drafter_train --drafters medusa medusa_lean eagle eagle_lean --train-vocab 4096
         # *_lean: model.train_vocab=4096 (the kept rows hold every target of the batch)
 
 One batch of `batch_size` sequences of `seq_len` tokens (the first 40% a prompt, the rest assistant tokens, as in
@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.cpu_memory import keep_freed_memory  # noqa: E402
-from models.verifier import build_tiny, load_smollm2  # noqa: E402
-from train.eagle import EagleModule  # noqa: E402
-from train.medusa import MedusaModule  # noqa: E402
+from models.cpu_memory import keep_freed_memory
+from models.verifier import build_tiny, load_smollm2
+from train.eagle import EagleModule
+from train.medusa import MedusaModule
 
 
 def make_module(kind: str, verifier, args: argparse.Namespace):

@@ -1,7 +1,7 @@
 """The two self-distillation generators side by side: this process's batched refill generation (data.generator=hf)
 and the real vLLM's offline batched generation (data.generator=vllm), on the same prompts, greedy.
 
-    python scripts/bench_generators.py --num 64 --max-new-tokens 128 --dtype bfloat16
+    python -m scripts.bench_generators --num 64 --max-new-tokens 128 --dtype bfloat16
 
 Prints answer tokens/s of each (vLLM's with and without its model load) and how many answers are equal token for
 token (up to and including the first EOS).
@@ -10,18 +10,14 @@ token (up to and including the first EOS).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data.chat import prompt_ids  # noqa: E402
-from data.generate import generate_refill  # noqa: E402
-from data.prompts import load_conversations  # noqa: E402
-from data.selfdistill import _stop_at, first_turn  # noqa: E402
-from models import vllm_engine  # noqa: E402
-from models.verifier import load_smollm2  # noqa: E402
+from data.chat import prompt_ids
+from data.generate import generate_refill
+from data.prompts import load_conversations
+from data.selfdistill import _stop_at, first_turn
+from models import vllm_engine
+from models.verifier import load_smollm2
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Training-side throughput, measured side by side in one process.
 
-    python scripts/bench_train.py                      # default verifier, 16 prompts, 64 new tokens
-    python scripts/bench_train.py --prompts 32 --new-tokens 128 --steps 8
-    python scripts/bench_train.py --generation-only --dtype bfloat16 --threads 2 --prompts 400 --new-tokens 256 --batch-size 128
+    python -m scripts.bench_train                      # default verifier, 16 prompts, 64 new tokens
+    python -m scripts.bench_train --prompts 32 --new-tokens 128 --steps 8
+    python -m scripts.bench_train --generation-only --dtype bfloat16 --threads 2 --prompts 400 --new-tokens 256 --batch-size 128
 
 1. Self-distillation (answer tokens/s, greedy, same prompts): refill batching on the slot cache
    (`data.generate.generate_refill`, what data building uses), on HF's DynamicCache, and one prompt at a time
@@ -15,21 +15,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data.chat import prompt_ids  # noqa: E402
-from data.datamodule import collate  # noqa: E402
-from data.prompts import load_conversations  # noqa: E402
-from data.generate import generate_refill  # noqa: E402
-from data.selfdistill import generate_answers  # noqa: E402
-from models.verifier import build_tiny, load_smollm2  # noqa: E402
-from train.medusa import MedusaModule  # noqa: E402
+from data.chat import prompt_ids
+from data.datamodule import collate
+from data.prompts import load_conversations
+from data.generate import generate_refill
+from data.selfdistill import generate_answers
+from models.verifier import build_tiny, load_smollm2
+from train.medusa import MedusaModule
 
 
 GEN_PATHS = {

@@ -1,6 +1,6 @@
 """Verify cost, Hugging Face (eval.kv) against eval.engine, side by side in one process, with the machine's bound.
 
-    python scripts/bench_verify.py [--dtype float32 bfloat16] [--threads 1 2] [--rounds 7] [--compile]
+    python -m scripts.bench_verify [--dtype float32 bfloat16] [--threads 1 2] [--rounds 7] [--compile]
 
 For each dtype and thread count: a plain one-token step and a 17-node tree verify after a 128-token prefix, through
 both paths, interleaved in rounds, the engine reading its whole cache (trim=False) beside it, where its weight calls

@@ -1,25 +1,21 @@
 """Build a run's training data (and its hidden-state cache in offline mode) without training: the data steps of
 `train.py`, same config, same caches, resumable (kill it and run the same command again).
 
-    python scripts/build_data.py experiment=cpu_large model=eagle3     # prompts -> answers -> hidden states (+ argmax)
-    python scripts/build_data.py data.source=selfgen data.selfgen.num=64 data.limit=null verifier=tiny
+    python -m scripts.build_data experiment=cpu_large model=eagle3     # prompts -> answers -> hidden states (+ argmax)
+    python -m scripts.build_data data.source=selfgen data.selfgen.num=64 data.limit=null verifier=tiny
 
 Prints the number of conversations and assistant tokens, and the time each step took.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.errors import exit_on_user_error  # noqa: E402
+from models.errors import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

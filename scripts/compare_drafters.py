@@ -1,6 +1,6 @@
 """Several exported drafters, one table: tau and speedup of each on the same prompts, in one process.
 
-    python scripts/compare_drafters.py outputs/medusa-smollm2/export outputs/eagle-smollm2/export \
+    python -m scripts.compare_drafters outputs/medusa-smollm2/export outputs/eagle-smollm2/export \
         outputs/eagle3-smollm2/export -- num_prompts=10 max_new_tokens=96
 
 Everything after `--` is a `python -m eval` override applied to every run (tree=..., threads=..., prompts=...).
@@ -19,9 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from eval.harness import evaluate  # noqa: E402
+from eval.harness import evaluate
 
 
 def main(argv: list[str]) -> None:

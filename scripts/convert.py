@@ -2,11 +2,11 @@
 
     # export -> reference (Medusa repository: medusa_lm_head.safetensors|.pt; EAGLE-1: pytorch_model.bin;
     # EAGLE-3: SpecForge's model.safetensors with d2t/t2d)
-    python scripts/convert.py to-reference outputs/<run>/export ref/ [--weights medusa_lm_head.pt]
+    python -m scripts.convert to-reference outputs/<run>/export ref/ [--weights medusa_lm_head.pt]
     # reference (or an older export) -> export, for the verifier it was trained on
-    python scripts/convert.py from-reference ref/ outputs/<run>/export [--verifier smollm2|<hub id or dir>]
+    python -m scripts.convert from-reference ref/ outputs/<run>/export [--verifier smollm2|<hub id or dir>]
     # an EAGLE-3 export served where the verifier lives elsewhere, or drafting another number of tokens in vLLM
-    python scripts/convert.py from-reference outputs/<run>/export served/ --served-verifier /models/my-llama \
+    python -m scripts.convert from-reference outputs/<run>/export served/ --served-verifier /models/my-llama \
         --speculative-tokens 5
 
 `python -m eval checkpoint=<reference dir> verifier_path=<verifier>` reads the reference layouts directly too.
@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.errors import UserError  # noqa: E402
-from models.export import export_verifier, from_reference, read_config, to_reference  # noqa: E402
-from models.verifier import load_verifier  # noqa: E402
+from models.errors import UserError
+from models.export import export_verifier, from_reference, read_config, to_reference
+from models.verifier import load_verifier
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The verifier's forward cost for 1..64 tokens beside this machine's bound, without an export (eval.cost).
 
-    python scripts/cost_curve.py [--verifier smollm2] [--dtype float32 bfloat16] [--threads 1 2] [--engine auto]
+    python -m scripts.cost_curve [--verifier smollm2] [--dtype float32 bfloat16] [--threads 1 2] [--engine auto]
         [--out outputs/cost_curve]
 
 The prefix is the first built-in eval prompt through the chat template. `python -m eval ... profile=true` writes the

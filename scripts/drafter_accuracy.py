@@ -1,6 +1,6 @@
 """Why does one drafter beat another? Teacher-forced accuracy tables of exported drafters on the same held-out text.
 
-    python scripts/drafter_accuracy.py outputs/medusa-smollm2/export outputs/eagle-smollm2/export \
+    python -m scripts.drafter_accuracy outputs/medusa-smollm2/export outputs/eagle-smollm2/export \
         outputs/eagle3-smollm2/export --num-prompts 20 --max-new-tokens 128
 
 The verifier answers the built-in eval prompts greedily (fp32, cached like self-distillation data); every drafter is
@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from data.prompts import load_conversations, select_prompts  # noqa: E402
-from data.selfdistill import build_selfdistill  # noqa: E402
-from eval.offline import TOPK, score_export  # noqa: E402
-from models.export import export_verifier, load_export, read_config  # noqa: E402
-from models.verifier import load_verifier  # noqa: E402
+from data.prompts import load_conversations, select_prompts
+from data.selfdistill import build_selfdistill
+from eval.offline import TOPK, score_export
+from models.export import export_verifier, load_export, read_config
+from models.verifier import load_verifier
 
 
 def main() -> None:

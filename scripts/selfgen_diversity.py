@@ -1,6 +1,6 @@
 """What seed topics change in self-generated (Magpie) prompts, measured side by side on the same verifier.
 
-    python scripts/selfgen_diversity.py --num 64            # default verifier, bf16, T=1, top-p 0.95
+    python -m scripts.selfgen_diversity --num 64            # default verifier, bf16, T=1, top-p 0.95
 
 For plain Magpie (no topic) and for topics named in the system prompt (`data.selfgen.topics=builtin`): how many of
 `num` samples pass the filters, distinct-4 (distinct word 4-grams / all 4-grams) over the kept prompts, and the number
@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data.filters import QualityFilter, apply_filters, count_clusters, distinct_ngrams  # noqa: E402
-from data.selfgen import TOPICS, generate_prompts  # noqa: E402
-from models.verifier import build_tiny, load_smollm2  # noqa: E402
+from data.filters import QualityFilter, apply_filters, count_clusters, distinct_ngrams
+from data.selfgen import TOPICS, generate_prompts
+from models.verifier import build_tiny, load_smollm2
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The grid of a Hydra multirun sweep of train.py, one row per job: what it swept and what the export measured.
 
     python train.py -m model=eagle data.cache_hidden_states=true model.optimizer.lr=3e-4,1e-3,3e-3 trainer.max_epochs=1,3
-    python scripts/sweep_table.py outputs/eagle-smollm2-sweep
+    python -m scripts.sweep_table outputs/eagle-smollm2-sweep
 
 Columns: the overrides that differ between jobs (read from each job's .hydra/overrides.yaml), then the validation
 figures the export carries: for EAGLE drafters the unrolled per-step top-1 (`val_step_top1`, step 1 = depth 1) and

@@ -1,7 +1,7 @@
 """Tokens per verifier call and wall-clock speedup against the draft length N, closed form beside measured rounds.
 
-    python scripts/tokens_per_call.py --out outputs/theory              # measures c: SmolLM2[:1] step / SmolLM2
-    python scripts/tokens_per_call.py --c 0.05 --out /tmp/tau           # a given cost ratio, no model loaded
+    python -m scripts.tokens_per_call --out outputs/theory              # measures c: SmolLM2[:1] step / SmolLM2
+    python -m scripts.tokens_per_call --c 0.05 --out /tmp/tau           # a given cost ratio, no model loaded
 
 For each alpha (default 0.5, 0.7, 0.85): E[tau] = (1 - alpha^(N+1)) / (1 - alpha) beside the mean of --rounds rounds
 of eval.sampling.sample_accept on a chain of N drafts drawn i.i.d. from p and checked against q, where (p, q) is the
@@ -20,16 +20,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from eval.theory import (best_draft_length, expected_tokens, measure_tokens_per_call, speedup,  # noqa: E402
+from eval.theory import (best_draft_length, expected_tokens, measure_tokens_per_call, speedup,
                          tokens_variance, two_point_pair)
 
 

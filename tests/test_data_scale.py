@@ -16,7 +16,7 @@ from data.generate import generate_refill
 from data.prompts import load_conversations
 from data.selfdistill import build_selfdistill
 from data.selfgen import selfgen_conversations, user_header
-from helpers import ROOT, varied_llama
+from helpers import varied_llama
 
 
 @pytest.mark.parametrize("slots", [True, False], ids=["slot-cache", "dynamic-cache"])
@@ -154,8 +154,7 @@ def test_hub_style_dataset_through_load_dataset(tmp_path):
 
 
 KILL_AFTER_TWO_SHARDS = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {root!r})
+    import os, signal
     import data.selfdistill as sd
     from data.prompts import load_conversations
     from models.verifier import build_tiny
@@ -181,7 +180,7 @@ def test_killed_selfdistill_resumes_from_its_shards(tiny, tmp_path, capsys):
     kw = dict(max_new_tokens=6, temperature=1.0, batch_size=3, shard_size=3)
     whole = build_selfdistill(tiny, convs, tmp_path / "whole", **kw)
     cache = tmp_path / "killed"
-    child = subprocess.run([sys.executable, "-c", KILL_AFTER_TWO_SHARDS.format(root=str(ROOT), cache=str(cache))],
+    child = subprocess.run([sys.executable, "-c", KILL_AFTER_TWO_SHARDS.format(cache=str(cache))],
                            capture_output=True, text=True, timeout=300)
     assert child.returncode == -9, child.stderr[-2000:]
     finished = [p for p in (cache / "selfdistill-shards").iterdir() if not p.name.startswith(".")]
@@ -205,8 +204,7 @@ def test_a_source_added_later_reuses_the_first_sources_shards(tiny, tmp_path, ca
 
 
 KILL_HIDDEN_AFTER_ONE_SHARD = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {root!r})
+    import os, signal
     import data.hidden_cache as hc
     import datasets
     from models.verifier import build_tiny
@@ -232,7 +230,7 @@ def test_killed_hidden_cache_resumes(tiny, tmp_path, capsys):
     ds.save_to_disk(str(tmp_path / "ds"))
     ds = __import__("datasets").load_from_disk(str(tmp_path / "ds"))
     child = subprocess.run([sys.executable, "-c", KILL_HIDDEN_AFTER_ONE_SHARD.format(
-        root=str(ROOT), data=str(tmp_path / "ds"), cache=str(tmp_path / "killed"))],
+        data=str(tmp_path / "ds"), cache=str(tmp_path / "killed"))],
         capture_output=True, text=True, timeout=300)
     assert child.returncode == -9, child.stderr[-2000:]
     assert "GiB" in child.stdout  # the size is printed before any work
@@ -277,8 +275,7 @@ def test_registry_licences_and_chat_prompts(tmp_path):
     """The evals wheel's LICENSE.md marks non-commercial data folders; those are left out by default."""
     import zipfile
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from registry_prompts import evals_prompts
+    from scripts.registry_prompts import evals_prompts
 
     licence = ("MIT License\n\n### Dataset Licenses\n\n#### Free\n- **Location**: evals/registry/data/free\n"
                "    - **License**: MIT License\n\n#### Tom\n- **Location**: evals/registry/data/tom\n"

@@ -293,6 +293,41 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
     assert set(report["by_category"]) and all(set(r) == set(report["methods"]) for r in report["by_category"].values())
 
 
+def test_method_all_samples_every_method_as_a_single_run_does(varied, tmp_path):
+    """method=all decodes through the single-family run's path: temperature (and the engine) reach every method."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+
+    export = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3), varied, tmp_path / "m",
+                         {"medusa_topk_accuracy": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4]]})
+
+    def outputs(*extra: str) -> tuple[dict, list[dict[str, list[int]]]]:
+        out = tmp_path / "-".join(e.replace("=", "_") for e in extra or ("greedy",))
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+            cfg = compose(config_name="eval", overrides=[
+                "method=all", f"checkpoint={export}", "num_prompts=3", "max_new_tokens=12", "threads=1",
+                "warmup=false", "dtype=float32", "wandb.mode=disabled", "drafter=draft_model", "drafter.layers=1",
+                "tree.size=6", f"output_dir={out}", *extra])
+        report = evaluate(cfg, progress=False)
+        lines = (out / "outputs.jsonl").read_text().splitlines()
+        return report, [json.loads(line)["outputs"] for line in lines]
+
+    greedy_report, greedy = outputs()
+    sampled_report, sampled = outputs("temperature=0.7")
+    assert greedy_report["sampling"]["rule"] == "greedy"
+    assert sampled_report["sampling"]["rule"] == "rejection sampling (exact)"
+    methods = list(sampled_report["methods"])
+    assert len(methods) == 9 and methods == list(greedy_report["methods"])
+    for m in methods:  # every method sampled: some prompt's output is not its greedy output
+        assert any(s[m] != g[m] for s, g in zip(sampled, greedy)), m
+        assert all(g[m] == g["baseline"] for g in greedy), m  # greedy: every method is exact
+    # the same seed samples the same tokens again: the sampled run is reproducible
+    assert outputs("temperature=0.7", "seed=0")[1] == sampled
+
+
 def test_hybrid_on_a_medusa_export_plans_its_budget_from_the_heads_table(varied, tmp_path):
     # tree.size=auto (the default) plans the hybrid's budget from its primary's table, here a Medusa export's top-k
     # table, at least one draft: the grafted lookup chain needs a node.

@@ -25,9 +25,9 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled"}
 
     def run(export: str, out, *extra: str) -> None:
-        proc = subprocess.run([sys.executable, "scripts/learning_curve.py", str(tmp_path / export), "--tree-sizes", "3",
-                               "6", "--num-prompts", "3", "--max-new-tokens", "12", "--depth", "3", "--cache-dir",
-                               str(tmp_path / "cache"), "--out", str(out), *extra],
+        proc = subprocess.run([sys.executable, "-m", "scripts.learning_curve", str(tmp_path / export),
+                               "--tree-sizes", "3", "6", "--num-prompts", "3", "--max-new-tokens", "12", "--depth", "3",
+                               "--cache-dir", str(tmp_path / "cache"), "--out", str(out), *extra],
                               cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -49,7 +49,7 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines() if line.startswith("|"))
     assert f"(T=1): {rows[0]['verifier_top1']:.3f}" in table
     merged = tmp_path / "merged"  # no exports: only merge curves run apart (e.g. one per machine core)
-    proc = subprocess.run([sys.executable, "scripts/learning_curve.py", "--tree-sizes", "3", "6", "--depth", "3",
+    proc = subprocess.run([sys.executable, "-m", "scripts.learning_curve", "--tree-sizes", "3", "6", "--depth", "3",
                            "--out", str(merged), "--include", str(tmp_path / "first" / "learning_curve.json"),
                            str(out / "learning_curve.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=env)

@@ -1,0 +1,150 @@
+"""The family registry (models/families.py) is the one place that says what a family is made of: every entry runs
+through train (the real train.py, a few steps on a tiny verifier) -> export -> read -> decode exactly, the configs
+point where the registry does, and no folder holds an import circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from helpers import ROOT, compose_train
+from models.families import EXPORT_FAMILIES, FAMILIES, family, family_of_config, resolve
+
+# A tiny verifier whose large random weights make its greedy output vary (tests/helpers.py varied_llama(seed=1)).
+VARIED = ["verifier=tiny", "verifier.seed=1", "+verifier.layer_std=0.3"]
+TRAIN = [*VARIED, "data.limit=8", "data.max_new_tokens=12", "data.gen_batch_size=8", "data.batch_size=4",
+         "data.val_fraction=0.25", "logger=csv", "trainer.max_steps=2", "trainer.max_epochs=1"]
+EXTRA = {"eagle3": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.ttt_steps=2",
+                    "model.val_steps=2"],
+         "eagle": ["model.val_steps=2"], "draft_model": ["model.num_layers=1"]}
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def varied():
+    from helpers import varied_llama
+
+    return varied_llama(seed=1)
+
+
+@pytest.fixture(scope="module")
+def trained(train_script, tmp_path_factory):
+    """name -> what `python train.py model=<name>` wrote, for every family the registry says trains."""
+    out = {}
+    for name, fam in FAMILIES.items():
+        if fam.training is not None:
+            cfg = compose_train([*TRAIN, f"model={name}", *EXTRA.get(name, [])], tmp_path_factory.mktemp(name))
+            out[name] = train_script.run(cfg)
+    return out
+
+
+def test_every_family_has_its_configs_and_its_pieces():
+    for name, fam in FAMILIES.items():
+        drafter = OmegaConf.load(ROOT / "conf" / "drafter" / f"{name}.yaml")
+        assert drafter._target_ == fam.drafter, name
+        assert callable(resolve(fam.drafter)), name
+        model = ROOT / "conf" / "model" / f"{name}.yaml"
+        assert model.is_file() == (fam.training is not None), name
+        if fam.training is not None:
+            assert compose_train([f"model={name}"]).model._target_ == fam.training, name
+            assert isinstance(resolve(fam.training), type), name
+        assert (fam.decoder is not None) == fam.has_export == (fam.network is not None), name
+        if fam.has_export:
+            assert callable(resolve(fam.decoder)) and fam.acceptance and fam.needs_export, name
+            assert family_of_config({"architectures": [fam.export.architectures[0]],
+                                     "model_type": fam.export.model_type}) == name
+    with pytest.raises(Exception, match="not a drafter family"):
+        family("medusa2")
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_trains_exports_reads_and_decodes_exactly(name, trained, varied, tmp_path, one_thread):
+    """train (smoke) -> export -> read (through the registry) -> decode: greedy speculative output = plain greedy."""
+    from eval.decode import greedy_decode, speculative_decode
+    from eval.families import build_drafter, family_config
+    from eval.tree import AutoTree
+    from models.export import load_export, read_info
+
+    fam = FAMILIES[name]
+    export = trained.get(name)
+    if fam.has_export:
+        info = read_info(export)
+        assert info.kind == name and info.acceptance, name  # training recorded its acceptance estimates
+        loaded = load_export(info, varied)
+        assert type(loaded.net) is fam.network
+    elif fam.needs_export:  # built on another family's export (the hybrid): the first that has one
+        info = read_info(trained[EXPORT_FAMILIES[0]])
+    else:
+        info = None
+    drafter_cfg = family_config(name)
+    if name == "draft_model":
+        drafter_cfg.path = str(export)  # the distilled draft model train.py wrote
+    drafter = build_drafter(OmegaConf.create({"seed": 0}), drafter_cfg, varied, info, AutoTree(size=6))
+    ids = torch.tensor([varied.tokenizer(PROMPT)["input_ids"]])
+    plain = greedy_decode(varied, ids, 16, [])
+    spec = speculative_decode(varied, drafter, ids, 16, [])
+    assert torch.equal(spec.tokens, plain.tokens), name
+    assert spec.num_forwards <= plain.num_forwards
+
+
+def _imports(module_file: Path, modules: set[str]) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(module_file.read_text())):
+        names = ([node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        found |= {n for n in names if n in modules}
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (at the top or inside a function), over every package folder."""
+    files = {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
+             for pkg in ("models", "data", "train", "eval", "scripts") for f in (ROOT / pkg).rglob("*.py")}
+    return {m: _imports(f, set(files)) - {m} for m, f in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: each strongly connected group of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_and_the_layers_import_downward():
+    graph = import_graph()
+    assert cycles(graph) == []
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]  # the check sees a circle
+    upward = {m: sorted(t for t in ts if t.split(".")[0] in ("eval", "train", "data", "scripts"))
+              for m, ts in graph.items() if m.startswith("models")}
+    assert all(not ts for ts in upward.values()), upward  # models/ imports none of the folders above it
+    assert all(not any(t.startswith("scripts") for t in ts) for m, ts in graph.items() if not m.startswith("scripts"))
