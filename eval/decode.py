@@ -107,7 +107,7 @@ TREE_ROOM = 64  # cache slots past prompt + max_new_tokens: both loops size the 
 def use_engine(verifier: Verifier, engine: str = "auto") -> bool:
     """Whether the decode loops run eval.engine (True) or HF's forward via eval.kv (False). `engine`: "engine"
     (refuses verifiers it does not run), "hf", or "auto": the engine for the model types it runs, except in float32 on
-    a CPU, where HF's forward is already batch-invariant and was measured faster (README, exact verification)."""
+    a CPU, where HF's forward is already batch-invariant and was measured faster (docs/results/engine-bf16.md)."""
     if engine not in ENGINES:
         raise UserError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
     if engine != "auto":

@@ -13,7 +13,7 @@ from M_q's true features (the rollback EAGLE does).
 Trees: one growth procedure for every policy. From the root, expand the `topk` children of the `topk` best frontier
 nodes by cumulative log-probability, one batched drafter forward per depth, then keep the `size` best of all drafted
 nodes (a child never beats its parent, so the kept set is a tree). A chain is topk 1; `AutoTree(size)` is a dynamic
-tree with the default depth and topk (the README's EAGLE section says how those were measured). Sampled drafts
+tree with the default depth and topk (docs/results/families.md says how those were measured). Sampled drafts
 (sampled_drafts=true) grow the same frontier, but draw children without replacement and keep every one drawn, the
 budget spent layer by layer (`EagleDrafter._sample_tree` says why that keeps the sampling rule exact).
 """

@@ -21,7 +21,7 @@ from torch import Tensor
 from data.datamodule import collate
 from data.hidden_cache import gather_layers
 from models.eagle import EagleNet, target_rank, unroll
-from models.medusa import medusa_targets
+from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import Verifier
 
 TOPK = (1, 2, 4, 8, 16)
@@ -136,7 +136,7 @@ def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], dep
 
 def score_export(kind: str, net: Any, verifier: Verifier, rows: list[dict[str, Any]], depth: int,
                  bf16: bool = False, batch_size: int = 8, keep: Tensor | None = None) -> dict[str, Any]:
-    """acceptance_tables for one drafter (`kind` "medusa" or an EAGLE kind) over tokenised answers `rows`
+    """acceptance_tables for one drafter (Medusa heads or an EAGLE net; `kind` names its family) over tokenised answers `rows`
     (input_ids + loss_mask, e.g. the verifier's own answers to held-out prompts), teacher-forced `depth` deep.
     `bf16`: under bf16 autocast, as training's bf16-mixed runs it. `keep`: the tokens the drafter drafts over
     (an export's `train_ids`; EAGLE-1 and shared-head Medusa), None for all."""
@@ -144,7 +144,7 @@ def score_export(kind: str, net: Any, verifier: Verifier, rows: list[dict[str, A
     for i in range(0, len(rows), batch_size):
         batch = collate(rows[i : i + batch_size], verifier.tokenizer.pad_token_id or 0)
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            r, v, c = (medusa_ranks(net, verifier, batch, depth, keep) if kind == "medusa"
+            r, v, c = (medusa_ranks(net, verifier, batch, depth, keep) if isinstance(net, MedusaHeads)
                        else eagle_ranks(net, verifier, batch, depth, keep))
         ranks += list(r.unbind(1))
         valids += list(v.unbind(1))

@@ -43,6 +43,7 @@ class DrafterModule(L.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         self._epoch_start, self._epoch_assistant = None, 0
+        self._train_d1 = None
 
     def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._tick = time.perf_counter()
@@ -168,9 +169,6 @@ class DrafterModule(L.LightningModule):
         """Add a training batch's depth-1 top-1 hits and scored positions to this epoch's tally."""
         step = torch.stack([hits.detach().float().sum(), positions.detach().float().sum()])
         self._train_d1 = step if self._train_d1 is None else self._train_d1 + step
-
-    def on_train_epoch_start(self) -> None:
-        self._train_d1 = None
 
     def on_train_epoch_end(self) -> None:
         if self._train_d1 is None:
