@@ -18,9 +18,6 @@ from models.errors import UserError
 from models.io import load_state
 
 SERVING_DTYPES = ("bfloat16", "float16")
-# SGLang takes the first registered name (LlamaForCausalLMEagle); vLLM resolves the list through the second
-# (EagleLlamaForCausalLM, kept as is by its EAGLEConfig). Never plain LlamaForCausalLM: SGLang would build the target.
-ARCHITECTURES = {"eagle": ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
 
 
 def serving_dtype(verifier: Any) -> str:
@@ -32,11 +29,10 @@ def serving_dtype(verifier: Any) -> str:
 
 
 def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The config keys and tensors of an EAGLE-1 or EAGLE-3 export."""
+    """The config keys and tensors of an EAGLE-1 or EAGLE-3 export (`architectures` comes from the registry)."""
     lc = layer_config(verifier)
     dtype = serving_dtype(verifier)
     config = {
-        "architectures": list(ARCHITECTURES[net.kind]),
         "model_type": "llama",
         "hidden_size": lc["hidden_size"],
         "intermediate_size": lc["intermediate_size"],

@@ -188,6 +188,10 @@ def read_weights(path: str | Path) -> dict[str, Tensor]:
     config = _raw_config(path)
     if not _is_project_export(config):
         return _read_reference(path, config)[1]
+    return _project_weights(path)
+
+
+def _project_weights(path: Path) -> dict[str, Tensor]:
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
         raise UserError(f"checkpoint={str(path)!r}: {WEIGHTS_NAME} is missing. Re-export it (train.py writes it on fit end).")
@@ -231,7 +235,8 @@ def load_export(path: str | Path | ExportInfo, verifier: Verifier, kind: str | N
             warnings.warn(f"{path / COUNTS_NAME}: this export was written before side data moved to {SIDE_DIR}/; it "
                           f"loads here, but vLLM refuses the folder. Rewrite it: python -m scripts.convert "
                           f"from-reference {path} <new dir>.", stacklevel=2)
-    net, lm_head = FAMILIES[found].export.read(config, read_weights(path), verifier, path / WEIGHTS_NAME, reference)
+    tensors = _read_reference(path, _raw_config(path))[1] if reference else _project_weights(path)
+    net, lm_head = FAMILIES[found].export.read(config, tensors, verifier, path / WEIGHTS_NAME, reference)
     counts = read_target_counts(path, int(verifier.vocab_size))
     return Export(found, net.eval().requires_grad_(False), config, lm_head, counts, path)
 
@@ -292,8 +297,8 @@ def save_export(net: nn.Module, verifier: Verifier, path: str | Path,
     `speculative_tokens` is the chain vLLM drafts when it serves the folder as it is, and `served` (default:
     `served_verifier(verifier)`) the verifier it loads."""
     fmt = _format(family_of_net(net))
-    config, tensors = fmt.write(net, verifier)
-    config |= _verifier_keys(verifier) | (extra or {})
+    layout, tensors = fmt.write(net, verifier)
+    config = {"architectures": list(fmt.architectures), **layout} | _verifier_keys(verifier) | (extra or {})
     if fmt.speculators_type is not None:
         architectures = list(getattr(verifier.config, "architectures", None) or [type(verifier.model).__name__])
         config = spec.to_speculators(config, fmt.speculators_type, served or served_verifier(verifier),
@@ -382,7 +387,7 @@ def from_reference(ref_dir: str | Path, out_dir: str | Path, verifier: Verifier,
     loaded = load_export(ref_dir, verifier)
     kept = {}
     if not loaded.config.get("reference_layout"):  # an older export: keep what training recorded in it
-        written = _format(loaded.kind).write(loaded.net, verifier)[0]
+        written = {"architectures": None, **_format(loaded.kind).write(loaded.net, verifier)[0]}
         regenerated = {*written, *_verifier_keys(verifier), *REWRITTEN_KEYS}
         kept = {k: v for k, v in loaded.config.items() if k not in regenerated}
     tokens = speculative_tokens or loaded.config.get("speculative_tokens") or spec.DEFAULT_SPECULATIVE_TOKENS

@@ -84,7 +84,9 @@ class Family:
         return self.export is not None
 
 
-_EAGLE_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")  # SGLang reads the first, vLLM the second
+# SGLang takes the first registered name (LlamaForCausalLMEagle); vLLM resolves the list through the second
+# (EagleLlamaForCausalLM, kept as is by its EAGLEConfig). Never plain LlamaForCausalLM: SGLang would build the target.
+_EAGLE_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("medusa", "Medusa", drafter="eval.families.export", decoder="eval.medusa.medusa_drafter",

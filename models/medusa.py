@@ -102,11 +102,10 @@ def medusa_targets(input_ids: Tensor, loss_mask: Tensor, num_heads: int) -> list
 # -- the export layout (models/families.py registers it; models/export.py does the files) ----------------------------
 
 def medusa_layout(heads: MedusaHeads, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """vLLM's Medusa layout: the config keys and the tensors. A shared head is written once as `lm_head.weight`
+    """vLLM's Medusa layout: the config keys (`architectures` comes from the registry) and the tensors. A shared head is written once as `lm_head.weight`
     (vLLM shares it across heads when `original_lm_head`)."""
     config = {
         "model_type": "medusa",
-        "architectures": ["MedusaModel"],
         "num_heads": heads.num_heads,
         "num_hidden_layers": heads.num_layers,
         "hidden_size": heads.hidden_size,
