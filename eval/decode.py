@@ -35,7 +35,8 @@ class DecodeResult:
     num_forwards: verifier forwards, the prefill included.
     accept_lengths: (R, B) tokens each round emitted, minus one: the drafts accepted, bonus excluded. Only what is
         kept counts: the last round verifies no draft past max_new_tokens, and an EOS cuts what follows it.
-    times: seconds spent in verify (verifier forwards), draft, accept, commit (KV gather), and total.
+    times: seconds spent in prefill (the verifier's forward over the prompt), verify (its later forwards), draft,
+        accept, commit (KV gather), and total.
     """
 
     tokens: Tensor
@@ -133,10 +134,10 @@ class _Verify:
                             f"tree (tree.size, tree.depth), or engine=hf (not exact in bfloat16).")
         self.cache = fast.new_cache(engine_of(self.model), max_length + TREE_ROOM)
 
-    def forward(self, tokens: Tensor, positions=None, mask=None, layers=None) -> kv.ForwardOutput:
+    def forward(self, tokens: Tensor, positions=None, mask=None, layers=None, last_logits=False) -> kv.ForwardOutput:
         if self.fast:
-            return fast.forward(self.cache, tokens, positions, mask, layers)
-        return kv.forward(self.model, self.cache, tokens, positions, mask, layers)
+            return fast.forward(self.cache, tokens, positions, mask, layers, last_logits)
+        return kv.forward(self.model, self.cache, tokens, positions, mask, layers, last_logits)
 
     def commit(self, prefix_len: int, nodes: Tensor) -> None:
         (fast if self.fast else kv).commit(self.cache, prefix_len, nodes)
@@ -219,10 +220,10 @@ def sample_decode(
     cache, forwards, lengths = _Verify(verifier, engine, input_ids.shape[1] + max_new_tokens, 1, 0), 0, []
     token = input_ids
     while not out.done:
-        # 1. One forward over the new token (the whole prompt the first time); 2. the next token: the argmax, or a
-        #    draw from warped q.
-        with timer("verify"):
-            step = cache.forward(token)
+        # 1. One forward over the new token (the whole prompt the first time: the prefill); 2. the next token: the
+        #    argmax, or a draw from warped q.
+        with timer("verify" if forwards else "prefill"):
+            step = cache.forward(token, last_logits=not forwards)
         forwards += 1
         last = step.logits[:, -1]  # (B, V)
         token = (last.argmax(dim=-1) if sampling is None else _draw(last, sampling, generator))[:, None]  # (B, 1)
@@ -261,8 +262,8 @@ def speculative_decode(
         return _result(input_ids, out, 0, lengths, drafter.max_depth, timer, start)
 
     # 1. Prefill: one forward over the prompt. Its last logits give the first root; its hidden states feed the drafter.
-    with timer("verify"):
-        step = cache.forward(input_ids, layers=layers)
+    with timer("prefill"):
+        step = cache.forward(input_ids, layers=layers, last_logits=True)
     forwards = 1
     last = step.logits[:, -1]  # (B, V)
     root = last.argmax(dim=-1) if sampling is None else _draw(last, sampling, generator)  # (B,)

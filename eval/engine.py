@@ -444,6 +444,43 @@ def trimmed_keys_invariant(engine: Engine, max_length: int, min_rows: int) -> bo
     return ok
 
 
+def _prefill(cache: StaticCache, tokens: Tensor, wanted: list[int] | None, last_logits: bool) -> ForwardOutput:
+    """The first forward into an empty cache (a prompt), at matmul speed: every weight product in one kernel call
+    over all the prompt's rows, causal attention by SDPA (fp32, like the rest of the engine's attention), the
+    vocabulary head over the last position only when `last_logits`. Deterministic (the same prompt gives the same
+    bits) but not batch-invariant, and need not be: plain and speculative decoding run this same call on the same
+    prompt, and every later forward (one-token steps, chains, trees) reads the keys it leaves in the cache through
+    the batch-invariant path. Linear in the prompt's length but for attention's T^2 / 2 products."""
+    e = cache.engine
+    bsz, t = tokens.shape
+    hq, hkv, dh = e.num_heads, e.num_kv_heads, e.head_dim
+    cos, sin = cache.rot_cos[:t], cache.rot_sin[:t]  # (T, Hq + 2 Hkv, Dh); the q rows carry the attention scale
+    kept: dict[int, Tensor] = {}
+    h = F.embedding(tokens, e.embed)  # (B, T, D)
+    for i, w in enumerate(e.layers):
+        if wanted is not None and i in wanted:
+            kept[i] = h
+        x = _rms_norm(h, w["ln1"], e.eps)
+        qkv = _rotate(w["qkv"].dense(x).float().view(bsz, t, hq + 2 * hkv, dh), cos, sin)  # (B, T, Hq + 2 Hkv, Dh)
+        kv = cache.kv[i]  # (B, 2 Hkv, L, Dh)
+        kv[:, :, :t] = qkv[:, :, hq:].transpose(1, 2)
+        q = qkv[:, :, :hq].transpose(1, 2)  # (B, Hq, T, Dh)
+        att = F.scaled_dot_product_attention(q, kv[:, :hkv, :t], kv[:, hkv:, :t], is_causal=True, scale=1.0,
+                                             enable_gqa=hq != hkv)  # (B, Hq, T, Dh) fp32
+        h = h + w["o"].dense(att.transpose(1, 2).reshape(bsz, t, hq * dh).to(e.dtype))
+        x = _rms_norm(h, w["ln2"], e.eps)
+        gate, up = w["gate_up"].dense(x).split(e.intermediate, dim=-1)
+        h = h + w["down"].dense(F.silu(gate) * up)
+    h = _rms_norm(h, e.norm, e.eps)
+    head = h[:, -1:] if last_logits else h
+    logits = e.lm_head.dense(head) if isinstance(e.lm_head, Linear) else e.lm_head(head)  # (B, 1 or T, V)
+    cache.length = t
+    if wanted is None:
+        return ForwardOutput(logits=logits, hidden=h)
+    kept[e.num_layers] = h
+    return ForwardOutput(logits=logits, hidden=torch.cat([kept[i] for i in wanted], dim=-1))  # (B, T, K*D)
+
+
 @torch.inference_mode()
 def forward(
     cache: StaticCache,
@@ -451,6 +488,7 @@ def forward(
     positions: Tensor | None = None,
     tree_mask: Tensor | None = None,
     hidden_layers: Sequence[int] | None = None,
+    last_logits: bool = False,
 ) -> ForwardOutput:
     """Run the verifier over `tokens` (B, T) after the `cache.length` committed ones, writing their keys/values into
     slots length..length+T-1.
@@ -459,6 +497,8 @@ def forward(
     `tree_mask` (T, T) and `positions` (T,) offsets: tree nodes at positions length + depth, each seeing the prefix,
     its ancestors and itself; nothing is committed until `commit`. `hidden_layers` as in eval.kv.forward
     (0 = embeddings, i = input of layer i, -1 or num_layers = after the final norm); None gives the last one.
+    A plain continuation into an empty cache (the prompt) is the prefill (`_prefill`: deterministic, at matmul
+    speed, not batch-invariant); `last_logits` then computes the vocabulary head at the last position only.
     """
     e = cache.engine
     bsz, t = tokens.shape
@@ -478,6 +518,9 @@ def forward(
             f"{t} tokens need positions of shape ({t},) and a tree_mask of shape ({t}, {t}); got "
             f"{tuple(offsets.shape)} and {None if tree_mask is None else tuple(tree_mask.shape)}."
         )
+    wanted = None if hidden_layers is None else [i % (e.num_layers + 1) for i in hidden_layers]
+    if tree_mask is None and prefix == 0 and positions is None:
+        return _prefill(cache, tokens, wanted, last_logits)
     if tree_mask is None:
         visible = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
     else:
@@ -508,7 +551,6 @@ def forward(
     far_mask.masked_fill_(torch.arange(far_len, device=dev)[None] > (pos - WINDOW)[:, None], float("-inf"))
     flat_slots = slots.flatten()
 
-    wanted = None if hidden_layers is None else [i % (e.num_layers + 1) for i in hidden_layers]
     kept: dict[int, Tensor] = {}
     h, hq, hkv, dh = F.embedding(tokens, e.embed), e.num_heads, e.num_kv_heads, e.head_dim  # h: (B, Tp, D)
     group = hq // hkv

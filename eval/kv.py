@@ -90,8 +90,10 @@ def forward(
     position_offsets: Tensor | None = None,
     tree_mask: Tensor | None = None,
     hidden_layers: Sequence[int] | None = None,
+    last_logits: bool = False,
 ) -> ForwardOutput:
     """Run the verifier over `input_ids` (B, T) after the cached prefix, appending their keys/values to `cache`.
+    `last_logits`: the vocabulary head at the last position only (a prefill's: HF's `logits_to_keep=1`).
 
     Without `tree_mask` the tokens are a plain continuation (causal, positions prefix_len + 0..T-1): the prefill
     and one-token decoding. With `tree_mask` (T, T) and `position_offsets` (T,) they are tree nodes at positions
@@ -115,6 +117,7 @@ def forward(
         use_cache=True,
         output_hidden_states=True,
         **{_cache_kwarg(model): cache},
+        **({"logits_to_keep": 1} if last_logits else {}),
     )
     # The last entry of hidden_states is taken after the final norm (the lm_head input) in HF decoders.
     if hidden_layers is None:

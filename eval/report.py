@@ -28,9 +28,12 @@ REPORT_KEYS = (
     "method", "tree", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
     "speedup", "speedup_vs_hf_generate", "greedy_match",
-    "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "sampling", "by_category",
+    "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "prompt_tokens", "prefill",
+    "sampling", "by_category", "by_prompt_length",
 )
-PARTS = ("verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times buckets; the rest of total_s is "other"
+PARTS = ("prefill_s", "verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times; the rest of total_s: "other"
+LENGTH_EDGES = (256, 512, 1024)  # prompt-length groups of the report: <256, 256-511, 512-1023, >=1024 tokens
+OURS = ("baseline", SPECULATIVE)  # our loops: their prefill is timed apart
 
 
 @dataclass
@@ -76,6 +79,28 @@ def _rate(samples: Sequence[Sample], method: str) -> float:
     return sum(s.new_tokens[method] for s in samples) / seconds if seconds > 0 else 0.0
 
 
+def length_group(tokens: int) -> str:
+    """The prompt-length group of a prompt of `tokens` tokens (LENGTH_EDGES), e.g. `256-511`."""
+    edges = (0, *LENGTH_EDGES)
+    for lo, hi in zip(edges, edges[1:]):
+        if tokens < hi:
+            return f"{lo}-{hi - 1}"
+    return f">={edges[-1]}"
+
+
+def prefill(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Our loops' prefill apart from their decoding: seconds, prompt tokens/s, and new tokens/s after the prefill
+    (a long prompt's prefill would otherwise hide in tokens/s)."""
+    prompt = sum(s.prompt_tokens for s in samples)
+    out: dict[str, Any] = {}
+    for m in OURS:
+        pre = sum(s.times.get(m, {}).get("prefill_s", 0.0) for s in samples)
+        rest = sum(s.seconds[m] for s in samples) - pre
+        out[m] = {"seconds": round(pre, 4), "prompt_tokens_per_s": round(prompt / pre, 2) if pre > 0 else None,
+                  "decode_tokens_per_s": round(sum(s.new_tokens[m] for s in samples) / rest, 2) if rest > 0 else None}
+    return out
+
+
 def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
     """The report's metric keys over `samples` (all of them, or one category's); the hf_assisted ones are null when
     the run had no draft model."""
@@ -98,6 +123,8 @@ def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
         "hf_assisted_speedup": round(rate[ASSISTED] / rate["baseline"], 4) if assisted and rate["baseline"] else None,
         "hf_assisted_greedy_match":
             round(sum(s.matches(ASSISTED) for s in samples) / max(len(samples), 1), 4) if assisted else None,
+        "prompt_tokens": sum(s.prompt_tokens for s in samples),
+        "prefill": prefill(samples),
     }
 
 
@@ -106,18 +133,21 @@ def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int)
     category."""
     categories = sorted({s.category for s in samples})
     by_category = {c: metrics([s for s in samples if s.category == c], depth) for c in categories}
-    report = {**meta, **metrics(samples, depth), "by_category": by_category}
+    groups = [g for g in map(length_group, (0, *LENGTH_EDGES)) if any(length_group(s.prompt_tokens) == g
+                                                                      for s in samples)]
+    by_length = {g: metrics([s for s in samples if length_group(s.prompt_tokens) == g], depth) for g in groups}
+    report = {**meta, **metrics(samples, depth), "by_category": by_category, "by_prompt_length": by_length}
     report.setdefault("sampling", {"temperature": 0.0, "rule": "greedy", "exact": True, "lossy": False})
     if report["sampling"].get("rule", "greedy") != "greedy":
         # Sampled outputs equal the sampled baseline's only by chance: greedy_match is null, not a misleading 0.
-        for m in [report, *by_category.values()]:
+        for m in [report, *by_category.values(), *by_length.values()]:
             m["greedy_match"] = m["hf_assisted_greedy_match"] = None
     return {k: report[k] for k in REPORT_KEYS}
 
 
 def _breakdown(samples: Sequence[Sample], loop: str) -> dict[str, Any]:
     """Seconds per bucket of one of our loops, summed over prompts; `other_s` is the Python between buckets.
-    ms_per_verifier_forward averages every forward, one prefill per prompt included."""
+    ms_per_verifier_forward averages the forwards after the prefill (one a prompt, in `prefill_s`)."""
     parts = {p: sum(s.times[loop].get(p, 0.0) for s in samples) for p in PARTS}
     total = sum(s.times[loop]["total_s"] for s in samples)
     parts["other_s"] = max(total - sum(parts.values()), 0.0)
@@ -127,7 +157,8 @@ def _breakdown(samples: Sequence[Sample], loop: str) -> dict[str, Any]:
         "total_s": round(total, 4),
         "share": {k.removesuffix("_s"): round(v / total, 4) if total else 0.0 for k, v in parts.items()},
         "verifier_forwards": forwards,
-        "ms_per_verifier_forward": round(1000 * parts["verify_s"] / forwards, 3) if forwards else 0.0,
+        "ms_per_verifier_forward":
+            round(1000 * parts["verify_s"] / (forwards - len(samples)), 3) if forwards > len(samples) else 0.0,
     }
 
 
@@ -158,6 +189,10 @@ def _match(report: Mapping[str, Any]) -> str:
             + (" -- LOSSY: output does not follow the verifier's distribution" if s.get("lossy") else ""))
 
 
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console: Console | None = None) -> None:
     """The terminal view: methods side by side, per category, and where the speculative loop spends its time."""
     console = console or Console()
@@ -186,20 +221,27 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
                           f"{spec['tau'] or 0:.3f}, alpha_k [{a}], speedup {spec['speedup'] or 0:.2f}x over {name} plain")
         else:
             console.print(f"{name} {peer['version']}: {peer.get('note', 'plain only')}")
-    cats = Table(title="per category")
-    for col in ("category", "n", "tau", "alpha_1", "tokens/s", "speedup", "vs HF", "greedy match"):
-        cats.add_column(col, justify="left" if col == "category" else "right")
-    for c, m in report["by_category"].items():
-        a1 = m["accept_rate_per_position"][0] if m["accept_rate_per_position"] else 0.0
-        cats.add_row(c, str(m["num_prompts"]), f"{m['tau']:.2f}", f"{a1:.2f}", f"{m['tokens_per_s']:.1f}",
-                     f"{m['speedup']:.2f}x", f"{m['speedup_vs_hf_generate']:.2f}x",
-                     "-" if m["greedy_match"] is None else f"{m['greedy_match']:.0%}")
-    console.print(cats)
+    for title, groups in (("per category", report["by_category"]), ("per prompt length", report["by_prompt_length"])):
+        cats = Table(title=f"{title}; prefill apart: ours (plain) prompt tok/s, decode tok/s after it")
+        for col in ("group", "n", "prompt", "tau", "alpha_1", "tokens/s", "plain", "HF", "HF lookup", "speedup",
+                    "vs HF", "prefill tok/s", "decode tok/s", "greedy match"):
+            cats.add_column(col, justify="left" if col == "group" else "right")
+        for c, m in groups.items():
+            a1 = m["accept_rate_per_position"][0] if m["accept_rate_per_position"] else 0.0
+            pre = m["prefill"]
+            cats.add_row(c, str(m["num_prompts"]), str(m["prompt_tokens"] // max(m["num_prompts"], 1)),
+                         f"{m['tau']:.2f}", f"{a1:.2f}", f"{m['tokens_per_s']:.1f}", f"{m['baseline_tokens_per_s']:.1f}",
+                         f"{m['hf_generate_tokens_per_s']:.1f}", f"{m['hf_prompt_lookup_tokens_per_s']:.1f}",
+                         f"{m['speedup']:.2f}x", f"{m['speedup_vs_hf_generate']:.2f}x",
+                         _num(pre["baseline"]["prompt_tokens_per_s"]), _num(pre[SPECULATIVE]["decode_tokens_per_s"]),
+                         "-" if m["greedy_match"] is None else f"{m['greedy_match']:.0%}")
+        console.print(cats)
     times = Table(title="where the time goes: seconds (share)")
-    for col in ("loop", "verify", "draft", "accept", "commit", "other", "total", "ms/fwd"):
+    for col in ("loop", "prefill", "verify", "draft", "accept", "commit", "other", "total", "ms/fwd"):
         times.add_column(col, justify="left" if col == "loop" else "right")
     for loop, b in profile["time_breakdown"].items():
-        cells = [f"{b[p + '_s']:.2f} {b['share'][p]:.0%}" for p in ("verify", "draft", "accept", "commit", "other")]
+        cells = [f"{b[p + '_s']:.2f} {b['share'][p]:.0%}"
+                 for p in ("prefill", "verify", "draft", "accept", "commit", "other")]
         times.add_row(loop[:4], *cells, f"{b['total_s']:.2f}", f"{b['ms_per_verifier_forward']:.1f}")
     console.print(times)
 
@@ -286,7 +328,7 @@ def log_wandb(
     for loop, b in profile["time_breakdown"].items():
         scalars |= {f"profile/{loop}/{k}": v for k, v in b.items() if isinstance(v, (int, float))}
     first = next(iter(report["by_category"].values()), {})
-    cols = ["category", *[k for k, v in first.items() if not isinstance(v, list)]]
+    cols = ["category", *[k for k, v in first.items() if not isinstance(v, (list, dict))]]
     by_cat = wandb.Table(columns=cols, data=[[c, *[m[k] for k in cols[1:]]] for c, m in report["by_category"].items()])
     methods = list(profile["wall_s"])
     rows = [[p["id"], p["category"], p["turn"], p["prompt_tokens"], p["new_tokens"]["speculative"], p["tau"],

@@ -63,6 +63,11 @@ class Linear:
             out = self._padded(rows)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def dense(self, x: Tensor) -> Tensor:
+        """All rows of x in one kernel call, whatever their number: the fastest product, deterministic for a given
+        shape, but not batch-invariant (a prefill's, which no other forward has to match row for row)."""
+        return self._kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
     def _padded(self, rows: Tensor) -> Tensor:
         m = rows.shape[0]
         if m >= self.min_rows:

@@ -32,7 +32,8 @@ from models.medusa import MedusaHeads
 from models.verifier import Verifier
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
-METRIC_KEYS = set(REPORT_KEYS) - {"method", "tree", "verifier", "checkpoint", "sampling", "by_category"}
+METRIC_KEYS = set(REPORT_KEYS) - {"method", "tree", "verifier", "checkpoint", "sampling", "by_category",
+                                   "by_prompt_length"}
 FAST = ["threads=1", "max_new_tokens=12", "wandb.mode=disabled", "dtype=float32"]  # fp32: HF generate is exact too
 
 
@@ -78,8 +79,14 @@ def run_eval(overrides: list[str], out: Path) -> tuple[dict, dict]:
 
 def _check_sane(report: dict, depth: int) -> None:
     assert list(report) == list(REPORT_KEYS)
-    for metrics in [report, *report["by_category"].values()]:
+    groups = report["by_prompt_length"]
+    assert sum(m["num_prompts"] for m in groups.values()) == report["num_prompts"]
+    assert sum(m["prompt_tokens"] for m in groups.values()) == report["prompt_tokens"] > 0
+    for metrics in [report, *report["by_category"].values(), *groups.values()]:
         assert set(metrics) >= METRIC_KEYS
+        for loop in ("baseline", "speculative"):  # the prefill timed apart from the decoding after it
+            pre = metrics["prefill"][loop]
+            assert pre["seconds"] > 0 and pre["prompt_tokens_per_s"] > 0 and pre["decode_tokens_per_s"] > 0
         assert metrics["greedy_match"] == 1.0 and metrics["tau"] >= 1.0
         alpha = metrics["accept_rate_per_position"]
         assert len(alpha) == depth and all(0.0 <= a <= 1.0 for a in alpha)
@@ -102,7 +109,7 @@ def test_random_heads_report_is_exact_and_sane(exports, tmp_path, tree):
     # Every method, HF's included, emits the plain greedy tokens in fp32.
     assert set(profile["match_plain_greedy"].values()) == {1.0}
     spec = profile["time_breakdown"]["speculative"]
-    parts = sum(spec[k] for k in ("verify_s", "draft_s", "accept_s", "commit_s", "other_s"))
+    parts = sum(spec[k] for k in ("prefill_s", "verify_s", "draft_s", "accept_s", "commit_s", "other_s"))
     assert parts == pytest.approx(spec["total_s"], abs=1e-3) and spec["verifier_forwards"] > 3
     for png in ("accept_length_hist.png", "accept_per_position.png", "tokens_per_s.png"):
         assert (tmp_path / png).stat().st_size > 1000
