@@ -1,0 +1,107 @@
+"""Long prompts: the prefill runs at matmul speed (eval.engine._prefill: one kernel call per weight, SDPA), is
+deterministic, and leaves the cache every later forward reads, so speculative decoding stays token for token plain
+greedy decoding on prompts up to the verifier's window, in bf16 and fp32, every family and tree. The tiny varied
+verifier has a 2,048-token window; the longest prompt here fills it but for the answer and the tree."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+
+from eval import engine
+from eval.decode import greedy_decode, speculative_decode
+from eval.lookup import PromptLookupDrafter
+from eval.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices
+from models.verifier import Verifier, build_tiny
+from test_exact_bf16 import SPARSE, Oracle, random_eagle, random_medusa
+
+MAX_NEW = 24
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _verifier(dtype: str) -> Verifier:
+    return build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype=dtype, device="cpu", seed=1, layer_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def bf16() -> Verifier:
+    return _verifier("bfloat16")
+
+
+@pytest.fixture(scope="module")
+def fp32() -> Verifier:
+    return _verifier("float32")
+
+
+def long_prompt(verifier: Verifier, tokens: int) -> torch.Tensor:
+    """`tokens` tokens of real text (Python's own source: code repeats itself, so prompt lookup finds matches)."""
+    text = inspect.getsource(inspect) + inspect.getsource(os)
+    ids = verifier.tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
+    assert ids.shape[1] == tokens
+    return ids
+
+
+def near_window(verifier: Verifier) -> int:
+    """The longest prompt the window leaves room for: the answer and a tree of 64 nodes (eval.decode's room)."""
+    return verifier.config.max_position_embeddings - MAX_NEW - 64
+
+
+def test_the_prefill_is_deterministic_and_close_to_hugging_face(bf16, fp32):
+    for v in (bf16, fp32):
+        ids = long_prompt(v, 1500)
+        caches = [engine.new_cache(v.model, 1600) for _ in range(2)]
+        outs = [engine.forward(c, ids, hidden_layers=[0, 1, -1]) for c in caches]
+        assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
+        assert torch.equal(caches[0].kv, caches[1].kv) and caches[0].length == 1500
+        last = engine.forward(engine.new_cache(v.model, 1600), ids, last_logits=True).logits
+        # the head over one row, not 1,500: the same product up to its kernel's summation order
+        assert last.shape[1] == 1 and torch.allclose(last[:, -1].float(), outs[0].logits[:, -1].float(), atol=0.05)
+        with torch.no_grad():
+            ref = v.model(ids).logits.float()
+        tol = 1e-3 if v is fp32 else 0.1 * float(ref.abs().max())  # bf16: rounding of a different summation order
+        assert torch.allclose(outs[0].logits.float(), ref, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_prompt_near_the_window_decodes_exactly(dtype, bf16, fp32):
+    v = bf16 if dtype == "bfloat16" else fp32
+    ids = long_prompt(v, near_window(v))
+    ref = greedy_decode(v, ids, MAX_NEW, engine="engine")
+    assert ref.tokens.shape[1] == MAX_NEW
+    for drafter in (random_medusa(v, from_medusa_choices(SPARSE)), random_eagle("eagle3", v, DynamicTree(size=16)),
+                    PromptLookupDrafter(Chain(10), 10, 3, 1)):
+        out = speculative_decode(v, drafter, ids, MAX_NEW, engine="engine")
+        assert torch.equal(out.tokens, ref.tokens), type(drafter).__name__
+
+
+TREES = {"medusa-chain": lambda v: random_medusa(v, Chain()),
+         "medusa-sparse": lambda v: random_medusa(v, from_medusa_choices(SPARSE)),
+         "eagle-chain": lambda v: random_eagle("eagle", v, Chain(4)),
+         "eagle-auto": lambda v: random_eagle("eagle", v, AutoTree(12)),
+         "eagle3-dynamic": lambda v: random_eagle("eagle3", v, DynamicTree()),
+         "prompt-lookup": lambda v: PromptLookupDrafter(Chain(10), 10, 3, 1)}
+
+
+@pytest.mark.parametrize("name", list(TREES))
+@pytest.mark.parametrize("engine_name", ["engine", "auto"])
+def test_every_family_and_tree_is_exact_on_a_long_prompt(name, engine_name, bf16, fp32):
+    """bf16 through the engine; fp32 through the engine and (auto) through HF's forward."""
+    for v in (bf16, fp32):
+        if engine_name == "auto" and v is bf16:
+            continue  # auto is the engine in bf16: covered
+        ids = long_prompt(v, 760)
+        ref = greedy_decode(v, ids, MAX_NEW, engine=engine_name)
+        out = speculative_decode(v, TREES[name](v), ids, MAX_NEW, engine=engine_name)
+        assert torch.equal(out.tokens, ref.tokens), (name, str(v.model.dtype))
+
+
+def test_accepted_paths_through_every_branch_after_a_long_prefill(bf16):
+    ids = long_prompt(bf16, 900)
+    ref = greedy_decode(bf16, ids, MAX_NEW + 8).tokens[0].tolist()
+    for tree in (chain(4), from_medusa_choices(SPARSE)):
+        oracle = Oracle(bf16, ids.shape[1], ref, tree, seed=3)
+        result = speculative_decode(bf16, oracle, ids, MAX_NEW)
+        assert result.tokens[0].tolist() == ref[:MAX_NEW] and result.tau > 1.5
