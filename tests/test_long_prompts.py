@@ -105,3 +105,28 @@ def test_accepted_paths_through_every_branch_after_a_long_prefill(bf16):
         oracle = Oracle(bf16, ids.shape[1], ref, tree, seed=3)
         result = speculative_decode(bf16, oracle, ids, MAX_NEW)
         assert result.tokens[0].tolist() == ref[:MAX_NEW] and result.tau > 1.5
+
+
+@pytest.mark.slow
+def test_the_builtin_set_has_a_long_context_category(smollm2):
+    """At least 20 eval prompts of 700+ tokens after the default verifier's chat template, none matching a training
+    prompt, each naming its source; rebuilt the same from Python's own text by scripts/long_prompts.py."""
+    import json
+    import sys
+
+    from data.chat import prompt_ids
+    from data.filters import EvalGuard
+    from data.prompts import BUILTIN_PATH, load_conversations
+    from scripts.long_prompts import CATEGORY, build
+
+    long = [c for c in load_conversations("builtin", split="eval") if c.category == CATEGORY]
+    assert len(long) >= 20
+    lengths = [len(prompt_ids(smollm2.tokenizer, [{"role": "user", "content": c.user_turns[0]}])) for c in long]
+    assert min(lengths) >= 700, lengths
+    guard = EvalGuard([t for c in load_conversations("builtin", split="train") for t in c.user_turns])
+    assert not any(guard.contaminated(c.user_turns[0]) for c in long)
+    assert guard.contaminated(load_conversations("builtin", split="train")[0].user_turns[0])  # the guard sees one
+    stored = [json.loads(line) for line in BUILTIN_PATH.read_text().splitlines() if CATEGORY in line]
+    assert all(r["split"] == "eval" and r["source"] for r in stored)
+    if all(f"python {sys.version_info.major}.{sys.version_info.minor} " in r["source"] for r in stored):
+        assert build(smollm2.tokenizer) == stored  # the same Python: the same text
