@@ -21,7 +21,7 @@ from rich.table import Table
 
 from eval.accept import mean_accept_length
 from eval.protocol import Drafter
-from eval.report import Sample, write_samples
+from eval.report import LENGTH_EDGES, Sample, length_group, write_samples
 from models.export import ExportInfo
 from models.verifier import Verifier
 
@@ -29,8 +29,9 @@ REFERENCES = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 
 
 def rows(samples: Sequence[Sample], methods: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per method: tau (families only), tokens/s (all tokens over all seconds), speedup over our plain decoding, and
-    the fraction of prompts whose output equals our plain decoding's token for token (greedy runs: exactness)."""
+    """Per method: tau (families only), tokens/s (all tokens over all seconds), speedup over our plain decoding, the
+    fraction of prompts whose output equals our plain decoding's token for token (greedy runs: exactness), and for
+    our own loops the prefill apart: its seconds and the tokens/s of the decoding after it."""
     def rate(m: str) -> float:
         secs = sum(s.seconds[m] for s in samples)
         return sum(len(s.outputs[m]) for s in samples) / secs if secs > 0 else 0.0
@@ -43,7 +44,13 @@ def rows(samples: Sequence[Sample], methods: Sequence[str]) -> dict[str, dict[st
             tau = round(mean_accept_length(torch.cat([s.lengths[m] for s in samples])), 4)
         out[m] = {"tau": tau, "tokens_per_s": round(rate(m), 2),
                   "speedup": round(rate(m) / base, 4) if base else 0.0,
-                  "greedy_match": round(sum(s.matches(m) for s in samples) / max(len(samples), 1), 4)}
+                  "greedy_match": round(sum(s.matches(m) for s in samples) / max(len(samples), 1), 4),
+                  "prefill_s": None, "decode_tokens_per_s": None}
+        if samples and m in samples[0].times:  # ours: the prefill is timed apart
+            pre = sum(s.times[m].get("prefill_s", 0.0) for s in samples)
+            rest = sum(s.seconds[m] for s in samples) - pre
+            out[m]["prefill_s"] = round(pre, 4)
+            out[m]["decode_tokens_per_s"] = round(sum(len(s.outputs[m]) for s in samples) / rest, 2) if rest > 0 else None
     return out
 
 
@@ -78,6 +85,8 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
     """Write report.json, outputs.jsonl and families.png for method=all, print the table; returns the report."""
     methods = [*drafters, *(r for r in REFERENCES if samples and r in samples[0].outputs)]
     categories = sorted({s.category for s in samples})
+    groups = [g for g in map(length_group, (0, *LENGTH_EDGES)) if any(length_group(s.prompt_tokens) == g
+                                                                      for s in samples)]
     report = {
         "method": "all", "verifier": verifier.name, "checkpoint": [str(e.path) for e in exports],
         "num_prompts": len(samples), "max_new_tokens": int(cfg.max_new_tokens), "threads": int(cfg.threads),
@@ -85,6 +94,8 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
         "trees": {m: d.describe() for m, d in drafters.items()},
         "methods": rows(samples, methods),
         "by_category": {c: rows([s for s in samples if s.category == c], methods) for c in categories},
+        "by_prompt_length": {g: rows([s for s in samples if length_group(s.prompt_tokens) == g], methods)
+                             for g in groups},
     }
     out_dir = Path(str(cfg.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,5 +111,15 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
         table.add_row(m, "-" if r["tau"] is None else f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}",
                       f"{r['speedup']:.2f}x", f"{r['greedy_match']:.0%}")
     console.print(table)
+    for title, by in (("tokens/s per category", report["by_category"]),
+                      ("tokens/s per prompt length", report["by_prompt_length"])):
+        grid = Table(title=f"{title} (prompts, then each method; our plain decoding's prefill apart)")
+        for col in ("group", "n", *report["methods"], "plain prefill s"):
+            grid.add_column(col.split("/")[0] if "/" in col else col, justify="left" if col == "group" else "right")
+        for g, r in by.items():
+            n = sum(1 for s in samples if (s.category if by is report["by_category"] else length_group(s.prompt_tokens)) == g)
+            grid.add_row(g, str(n), *[f"{r[m]['tokens_per_s']:.1f}" for m in report["methods"]],
+                         f"{r['baseline']['prefill_s']:.2f}")
+        console.print(grid)
     console.print(f"report: {out_dir / 'report.json'}, chart: {out_dir / 'families.png'}")
     return report

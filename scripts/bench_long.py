@@ -105,7 +105,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     v = load_smollm2(dtype=args.dtype, device="cpu")
-    peak = machine((args.dtype,))["peak_gflops"][args.dtype]
+    peak = max(machine((args.dtype,))["peak_gflops"][args.dtype] for _ in range(3))  # a burst of load lowers one
     flags = sorted(f for f in ("amx_bf16", "avx512_bf16") if f in open("/proc/cpuinfo").read())
     print(f"{v.name}, {args.dtype}, {args.threads} thread(s), CPU flags {flags or 'none'}, matmul peak "
           f"{peak:.0f} GFLOP/s")

@@ -291,6 +291,12 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
         assert row["tokens_per_s"] > 0 and (row["tau"] is None) == (name in ("baseline", "hf_generate",
                                                                             "hf_prompt_lookup", "hf_assisted"))
     assert set(report["by_category"]) and all(set(r) == set(report["methods"]) for r in report["by_category"].values())
+    assert sum(1 for _ in report["by_prompt_length"]) >= 1
+    assert all(set(r) == set(report["methods"]) for r in report["by_prompt_length"].values())
+    for name, row in report["methods"].items():  # our loops' prefill apart; HF's calls cannot be split
+        ours = not name.startswith("hf_")
+        assert (row["prefill_s"] is not None) == ours and (not ours or row["prefill_s"] > 0), name
+        assert not ours or row["decode_tokens_per_s"] > 0, name
 
 
 def test_method_all_samples_every_method_as_a_single_run_does(varied, tmp_path):
