@@ -57,8 +57,9 @@ def test_the_prefill_is_deterministic_and_close_to_hugging_face(bf16, fp32):
         assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
         assert torch.equal(caches[0].kv, caches[1].kv) and caches[0].length == 1500
         last = engine.forward(engine.new_cache(v.model, 1600), ids, last_logits=True).logits
-        # the head over one row, not 1,500: the same product up to its kernel's summation order
-        assert last.shape[1] == 1 and torch.allclose(last[:, -1].float(), outs[0].logits[:, -1].float(), atol=0.05)
+        # the head over one row, not 1,500: the same product up to its kernel's summation order and output rounding
+        full = outs[0].logits[:, -1].float()
+        assert last.shape[1] == 1 and torch.allclose(last[:, -1].float(), full, atol=float(full.abs().max()) / 32)
         with torch.no_grad():
             ref = v.model(ids).logits.float()
         tol = 1e-3 if v is fp32 else 0.1 * float(ref.abs().max())  # bf16: rounding of a different summation order
