@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from models import reference_formats as ref
 from models import speculators_format as spec
-from models.eagle_export import aux_layer_ids  # noqa: F401  (re-exported: the conformance modules read it here)
 from models.errors import UserError
 from models.families import FAMILIES, family_of_config, family_of_net, title
 from models.io import atomic_dir
