@@ -17,11 +17,12 @@ from data.filters import EvalGuard, apply_filters
 from data.prompts import Conversation, eval_prompt_texts, load_conversations, select_prompts
 from data.selfgen import selfgen_conversations
 from data.sampler import EpochSampler
+from data.shipped import load_shipped
 from data.selfdistill import GENERATORS, build_selfdistill, build_sharegpt, check_has_targets
 from models.errors import UserError
 from models.verifier import Verifier
 
-MODES = ("selfdistill", "sharegpt")
+MODES = ("selfdistill", "sharegpt", "shipped")
 
 
 def collate(rows: list[dict[str, Any]], pad_id: int, hidden_path: Path | None = None,
@@ -61,7 +62,9 @@ class DistillDataModule(L.LightningDataModule):
     """Training data for a drafter of `verifier`.
 
     Args:
-        mode: `selfdistill` (the verifier answers the prompts) or `sharegpt` (train on the conversations as given).
+        mode: `selfdistill` (the verifier answers the prompts), `sharegpt` (train on the conversations as given) or
+            `shipped` (a set that ships with the toolkit, `shipped`: its name under shipped/data/ or its folder;
+            data.shipped's files, verifier and chat template are checked, nothing is generated).
         source: one source or a list of them (concatenated): `builtin` (its train split), a prompt/conversation file, a saved `datasets` directory, a Hub dataset
             id (`datasets.load_dataset`, split `hub_split`), or `selfgen` (the verifier writes the prompts,
             settings in `selfgen`: see data.selfgen.selfgen_conversations).
@@ -103,6 +106,7 @@ class DistillDataModule(L.LightningDataModule):
         decontaminate: bool = True,
         group_by_length: bool = False,
         generator: str = "hf",
+        shipped: str | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -125,6 +129,10 @@ class DistillDataModule(L.LightningDataModule):
             raise UserError(f"data.generator={generator!r} is not one of {list(GENERATORS)} (hf: this process's "
                             f"batched refill generation; vllm: the real vLLM's offline batched generation).")
         self.generator = generator
+        if mode == "shipped" and not shipped:
+            raise UserError("data.mode=shipped needs data.shipped: the name of a set under shipped/data/ or its "
+                            "folder (python train.py data=shipped sets the default verifier's).")
+        self.shipped = shipped
         self.hidden_layers: list[int] = [-1]
         self.verifier_argmax = False  # offline mode also caches M_q's argmax per position (needs layer -1 cached)
         self.hidden_path: Path | None = None
@@ -133,6 +141,11 @@ class DistillDataModule(L.LightningDataModule):
 
     def build(self) -> datasets.Dataset:
         """The full tokenised dataset (generated and cached on first use for self-distillation)."""
+        if self.mode == "shipped":
+            ds = load_shipped(self.shipped, self.verifier)
+            if self.limit is not None:  # nested subsets: the first `limit` rows of one fixed shuffle
+                ds = ds.shuffle(seed=0).select(range(min(self.limit, len(ds))))
+            return ds
         convs, groups = self.conversations(with_groups=True)
         if self.mode == "sharegpt":
             return build_sharegpt(self.verifier, convs, self.max_length)

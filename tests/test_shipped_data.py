@@ -1,0 +1,141 @@
+"""Shipped training sets (data/shipped.py): pack and load, refusals, `train.py data=shipped`, and the set that ships
+with the toolkit checked token by token against the embedded verifier."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.prompts import Conversation, load_conversations
+from data.selfdistill import build_sharegpt
+from data.shipped import MANIFEST, ROOT as SHIPPED, load_shipped, pack, read_manifest, verify
+from helpers import ROOT, varied_llama
+from models.errors import UserError, VerifierMismatchError
+
+DEFAULT_SET = "smollm2-selfdistill-v1"
+
+
+def _small_set(verifier, n: int = 24):
+    """Real conversations through the verifier's chat template, assistant-only masks, a source per row."""
+    convs = load_conversations("builtin", split="train", limit=n)
+    convs = [Conversation(c.id, c.category, [{"role": "user", "content": c.user_turns[0]},
+                                             {"role": "assistant", "content": f"Answer {i}: " + c.user_turns[0][::-1]}])
+             for i, c in enumerate(convs)]
+    ds = build_sharegpt(verifier, convs, max_length=256)
+    return ds.add_column("source", ["builtin" if i % 3 else "other" for i in range(len(ds))])
+
+
+@pytest.fixture
+def packed(tiny, tmp_path):
+    ds = _small_set(tiny)
+    manifest = pack(ds, tmp_path / "set", tiny, {"generation": {"test": True}}, rows_per_part=10)
+    return ds, tmp_path / "set", manifest
+
+
+def test_pack_and_load_round_trip(tiny, packed):
+    ds, folder, manifest = packed
+    assert [e["rows"] for e in manifest["files"]] == [10, 10, 4]
+    assert manifest["counts"] == {"conversations": 24, "assistant_tokens": sum(map(sum, ds["loss_mask"])),
+                                  "tokens": sum(map(len, ds["input_ids"]))}
+    assert manifest["by_source"]["other"]["conversations"] == 8
+    back = load_shipped(folder, tiny)
+    assert back["input_ids"] == ds["input_ids"] and back["loss_mask"] == ds["loss_mask"]
+    assert back["id"] == ds["id"] and back["source"] == ds["source"]
+    assert back.features["input_ids"].feature.dtype == "int32" and back.features["loss_mask"].feature.dtype == "int8"
+    # The same files give the same fingerprint (the hidden-state cache's key), a changed set another.
+    assert load_shipped(folder, tiny)._fingerprint == back._fingerprint
+
+
+def test_a_damaged_copy_is_refused(tiny, packed):
+    _, folder, manifest = packed
+    part = folder / manifest["files"][1]["path"]
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"part-00001.parquet is damaged .*git checkout"):
+        load_shipped(folder, tiny)
+    part.unlink()
+    with pytest.raises(UserError, match="part-00001.parquet is missing"):
+        load_shipped(folder, tiny)
+    (folder / MANIFEST).write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_shipped(folder, tiny)
+
+
+def test_another_verifier_or_chat_template_is_refused(tiny, packed):
+    _, folder, _ = packed
+    with pytest.raises(VerifierMismatchError, match="different verifier"):
+        load_shipped(folder, varied_llama())
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["chat_template_sha256"] = "0" * 64
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="another chat template"):
+        load_shipped(folder, tiny)
+
+
+def test_an_unknown_set_names_the_ones_there(tmp_path):
+    with pytest.raises(UserError, match=r"no shipped set there .*Sets in this checkout"):
+        load_shipped(tmp_path / "nothing", None)
+
+
+def test_train_cli_trains_from_a_shipped_set_and_generates_nothing(tiny, packed, tmp_path):
+    """The real command line: `data=shipped` on a set packed for the tiny verifier trains and exports; the cache gets
+    no self-distillation folder (nothing was generated)."""
+    _, folder, _ = packed
+    cache = tmp_path / "cache"
+    env = dict(os.environ, SPECDRAFT_CACHE=str(cache))
+    proc = subprocess.run([sys.executable, "train.py", "verifier=tiny", "data=shipped", f"data.shipped={folder}",
+                           "data.batch_size=4", "data.val_fraction=0.2", "trainer.max_steps=3", "logger=csv",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"export: {tmp_path / 'run' / 'export'}"
+    assert "19 train / 5 val conversations" in proc.stdout
+    assert not (cache / "selfdistill").exists() and not (cache / "selfdistill-shards").exists()
+    # A set for another verifier stops the command with one message, no traceback.
+    proc = subprocess.run([sys.executable, "train.py", "data=shipped", f"data.shipped={folder}", "trainer.max_steps=1",
+                           f"hydra.run.dir={tmp_path / 'run2'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 2 and "different verifier" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not (SHIPPED / DEFAULT_SET / MANIFEST).is_file(), reason="the shipped set is not in this checkout")
+def test_the_shipped_set_is_the_default_verifiers_and_holds_what_its_manifest_says(smollm2):
+    """The set that ships: intact, for the embedded verifier and its template, >= 10k conversations and >= 2M
+    assistant tokens in <= 20 MB, every row a prompt in the chat template followed by the verifier's answer (the loss
+    mask on exactly the answer), no prompt twice and none matching an evaluation prompt."""
+    from data.chat import prompt_ids
+    from data.filters import EvalGuard
+    from data.prompts import eval_prompt_texts
+
+    folder = SHIPPED / DEFAULT_SET
+    manifest = read_manifest(folder)
+    verify(folder, manifest)
+    assert manifest["counts"]["conversations"] >= 10_000 and manifest["counts"]["assistant_tokens"] >= 2_000_000
+    assert sum(e["bytes"] for e in manifest["files"]) <= 20 * 2**20
+    ds = load_shipped(DEFAULT_SET, smollm2)
+    tok = smollm2.tokenizer
+    header = prompt_ids(tok, [{"role": "user", "content": "x"}])
+    header = header[header.index(tok.convert_tokens_to_ids("x")) + 1:]  # end of turn + assistant header
+    eos, cap = tok.eos_token_id, manifest["generation"]["max_new_tokens"]
+    prompts, answers = set(), 0
+    users = []
+    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+        start = mask.index(1)
+        assert mask == [0] * start + [1] * (len(ids) - start)  # one span: the answer, to the end of the row
+        assert ids[start - len(header):start] == header
+        assert ids[-1] == eos or len(ids) - start == cap or len(ids) == manifest["generation"]["max_length"]
+        assert tuple(ids[:start]) not in prompts
+        prompts.add(tuple(ids[:start]))
+        answers += len(ids) - start
+        text = tok.decode(ids[:start])
+        users.append(text[text.rfind("<|im_start|>user\n") + len("<|im_start|>user\n"):text.rfind("<|im_end|>")])
+    assert answers == manifest["counts"]["assistant_tokens"]
+    guard = EvalGuard(eval_prompt_texts())
+    contaminated = [u for u in users if guard.contaminated(u)]
+    assert not contaminated, contaminated[:3]
