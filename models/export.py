@@ -33,6 +33,7 @@ from models import speculators_format as spec
 from models.errors import UserError
 from models.families import FAMILIES, family_of_config, family_of_net, title
 from models.io import atomic_dir
+from models.shipped_export import expand
 from models.verifier import Verifier, check_fingerprint, verifier_source
 
 CONFIG_NAME = "config.json"
@@ -235,6 +236,8 @@ def load_export(path: str | Path | ExportInfo, verifier: Verifier, kind: str | N
                           f"loads here, but vLLM refuses the folder. Rewrite it: python -m scripts.convert "
                           f"from-reference {path} <new dir>.", stacklevel=2)
     tensors = _read_reference(path, _raw_config(path))[1] if reference else _project_weights(path)
+    if not reference:  # a compact (shipped) export: the verifier's own tensors put back, dtypes restored
+        tensors = expand(_raw_config(path), tensors, verifier, path / WEIGHTS_NAME)
     net, lm_head = FAMILIES[found].export.read(config, tensors, verifier, path / WEIGHTS_NAME, reference)
     counts = read_target_counts(path, int(verifier.vocab_size))
     return Export(found, net.eval().requires_grad_(False), config, lm_head, counts, path)

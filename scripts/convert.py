@@ -10,6 +10,13 @@
         --speculative-tokens 5
 
 `python -m eval checkpoint=<reference dir> verifier_path=<verifier>` reads the reference layouts directly too.
+
+    # an export -> the compact form that ships in pretrained/ (bf16, the verifier's own head left out), with the
+    # recipe, training figures and eval report that go with it
+    python -m scripts.convert ship outputs/<run>/export pretrained/<name> --recipe outputs/<run>/.hydra/config.yaml \
+        --training outputs/<run>/training.json --eval-report outputs/<eval run>/report.json
+    # a shipped export -> the folder an engine (vLLM) loads as it is
+    python -m scripts.convert engine-ready pretrained/<name> served/<name>
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import sys
 
 from models.errors import UserError
 from models.export import export_verifier, from_reference, read_config, to_reference
+from models.shipped_export import engine_ready, ship
 from models.verifier import load_verifier
 
 
@@ -41,9 +49,31 @@ def main(argv: list[str] | None = None) -> int:
     fr.add_argument("--speculative-tokens", type=int, default=None,
                     help="EAGLE-3: tokens vLLM drafts per step when it serves the export as it is (default: the "
                          "export's own, else 3)")
+    sh = sub.add_parser("ship", help="an export -> its compact form for pretrained/ (models/shipped_export.py)")
+    sh.add_argument("export_dir")
+    sh.add_argument("out_dir")
+    sh.add_argument("--recipe", default=None, help="the run's config (its .hydra/config.yaml)")
+    sh.add_argument("--training", default=None, help="the run's training figures (JSON)")
+    sh.add_argument("--eval-report", default=None, help="python -m eval's report.json for this export")
+    sh.add_argument("--cache-dir", default=None)
+    er = sub.add_parser("engine-ready", help="a shipped (compact) export -> the folder an engine loads as it is")
+    er.add_argument("shipped_dir")
+    er.add_argument("out_dir")
+    er.add_argument("--cache-dir", default=None)
     args = parser.parse_args(argv)
     try:
-        if args.command == "to-reference":
+        if args.command in ("ship", "engine-ready"):
+            src = args.export_dir if args.command == "ship" else args.shipped_dir
+            source = export_verifier(read_config(src))
+            if not source:
+                raise UserError(f"{src} names no verifier; only exports written by train.py can be shipped.")
+            verifier = load_verifier(source, "float32", "cpu", args.cache_dir)
+            if args.command == "ship":
+                out = ship(src, args.out_dir, verifier, {"recipe.yaml": args.recipe, "training.json": args.training,
+                                                         "eval_report.json": args.eval_report})
+            else:
+                out = engine_ready(src, args.out_dir, verifier)
+        elif args.command == "to-reference":
             out = to_reference(None, args.export_dir, args.out_dir, args.weights)
         else:
             source = args.verifier or export_verifier(read_config(args.ref_dir))

@@ -1,0 +1,116 @@
+"""Exports made compact for the repository (models/shipped_export.py) and the drafters that ship in pretrained/:
+compact -> loaded as it is -> decodes exactly; engine-ready folders written back bit for bit; refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import ROOT, compose_train
+from models.errors import UserError, VerifierMismatchError
+from models.families import EXPORT_FAMILIES
+from models.shipped_export import COMPACT_KEY, engine_ready, ship
+
+VARIED = ["verifier=tiny", "verifier.seed=1", "+verifier.layer_std=0.3"]
+TRAIN = [*VARIED, "data.limit=8", "data.max_new_tokens=12", "data.gen_batch_size=8", "data.batch_size=4",
+         "data.val_fraction=0.25", "logger=csv", "trainer.max_steps=2", "trainer.max_epochs=1"]
+EXTRA = {"eagle3": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.ttt_steps=2",
+                    "model.val_steps=2"], "eagle": ["model.val_steps=2"], "medusa": ["model.share_lm_head=true"]}
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+PRETRAINED = ROOT / "pretrained"
+
+
+@pytest.fixture(scope="module")
+def varied():
+    from helpers import varied_llama
+
+    return varied_llama(seed=1)
+
+
+@pytest.fixture(scope="module")
+def exports(train_script, tmp_path_factory):
+    out = {}
+    for name in EXPORT_FAMILIES:
+        cfg = compose_train([*TRAIN, f"model={name}", *EXTRA.get(name, [])], tmp_path_factory.mktemp(name))
+        out[name] = Path(train_script.run(cfg))
+    return out
+
+
+def _decode_exactly(verifier, export) -> None:
+    from eval.decode import greedy_decode, speculative_decode
+    from eval.families import build_drafter, family_config
+    from eval.tree import AutoTree
+    from models.export import read_info
+
+    info = read_info(export)
+    drafter = build_drafter(__import__("omegaconf").OmegaConf.create({"seed": 0}), family_config(info.kind), verifier,
+                            info, AutoTree(size=6))
+    ids = torch.tensor([verifier.tokenizer(PROMPT)["input_ids"]])
+    plain = greedy_decode(verifier, ids, 16, [])
+    spec = speculative_decode(verifier, drafter, ids, 16, [])
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert spec.num_forwards <= plain.num_forwards
+
+
+@pytest.mark.parametrize("name", EXPORT_FAMILIES)
+def test_a_compact_export_loads_as_it_is_and_decodes_exactly(name, exports, varied, tmp_path, one_thread):
+    from models.export import load_export
+
+    full = exports[name]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: test\n")
+    compact = ship(full, tmp_path / "compact", varied, {"recipe.yaml": recipe, "training.json": None})
+    config = json.loads((compact / "config.json").read_text())
+    stored = load_file(str(compact / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in stored.values() if t.is_floating_point())
+    assert (compact / "specdraft" / "recipe.yaml").read_text() == "model: test\n"
+    if name == "medusa":  # the shared head is the verifier's: not stored
+        assert config[COMPACT_KEY]["dropped"] == {"lm_head.weight": "verifier.lm_head"}
+        assert "lm_head.weight" not in stored
+    a, b = load_export(full, varied), load_export(compact, varied)
+    for (k, x), (k2, y) in zip(a.net.state_dict().items(), b.net.state_dict().items()):
+        assert k == k2 and x.dtype == y.dtype
+        assert torch.equal(x.to(torch.bfloat16).to(x.dtype), y) if x.is_floating_point() else torch.equal(x, y), k
+    _decode_exactly(varied, compact)
+
+
+@pytest.mark.parametrize("name", EXPORT_FAMILIES)
+def test_engine_ready_writes_the_full_export_back(name, exports, varied, tmp_path):
+    full = exports[name]
+    compact = ship(full, tmp_path / "compact", varied)
+    served = engine_ready(compact, tmp_path / "served", varied)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(served / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        expected = a[k].to(torch.bfloat16).to(a[k].dtype) if a[k].is_floating_point() else a[k]
+        assert torch.equal(b[k], expected) or torch.equal(b[k], a[k]), k
+    assert json.loads((served / "config.json").read_text()) == json.loads((full / "config.json").read_text())
+    assert sorted(p.name for p in served.iterdir()) == sorted(p.name for p in full.iterdir())
+
+
+def test_a_damaged_or_foreign_compact_export_is_refused(exports, varied, tiny, tmp_path):
+    from models.export import load_export
+
+    compact = ship(exports["medusa"], tmp_path / "compact", varied)
+    with pytest.raises(VerifierMismatchError):
+        load_export(compact, tiny)
+    with pytest.raises(VerifierMismatchError):
+        engine_ready(compact, tmp_path / "served", tiny)
+    with pytest.raises(UserError, match="already compact"):
+        ship(compact, tmp_path / "again", varied)
+    tensors = load_file(str(compact / "model.safetensors"))
+    tensors.pop("blocks.0.layers.0.weight")
+    save_file(tensors, str(compact / "model.safetensors"))
+    with pytest.raises(UserError, match=r"lacks \['blocks.0.layers.0.weight'\].*damaged"):
+        load_export(compact, varied)
+    config = json.loads((compact / "config.json").read_text())
+    config[COMPACT_KEY]["dropped"]["lm_head.weight"] = "verifier.embed"
+    (compact / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="does not know"):
+        load_export(compact, varied)
