@@ -24,6 +24,8 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from data.filters import EvalGuard
+from data.multiturn import add_second_turns
 from data.prompts import eval_prompt_texts, load_conversations
 from data.selfdistill import first_turn
 from data.chat import prompt_ids
@@ -88,10 +90,18 @@ def ship(cfg: DictConfig) -> None:
     print(f"[ship] {len(ds) - len(unique)} rows left out (a prompt seen in an earlier row, or no answer token)")
     ds = ds.select(unique)
     extra = [str(Path(f).expanduser()) for f in cfg.data.eval_prompts]
+    second = int(ship_cfg.get("second_turns") or 0)
+    if second:  # multi-turn: the verifier writes a follow-up turn after its own answer, then answers it
+        ds = add_second_turns(verifier, ds, second, cfg.cache_dir, seed=cfg.seed, max_length=cfg.data.max_length,
+                              max_new_tokens=cfg.data.max_new_tokens, batch_size=cfg.data.gen_batch_size,
+                              guard=EvalGuard(eval_prompt_texts(extra)))
     info = {
         "generation": {k: OmegaConf.to_container(cfg.data)[k] for k in
                        ("generator", "max_new_tokens", "temperature", "max_length", "gen_batch_size", "seed")}
-                      | {"dtype": str(verifier.model.dtype).removeprefix("torch."), "answers": "first user turn"},
+                      | {"dtype": str(verifier.model.dtype).removeprefix("torch."),
+                         "turns": "the first user turn of every prompt; a second turn (the verifier's own follow-up, "
+                                  "T=1, top-p 0.95, and its greedy answer) on "
+                                  f"{sum(i.endswith('+turn2') for i in ds['id'])} rows"},
         "sources": [{"source": str(s), "label": _label(str(s)), "conversations_in": n} for s, n in zip(sources, groups)]
                    + ([{"selfgen": OmegaConf.to_container(cfg.data.selfgen)}] if "selfgen" in sources else []),
         "decontaminated_against": {

@@ -139,3 +139,54 @@ def test_the_shipped_set_is_the_default_verifiers_and_holds_what_its_manifest_sa
     guard = EvalGuard(eval_prompt_texts())
     contaminated = [u for u in users if guard.contaminated(u)]
     assert not contaminated, contaminated[:3]
+
+
+def test_second_turns_extend_the_verifiers_own_ids(smollm2, tmp_path, monkeypatch):
+    """A row [prompt, a1] becomes [prompt, a1, the template's next user turn, a2]: a1's ids as generated, the turn
+    rendered by the chat template exactly as a two-turn chat has it, a2 the verifier's greedy answer, the loss mask
+    on a1 and a2 only; rows not picked stay as they were; a rerun reads its cache and generates nothing."""
+    import datasets
+    import torch
+
+    import data.multiturn as mt
+    from data.chat import prompt_ids
+    from data.generate import generate_refill
+    from data.selfdistill import FEATURES
+
+    tok, eos = smollm2.tokenizer, smollm2.tokenizer.eos_token_id
+    questions = ["Name three fruits.", "What is the capital of France?", "Say hello in Spanish.", "Count to five."]
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in questions]
+    answers = generate_refill(smollm2, prompts, 40, 0.0, 1.0, 4, 0)
+    rows = {"id": [f"r{i}" for i in range(4)], "category": ["x"] * 4,
+            "input_ids": [p + a for p, a in zip(prompts, answers)],
+            "loss_mask": [[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]}
+    ds = datasets.Dataset.from_dict(rows, features=FEATURES)
+    finished = [i for i, a in enumerate(answers) if a[-1] == eos]
+    assert len(finished) >= 2
+    quality = {"min_words": 1, "english": False, "min_latin": 0.0, "max_repeat": 1.0}
+    out = mt.add_second_turns(smollm2, ds, 2, tmp_path, seed=0, max_length=512, max_new_tokens=24, user_tokens=64,
+                              batch_size=4, quality=quality)
+    extended = [j for j in range(4) if out[j]["id"].endswith("+turn2")]
+    assert extended and set(extended) <= set(finished)
+    for j in range(4):
+        ids, mask = out[j]["input_ids"], out[j]["loss_mask"]
+        if j not in extended:
+            assert ids == ds[j]["input_ids"] and mask == ds[j]["loss_mask"]
+            continue
+        first = ds[j]["input_ids"]
+        assert ids[: len(first)] == first and mask[: len(first)] == ds[j]["loss_mask"]
+        second = mask.index(1, len(first))
+        opener = mt.user_opener_ids(tok)
+        assert ids[len(first): len(first) + len(opener)] == opener
+        text = tok.decode(ids[len(first) + len(opener): second])
+        user = text[: text.index("<|im_end|>")]
+        assert ids[len(first): second] == mt.continuation_ids(tok, user)
+        assert mask[second:] == [1] * (len(ids) - second) and set(mask[len(first): second]) == {0}
+        # a2 is the verifier's greedy answer to the two-turn prompt
+        with torch.no_grad():
+            ref = smollm2.model.generate(torch.tensor([ids[:second]]), max_new_tokens=8, do_sample=False)
+        assert ids[second: second + 8] == ref[0, second:].tolist()[: len(ids) - second]
+    monkeypatch.setattr(mt, "generate_refill", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated")))
+    again = mt.add_second_turns(smollm2, ds, 2, tmp_path, seed=0, max_length=512, max_new_tokens=24, user_tokens=64,
+                                batch_size=4, quality=quality)
+    assert again["input_ids"] == out["input_ids"]
