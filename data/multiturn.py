@@ -1,7 +1,7 @@
 """Second turns for self-distilled conversations: the verifier writes a follow-up user turn after its own answer
 (Magpie, continued: the chat template opened where the next user message starts), then answers it.
 
-A row [prompt, a1] becomes [prompt, a1, user turn 2, a2], its loss mask on a1 and a2 only. The ids are extended,
+A row [prompt, a1] gives a new row [prompt, a1, user turn 2, a2], its loss mask on a1 and a2 only. The ids are extended,
 never re-rendered from text: the verifier's answer a1 stays the token ids it generated (text re-tokenised can come
 out different), and what the template puts between a1's end-of-turn token and a2 is rendered once and appended
 (`continuation_ids`), so the row is exactly what the verifier sees in a two-turn chat.
@@ -52,15 +52,16 @@ def user_opener_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return tokenizer(text[cut:user], add_special_tokens=False)["input_ids"]
 
 
-def add_second_turns(verifier: Verifier, ds: datasets.Dataset, num: int, cache_dir: str | Path, seed: int = 0,
+def second_turn_rows(verifier: Verifier, ds: datasets.Dataset, num: int, cache_dir: str | Path, seed: int = 0,
                      max_length: int = 1024, max_new_tokens: int = 384, user_tokens: int = 96,
                      batch_size: int = 64, guard: EvalGuard | None = None,
                      quality: dict[str, Any] | None = None) -> datasets.Dataset:
-    """`ds` with `num` of its rows (drawn with `seed` among those whose answer ended and that leave room for a
-    second turn) extended by a follow-up user turn sampled from the verifier (T=1, top-p 0.95, at most
-    `user_tokens`; unfinished, low-quality, near-duplicate or eval-matching turns are dropped, the row then stays
-    single-turn) and the verifier's greedy answer to it. Each stage is cached under `<cache>/second-turns/<key>/`,
-    so a rerun after a kill redoes at most the stage it was in."""
+    """Two-turn rows made from `num` rows of `ds` (drawn with `seed` among those whose answer ended and that leave
+    room for a second turn): each extended by a follow-up user turn sampled from the verifier (T=1, top-p 0.95, at
+    most `user_tokens`; unfinished, low-quality, near-duplicate or eval-matching turns are dropped) and the
+    verifier's greedy answer to it. Returns the new rows only (id and source marked `+turn2`), to append: the
+    single-turn rows stay, so a set that gains them keeps its earlier rows as they were. Each stage is cached
+    under `<cache>/second-turns/<key>/`, so a rerun after a kill redoes at most the stage it was in."""
     tok = verifier.tokenizer
     eos = tok.eos_token_id
     room = max_length - user_tokens - 64
@@ -99,18 +100,15 @@ def add_second_turns(verifier: Verifier, ds: datasets.Dataset, num: int, cache_d
     answers = json.loads(answers_file.read_text())
     if len(answers) != len(kept):
         raise RuntimeError(f"{answers_file}: {len(answers)} answers for {len(kept)} turns; delete {root} and rerun")
-    extended = {}
+    rows: dict[str, list] = {name: [] for name in ds.column_names}
     for i, prompt, answer in zip(kept, prompts, answers):
-        j = picked[i]
+        row = ds[picked[i]]
         answer = answer[: answer.index(eos) + 1] if eos in answer else answer
-        mask = list(ds[j]["loss_mask"]) + [0] * (len(prompt) - len(ds[j]["input_ids"])) + [1] * len(answer)
-        extended[j] = ((prompt + answer)[:max_length], mask[:max_length])
-
-    def extend(row: dict[str, Any], j: int) -> dict[str, Any]:
-        if j in extended:
-            row["input_ids"], row["loss_mask"] = extended[j]
-            row["id"] = f"{row['id']}+turn2"
-        return row
-
-    print(f"[data] second turns: {len(extended)} rows now hold two turns")
-    return ds.map(extend, with_indices=True, desc="second turns", new_fingerprint=f"{ds._fingerprint}-t2-{key}")
+        mask = list(row["loss_mask"]) + [0] * (len(prompt) - len(row["input_ids"])) + [1] * len(answer)
+        row.update(input_ids=(prompt + answer)[:max_length], loss_mask=mask[:max_length], id=f"{row['id']}+turn2")
+        if "source" in row:
+            row["source"] = f"{row['source']}+turn2"
+        for name in rows:
+            rows[name].append(row[name])
+    print(f"[data] second turns: {len(rows['id'])} two-turn rows")
+    return datasets.Dataset.from_dict(rows, features=ds.features)

@@ -142,3 +142,35 @@ def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tens
         net = Eagle1Net(fc_bias="fc.bias" in tensors, **lc)
     load_state(net, tensors, file)
     return net, None
+
+
+def peagle_layout(net: Any, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """P-EAGLE's export (vLLM's `peagle` speculators type): EAGLE-3's layout, `mask_hidden` (the mask slots' feature
+    before fc, n_aux * H) and `mask_token_id`; `parallel_tokens` is K, the drafts one forward makes."""
+    config, tensors = eagle_layout(net, verifier)
+    config |= {"mask_token_id": net.mask_token_id, "parallel_tokens": net.parallel}
+    return config, tensors
+
+
+def peagle_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Path,
+                       reference: bool) -> tuple[Any, None]:
+    """The P-EAGLE network an export holds (its mask token and K from config.json, checked against the verifier)."""
+    from models.peagle import PEagleNet, check_mask_token, check_parallel
+
+    lc = layer_config(verifier)
+    if "mask_hidden" not in tensors:
+        raise UserError(f"{file}: no mask_hidden tensor, so this is not a P-EAGLE export (an EAGLE-3 one, maybe: load it "
+                        f"as drafter=eagle3).")
+    mask = check_mask_token(config.get("mask_token_id"), lc["vocab_size"], f"{file.parent / 'config.json'}: mask_token_id")
+    parallel = check_parallel(config.get("parallel_tokens", 4), f"{file.parent / 'config.json'}: parallel_tokens")
+    aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json")
+    draft = min(int(config.get("draft_vocab_size") or lc["vocab_size"]), lc["vocab_size"])
+    _draft_vocab(tensors, draft, lc["vocab_size"], file)
+    hidden = tensors["mask_hidden"].reshape(-1)
+    if hidden.numel() != len(aux) * lc["hidden_size"]:
+        raise UserError(f"{file}: mask_hidden has {hidden.numel()} values; {len(aux)} feature layers x hidden size "
+                        f"{lc['hidden_size']} = {len(aux) * lc['hidden_size']} expected. Re-export the drafter.")
+    tensors["mask_hidden"] = hidden
+    net = PEagleNet(mask_token_id=mask, parallel=parallel, draft_vocab_size=draft, aux_layer_ids=aux, **lc)
+    load_state(net, tensors, file)
+    return net, None

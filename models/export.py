@@ -291,18 +291,21 @@ def served_verifier(verifier: Verifier) -> str:
 
 def save_export(net: nn.Module, verifier: Verifier, path: str | Path,
                 extra: dict[str, Any] | None = None, target_counts: Tensor | None = None,
-                speculative_tokens: int = spec.DEFAULT_SPECULATIVE_TOKENS, served: str | None = None) -> Path:
+                speculative_tokens: int | None = None, served: str | None = None) -> Path:
     """Write `config.json` + `model.safetensors` for the network of a family with an export (models/families.py),
     atomically. Returns the directory.
     `target_counts` (V,): how often each verifier token was a training target, written as `SIDE_DIR/COUNTS_NAME`
     (the decoder's `draft_vocab` reads it; no engine looks there). An EAGLE-3 export is in the speculators format:
-    `speculative_tokens` is the chain vLLM drafts when it serves the folder as it is, and `served` (default:
+    `speculative_tokens` is the chain vLLM drafts when it serves the folder as it is (default: a parallel
+    drafter's K, else 3), and `served` (default:
     `served_verifier(verifier)`) the verifier it loads."""
     fmt = _format(family_of_net(net))
     layout, tensors = fmt.write(net, verifier)
     config = {"architectures": list(fmt.architectures), **layout} | _verifier_keys(verifier) | (extra or {})
     if fmt.speculators_type is not None:
         architectures = list(getattr(verifier.config, "architectures", None) or [type(verifier.model).__name__])
+        if speculative_tokens is None:  # a parallel drafter's K, else the default chain
+            speculative_tokens = int(getattr(net, "parallel", spec.DEFAULT_SPECULATIVE_TOKENS))
         config = spec.to_speculators(config, fmt.speculators_type, served or served_verifier(verifier),
                                      architectures, speculative_tokens)
     text = json.dumps(config, indent=2)  # before any file is written: a value that is not JSON fails here

@@ -21,9 +21,10 @@ from torch import Tensor, nn
 
 from models import reference_formats as ref
 from models.eagle import Eagle1Net, Eagle3Net
-from models.eagle_export import eagle_layout, eagle_from_layout
+from models.eagle_export import eagle_layout, eagle_from_layout, peagle_from_layout, peagle_layout
 from models.errors import UserError
 from models.medusa import MedusaHeads, medusa_from_layout, medusa_layout
+from models.peagle import PEagleNet
 
 # (net, verifier) -> (the family's config keys, tensors to write)
 Writer = Callable[[nn.Module, Any], tuple[dict[str, Any], dict[str, Tensor]]]
@@ -64,6 +65,8 @@ class Family:
     acceptance: the export config keys holding its acceptance estimates, best first (tree.size=auto plans on them).
     min_drafts: the fewest drafts tree.size=auto may plan (the hybrid's grafted lookup chain needs a node).
     serve: vLLM's speculative method for its export (models/vllm_engine.py), or None.
+    serve_options: further --speculative-config keys that method needs for this family (P-EAGLE: vLLM serves it
+        as eagle3 with parallel drafting).
     """
 
     name: str
@@ -78,6 +81,7 @@ class Family:
     acceptance: tuple[str, ...] = ()
     min_drafts: int = 0
     serve: str | None = None
+    serve_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys vLLM needs for it
 
     @property
     def has_export(self) -> bool:
@@ -111,6 +115,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                                to_reference=partial(ref.eagle_to_reference, "eagle3"),
                                from_reference=partial(ref.eagle_from_reference, "eagle3"),
                                speculators_type="eagle3")),
+    Family("peagle", "P-EAGLE", drafter="eval.families.export", decoder="eval.peagle.peagle_drafter",
+           training="train.peagle.PEagleModule", network=PEagleNet, needs_export=True, tree="fixed",
+           acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
+           serve_options=(("parallel_drafting", True),),
+           export=ExportFormat(("PeagleLlamaForCausalLM",), peagle_layout, peagle_from_layout,
+                               speculators_type="peagle")),
     Family("draft_model", "draft model", drafter="eval.families.draft_model",
            training="train.draft_model.DraftModelModule"),
     Family("prompt_lookup", "prompt lookup", drafter="eval.families.prompt_lookup"),

@@ -126,7 +126,7 @@ def flatten(config: dict[str, Any], file: str = "config.json") -> dict[str, Any]
             if k not in ("speculators_config", "transformer_layer_config", "speculators_model_type", "architectures",
                          *EAGLE3_FLAGS, "target_hidden_size")}
     flat |= {k: v for k, v in layer.items() if k != "architectures"}
-    flat["architectures"] = ["LlamaForCausalLMEagle3"]
+    flat["architectures"] = [FAMILIES[_families()[algo]].export.architectures[0]]
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:  # the older flat layout's SGLang key (output of layer k - 1): what to_reference writes
         flat["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}

@@ -69,7 +69,8 @@ def speculative_config(kind: str, export_dir: str | Path, tokens: int) -> dict[s
     """The --speculative-config that serves an export of `kind` drafting `tokens` tokens per step."""
     if kind not in methods():
         raise UserError(f"vLLM {VERSION} does not serve {kind!r} drafters; it serves {sorted(methods())}.")
-    return {"method": methods()[kind], "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(tokens)}
+    return {"method": methods()[kind], "model": str(Path(export_dir).resolve()), "num_speculative_tokens": int(tokens),
+            **dict(FAMILIES[kind].serve_options)}
 
 
 @dataclass

@@ -20,12 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+import datasets
 import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from data.filters import EvalGuard
-from data.multiturn import add_second_turns
+from data.multiturn import second_turn_rows
 from data.prompts import eval_prompt_texts, load_conversations
 from data.selfdistill import first_turn
 from data.chat import prompt_ids
@@ -92,9 +93,10 @@ def ship(cfg: DictConfig) -> None:
     extra = [str(Path(f).expanduser()) for f in cfg.data.eval_prompts]
     second = int(ship_cfg.get("second_turns") or 0)
     if second:  # multi-turn: the verifier writes a follow-up turn after its own answer, then answers it
-        ds = add_second_turns(verifier, ds, second, cfg.cache_dir, seed=cfg.seed, max_length=cfg.data.max_length,
-                              max_new_tokens=cfg.data.max_new_tokens, batch_size=cfg.data.gen_batch_size,
-                              guard=EvalGuard(eval_prompt_texts(extra)))
+        turns = second_turn_rows(verifier, ds, second, cfg.cache_dir, seed=cfg.seed, max_length=cfg.data.max_length,
+                                 max_new_tokens=cfg.data.max_new_tokens, batch_size=cfg.data.gen_batch_size,
+                                 guard=EvalGuard(eval_prompt_texts(extra)))
+        ds = datasets.concatenate_datasets([ds, turns])  # appended: the single-turn rows' parts stay as they were
     info = {
         "generation": {k: OmegaConf.to_container(cfg.data)[k] for k in
                        ("generator", "max_new_tokens", "temperature", "max_length", "gen_batch_size", "seed")}

@@ -20,7 +20,8 @@ TRAIN = [*VARIED, "data.limit=8", "data.max_new_tokens=12", "data.gen_batch_size
          "data.val_fraction=0.25", "logger=csv", "trainer.max_steps=2", "trainer.max_epochs=1"]
 EXTRA = {"eagle3": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.ttt_steps=2",
                     "model.val_steps=2"],
-         "eagle": ["model.val_steps=2"], "draft_model": ["model.num_layers=1"]}
+         "eagle": ["model.val_steps=2"], "draft_model": ["model.num_layers=1"],
+         "peagle": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.parallel_tokens=3"]}
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 

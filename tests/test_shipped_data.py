@@ -142,9 +142,9 @@ def test_the_shipped_set_is_the_default_verifiers_and_holds_what_its_manifest_sa
 
 
 def test_second_turns_extend_the_verifiers_own_ids(smollm2, tmp_path, monkeypatch):
-    """A row [prompt, a1] becomes [prompt, a1, the template's next user turn, a2]: a1's ids as generated, the turn
-    rendered by the chat template exactly as a two-turn chat has it, a2 the verifier's greedy answer, the loss mask
-    on a1 and a2 only; rows not picked stay as they were; a rerun reads its cache and generates nothing."""
+    """A row [prompt, a1] gives a new row [prompt, a1, the template's next user turn, a2]: a1's ids as generated,
+    the turn rendered by the chat template exactly as a two-turn chat has it, a2 the verifier's greedy answer, the
+    loss mask on a1 and a2 only; a rerun reads its cache and generates nothing."""
     import datasets
     import torch
 
@@ -164,15 +164,13 @@ def test_second_turns_extend_the_verifiers_own_ids(smollm2, tmp_path, monkeypatc
     finished = [i for i, a in enumerate(answers) if a[-1] == eos]
     assert len(finished) >= 2
     quality = {"min_words": 1, "english": False, "min_latin": 0.0, "max_repeat": 1.0}
-    out = mt.add_second_turns(smollm2, ds, 2, tmp_path, seed=0, max_length=512, max_new_tokens=24, user_tokens=64,
+    out = mt.second_turn_rows(smollm2, ds, 2, tmp_path, seed=0, max_length=512, max_new_tokens=24, user_tokens=64,
                               batch_size=4, quality=quality)
-    extended = [j for j in range(4) if out[j]["id"].endswith("+turn2")]
-    assert extended and set(extended) <= set(finished)
-    for j in range(4):
-        ids, mask = out[j]["input_ids"], out[j]["loss_mask"]
-        if j not in extended:
-            assert ids == ds[j]["input_ids"] and mask == ds[j]["loss_mask"]
-            continue
+    assert 1 <= len(out) <= 2 and all(i.endswith("+turn2") for i in out["id"])
+    for row in out:
+        j = ds["id"].index(row["id"].removesuffix("+turn2"))
+        assert j in finished
+        ids, mask = row["input_ids"], row["loss_mask"]
         first = ds[j]["input_ids"]
         assert ids[: len(first)] == first and mask[: len(first)] == ds[j]["loss_mask"]
         second = mask.index(1, len(first))
@@ -187,6 +185,6 @@ def test_second_turns_extend_the_verifiers_own_ids(smollm2, tmp_path, monkeypatc
             ref = smollm2.model.generate(torch.tensor([ids[:second]]), max_new_tokens=8, do_sample=False)
         assert ids[second: second + 8] == ref[0, second:].tolist()[: len(ids) - second]
     monkeypatch.setattr(mt, "generate_refill", lambda *a, **k: (_ for _ in ()).throw(AssertionError("regenerated")))
-    again = mt.add_second_turns(smollm2, ds, 2, tmp_path, seed=0, max_length=512, max_new_tokens=24, user_tokens=64,
+    again = mt.second_turn_rows(smollm2, ds, 2, tmp_path, seed=0, max_length=512, max_new_tokens=24, user_tokens=64,
                                 batch_size=4, quality=quality)
     assert again["input_ids"] == out["input_ids"]

@@ -153,10 +153,10 @@ class EagleModule(DrafterModule):
             feats = feats + (torch.rand_like(feats) - 0.5) * self.hparams.noise
         embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
         targets = (self.draft_vocab_targets(final, loss_mask, batch.get("verifier_argmax"))
-                   if isinstance(self.net, Eagle3Net) else None)
+                   if isinstance(self.net, Eagle3Net) else None)  # EAGLE-3 and P-EAGLE (a subclass)
         rows = None if self.head_ids is None else self.head_rows(lm_head.weight)  # EAGLE-1's kept rows (train_vocab)
         losses, correct, valid_at, ranks, confs = [], [], [], [], []
-        for j, step in enumerate(unroll(self.net, feats, ids, attn, loss_mask, embed, steps)):
+        for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
             # Targets: q at position t+j+1 (predicting x_{t+j+2}), where x_{t+j+2} is an assistant token.
             valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets  # h: (N, D) outputs there
             hit = torch.zeros_like(valid)
@@ -213,6 +213,12 @@ class EagleModule(DrafterModule):
         # the draft vocabulary
         out = {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at)}
         return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
+
+    def unrolled(self, feats: Tensor, ids: Tensor, attn: Tensor, loss_mask: Tensor, embed: torch.nn.Module,
+                 steps: int, train: bool):
+        """The drafter's outputs per step over a batch (models.eagle.unroll: training-time test); P-EAGLE
+        (train/peagle.py) drafts its depths in parallel instead."""
+        return unroll(self.net, feats, ids, attn, loss_mask, embed, steps)
 
     @torch.no_grad()
     def draft_vocab_targets(self, final: Tensor, loss_mask: Tensor, argmax: Tensor | None = None) -> dict[str, Tensor]:

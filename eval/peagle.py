@@ -1,0 +1,116 @@
+"""P-EAGLE at decode time (models/peagle.py): one drafter forward drafts every depth.
+
+Each round the drafter first extends its cache with the step-0 keys of the positions the verifier just committed,
+as EAGLE does (eval/eagle.py `EagleDrafter._extend`; its output at the last one gives depth 1), then runs its mask
+slots 1..K-1 in one forward (`PEagleNet.mask_slots`): depth d+1's distribution is slot d's. No depth reads the drafts
+before it, so the tree is Medusa's kind, fixed every round (`tree=auto` from the export's per-depth top-k table, a
+chain, or `medusa_choices`), and a node at depth d with rank r takes depth d's rank-r token. Sampled drafts
+(`sampled_drafts=true`) are independent draws from their depth's warped distribution, which `Draft.p` carries, as
+for Medusa (eval.sampling's tree rule is exact for such i.i.d. siblings).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eval.eagle import EagleDrafter
+from eval.medusa import medusa_tree
+from eval.protocol import Draft
+from eval.sampling import SamplingConfig, warp
+from eval.tree import Chain, Tree, TreePolicy, describe, tree_buffers
+from models.errors import UserError
+from models.peagle import PEagleNet
+from models.verifier import Verifier
+
+
+class PEagleDrafter(EagleDrafter):
+    """P-EAGLE for the drafter protocol (eval.protocol.Drafter): its own KV cache of committed step-0 keys, a fixed
+    tree of depth <= K filled from one forward's K distributions."""
+
+    def __init__(self, net: PEagleNet, verifier: Verifier, tree: Tree, policy: str = "tree",
+                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None) -> None:
+        super().__init__(net, verifier, Chain(net.parallel), sampling=sampling, generator=generator)
+        if tree.max_depth > net.parallel:
+            raise UserError(f"The tree is {tree.max_depth} drafts deep but the P-EAGLE export drafts "
+                            f"{net.parallel} tokens per forward; use a tree of depth <= {net.parallel}.")
+        if max(tree.ranks[1:], default=0) >= net.draft_vocab_size:
+            raise UserError(f"The tree asks for rank {max(tree.ranks)} of a depth, but the draft vocabulary has "
+                            f"{net.draft_vocab_size} tokens; use smaller ranks.")
+        self.tree, self.tree_policy = tree, policy
+        self.size, self.max_nodes, self.max_depth = tree.num_drafts, tree.num_nodes, tree.max_depth
+        self._depth = tree_buffers(tree).positions[1:].to(verifier.device)  # (N-1,) depth of each draft node
+        self._rank = torch.tensor(tree.ranks[1:], dtype=torch.long, device=verifier.device)
+        self._topk = max(tree.ranks[1:], default=-1) + 1
+
+    def describe(self) -> dict[str, Any]:
+        return {"policy": self.tree_policy, "proposals": "sampled" if self.sampling else "topk",
+                "parallel_tokens": self.net.parallel, **describe(self.tree)}
+
+    def _depth_logits(self, root_out: Tensor) -> Tensor:
+        """The drafter's logits for depths 1..max_depth: the root's output, then the mask slots'. (max_depth, Vd)"""
+        outs = [root_out[:, None]]
+        if self.max_depth > 1:
+            outs.append(self.net.mask_slots(self.max_depth - 1, self.cache_length, self._k, self._v, self.embed))
+        return self.net.logits(torch.cat(outs, dim=1)).float()[0]
+
+    @torch.no_grad()
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        if input_ids.shape[0] != 1:
+            raise UserError(f"P-EAGLE drafting runs one sequence at a time; got batch size {input_ids.shape[0]}.")
+        root_out = self._extend(input_ids, hidden)  # (1, D)
+        root = input_ids[:, -1:]
+        if self.tree.num_drafts == 0:
+            return Draft(tree=self.tree, tokens=root)
+        logits = self._depth_logits(root_out)  # (K, Vd)
+        if self.sampling is not None:
+            probs = self._full_probs_of(logits)  # (K, V)
+            depth = self._depth - 1
+            drafts = torch.empty(depth.numel(), dtype=root.dtype, device=root.device)
+            for k in range(self.max_depth):
+                at = (depth == k).nonzero()[:, 0]
+                drafts[at] = torch.multinomial(probs[k], at.numel(), replacement=True, generator=self.generator)
+            p = torch.cat([torch.zeros_like(probs[:1]), probs[depth]])[None]  # (1, N, V), row 0 unused
+            return Draft(tree=self.tree, tokens=torch.cat([root, drafts[None]], dim=1), p=p)
+        top = logits.topk(self._topk, dim=-1).indices  # (K, R)
+        drafts = self.to_verifier(top[self._depth - 1, self._rank])  # (N-1,)
+        return Draft(tree=self.tree, tokens=torch.cat([root, drafts.to(root.dtype)[None]], dim=1))
+
+    def _full_probs_of(self, logits: Tensor) -> Tensor:
+        """Warped distributions over the verifier's vocabulary (the draft vocabulary mapped through d2t). (K, V)"""
+        if logits.shape[-1] != self.vocab_size:
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            logits = full.index_copy_(1, self.to_verifier(torch.arange(logits.shape[-1], device=logits.device)), logits)
+        s = self.sampling
+        return warp(logits, s.temperature, s.top_p, s.top_k)
+
+    @torch.no_grad()
+    def trial(self, input_ids: Tensor, hidden: Tensor, drafts: int) -> Tree | None:
+        """One round's drafting (the new features, then the one mask forward), leaving the cache as it was: what
+        eval.cost.draft_curve times. The same for every `drafts`: the tree only indexes the K distributions."""
+        keys = self._k, self._v
+        try:
+            root_out = self._extend(input_ids, hidden)
+            if drafts:
+                self._depth_logits(root_out).topk(max(self._topk, 1), dim=-1)
+            return self.tree
+        finally:
+            self._k, self._v = keys
+
+
+def peagle_drafter(net: PEagleNet, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,
+                   sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                   head_ids: Tensor | None = None) -> PEagleDrafter:
+    """The P-EAGLE drafter for a loaded network (models/families.py names it the family's decoder): a fixed tree
+    under `tree` (tree=auto from the export's eagle_topk_accuracy), at most K deep."""
+    if head_ids is not None:
+        raise UserError("drafter.draft_vocab cuts a drafting head shared with the verifier; P-EAGLE drafts over its own "
+                        "trained draft vocabulary. Leave drafter.draft_vocab=null.")
+
+    class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
+        num_heads = net.parallel
+
+    shape, name = medusa_tree(tree, _Depths, config.get("eagle_topk_accuracy"))
+    return PEagleDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator)

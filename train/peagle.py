@@ -1,0 +1,68 @@
+"""PEagleModule: trains a P-EAGLE drafter (models/peagle.py) on the frozen verifier's features.
+
+Everything but the forward is EAGLE-3's (train/eagle.py): the draft vocabulary, the targets (q restricted to it,
+from the argmax cache offline), the soft-target cross-entropy per depth, validation's per-depth top-1, estimated
+tau and top-k table (which tree planning reads), and the export. The forward is `models.peagle.parallel_rows`: step
+0 over every position, then COD-sampled mask slots for depths 1..K-1 in one forward (validation: every chain).
+Every depth weighs the same by default (`step_decay` 1.0), as the published recipe's loss does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.eagle import layer_config
+from models.errors import UserError
+from models.peagle import build_peagle, parallel_rows
+from models.verifier import Verifier
+from train.eagle import EagleModule
+
+
+class PEagleModule(EagleModule):
+    """Args (beyond EagleModule's EAGLE-3 ones; `ttt_steps` and `val_steps` are `parallel_tokens` here):
+        mask_token_id: the token of every mask slot (one the data never holds; SmolLM2: 16, `<empty_output>`).
+        parallel_tokens: K, the tokens one drafter forward drafts (vLLM's speculative tokens for the export).
+        cod_ratio, cod_min_ratio: depth d trains a share max(ratio^d, min_ratio) of the chains (COD sampling).
+        max_anchors: at most this many chains per sequence at depth 1 (bounds a step's mask slots).
+    """
+
+    def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, parallel_tokens: int = 4,
+                 cod_ratio: float = 0.7, cod_min_ratio: float = 0.2, max_anchors: int | None = 256,
+                 step_decay: float = 1.0, draft_vocab_size: int | None = None,
+                 aux_layer_ids: list[int] | None = None, warmup_ratio: float = 0.05, **ignored: Any) -> None:
+        for name, value in (("cod_ratio", cod_ratio), ("cod_min_ratio", cod_min_ratio)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise UserError(f"model.{name}={value!r}: give a share in (0, 1] (defaults 0.7 and 0.2).")
+        net = build_peagle(verifier, mask_token_id, parallel_tokens, draft_vocab_size, aux_layer_ids)
+        super().__init__(verifier, optimizer, scheduler, kind="eagle3", ttt_steps=parallel_tokens,
+                         val_steps=parallel_tokens, step_decay=step_decay, draft_vocab_size=draft_vocab_size,
+                         aux_layer_ids=aux_layer_ids, warmup_ratio=warmup_ratio)
+        self.hparams.update(mask_token_id=mask_token_id, parallel_tokens=parallel_tokens, cod_ratio=cod_ratio,
+                            cod_min_ratio=cod_min_ratio, max_anchors=max_anchors)
+        self.net = net
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        counts = self.target_counts
+        if counts is not None and stage == "fit" and bool(counts[self.net.mask_token_id] > 0):
+            raise UserError(f"model.mask_token_id={self.net.mask_token_id} ({self.verifier.tokenizer.decode([self.net.mask_token_id])!r}) "
+                            f"is a training target {int(counts[self.net.mask_token_id])} times: a mask slot would read "
+                            f"as that token. Pick a token the data never holds.")
+
+    def unrolled(self, feats: Tensor, ids: Tensor, attn: Tensor, loss_mask: Tensor, embed: torch.nn.Module,
+                 steps: int, train: bool):
+        hp = self.hparams
+        if train:
+            return parallel_rows(self.net, feats, ids, attn, loss_mask, embed, steps, hp.cod_ratio,
+                                 hp.cod_min_ratio, hp.max_anchors)
+        return parallel_rows(self.net, feats, ids, attn, loss_mask, embed, steps, 1.0, 1.0, None)
+
+    def export(self, path):
+        self.val_summary = {**self.val_summary, "parallel_tokens": self.net.parallel,
+                            "mask_token_id": self.net.mask_token_id}
+        return super().export(path)
