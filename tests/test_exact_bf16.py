@@ -66,15 +66,21 @@ def random_medusa(verifier: Verifier, tree, seed: int = 0):
 
 
 def random_eagle(kind: str, verifier: Verifier, tree, seed: int = 0):
+    """A random EAGLE-1, EAGLE-3 or P-EAGLE (kind "peagle": K = 4) drafter."""
+    from models.peagle import build_peagle
+
     last = verifier.num_layers
-    net = build_eagle(kind, verifier, draft_vocab_size=4096 if kind == "eagle3" else None,
-                      aux_layer_ids=[0, last - 1] if kind == "eagle3" else None)
+    if kind == "peagle":
+        net = build_peagle(verifier, 16, 4, draft_vocab_size=4096, aux_layer_ids=[0, last - 1])
+    else:
+        net = build_eagle(kind, verifier, draft_vocab_size=4096 if kind == "eagle3" else None,
+                          aux_layer_ids=[0, last - 1] if kind == "eagle3" else None)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in net.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-        if kind == "eagle3":
+        if kind in ("eagle3", "peagle"):
             net.set_draft_vocab(torch.randperm(verifier.vocab_size, generator=gen)[:4096])
     return make_drafter(kind, verifier, tree, net=net)
 
@@ -137,6 +143,12 @@ def test_bf16_medusa_matches_plain_greedy(bf16, references, tree_name):
 def test_bf16_eagle_matches_plain_greedy(bf16, references, kind, tree_name):
     tree = EAGLE_TREES[tree_name]
     assert _match(bf16, lambda ids: random_eagle(kind, bf16, tree), references, MAX_NEW) == 1.0
+
+
+@pytest.mark.parametrize("tree_name", ["chain", "sparse", "auto"])
+def test_bf16_peagle_matches_plain_greedy(bf16, references, tree_name):
+    tree = {"chain": Chain(4), "sparse": from_medusa_choices(SPARSE), "auto": auto_tree(ACCURACY, 12)}[tree_name]
+    assert _match(bf16, lambda ids: random_eagle("peagle", bf16, tree), references, MAX_NEW) == 1.0
 
 
 @pytest.mark.parametrize("tree_name", ["chain", "sparse"])

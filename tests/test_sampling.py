@@ -182,7 +182,7 @@ SAMPLES = 20_000
 REAL = {"t1-top_k4": SamplingConfig(1.0, 1.0, 4), "t0.7-top_k4": SamplingConfig(0.7, 1.0, 4),
         "t1-top_p0.9-top_k6": SamplingConfig(1.0, 0.9, 6)}
 DRAFTERS = ["medusa-chain-sampled", "medusa-tree-sampled", "medusa-tree-topk", "eagle-chain-sampled",
-            "eagle-tree-topk", "eagle3-chain-sampled"]
+            "eagle-tree-topk", "eagle3-chain-sampled", "peagle-tree-sampled", "peagle-tree-topk"]
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +206,11 @@ def _drafter(kind: str, verifier, cfg: SamplingConfig):
     if name == "medusa":
         net = MedusaHeads(verifier.hidden_size, verifier.vocab_size, num_heads=2, num_layers=1)
         tree = Chain(2) if shape == "chain" else from_medusa_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    elif name == "peagle":  # one forward, two depths: a fixed tree like Medusa's
+        from models.peagle import build_peagle
+
+        net = build_peagle(verifier, 16, 2, draft_vocab_size=4096, aux_layer_ids=[0, 1])
+        tree = Chain(2) if shape == "chain" else from_medusa_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
     else:
         net = build_eagle(name, verifier, draft_vocab_size=4096 if name == "eagle3" else None,
                           aux_layer_ids=[0, 1] if name == "eagle3" else None)
@@ -214,7 +219,7 @@ def _drafter(kind: str, verifier, cfg: SamplingConfig):
         for p in net.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-        if name == "eagle3":  # a draft vocabulary that holds the verifier's likely tokens, and random others
+        if name in ("eagle3", "peagle"):  # a draft vocabulary that holds the verifier's likely tokens, and random others
             net.set_draft_vocab(torch.randperm(verifier.vocab_size, generator=gen)[:4096])
     return make_drafter(name, verifier, tree, net=net, sampling=cfg if proposals == "sampled" else None,
                         generator=torch.Generator().manual_seed(8))
@@ -341,7 +346,7 @@ def test_sampled_rounds_follow_the_verifier(real_verifier, kind, setting):
     assert _chi2_p(spec, direct) > 0.01
 
 
-@pytest.mark.parametrize("kind", ["medusa-chain-sampled", "eagle-tree-topk"])
+@pytest.mark.parametrize("kind", ["medusa-chain-sampled", "eagle-tree-topk", "peagle-tree-sampled"])
 def test_sampled_rounds_negative_control_accept_all_fails(real_verifier, monkeypatch, kind):
     def accept_all(*args):
         plan = rejection_plan(*args)
@@ -355,7 +360,7 @@ def test_sampled_rounds_negative_control_accept_all_fails(real_verifier, monkeyp
 # -- 3. the decode loop and the harness --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["medusa-tree-sampled", "eagle-chain-sampled", "eagle3-chain-sampled",
+@pytest.mark.parametrize("kind", ["medusa-tree-sampled", "eagle-chain-sampled", "eagle3-chain-sampled", "peagle-tree-sampled",
                                   "eagle-tree-topk", "eagle-tree-sampled", "eagle3-tree-sampled"])
 def test_sampled_speculative_decode_runs_with_every_drafter(real_verifier, kind):
     from eval.decode import sample_decode, speculative_decode
