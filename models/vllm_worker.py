@@ -82,7 +82,8 @@ def main(request_file: str, result_file: str) -> None:
         "speculative_config": None if resolved is None else {
             "method": getattr(resolved, "method", None),
             "num_speculative_tokens": getattr(resolved, "num_speculative_tokens", None),
-            "model": getattr(getattr(resolved, "draft_model_config", None), "model", None)},
+            "model": getattr(getattr(resolved, "draft_model_config", None), "model", None),
+            **({"parallel_drafting": True} if getattr(resolved, "parallel_drafting", False) else {})},
         "served_model": llm.llm_engine.vllm_config.model_config.model,
         "setup": {"dtype": kwargs["dtype"], "enforce_eager": kwargs["enforce_eager"],
                   "threads": os.environ.get("OMP_NUM_THREADS"), "ld_preload": os.environ.get("LD_PRELOAD", ""),

@@ -31,6 +31,7 @@ PROMPTS = 4
 # A short recipe on the default verifier: one shared self-distilled set (48 prompts), 60 steps per family.
 RECIPE = ["data.limit=48", "data.max_new_tokens=64", "data.gen_batch_size=16", "data.batch_size=4",
           "data.val_fraction=0.1", "trainer.max_steps=60", "trainer.max_epochs=20", "logger=csv"]
+EXTRA = {"peagle": [f"model.parallel_tokens={TOKENS}"]}  # K = the tokens vLLM drafts per step
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +56,8 @@ class _Exports(dict):
         self.train_script, self.root = train_script, root
 
     def __missing__(self, kind: str) -> Path:
-        self[kind] = self.train_script.run(compose_train([f"model={kind}", *RECIPE], self.root / kind))
+        self[kind] = self.train_script.run(compose_train([f"model={kind}", *RECIPE, *EXTRA.get(kind, [])],
+                                                         self.root / kind))
         return self[kind]
 
 
@@ -108,7 +110,7 @@ def _compare(ours_alpha, n_ours, run) -> None:
                                   f"{run.spec['num_drafts']} rounds)"
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "peagle"])
 def test_vllm_serves_each_family_and_accepts_what_we_accept(vllm, exports, prompts, smollm2, kind):
     """--speculative-config {method, model: EXPORT, num_speculative_tokens}: vLLM loads the export, drafts, and
     its alpha_1..3 equal ours on the same prompts and chains within the derived tolerance; its greedy output is
@@ -119,7 +121,7 @@ def test_vllm_serves_each_family_and_accepts_what_we_accept(vllm, exports, promp
     assert alpha[0] > 0, f"the {kind} drafter accepted nothing here: the comparison would prove nothing"
     run = vllm.serve(smollm2.checkpoint, prompts, MAX_NEW, dtype="float32",
                      spec=vllm.speculative_config(kind, export, TOKENS))
-    assert run.version == vllm.VERSION and run.resolved["method"] == kind
+    assert run.version == vllm.VERSION and run.resolved["method"] == vllm.methods()[kind]
     _compare(alpha, rounds, run)
     assert sum(a == b for a, b in zip(outs, run.outputs)) >= len(prompts) - 1, (outs, run.outputs)
 
@@ -135,6 +137,20 @@ def test_vllm_serves_the_eagle3_export_as_the_model_itself(vllm, exports, prompt
     assert run.resolved == {"method": "eagle3", "num_speculative_tokens": TOKENS, "model": str(export)}
     assert Path(run.served_model) == Path(smollm2.checkpoint)
     _, alpha, rounds = _ours(smollm2, "eagle3", export, prompts)
+    _compare(alpha, rounds, run)
+
+
+def test_vllm_serves_the_peagle_export_as_the_model_itself(vllm, exports, prompts, smollm2):
+    """The P-EAGLE export as the model itself: vLLM reads speculators_model_type peagle, serves it as eagle3 with
+    parallel drafting (its K from the export, its mask token and mask_hidden from the files), and accepts what our
+    one-forward decoder accepts."""
+    export = exports["peagle"]
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 16
+    run = vllm.serve(export, prompts, MAX_NEW, dtype="float32")
+    assert run.resolved["method"] == "eagle3" and run.resolved["num_speculative_tokens"] == TOKENS
+    assert run.resolved.get("parallel_drafting") is True, run.resolved
+    _, alpha, rounds = _ours(smollm2, "peagle", export, prompts)
     _compare(alpha, rounds, run)
 
 
