@@ -285,7 +285,8 @@ class _Fed:
 
     def __init__(self, drafter: EagleDrafter, root_out: Tensor) -> None:
         self.drafter, dev = drafter, root_out.device
-        self.out_of, self.slot_of = {-1: root_out[0]}, {}  # per fed node: output (D,), key slot
+        # per fed node: what it passes to its children (its output, or the final-normed one: net.carry), key slot
+        self.out_of, self.slot_of = {-1: drafter.net.carry(root_out)[0]}, {}
         self.k = self.v = None  # (1, H_kv, F, hd)
         self.anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # (F, F) ancestor-or-self among fed nodes
 
@@ -310,8 +311,9 @@ class _Fed:
         out, k, v = d.net.step(hid, d.embed(ids[None]), pos, mask, past_k, past_v)  # out (1, m, D)
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        carried = d.net.carry(out)
         for j, c in enumerate(nodes):
-            self.out_of[c] = out[0, j]
+            self.out_of[c] = carried[0, j]
         return out[0]
 
 

@@ -136,6 +136,9 @@ class Eagle1Net(_EagleNet):
     def features(self, hidden_states: Sequence[Tensor] | Mapping[int, Tensor]) -> Tensor:
         return hidden_states[-1]
 
+    def carry(self, out: Tensor) -> Tensor:
+        return out
+
     def step(self, hidden: Tensor, embeds: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None = None,
              past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         dtype = self.fc.weight.dtype
@@ -154,7 +157,7 @@ class Eagle3Net(_EagleNet):
     shares_verifier_head = False  # its own head over the draft vocabulary
 
     def __init__(self, draft_vocab_size: int | None = None, aux_layer_ids: Sequence[int] | None = None,
-                 **shape: Any) -> None:
+                 fc_norm: bool = False, norm_output: bool = False, **shape: Any) -> None:
         super().__init__(**shape)
         if aux_layer_ids is None or len(aux_layer_ids) == 0:
             aux_layer_ids = default_aux_layers(self.num_verifier_layers)
@@ -162,6 +165,12 @@ class Eagle3Net(_EagleNet):
         check_aux_layers(self.aux_layer_ids, self.num_verifier_layers)
         self.draft_vocab_size = min(int(draft_vocab_size or self.vocab_size), self.vocab_size)
         self.fc = nn.Linear(len(self.aux_layer_ids) * self.hidden_size, self.hidden_size, bias=False)
+        # EAGLE-3.1's fixes of "attention drift" (vLLM, SGLang and TensorRT-LLM serve both): `fc_norm` normalises each
+        # verifier feature on its own before fc; `norm_output` feeds the final-normed output, not the pre-norm one,
+        # to the next unrolled / drafted step.
+        self.fc_norm = (nn.ModuleList([RMSNorm(self.hidden_size, self._layer_args["eps"]) for _ in self.aux_layer_ids])
+                        if fc_norm else None)
+        self.norm_output = bool(norm_output)
         self.midlayer = DraftDecoderLayer(**self._layer_args, two_inputs=True)
         self.norm = RMSNorm(self.hidden_size, self._layer_args["eps"])
         self.lm_head = nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
@@ -198,7 +207,18 @@ class Eagle3Net(_EagleNet):
         return target_rank(p_logits, target, self.t2d)
 
     def features(self, hidden_states: Sequence[Tensor] | Mapping[int, Tensor]) -> Tensor:
-        return self.fc(torch.cat([hidden_states[i] for i in self.aux_layer_ids], dim=-1).to(self.fc.weight.dtype))
+        return self.fuse(torch.cat([hidden_states[i] for i in self.aux_layer_ids], dim=-1))
+
+    def fuse(self, concatenated: Tensor) -> Tensor:
+        """fc over the concatenated verifier features (each normalised first with `fc_norm`). (..., n_aux D) -> (..., D)"""
+        x = concatenated.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.split(self.hidden_size, dim=-1))], dim=-1)
+        return self.fc(x)
+
+    def carry(self, out: Tensor) -> Tensor:
+        """What a step's output passes to the next unrolled or drafted step as its hidden input."""
+        return self.norm(out) if self.norm_output else out
 
     def step(self, hidden: Tensor, embeds: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None = None,
              past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -234,13 +254,19 @@ def check_aux_layers(layer_ids: Sequence[int], num_layers: int, where: str = "EA
 
 
 def build_eagle(kind: str, verifier: Verifier, draft_vocab_size: int | None = None,
-                aux_layer_ids: Sequence[int] | None = None) -> EagleNet:
-    """A fresh EAGLE-1 (`kind="eagle"`) or EAGLE-3 (`"eagle3"`) drafter shaped like `verifier`'s layers."""
+                aux_layer_ids: Sequence[int] | None = None, fc_norm: bool = False,
+                norm_output: bool = False) -> EagleNet:
+    """A fresh EAGLE-1 (`kind="eagle"`) or EAGLE-3 (`"eagle3"`, with EAGLE-3.1's `fc_norm` / `norm_output` when
+    asked) drafter shaped like `verifier`'s layers."""
     if kind == Eagle1Net.kind:
+        if fc_norm or norm_output:
+            raise UserError("model.fc_norm / model.norm_output are EAGLE-3.1's options (EAGLE-3 features and its "
+                            "unrolled steps); EAGLE-1 has neither. Use model=eagle3.")
         return Eagle1Net(**layer_config(verifier))
     if kind != Eagle3Net.kind:
         raise UserError(f"EAGLE kind {kind!r} is not one of {[Eagle1Net.kind, Eagle3Net.kind]}.")
-    return Eagle3Net(draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, **layer_config(verifier))
+    return Eagle3Net(draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, fc_norm=fc_norm,
+                     norm_output=norm_output, **layer_config(verifier))
 
 
 # -- the training-time unroll (EAGLE-3's "training-time test"), shared by training and offline scoring ---------------
@@ -336,7 +362,7 @@ def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tens
     rows = torch.arange(bsz, device=device)[:, None].expand(bsz, width)
     column_of[rows[inside], cols[inside]] = offsets.expand(bsz, width)[inside]
     window_keys = keys.gather(2, cols[:, None, :, None].expand(bsz, 1, width, n))  # (B, 1, W, n)
-    hidden = out.gather(1, cols[..., None].expand(bsz, width, out.shape[-1]))
+    hidden = net.carry(out).gather(1, cols[..., None].expand(bsz, width, out.shape[-1]))
     past_k, past_v = [k0], [v0]
     for j in range(1, steps):
         tok, valid = inputs[j]
@@ -346,7 +372,7 @@ def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tens
         past_k.append(k)
         past_v.append(v)
         yield step_of(out, valid, column_of)
-        hidden = out
+        hidden = net.carry(out)
 
 
 def target_rank(p_logits: Tensor, target: Tensor, t2d: Tensor | None = None) -> Tensor:

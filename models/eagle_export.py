@@ -61,6 +61,7 @@ def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str
         # SGLang reads only the nested one, as the output of layer k (it adds 1): the same layers, written twice.
         config["eagle_aux_hidden_state_layer_ids"] = ids
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}
+        config |= {"fc_norm": net.fc_norm is not None, "norm_output": net.norm_output}  # EAGLE-3.1's options
     elif "fc.bias" not in tensors:
         # SGLang and the EAGLE repository build fc with a bias and would leave a missing one random; vLLM drops an
         # unexpected `.bias` (harmless: it is zero). Not `"bias": true` in the config: engines read that as
@@ -117,6 +118,13 @@ def _draft_vocab(tensors: dict[str, Tensor], draft: int, vocab: int, file: Path)
     tensors |= {"d2t": d2t.long(), "t2d": t2d.bool()}
 
 
+def _flag(config: dict[str, Any], key: str, file: Path) -> bool:
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise UserError(f"{file.parent / 'config.json'}: {key}={value!r}: give true or false (EAGLE-3.1's option).")
+    return value
+
+
 def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Path,
                       reference: bool) -> tuple[EagleNet, None]:
     """The EAGLE-1 (`kind` "eagle") or EAGLE-3 ("eagle3") network an export holds, shaped like `verifier`'s layers."""
@@ -134,7 +142,8 @@ def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tens
         aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json")
         draft = min(int(config.get("draft_vocab_size") or lc["vocab_size"]), lc["vocab_size"])
         _draft_vocab(tensors, draft, lc["vocab_size"], file)
-        net: EagleNet = Eagle3Net(draft_vocab_size=draft, aux_layer_ids=aux, **lc)
+        net: EagleNet = Eagle3Net(draft_vocab_size=draft, aux_layer_ids=aux, fc_norm=_flag(config, "fc_norm", file),
+                                  norm_output=_flag(config, "norm_output", file), **lc)
     else:
         bias = tensors.get("fc.bias")
         if bias is not None and not bool(bias.any()):
@@ -171,6 +180,7 @@ def peagle_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
         raise UserError(f"{file}: mask_hidden has {hidden.numel()} values; {len(aux)} feature layers x hidden size "
                         f"{lc['hidden_size']} = {len(aux) * lc['hidden_size']} expected. Re-export the drafter.")
     tensors["mask_hidden"] = hidden
-    net = PEagleNet(mask_token_id=mask, parallel=parallel, draft_vocab_size=draft, aux_layer_ids=aux, **lc)
+    net = PEagleNet(mask_token_id=mask, parallel=parallel, draft_vocab_size=draft, aux_layer_ids=aux,
+                    fc_norm=_flag(config, "fc_norm", file), **lc)
     load_state(net, tensors, file)
     return net, None

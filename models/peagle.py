@@ -57,6 +57,9 @@ class PEagleNet(Eagle3Net):
     kind = "peagle"
 
     def __init__(self, mask_token_id: int, parallel: int = 4, **eagle3: Any) -> None:
+        if eagle3.get("norm_output"):
+            raise UserError("model.norm_output changes what one drafted step passes to the next; P-EAGLE drafts every "
+                            "depth in one forward (vLLM ignores it there). Leave it false; model.fc_norm applies.")
         super().__init__(**eagle3)
         self.mask_token_id = check_mask_token(mask_token_id, self.vocab_size)
         self.parallel = check_parallel(parallel)
@@ -65,8 +68,9 @@ class PEagleNet(Eagle3Net):
         self.mask_hidden = nn.Parameter(torch.randn(len(self.aux_layer_ids) * self.hidden_size) * 0.02)
 
     def mask_feature(self) -> Tensor:
-        """fc(mask_hidden): the hidden input of every mask slot. (D,)"""
-        return self.fc(self.mask_hidden.to(self.fc.weight.dtype))
+        """fc(mask_hidden) (each chunk normalised first with fc_norm, as vLLM fuses it): the hidden input of every mask
+        slot. (D,)"""
+        return self.fuse(self.mask_hidden)
 
     def mask_slots(self, count: int, cache_length: int, past_k: Tensor, past_v: Tensor, embed: nn.Module) -> Tensor:
         """Decode time: the outputs of mask slots 1..count after a context of `cache_length` committed positions whose
@@ -170,10 +174,11 @@ def parallel_rows(net: PEagleNet, feats: Tensor, input_ids: Tensor, attention_ma
 
 
 def build_peagle(verifier: Any, mask_token_id: int, parallel: int, draft_vocab_size: int | None = None,
-                 aux_layer_ids: Sequence[int] | None = None) -> PEagleNet:
+                 aux_layer_ids: Sequence[int] | None = None, fc_norm: bool = False) -> PEagleNet:
     from models.eagle import layer_config
 
     return PEagleNet(mask_token_id=check_mask_token(mask_token_id, int(verifier.vocab_size)),
                      parallel=check_parallel(parallel, window=getattr(verifier.config, "max_position_embeddings",
                                                                       None)),
-                     draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, **layer_config(verifier))
+                     draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, fc_norm=fc_norm,
+                     **layer_config(verifier))

@@ -32,6 +32,10 @@ def _families() -> dict[str, str]:
 # meaning our network fixes: written explicitly, and checked on reading. Our EAGLE-3 layer keeps the un-normed
 # hidden state as its residual (vLLM's default for this format would norm it first).
 EAGLE3_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+FIXED_FLAGS = ("norm_before_residual", "norm_before_fc")  # our layer computes these one way only
+# EAGLE-3.1's options, which our network has either way (models/eagle.py): written from the export, at the top level
+# (vLLM's eagle3 reads them there) and in the layer config (its peagle reads them there only).
+OPTION_FLAGS = ("fc_norm", "norm_output")
 LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "num_hidden_layers", "rms_norm_eps", "rope_theta", "attention_bias", "hidden_act",
               "vocab_size", "max_position_embeddings", "tie_word_embeddings", "torch_dtype", "dtype")
@@ -51,14 +55,17 @@ def to_speculators(flat: dict[str, Any], algorithm: str, verifier_name_or_path: 
     if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
         raise UserError(f"speculative_tokens={speculative_tokens!r}: give a whole number >= 1 (the tokens vLLM drafts "
                         f"per step when it serves the export).")
-    layer = {k: flat[k] for k in LAYER_KEYS if k in flat}
+    options = {k: bool(flat.get(k, False)) for k in OPTION_FLAGS}
+    layer = {k: flat[k] for k in LAYER_KEYS if k in flat} | options
     layer["architectures"] = ["LlamaForCausalLM"]
-    own = {k: v for k, v in flat.items() if k not in LAYER_KEYS and k not in ("architectures", "eagle_config")}
+    own = {k: v for k, v in flat.items()
+           if k not in LAYER_KEYS and k not in ("architectures", "eagle_config", *OPTION_FLAGS)}
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": algorithm,
         "transformer_layer_config": layer,
         **EAGLE3_FLAGS,
+        **options,
         "draft_vocab_size": flat["draft_vocab_size"],
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": list(flat["eagle_aux_hidden_state_layer_ids"]),
@@ -113,7 +120,12 @@ def flatten(config: dict[str, Any], file: str = "config.json") -> dict[str, Any]
     if not isinstance(verifier, dict) or not verifier.get("name_or_path"):
         raise UserError(f"{file}: speculators_config.verifier.name_or_path is missing: vLLM loads the verifier from "
                         f"it. Set it to the verifier's local checkpoint directory or Hub id.")
-    for flag, ours in EAGLE3_FLAGS.items():
+    for flag in OPTION_FLAGS:
+        if not isinstance(config.get(flag, False), bool):
+            raise UserError(f"{file}: {flag}={config[flag]!r}: give true or false (EAGLE-3.1's option).")
+    for flag, ours in ((f, EAGLE3_FLAGS[f]) for f in EAGLE3_FLAGS):
+        if flag in OPTION_FLAGS:
+            continue
         if flag not in config:
             raise UserError(f"{file}: {flag} is not set: vLLM's default for the speculators format and the "
                             f"speculators library's differ, so the export must say it. This toolkit's EAGLE-3 "
@@ -124,8 +136,10 @@ def flatten(config: dict[str, Any], file: str = "config.json") -> dict[str, Any]
                             f"Set {flag} to {str(ours).lower()} (or re-export the drafter).")
     flat = {k: v for k, v in config.items()
             if k not in ("speculators_config", "transformer_layer_config", "speculators_model_type", "architectures",
-                         *EAGLE3_FLAGS, "target_hidden_size")}
-    flat |= {k: v for k, v in layer.items() if k != "architectures"}
+                         *FIXED_FLAGS, "target_hidden_size")}
+    flat |= {k: v for k, v in layer.items() if k != "architectures" and k not in OPTION_FLAGS}
+    if algo == "peagle":  # vLLM's peagle reads EAGLE-3.1's options in the layer config only
+        flat |= {k: bool(layer.get(k, False)) for k in OPTION_FLAGS}
     flat["architectures"] = [FAMILIES[_families()[algo]].export.architectures[0]]
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:  # the older flat layout's SGLang key (output of layer k - 1): what to_reference writes

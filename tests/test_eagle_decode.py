@@ -48,14 +48,19 @@ def varied() -> Verifier:
 
 def random_net(kind: str, verifier: Verifier, seed: int = 0) -> EagleNet:
     """A drafter with random weights (EAGLE-3: a random 4096-token draft vocabulary), scaled so that its logits
-    spread over tens of nats (larger ones underflow exp into denormals, which are slow on a CPU)."""
+    spread over tens of nats (larger ones underflow exp into denormals, which are slow on a CPU). `eagle3.1`: EAGLE-3
+    with EAGLE-3.1's fc_norm (random norm weights) and norm_output."""
+    v31 = kind == "eagle3.1"
+    kind = "eagle3" if v31 else kind
     net = build_eagle(kind, verifier, draft_vocab_size=4096 if kind == "eagle3" else None,
-                      aux_layer_ids=[0, 1] if kind == "eagle3" else None)
+                      aux_layer_ids=[0, 1] if kind == "eagle3" else None, fc_norm=v31, norm_output=v31)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in net.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        for norm in net.fc_norm or [] if v31 else []:
+            norm.weight.copy_(torch.rand(norm.weight.shape, generator=gen) * 2)
         if kind == "eagle3":
             net.set_draft_vocab(torch.randperm(verifier.vocab_size, generator=gen)[:4096])
     return net
@@ -127,7 +132,7 @@ def unrolled_logp(net: EagleNet, verifier: Verifier, ids: torch.Tensor, t: int, 
         past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
         past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
         probs.append(net.logits(out[:, t], verifier.lm_head)[0].log_softmax(-1))
-        hidden = out
+        hidden = net.carry(out)  # EAGLE-3.1 norm_output: the final-normed output
     return torch.stack(probs)
 
 
@@ -147,7 +152,7 @@ def check_nodes(net: EagleNet, verifier: Verifier, seq: torch.Tensor, draft, t: 
         assert abs(logp[token] - logp.topk(tree.ranks[node] + 1).values[-1]) < TOL, (node, tree.ranks[node])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "eagle3.1"])
 @torch.no_grad()
 def test_drafts_match_the_training_unroll_across_rounds(varied, kind):
     net = random_net(kind, varied, seed=3)
@@ -343,3 +348,29 @@ def test_medusa_draft_vocab_takes_the_subsets_ranks(varied, references, tmp_path
     assert got.tolist() != [int(logits[d - 1].topk(3).indices[r]) for d, r in zip(tree.depths[1:], tree.ranks[1:])]
     for prompt_ids, ref in references:
         assert speculative_decode(varied, small, prompt_ids, MAX_NEW).tokens[0].tolist() == ref
+
+
+def test_eagle31_options_go_into_the_export_and_come_back(varied, tmp_path):
+    """fc_norm and norm_output are written where engines read them (the top level for vLLM's eagle3, the layer config
+    too) and read back into the same network: the loaded drafter drafts what the trained one drafts."""
+    import json
+
+    net = random_net("eagle3.1", varied, seed=5)
+    path = save_export(net, varied, tmp_path / "e31")
+    config = json.loads((path / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    assert config["transformer_layer_config"]["fc_norm"] is True and config["norm_before_residual"] is False
+    loaded = make_drafter("eagle3", varied, DynamicTree(), checkpoint=path)
+    assert loaded.net.norm_output and loaded.net.fc_norm is not None
+    for a, b in zip(loaded.net.fc_norm, net.fc_norm):
+        assert torch.equal(a.weight, b.weight)
+    fresh = make_drafter("eagle3", varied, DynamicTree(), net=net)
+    ids = varied.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    a, b = speculative_decode(varied, loaded, ids, 12), speculative_decode(varied, fresh, ids, 12)
+    assert a.tokens.tolist() == b.tokens.tolist() and a.accept_lengths.tolist() == b.accept_lengths.tolist()
+    feats = torch.randn(1, 3, 2 * varied.hidden_size)
+    assert not torch.allclose(loaded.net.fuse(feats), loaded.net.fc(feats))  # fc_norm is applied
+    config["norm_output"] = "yes"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="norm_output='yes': give true or false"):
+        make_drafter("eagle3", varied, DynamicTree(), checkpoint=path)

@@ -303,8 +303,9 @@ def test_factored_unroll_attention_equals_the_dense_mask(flash, is_causal, monke
             past_v.append(v)
 
 
+@pytest.mark.parametrize("v31", [False, True], ids=["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
-def test_unroll_equals_steps_under_the_dense_mask(tiny, left):
+def test_unroll_equals_steps_under_the_dense_mask(tiny, left, v31):
     """`unroll` (step 0 over every position, later steps over the window of positions their targets need, factored
     masks, the fused causal kernel where rows are right-padded) gives, at every target of every step, the outputs
     and the gradients the drafter's steps give over every position under the dense `unroll_mask`. Prompts and
@@ -313,7 +314,7 @@ def test_unroll_equals_steps_under_the_dense_mask(tiny, left):
     from models.eagle import unroll
 
     torch.manual_seed(0)
-    net = build_eagle("eagle3", tiny, draft_vocab_size=64, aux_layer_ids=[0, 1])
+    net = build_eagle("eagle3", tiny, draft_vocab_size=64, aux_layer_ids=[0, 1], fc_norm=v31, norm_output=v31)
     for p in net.parameters():
         torch.nn.init.normal_(p, std=0.3)
     bsz, n, steps = 3, 12, 4
@@ -339,7 +340,7 @@ def test_unroll_equals_steps_under_the_dense_mask(tiny, left):
         out, k, v = net.step(hidden, embed(tok), positions + j, unroll_mask(valid_keys, j), past_k, past_v)
         past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
         past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-        hidden = out
+        hidden = net.norm(out) if v31 else out  # EAGLE-3.1's norm_output feeds the final-normed output on
         assert torch.equal(st.position, valid.nonzero()[:, 1])
         got.append(st.at_targets)
         ref.append(out[valid])

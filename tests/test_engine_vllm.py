@@ -31,7 +31,9 @@ PROMPTS = 4
 # A short recipe on the default verifier: one shared self-distilled set (48 prompts), 60 steps per family.
 RECIPE = ["data.limit=48", "data.max_new_tokens=64", "data.gen_batch_size=16", "data.batch_size=4",
           "data.val_fraction=0.1", "trainer.max_steps=60", "trainer.max_epochs=20", "logger=csv"]
-EXTRA = {"peagle": [f"model.parallel_tokens={TOKENS}"]}  # K = the tokens vLLM drafts per step
+EXTRA = {"peagle": [f"model.parallel_tokens={TOKENS}"],  # K = the tokens vLLM drafts per step
+         "eagle3.1": ["model.fc_norm=true", "model.norm_output=true"]}  # EAGLE-3 with EAGLE-3.1's fixes
+MODEL = {"eagle3.1": "eagle3"}
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +58,8 @@ class _Exports(dict):
         self.train_script, self.root = train_script, root
 
     def __missing__(self, kind: str) -> Path:
-        self[kind] = self.train_script.run(compose_train([f"model={kind}", *RECIPE, *EXTRA.get(kind, [])],
+        self[kind] = self.train_script.run(compose_train([f"model={MODEL.get(kind, kind)}", *RECIPE,
+                                                          *EXTRA.get(kind, [])],
                                                          self.root / kind))
         return self[kind]
 
@@ -110,18 +113,19 @@ def _compare(ours_alpha, n_ours, run) -> None:
                                   f"{run.spec['num_drafts']} rounds)"
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "peagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "eagle3.1", "peagle"])
 def test_vllm_serves_each_family_and_accepts_what_we_accept(vllm, exports, prompts, smollm2, kind):
     """--speculative-config {method, model: EXPORT, num_speculative_tokens}: vLLM loads the export, drafts, and
     its alpha_1..3 equal ours on the same prompts and chains within the derived tolerance; its greedy output is
     ours (the verifier's own) on most prompts (fp32 kernels may flip a near-tie)."""
     export = exports[kind]
     assert sorted(f.name for f in export.iterdir() if f.is_file()) == ["config.json", "model.safetensors"]
-    outs, alpha, rounds = _ours(smollm2, kind, export, prompts)
+    family = MODEL.get(kind, kind)
+    outs, alpha, rounds = _ours(smollm2, family, export, prompts)
     assert alpha[0] > 0, f"the {kind} drafter accepted nothing here: the comparison would prove nothing"
     run = vllm.serve(smollm2.checkpoint, prompts, MAX_NEW, dtype="float32",
-                     spec=vllm.speculative_config(kind, export, TOKENS))
-    assert run.version == vllm.VERSION and run.resolved["method"] == vllm.methods()[kind]
+                     spec=vllm.speculative_config(family, export, TOKENS))
+    assert run.version == vllm.VERSION and run.resolved["method"] == vllm.methods()[family]
     _compare(alpha, rounds, run)
     assert sum(a == b for a, b in zip(outs, run.outputs)) >= len(prompts) - 1, (outs, run.outputs)
 

@@ -75,6 +75,8 @@ class EagleModule(DrafterModule):
         val_steps: steps unrolled in validation for per-step accuracy and the tau estimate.
         draft_vocab_size: EAGLE-3's reduced vocabulary, the most frequent target tokens of the training data.
         aux_layer_ids: EAGLE-3 feature layers (inputs of those layers); default [2, L//2, L-3].
+        fc_norm, norm_output: EAGLE-3.1's fixes (EAGLE-3): normalise each verifier feature before fc; feed the
+            final-normed output to the next unrolled step. Written into the export, which engines read.
         train_vocab: EAGLE-1: train and validate the draft logits over the N most frequent training targets' rows of
             the verifier's lm_head (q renormalised over the same rows); a verifier argmax outside them counts as a
             miss in validation. The export records N and the decoder drafts over the same rows. null: all V.
@@ -84,7 +86,8 @@ class EagleModule(DrafterModule):
                  scheduler: Callable[..., Any] | None = None, kind: str = "eagle", ttt_steps: int = 1,
                  val_steps: int = 5, step_decay: float = 0.8, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  noise: float = 0.2, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
-                 warmup_ratio: float = 0.05, train_vocab: int | None = None) -> None:
+                 warmup_ratio: float = 0.05, train_vocab: int | None = None, fc_norm: bool = False,
+                 norm_output: bool = False) -> None:
         super().__init__()
         if train_vocab is not None and kind != "eagle":
             raise UserError(f"model.train_vocab={train_vocab} cuts the verifier's lm_head that EAGLE-1 drafts through; "
@@ -97,7 +100,8 @@ class EagleModule(DrafterModule):
         self.save_hyperparameters(ignore=["verifier", "optimizer", "scheduler"], logger=False)
         self.verifier = verifier
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.net = build_eagle(kind, verifier, draft_vocab_size, list(aux_layer_ids) if aux_layer_ids else None)
+        self.net = build_eagle(kind, verifier, draft_vocab_size, list(aux_layer_ids) if aux_layer_ids else None,
+                               fc_norm=fc_norm, norm_output=norm_output)
         self.draft_vocab_coverage: float | None = None
         self._val: dict[str, Tensor] = {}
         self.val_summary: dict[str, Any] = {}

@@ -34,11 +34,12 @@ class PEagleModule(EagleModule):
                  scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, parallel_tokens: int = 4,
                  cod_ratio: float = 0.7, cod_min_ratio: float = 0.2, max_anchors: int | None = 256,
                  step_decay: float = 1.0, draft_vocab_size: int | None = None,
-                 aux_layer_ids: list[int] | None = None, warmup_ratio: float = 0.05, **ignored: Any) -> None:
+                 aux_layer_ids: list[int] | None = None, warmup_ratio: float = 0.05, fc_norm: bool = False,
+                 **ignored: Any) -> None:
         for name, value in (("cod_ratio", cod_ratio), ("cod_min_ratio", cod_min_ratio)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise UserError(f"model.{name}={value!r}: give a share in (0, 1] (defaults 0.7 and 0.2).")
-        net = build_peagle(verifier, mask_token_id, parallel_tokens, draft_vocab_size, aux_layer_ids)
+        net = build_peagle(verifier, mask_token_id, parallel_tokens, draft_vocab_size, aux_layer_ids, fc_norm)
         super().__init__(verifier, optimizer, scheduler, kind="eagle3", ttt_steps=parallel_tokens,
                          val_steps=parallel_tokens, step_decay=step_decay, draft_vocab_size=draft_vocab_size,
                          aux_layer_ids=aux_layer_ids, warmup_ratio=warmup_ratio)
