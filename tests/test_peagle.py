@@ -105,3 +105,39 @@ def test_bad_input_is_refused_with_a_message(varied, tmp_path):
         build_peagle(varied, mask_token_id=16, parallel=4096, aux_layer_ids=[0, 1])
     with pytest.raises(UserError, match="parallel_tokens=0"):
         build_peagle(varied, mask_token_id=16, parallel=0, aux_layer_ids=[0, 1])
+
+
+@torch.no_grad()
+def test_the_planner_sees_one_forward_whatever_the_tree(varied, monkeypatch):
+    """A P-EAGLE round costs two drafter forwards for any number of drafts (its `trial`, which eval.cost.draft_curve
+    times), where EAGLE-3's grows a forward per depth; with the flat draft curve that gives, tree.size=auto plans a
+    tree at least as large as with a growing one on the same verifier curve and acceptance table."""
+    from eval.cost import best_size
+    from eval.eagle import EagleDrafter
+    from eval.peagle import PEagleDrafter
+    from eval.tree import DynamicTree, auto_tree
+    from models.eagle import build_eagle
+
+    ids = torch.randint(20, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
+    hidden = torch.cat([varied.model(ids, output_hidden_states=True).hidden_states[i] for i in (0, 1)], dim=-1)
+    table = [[0.6, 0.7, 0.75, 0.78], [0.5, 0.6, 0.65, 0.68], [0.45, 0.55, 0.6, 0.63], [0.4, 0.5, 0.55, 0.58]]
+    counts = {}
+    for name, drafter in (("peagle", PEagleDrafter(_net(varied), varied, auto_tree(table, 12))),
+                          ("eagle3", EagleDrafter(build_eagle("eagle3", varied, aux_layer_ids=[0, 1]), varied,
+                                                  DynamicTree(size=12, depth=4, topk=4)))):
+        drafter.propose(ids, hidden[:, :-1])  # the prefill, then a round that accepted nothing (eval.cost.draft_curve)
+        drafter.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+        seq = torch.cat([ids, ids[:, -1:]], dim=1)
+        calls = []
+        original = drafter.net.step
+        monkeypatch.setattr(drafter.net, "step", lambda *a, **k: calls.append(1) or original(*a, **k))
+        counts[name] = []
+        for drafts in (1, 4, 12):
+            calls.clear()
+            drafter.trial(seq, hidden[:, -1:], drafts)
+            counts[name].append(len(calls))
+    assert counts["peagle"] == [2, 2, 2] and counts["eagle3"][0] < counts["eagle3"][-1]
+    sizes, verify = [1, 8, 16, 32, 64], [10.0, 11.0, 12.0, 16.0, 26.0]
+    flat = best_size(sizes, verify, table, draft=[3.0] * 5)
+    growing = best_size(sizes, verify, table, draft=[3.0, 6.0, 9.0, 12.0, 15.0])
+    assert flat.size >= growing.size and flat.predicted_speedup > growing.predicted_speedup
