@@ -24,7 +24,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.eagle import Eagle3Net, UnrolledStep, step_inputs

@@ -4,7 +4,6 @@ compact -> loaded as it is -> decodes exactly; engine-ready folders written back
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

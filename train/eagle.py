@@ -77,6 +77,7 @@ class EagleModule(DrafterModule):
         aux_layer_ids: EAGLE-3 feature layers (inputs of those layers); default [2, L//2, L-3].
         fc_norm, norm_output: EAGLE-3.1's fixes (EAGLE-3): normalise each verifier feature before fc; feed the
             final-normed output to the next unrolled step. Written into the export, which engines read.
+        net: a network built by a subclass (P-EAGLE's), instead of one from `kind`.
         train_vocab: EAGLE-1: train and validate the draft logits over the N most frequent training targets' rows of
             the verifier's lm_head (q renormalised over the same rows); a verifier argmax outside them counts as a
             miss in validation. The export records N and the decoder drafts over the same rows. null: all V.
@@ -87,7 +88,7 @@ class EagleModule(DrafterModule):
                  val_steps: int = 5, step_decay: float = 0.8, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  noise: float = 0.2, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
                  warmup_ratio: float = 0.05, train_vocab: int | None = None, fc_norm: bool = False,
-                 norm_output: bool = False) -> None:
+                 norm_output: bool = False, net: torch.nn.Module | None = None) -> None:
         super().__init__()
         if train_vocab is not None and kind != "eagle":
             raise UserError(f"model.train_vocab={train_vocab} cuts the verifier's lm_head that EAGLE-1 drafts through; "
@@ -97,11 +98,12 @@ class EagleModule(DrafterModule):
         if isinstance(step_decay, bool) or not isinstance(step_decay, (int, float)) or not step_decay > 0:
             raise UserError(f"model.step_decay={step_decay!r}: unrolled step j's loss weight is step_decay^j, so give "
                             f"a number above 0 (default 0.8).")
-        self.save_hyperparameters(ignore=["verifier", "optimizer", "scheduler"], logger=False)
+        self.save_hyperparameters(ignore=["verifier", "optimizer", "scheduler", "net"], logger=False)
         self.verifier = verifier
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.net = build_eagle(kind, verifier, draft_vocab_size, list(aux_layer_ids) if aux_layer_ids else None,
-                               fc_norm=fc_norm, norm_output=norm_output)
+        self.net = net if net is not None else build_eagle(
+            kind, verifier, draft_vocab_size, list(aux_layer_ids) if aux_layer_ids else None, fc_norm=fc_norm,
+            norm_output=norm_output)
         self.draft_vocab_coverage: float | None = None
         self._val: dict[str, Tensor] = {}
         self.val_summary: dict[str, Any] = {}

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.eagle import layer_config
 from models.errors import UserError
 from models.peagle import build_peagle, parallel_rows
 from models.verifier import Verifier
@@ -34,26 +33,24 @@ class PEagleModule(EagleModule):
                  scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, parallel_tokens: int = 4,
                  cod_ratio: float = 0.7, cod_min_ratio: float = 0.2, max_anchors: int | None = 256,
                  step_decay: float = 1.0, draft_vocab_size: int | None = None,
-                 aux_layer_ids: list[int] | None = None, warmup_ratio: float = 0.05, fc_norm: bool = False,
-                 **ignored: Any) -> None:
+                 aux_layer_ids: list[int] | None = None, warmup_ratio: float = 0.05, fc_norm: bool = False) -> None:
         for name, value in (("cod_ratio", cod_ratio), ("cod_min_ratio", cod_min_ratio)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise UserError(f"model.{name}={value!r}: give a share in (0, 1] (defaults 0.7 and 0.2).")
         net = build_peagle(verifier, mask_token_id, parallel_tokens, draft_vocab_size, aux_layer_ids, fc_norm)
         super().__init__(verifier, optimizer, scheduler, kind="eagle3", ttt_steps=parallel_tokens,
                          val_steps=parallel_tokens, step_decay=step_decay, draft_vocab_size=draft_vocab_size,
-                         aux_layer_ids=aux_layer_ids, warmup_ratio=warmup_ratio)
+                         aux_layer_ids=aux_layer_ids, warmup_ratio=warmup_ratio, net=net)
         self.hparams.update(mask_token_id=mask_token_id, parallel_tokens=parallel_tokens, cod_ratio=cod_ratio,
-                            cod_min_ratio=cod_min_ratio, max_anchors=max_anchors)
-        self.net = net
+                            cod_min_ratio=cod_min_ratio, max_anchors=max_anchors, fc_norm=fc_norm)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        counts = self.target_counts
-        if counts is not None and stage == "fit" and bool(counts[self.net.mask_token_id] > 0):
-            raise UserError(f"model.mask_token_id={self.net.mask_token_id} ({self.verifier.tokenizer.decode([self.net.mask_token_id])!r}) "
-                            f"is a training target {int(counts[self.net.mask_token_id])} times: a mask slot would read "
-                            f"as that token. Pick a token the data never holds.")
+        counts, mask = self.target_counts, self.net.mask_token_id
+        if counts is not None and stage == "fit" and bool(counts[mask] > 0):
+            raise UserError(f"model.mask_token_id={mask} ({self.verifier.tokenizer.decode([mask])!r}) is a training "
+                            f"target {int(counts[mask])} times: a mask slot would read as that token. Pick a token "
+                            f"the data never holds.")
 
     def unrolled(self, feats: Tensor, ids: Tensor, attn: Tensor, loss_mask: Tensor, embed: torch.nn.Module,
                  steps: int, train: bool):
@@ -62,8 +59,3 @@ class PEagleModule(EagleModule):
             return parallel_rows(self.net, feats, ids, attn, loss_mask, embed, steps, hp.cod_ratio,
                                  hp.cod_min_ratio, hp.max_anchors)
         return parallel_rows(self.net, feats, ids, attn, loss_mask, embed, steps, 1.0, 1.0, None)
-
-    def export(self, path):
-        self.val_summary = {**self.val_summary, "parallel_tokens": self.net.parallel,
-                            "mask_token_id": self.net.mask_token_id}
-        return super().export(path)
