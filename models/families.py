@@ -24,6 +24,7 @@ from models.eagle import Eagle1Net, Eagle3Net
 from models.eagle_export import eagle_layout, eagle_from_layout, peagle_from_layout, peagle_layout
 from models.errors import UserError
 from models.medusa import MedusaHeads, medusa_from_layout, medusa_layout
+from models.dflash import DFlashNet, dflash_from_layout, dflash_layout
 from models.peagle import PEagleNet
 
 # (net, verifier) -> (the family's config keys, tensors to write)
@@ -121,6 +122,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            serve_options=(("parallel_drafting", True),),
            export=ExportFormat(("PeagleLlamaForCausalLM",), peagle_layout, peagle_from_layout,
                                speculators_type="peagle")),
+    Family("dflash", "DFlash", drafter="eval.families.export", decoder="eval.dflash.dflash_drafter",
+           training="train.dflash.DFlashModule", network=DFlashNet, needs_export=True, tree="fixed",
+           acceptance=("eagle_topk_accuracy", "val_step_top1"),
+           export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout)),
     Family("draft_model", "draft model", drafter="eval.families.draft_model",
            training="train.draft_model.DraftModelModule"),
     Family("prompt_lookup", "prompt lookup", drafter="eval.families.prompt_lookup"),

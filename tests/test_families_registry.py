@@ -21,7 +21,8 @@ TRAIN = [*VARIED, "data.limit=8", "data.max_new_tokens=12", "data.gen_batch_size
 EXTRA = {"eagle3": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.ttt_steps=2",
                     "model.val_steps=2"],
          "eagle": ["model.val_steps=2"], "draft_model": ["model.num_layers=1"],
-         "peagle": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.parallel_tokens=3"]}
+         "peagle": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.parallel_tokens=3"],
+         "dflash": ["model.aux_layer_ids=[0,1]", "model.block_size=4"]}
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 

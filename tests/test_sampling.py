@@ -182,7 +182,8 @@ SAMPLES = 20_000
 REAL = {"t1-top_k4": SamplingConfig(1.0, 1.0, 4), "t0.7-top_k4": SamplingConfig(0.7, 1.0, 4),
         "t1-top_p0.9-top_k6": SamplingConfig(1.0, 0.9, 6)}
 DRAFTERS = ["medusa-chain-sampled", "medusa-tree-sampled", "medusa-tree-topk", "eagle-chain-sampled",
-            "eagle-tree-topk", "eagle3-chain-sampled", "peagle-tree-sampled", "peagle-tree-topk"]
+            "eagle-tree-topk", "eagle3-chain-sampled", "peagle-tree-sampled", "peagle-tree-topk",
+            "dflash-tree-sampled"]
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +211,11 @@ def _drafter(kind: str, verifier, cfg: SamplingConfig):
         from models.peagle import build_peagle
 
         net = build_peagle(verifier, 16, 2, draft_vocab_size=4096, aux_layer_ids=[0, 1])
+        tree = Chain(2) if shape == "chain" else from_medusa_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    elif name == "dflash":  # one block forward, two drafts
+        from models.dflash import build_dflash
+
+        net = build_dflash(verifier, 16, block_size=3, aux_layer_ids=[0, 1])
         tree = Chain(2) if shape == "chain" else from_medusa_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
     else:
         net = build_eagle(name, verifier, draft_vocab_size=4096 if name == "eagle3" else None,
@@ -346,7 +352,8 @@ def test_sampled_rounds_follow_the_verifier(real_verifier, kind, setting):
     assert _chi2_p(spec, direct) > 0.01
 
 
-@pytest.mark.parametrize("kind", ["medusa-chain-sampled", "eagle-tree-topk", "peagle-tree-sampled"])
+@pytest.mark.parametrize("kind", ["medusa-chain-sampled", "eagle-tree-topk", "peagle-tree-sampled",
+                                  "dflash-tree-sampled"])
 def test_sampled_rounds_negative_control_accept_all_fails(real_verifier, monkeypatch, kind):
     def accept_all(*args):
         plan = rejection_plan(*args)

@@ -1,0 +1,84 @@
+"""DFlash (models/dflash.py, train/dflash.py, eval/dflash.py): the training blocks compute what decoding computes, a
+round is one block forward, and bad input is refused with a message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import varied_llama
+from models.dflash import DFlashNet, block_rows, build_dflash
+from models.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def varied():
+    return varied_llama(seed=1)
+
+
+def _net(verifier, block_size: int = 5) -> DFlashNet:
+    torch.manual_seed(0)
+    net = build_dflash(verifier, mask_token_id=16, block_size=block_size, num_layers=2, aux_layer_ids=[0, 1])
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    return net.float().eval()
+
+
+def _hidden(verifier, ids):
+    states = verifier.model(ids, output_hidden_states=True).hidden_states
+    return torch.cat([states[i] for i in (0, 1)], dim=-1)
+
+
+@torch.no_grad()
+def test_training_blocks_are_what_decoding_computes(varied):
+    """Slot k of the block whose context ends at t (training: block_rows, every anchor) = the drafter's depth-k logits
+    after a prefill of positions 0..t with root x_{t+1} (eval: DFlashDrafter)."""
+    from eval.dflash import DFlashDrafter
+    from eval.tree import chain
+
+    net = _net(varied)
+    embed = varied.model.get_input_embeddings()
+    ids = torch.randint(20, 1000, (1, 40), generator=torch.Generator().manual_seed(3))
+    n = ids.shape[1] - 1
+    hidden = _hidden(varied, ids)
+    feats = net.features({0: hidden[..., :64], 1: hidden[..., 64:]})[:, :n]
+    ones = torch.ones_like(ids)
+    steps = net.parallel
+    rows = list(block_rows(net, feats, ids, ones, ones, embed, steps, num_anchors=None))
+    assert len(rows) == steps
+    for t in (0, 6, 17, n - steps - 1):
+        drafter = DFlashDrafter(net, varied, chain(steps))
+        drafter.propose(ids[:, : t + 2], hidden[:, : t + 1])
+        assert drafter.cache_length == t + 1
+        logits = drafter._depth_logits(None)  # (K, V)
+        for j, step in enumerate(rows):
+            at = ((step.batch == 0) & (step.position == t)).nonzero()
+            assert at.numel() == 1, (t, j)
+            ref = net.logits(step.out[0, step.column[at[0, 0]]][None], drafter.lm_head).float()[0]
+            assert torch.allclose(logits[j], ref, atol=1e-3 * float(ref.abs().max())), (t, j)
+
+
+@torch.no_grad()
+def test_a_round_is_one_block_forward(varied, monkeypatch):
+    from eval.dflash import DFlashDrafter
+    from eval.tree import chain
+
+    net = _net(varied, block_size=6)
+    calls = []
+    original = net.block
+    monkeypatch.setattr(net, "block", lambda *a, **k: calls.append(a[0].shape[1]) or original(*a, **k))
+    drafter = DFlashDrafter(net, varied, chain(5))
+    ids = torch.randint(20, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
+    draft = drafter.propose(ids, _hidden(varied, ids)[:, :-1])
+    assert draft.tokens.shape == (1, 6) and calls == [6]  # the root and 5 masks, once
+
+
+def test_bad_input_is_refused_with_a_message(varied):
+    with pytest.raises(UserError, match="block_size=1"):
+        build_dflash(varied, 16, block_size=1, aux_layer_ids=[0, 1])
+    with pytest.raises(UserError, match="cannot hold a block of 4096"):
+        build_dflash(varied, 16, block_size=4096, aux_layer_ids=[0, 1])
+    with pytest.raises(UserError, match=r"mask token must be a token id in 0\.\.49151"):
+        build_dflash(varied, 49152, aux_layer_ids=[0, 1])
