@@ -32,6 +32,7 @@ PROMPTS = 4
 RECIPE = ["data.limit=48", "data.max_new_tokens=64", "data.gen_batch_size=16", "data.batch_size=4",
           "data.val_fraction=0.1", "trainer.max_steps=60", "trainer.max_epochs=20", "logger=csv"]
 EXTRA = {"peagle": [f"model.parallel_tokens={TOKENS}"],  # K = the tokens vLLM drafts per step
+         "dflash": [f"model.block_size={TOKENS + 1}"],  # the root and K drafts
          "eagle3.1": ["model.fc_norm=true", "model.norm_output=true"]}  # EAGLE-3 with EAGLE-3.1's fixes
 MODEL = {"eagle3.1": "eagle3"}
 
@@ -113,7 +114,7 @@ def _compare(ours_alpha, n_ours, run) -> None:
                                   f"{run.spec['num_drafts']} rounds)"
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "eagle3.1", "peagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "eagle3.1", "peagle", "dflash"])
 def test_vllm_serves_each_family_and_accepts_what_we_accept(vllm, exports, prompts, smollm2, kind):
     """--speculative-config {method, model: EXPORT, num_speculative_tokens}: vLLM loads the export, drafts, and
     its alpha_1..3 equal ours on the same prompts and chains within the derived tolerance; its greedy output is
