@@ -125,7 +125,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("dflash", "DFlash", drafter="eval.families.export", decoder="eval.dflash.dflash_drafter",
            training="train.dflash.DFlashModule", network=DFlashNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="dflash",
-           export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout)),
+           export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash")),
     Family("draft_model", "draft model", drafter="eval.families.draft_model",
            training="train.draft_model.DraftModelModule"),
     Family("prompt_lookup", "prompt lookup", drafter="eval.families.prompt_lookup"),

@@ -55,6 +55,8 @@ def to_speculators(flat: dict[str, Any], algorithm: str, verifier_name_or_path: 
     if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
         raise UserError(f"speculative_tokens={speculative_tokens!r}: give a whole number >= 1 (the tokens vLLM drafts "
                         f"per step when it serves the export).")
+    if algorithm == "dflash":
+        return _dflash_to_speculators(flat, verifier_name_or_path, verifier_architectures)
     options = {k: bool(flat.get(k, False)) for k in OPTION_FLAGS}
     layer = {k: flat[k] for k in LAYER_KEYS if k in flat} | options
     layer["architectures"] = ["LlamaForCausalLM"]
@@ -82,6 +84,76 @@ def to_speculators(flat: dict[str, Any], algorithm: str, verifier_name_or_path: 
     }
 
 
+# DFlash's reference layout (models/dflash.py) keeps these in its layer config; the speculators format moves the rest
+# to the top level and into `dflash`'s own keys.
+DFLASH_LAYER_KEYS = (*LAYER_KEYS, "layer_types", "rope_scaling")
+
+
+def _speculators_config(algorithm: str, tokens: int, verifier: str, architectures: list[str]) -> dict[str, Any]:
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(architectures)}}
+
+
+def _dflash_to_speculators(flat: dict[str, Any], verifier: str, architectures: list[str]) -> dict[str, Any]:
+    """DFlash's reference-layout config as vLLM's `dflash` speculators type: the layer config (Qwen3, every key written:
+    vLLM fills in no defaults), `aux_hidden_state_layer_ids` in vLLM's convention (the input of layer k, which vLLM
+    captures as given; it derives the reference layout's ids by subtracting 1), `mask_token_id`, bidirectional
+    attention within the block (`sliding_window_non_causal`), and the block's drafts as the speculative tokens."""
+    layer = {k: flat[k] for k in DFLASH_LAYER_KEYS if k in flat} | {"architectures": ["Qwen3ForCausalLM"]}
+    dconf = flat["dflash_config"]
+    own = {k: v for k, v in flat.items()
+           if k not in (*DFLASH_LAYER_KEYS, "architectures", "dflash_config", "aux_hidden_state_layer_ids",
+                        "block_size")}
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": flat["vocab_size"],
+        "target_hidden_size": None,
+        "block_size": flat["block_size"],
+        "aux_hidden_state_layer_ids": [int(k) + 1 for k in dconf["target_layer_ids"]],
+        "mask_token_id": dconf["mask_token_id"],
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "torch_dtype": flat.get("torch_dtype"),
+        "speculators_config": _speculators_config("dflash", int(flat["block_size"]) - 1, verifier, architectures),
+        **own,
+    }
+
+
+def _dflash_flatten(config: dict[str, Any], file: str) -> dict[str, Any]:
+    """vLLM's `dflash` speculators config back as DFlash's reference-layout config (models/dflash.py reads it)."""
+    layer = config["transformer_layer_config"]
+    for key in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
+        if key not in config:
+            raise UserError(f"{file}: speculators_model_type='dflash' needs {key}, which is missing: not a DFlash "
+                            f"export (another family's, relabelled?). Re-export the drafter, or load it as its own "
+                            f"family.")
+    if config.get("sliding_window_non_causal") is not True or config.get("sample_from_anchor"):
+        raise UserError(f"{file}: sliding_window_non_causal must be true and sample_from_anchor false: this toolkit's "
+                        f"DFlash attends both ways within the block and drafts from its mask slots, and vLLM would "
+                        f"run another drafter otherwise. Re-export the drafter.")
+    tokens = speculative_tokens(config)
+    if tokens != int(config["block_size"]) - 1:
+        raise UserError(f"{file}: speculative_tokens={tokens!r} but block_size={config['block_size']}: vLLM drafts "
+                        f"speculative_tokens from one block of block_size - 1 masks. Set it to "
+                        f"{int(config['block_size']) - 1}.")
+    flat = {k: v for k, v in config.items()
+            if k not in ("speculators_config", "transformer_layer_config", "speculators_model_type", "architectures",
+                         "aux_hidden_state_layer_ids", "mask_token_id", "sliding_window_non_causal",
+                         "sample_from_anchor", "draft_vocab_size", "target_hidden_size")}
+    flat |= {k: v for k, v in layer.items() if k != "architectures"}
+    flat["architectures"] = [FAMILIES["dflash"].export.architectures[0]]
+    flat["dflash_config"] = {"mask_token_id": config["mask_token_id"],
+                             "target_layer_ids": [int(k) - 1 for k in config["aux_hidden_state_layer_ids"]]}
+    flat["speculative_tokens"] = tokens
+    flat["speculators_verifier"] = dict(config["speculators_config"].get("verifier") or {})
+    return flat
+
+
 def speculative_tokens(config: dict[str, Any]) -> int | None:
     """The number of tokens vLLM drafts per step for a speculators-format config (its default proposal method)."""
     spec = config.get("speculators_config") or {}
@@ -101,6 +173,8 @@ def flatten(config: dict[str, Any], file: str = "config.json") -> dict[str, Any]
                         f"{sorted(_families())}. Export the drafter with this toolkit, or convert it "
                         f"with `python -m scripts.convert`.")
     layer = config.get("transformer_layer_config")
+    if algo == "dflash" and isinstance(layer, dict) and isinstance(config.get("speculators_config"), dict):
+        return _dflash_flatten(config, file)
     if not isinstance(layer, dict) or "hidden_size" not in layer:
         raise UserError(f"{file}: transformer_layer_config is missing or has no hidden_size: the speculators format "
                         f"needs the drafter layer's Hugging Face config there. Re-export the drafter.")

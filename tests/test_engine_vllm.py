@@ -159,6 +159,20 @@ def test_vllm_serves_the_peagle_export_as_the_model_itself(vllm, exports, prompt
     _compare(alpha, rounds, run)
 
 
+def test_vllm_serves_the_dflash_export_as_the_model_itself(vllm, exports, prompts, smollm2):
+    """The DFlash export as the model itself: vLLM reads speculators_model_type dflash (its aux layer ids as given, the
+    mask token, attention both ways within the block), drafts block_size - 1 tokens per step, and accepts what our
+    one-block decoder accepts."""
+    export = exports["dflash"]
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and "model_type" not in config
+    assert config["aux_hidden_state_layer_ids"] == [2, 15, 27] and config["sliding_window_non_causal"] is True
+    run = vllm.serve(export, prompts, MAX_NEW, dtype="float32")
+    assert run.resolved["method"] == "dflash" and run.resolved["num_speculative_tokens"] == TOKENS
+    _, alpha, rounds = _ours(smollm2, "dflash", export, prompts)
+    _compare(alpha, rounds, run)
+
+
 def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, exports, smollm2, tmp_path):
     """The failure users met: an EAGLE export with the target counts beside its weights (as exports were written
     before side data moved to specdraft/). vLLM refuses it; our loader names the file and the fix; the rewrite

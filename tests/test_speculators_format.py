@@ -64,7 +64,8 @@ def test_eagle3_export_is_in_the_speculators_format_vllm_reads(eagle3_export, ti
     (lambda c: c.pop("norm_before_residual"), "norm_before_residual is not set"),
     (lambda c: c.__setitem__("norm_before_residual", True), "norm_before_residual=True, but"),
     (lambda c: c.pop("transformer_layer_config"), "transformer_layer_config is missing"),
-    (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators_model_type='dflash'"),
+    (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators_model_type='dflash' needs"),
+    (lambda c: c.__setitem__("speculators_model_type", "dspark"), "speculators_model_type='dspark'"),
 ])
 def test_a_speculators_config_with_a_missing_or_contradictory_field_is_refused(eagle3_export, tiny4, edit, message):
     cfg = json.loads((eagle3_export / "config.json").read_text())
