@@ -217,29 +217,13 @@ def dflash_layout(net: DFlashNet, verifier: Any) -> tuple[dict[str, Any], dict[s
     """The DFlash reference layout (z-lab's, which vLLM's qwen3_dflash loads): a Qwen3-style config for the draft
     layers with `block_size` and `dflash_config` (`mask_token_id`; `target_layer_ids` in that layout's convention,
     the output of layer k, i.e. this project's id minus 1), and the tensors without the shared embedding and head."""
-    from models.eagle_export import serving_dtype
+    from models.eagle_export import draft_layer_config
 
     lc = layer_config(verifier)
-    dtype = serving_dtype(verifier)
-    config = {
-        "model_type": "qwen3",
-        "hidden_size": lc["hidden_size"],
-        "intermediate_size": lc["intermediate_size"],
-        "num_attention_heads": lc["num_attention_heads"],
-        "num_key_value_heads": lc["num_key_value_heads"],
-        "head_dim": lc["head_dim"],
-        "num_hidden_layers": len(net.layers),
+    config = draft_layer_config(verifier, "qwen3", len(net.layers)) | {
         "layer_types": ["full_attention"] * len(net.layers),
-        "rms_norm_eps": lc["rms_norm_eps"],
-        "rope_theta": lc["rope_theta"],
         "rope_scaling": None,
         "attention_bias": False,
-        "hidden_act": "silu",
-        "vocab_size": lc["vocab_size"],
-        "max_position_embeddings": int(getattr(verifier.config, "max_position_embeddings", 2048)),
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-        "dtype": dtype,
         "block_size": net.block_size,
         "num_target_layers": lc["num_verifier_layers"],
         "dflash_config": {"mask_token_id": net.mask_token_id, "target_layer_ids": [k - 1 for k in net.aux_layer_ids]},

@@ -28,18 +28,19 @@ def serving_dtype(verifier: Any) -> str:
     return declared if declared in SERVING_DTYPES else "bfloat16"
 
 
-def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The config keys and tensors of an EAGLE-1 or EAGLE-3 export (`architectures` comes from the registry)."""
+def draft_layer_config(verifier: Any, model_type: str, num_layers: int) -> dict[str, Any]:
+    """The Hugging Face config keys of `num_layers` draft layers shaped like the verifier's (what an engine builds the
+    drafter's layers from): EAGLE's one Llama layer, DFlash's Qwen3 ones."""
     lc = layer_config(verifier)
     dtype = serving_dtype(verifier)
-    config = {
-        "model_type": "llama",
+    return {
+        "model_type": model_type,
         "hidden_size": lc["hidden_size"],
         "intermediate_size": lc["intermediate_size"],
         "num_attention_heads": lc["num_attention_heads"],
         "num_key_value_heads": lc["num_key_value_heads"],
         "head_dim": lc["head_dim"],
-        "num_hidden_layers": 1,
+        "num_hidden_layers": num_layers,
         "rms_norm_eps": lc["rms_norm_eps"],
         "rope_theta": lc["rope_theta"],
         "attention_bias": lc["attention_bias"],
@@ -49,9 +50,14 @@ def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
         "dtype": dtype,
-        "eagle_kind": net.kind,
-        "verifier_num_hidden_layers": lc["num_verifier_layers"],
     }
+
+
+def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The config keys and tensors of an EAGLE-1 or EAGLE-3 export (`architectures` comes from the registry)."""
+    lc = layer_config(verifier)
+    config = draft_layer_config(verifier, "llama", 1) | {"eagle_kind": net.kind,
+                                                         "verifier_num_hidden_layers": lc["num_verifier_layers"]}
     tensors = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
     if isinstance(net, Eagle3Net):
         ids = list(net.aux_layer_ids)

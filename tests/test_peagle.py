@@ -141,3 +141,21 @@ def test_the_planner_sees_one_forward_whatever_the_tree(varied, monkeypatch):
     flat = best_size(sizes, verify, table, draft=[3.0] * 5)
     growing = best_size(sizes, verify, table, draft=[3.0, 6.0, 9.0, 12.0, 15.0])
     assert flat.size >= growing.size and flat.predicted_speedup > growing.predicted_speedup
+
+
+@pytest.mark.parametrize("model", ["peagle", "dflash"])
+def test_a_mask_token_the_data_holds_is_refused(model, varied, monkeypatch, tmp_path):
+    """Training refuses a mask token that is a training target (a mask slot would read as that token)."""
+    from helpers import compose_train
+    from hydra.utils import instantiate
+
+    cfg = compose_train(["verifier=tiny", f"model={model}", "model.aux_layer_ids=[0,1]"], tmp_path)
+    module = instantiate(cfg.model, verifier=varied)
+    counts = torch.zeros(varied.vocab_size)
+    counts[16] = 3
+    monkeypatch.setattr(module, "count_targets", lambda vocab: counts)
+    monkeypatch.setattr(module, "setup_train_vocab", lambda counts: None)
+    with pytest.raises(UserError, match=r"mask_token_id=16 .* is a training target 3 times"):
+        module.setup("fit")
+    counts[16] = 0
+    module.setup("fit")  # a token the data never holds passes

@@ -20,7 +20,6 @@ from torch import Tensor
 from models.dflash import block_rows, build_dflash
 from models.verifier import Verifier
 from train.eagle import EagleModule
-from train.peagle import refuse_held_mask_token
 
 
 class DFlashModule(EagleModule):
@@ -47,11 +46,6 @@ class DFlashModule(EagleModule):
                          warmup_ratio=warmup_ratio, train_vocab=train_vocab, net=net)
         self.hparams.update(mask_token_id=mask_token_id, block_size=block_size, num_layers=num_layers,
                             aux_layer_ids=aux_layer_ids, num_anchors=num_anchors)
-
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if stage == "fit":
-            refuse_held_mask_token(self.target_counts, self.net.mask_token_id, self.verifier)
 
     def unrolled(self, feats: Tensor, ids: Tensor, attn: Tensor, loss_mask: Tensor, embed: torch.nn.Module,
                  steps: int, train: bool):

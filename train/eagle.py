@@ -67,6 +67,14 @@ def validation_summary(agg: dict[str, Tensor]) -> dict[str, Any]:
     return {"val_step_top1": acc.tolist(), "estimated_tau": float(tau), "eagle_topk_accuracy": topk.tolist()}
 
 
+def refuse_held_mask_token(counts: Tensor, mask: int, verifier: Verifier) -> None:
+    """A parallel drafter's mask token must be one the training targets never hold (a mask slot would read as it)."""
+    if bool(counts[mask] > 0):
+        raise UserError(f"model.mask_token_id={mask} ({verifier.tokenizer.decode([mask])!r}) is a training target "
+                        f"{int(counts[mask])} times: a mask slot would read as that token. Pick a token the data "
+                        f"never holds.")
+
+
 class EagleModule(DrafterModule):
     """Args:
         verifier: the frozen M_q, held by reference (never in checkpoints).
@@ -134,6 +142,8 @@ class EagleModule(DrafterModule):
         counts = self.count_targets(self.net.vocab_size) if stage in ("fit", "validate") else None
         if stage in ("fit", "validate"):
             self.setup_train_vocab(counts)
+        if counts is not None and stage == "fit" and getattr(self.net, "mask_token_id", None) is not None:
+            refuse_held_mask_token(counts, self.net.mask_token_id, self.verifier)  # P-EAGLE's and DFlash's mask slots
         if counts is None or not isinstance(self.net, Eagle3Net) or stage != "fit":
             return
         if self.warm is not None:  # the export's draft vocabulary came with its weights

@@ -21,14 +21,6 @@ from models.verifier import Verifier
 from train.eagle import EagleModule
 
 
-def refuse_held_mask_token(counts: Tensor | None, mask: int, verifier: Verifier) -> None:
-    """A parallel drafter's mask token must be one the training targets never hold (a mask slot would read as it)."""
-    if counts is not None and bool(counts[mask] > 0):
-        raise UserError(f"model.mask_token_id={mask} ({verifier.tokenizer.decode([mask])!r}) is a training target "
-                        f"{int(counts[mask])} times: a mask slot would read as that token. Pick a token the data "
-                        f"never holds.")
-
-
 class PEagleModule(EagleModule):
     """Args (beyond EagleModule's EAGLE-3 ones; `ttt_steps` and `val_steps` are `parallel_tokens` here):
         mask_token_id: the token of every mask slot (one the data never holds; SmolLM2: 16, `<empty_output>`).
@@ -51,11 +43,6 @@ class PEagleModule(EagleModule):
                          aux_layer_ids=aux_layer_ids, warmup_ratio=warmup_ratio, net=net)
         self.hparams.update(mask_token_id=mask_token_id, parallel_tokens=parallel_tokens, cod_ratio=cod_ratio,
                             cod_min_ratio=cod_min_ratio, max_anchors=max_anchors, fc_norm=fc_norm)
-
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if stage == "fit":
-            refuse_held_mask_token(self.target_counts, self.net.mask_token_id, self.verifier)
 
     def unrolled(self, feats: Tensor, ids: Tensor, attn: Tensor, loss_mask: Tensor, embed: torch.nn.Module,
                  steps: int, train: bool):
