@@ -17,7 +17,7 @@ from torch import Tensor
 from eval.medusa import medusa_tree
 from eval.peagle import PEagleDrafter
 from eval.sampling import SamplingConfig
-from eval.tree import Tree, TreePolicy
+from eval.tree import TreePolicy
 from models.dflash import DFlashNet
 from models.errors import UserError
 from models.verifier import Verifier
@@ -33,16 +33,8 @@ class DFlashDrafter(PEagleDrafter):
     def _extend(self, input_ids: Tensor, hidden: Tensor) -> None:
         """Add the context keys and values of the S newly committed positions (features `hidden`)."""
         bsz, s = hidden.shape[:2]
-        n = input_ids.shape[1] - 1
-        start = n - s
-        if start == 0:
-            self._k = self._v = self._next = None
-        elif start != self.cache_length or (self._next is not None and s != self._next):
-            raise UserError(f"DFlash drafter out of step: it caches {self.cache_length} positions but was handed {s} "
-                            f"new features ending at position {n - 1}. Call propose/accepted as "
-                            f"eval.decode.speculative_decode does, one sequence at a time.")
-        names = self.feature_layers
-        ctx = self.net.features(dict(zip(names, hidden.split(hidden.shape[-1] // len(names), dim=-1))))
+        start, n, layers = self._new_positions(input_ids, hidden)
+        ctx = self.net.features(layers)
         pos = torch.arange(start, n, device=input_ids.device)[None].expand(bsz, s)
         k, v = self.net.context_kv(ctx, pos)
         self._k = k if self._k is None else torch.cat([self._k, k], dim=3)

@@ -98,19 +98,25 @@ class EagleDrafter:
         return 0 if self._k is None else self._k.shape[2]
 
     # -- 1. the committed prefix -----------------------------------------------------------------------------------
+    def _new_positions(self, input_ids: Tensor, hidden: Tensor) -> tuple[int, int, dict[int, Tensor]]:
+        """The committed positions start..n-1 this round brings (n = tokens so far minus the root), checked against
+        the cache (a new sequence, the prefill, forgets the last one), and their verifier features by layer id."""
+        s = hidden.shape[1]
+        n = input_ids.shape[1] - 1  # positions with known features once this round's are in
+        start = n - s
+        if start == 0:
+            self._k = self._v = self._next = None
+        elif start != self.cache_length or (self._next is not None and s != self._next):
+            raise UserError(f"{type(self).__name__} out of step: it caches {self.cache_length} positions but was "
+                            f"handed {s} new features ending at position {n - 1}. Call propose/accepted as "
+                            f"eval.decode.speculative_decode does, one sequence at a time.")
+        names = self.feature_layers
+        return start, n, dict(zip(names, hidden.split(hidden.shape[-1] // len(names), dim=-1)))
+
     def _extend(self, input_ids: Tensor, hidden: Tensor) -> Tensor:
         """Add step-0 keys for the S newly committed positions; return the output at the last one. (B, D)"""
         bsz, s = hidden.shape[:2]
-        n = input_ids.shape[1] - 1  # positions with known features once this round's are in
-        start = n - s
-        if start == 0:  # a new sequence (the prefill): forget the last one
-            self._k = self._v = self._next = None
-        elif start != self.cache_length or (self._next is not None and s != self._next):
-            raise UserError(f"EAGLE drafter out of step: it caches {self.cache_length} positions but was handed "
-                            f"{s} new features ending at position {n - 1}. Call propose/accepted as "
-                            f"eval.decode.speculative_decode does, one sequence at a time.")
-        names = self.feature_layers
-        layers = dict(zip(names, hidden.split(hidden.shape[-1] // len(names), dim=-1)))
+        start, n, layers = self._new_positions(input_ids, hidden)
         feats = self.net.features(layers)  # (B, S, D): F_t, t = start..n-1
         emb = self.embed(input_ids[:, start + 1 : n + 1])  # (B, S, D): x_{t+1}, the last is the root
         pos = torch.arange(start, n, device=input_ids.device)
