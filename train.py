@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from models.cpu_memory import keep_freed_memory
 from models.errors import UserError, exit_on_user_error
 from models.export import load_export
+from train.distributed import RanksAgree, is_primary
 from train.safety import LAST_GOOD, CheckpointOnMaxSteps, RestoreLoaderPosition, RunLock, check_writable
 
 
@@ -86,7 +87,7 @@ def _run(cfg: DictConfig) -> Path:
     if cfg.get("init_from"):
         model.warm_start(load_export(cfg.init_from, verifier), cfg.init_from)  # checked against the verifier
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [RestoreLoaderPosition()]
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [RestoreLoaderPosition(), RanksAgree(cfg)]
     if cfg.callbacks.get("checkpoint") is not None:
         callbacks.append(CheckpointOnMaxSteps(cfg.callbacks.checkpoint.dirpath))  # a mid-epoch stop resumes mid-epoch
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
@@ -138,7 +139,8 @@ def revalidate(cfg: DictConfig, trainer: L.Trainer, model: L.LightningModule, da
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     export = exit_on_user_error(lambda: run(cfg))
-    print(f"export: {export}")
+    if is_primary():  # under DDP every rank runs main(); the run's export is said once
+        print(f"export: {export}")
 
 
 if __name__ == "__main__":

@@ -71,3 +71,38 @@ class CrashAt(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             raise RuntimeError(f"CrashAt: crashed at step {self.step}")
+
+
+class RankRecorder(L.Callback):
+    """After every optimizer step, appends this rank's step, loss, assistant-token count and a digest of its trainable
+    weights to `<path>.rank<R>.jsonl`: whether the ranks of a DDP run hold the same weights, and its loss curve."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    start = None  # the trainable weights before the first step, flat
+
+    @staticmethod
+    def _flat(pl_module):
+        import torch
+
+        return torch.cat([p.detach().float().flatten().cpu() for _, p in sorted(pl_module.named_parameters())
+                          if p.requires_grad])
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = self._flat(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """`moved`: the distance of the weights from where training started; `probe`: their projection on a fixed
+        random direction. Both compare runs whose weights agree up to float rounding, unlike the digest."""
+        import torch
+
+        flat = self._flat(pl_module)
+        direction = torch.randn(flat.numel(), generator=torch.Generator().manual_seed(0))
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        with open(f"{self.path}.rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "loss": float(torch.as_tensor(loss).detach()),
+                                "tokens": int(batch["loss_mask"].sum()),
+                                "weights": hashlib.sha1(flat.numpy().tobytes()).hexdigest(),
+                                "moved": float((flat - self.start).norm()),
+                                "probe": float(((flat - self.start) * direction).sum())}) + "\n")

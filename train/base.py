@@ -16,6 +16,7 @@ from torch import Tensor
 from models.errors import UserError
 from models.export import Export, frequent_ids
 from models.families import title
+from train.distributed import token_share
 
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 
@@ -49,6 +50,18 @@ class DrafterModule(L.LightningModule):
         self._tick = time.perf_counter()
         if self._epoch_start is None:
             self._epoch_start, self._epoch_assistant = self._tick, 0
+        if "loss_mask" in batch:
+            self._rank_weight = token_share(batch["loss_mask"].sum())
+
+    # -- several processes (trainer=ddp): each rank's loss weighs by its share of the global batch's targets --------
+    _rank_weight: Tensor | float = 1.0
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """DDP averages the ranks' gradients, and each rank's loss is a mean over its own assistant tokens, so a rank
+        whose batch holds few targets would count as much as one whose batch holds many. Scaling rank r's loss by
+        W * n_r / sum(n) makes the averaged gradient the gradient of the mean over the global batch's targets, as
+        one process training on the whole global batch computes it. The logged loss stays the rank's own."""
+        super().backward(loss * self._rank_weight, *args, **kwargs)
 
     def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
         """Throughput: `train/tokens_per_s` (every real token) and `train/assistant_tokens_per_s` (the tokens with

@@ -38,3 +38,5 @@ class ExportOnFitEnd(Callback):
                                   f"{last_good_advice(trainer)}")
         if trainer.is_global_zero:
             self.path = pl_module.export(self.dirpath)
+            if trainer.world_size > 1:
+                print(f"[export] written by rank 0 of {trainer.world_size}: {self.path}")

@@ -217,13 +217,18 @@ def check_writable(directory: str | os.PathLike, what: str) -> None:
 
 class RunLock:
     """An exclusive lock on a run directory (fcntl.flock on `<dir>/.lock`), so two runs with one `name` cannot
-    write the same checkpoints and export. The OS releases it when the holder dies, so a stale lock never blocks."""
+    write the same checkpoints and export. The OS releases it when the holder dies, so a stale lock never blocks.
+    Under DDP only the primary process takes it: the ranks it launches are the same run."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.path = Path(directory).expanduser() / ".lock"
         self.fd: int | None = None
 
     def __enter__(self) -> "RunLock":
+        from train.distributed import is_primary
+
+        if not is_primary():  # a rank started by the primary process (DDP), which holds the lock for the run
+            return self
         check_writable(self.path.parent, "the run directory")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
