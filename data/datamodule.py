@@ -21,6 +21,7 @@ from data.shipped import load_shipped
 from data.selfdistill import GENERATORS, build_selfdistill, build_sharegpt, check_has_targets
 from models.errors import UserError
 from models.verifier import Verifier
+from train.distributed import world
 
 MODES = ("selfdistill", "sharegpt", "shipped")
 
@@ -78,6 +79,8 @@ class DistillDataModule(L.LightningDataModule):
             from the model) once, cache them on disk, and train from the cache instead of running the verifier.
             When the model asks for it (`verifier_argmax`, set by train.py: EAGLE-3), M_q's greedy token at every
             position is cached beside them (data.hidden_cache.build_argmax_cache) and batches carry it.
+        cache_shard_rows: rows per hidden-state cache shard (the unit a killed build resumes from and DDP ranks
+            split).
         group_by_length: training batches of similar lengths (random megabatches sorted by length), so they pad
             little; validation keeps its order.
     """
@@ -107,6 +110,7 @@ class DistillDataModule(L.LightningDataModule):
         group_by_length: bool = False,
         generator: str = "hf",
         shipped: str | None = None,
+        cache_shard_rows: int = 256,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -133,6 +137,9 @@ class DistillDataModule(L.LightningDataModule):
             raise UserError("data.mode=shipped needs data.shipped: the name of a set under shipped/data/ or its "
                             "folder (python train.py data=shipped sets the default verifier's).")
         self.shipped = shipped
+        if cache_shard_rows < 1:
+            raise UserError(f"data.cache_shard_rows={cache_shard_rows}: give a whole number of rows >= 1.")
+        self.cache_shard_rows = cache_shard_rows
         self.hidden_layers: list[int] = [-1]
         self.verifier_argmax = False  # offline mode also caches M_q's argmax per position (needs layer -1 cached)
         self.hidden_path: Path | None = None
@@ -184,11 +191,10 @@ class DistillDataModule(L.LightningDataModule):
         return (convs, groups) if with_groups else convs
 
     def prepare_data(self) -> None:
-        # Rank 0 generates and caches; setup() on every rank reads the caches.
-        if self.mode == "selfdistill" or self.cache_hidden_states:
-            ds = self.build()
-            if self.cache_hidden_states:
-                self.build_caches(ds)
+        # One process per node generates the answers; setup() on every rank reads them and builds the hidden-state
+        # cache together (each rank its share of the shards).
+        if self.mode == "selfdistill":
+            self.build()
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -219,10 +225,14 @@ class DistillDataModule(L.LightningDataModule):
 
     def build_caches(self, ds: datasets.Dataset) -> Path:
         """Offline mode's caches for `ds` (built once, resumable): the hidden states of `hidden_layers`, and M_q's
-        argmax per position where `verifier_argmax` asks for it. Returns the hidden-state cache's directory."""
-        path = build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir)  # or one holding more
+        argmax per position where `verifier_argmax` asks for it. Under DDP every rank builds its share of the shards
+        (data.hidden_cache). Training then reads each batch's rows from disk, so the cache may exceed memory.
+        Returns the hidden-state cache's directory."""
+        rank, size = world()
+        path = build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir,
+                                  shard_rows=self.cache_shard_rows, rank=rank, world=size)
         if self.caches_argmax:
-            build_argmax_cache(self.verifier, path, len(ds), cache_layers(path).index(-1))
+            build_argmax_cache(self.verifier, path, len(ds), cache_layers(path).index(-1), rank=rank, world=size)
         return path
 
     def _loader(self, ds: datasets.Dataset, shuffle: bool) -> DataLoader:

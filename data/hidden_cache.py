@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import datasets
@@ -25,9 +27,11 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from models.errors import UserError
 from models.io import atomic_dir
 from models.packed import Linear
 from models.verifier import Verifier
+from train.distributed import barrier
 
 DTYPE = torch.bfloat16
 
@@ -59,53 +63,102 @@ def superset_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[int], 
 
 @torch.no_grad()
 def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[int], cache_dir: str | Path,
-                       batch_size: int = 8, shard_rows: int = 256) -> Path:
+                       batch_size: int = 8, shard_rows: int = 256, rank: int = 0, world: int = 1) -> Path:
     """Compute and store the hidden states of `layers` for every row of `ds` (once); returns the cache directory.
     A finished cache of the same verifier and data holding more layers is used instead (`superset_cache`): read it
     with `load_hidden(path, row, layers)`.
 
-    Rows are written in shards of `shard_rows` (`<path>/<shard:05d>/<row>.safetensors`), each shard atomically, so a
-    killed build keeps its finished shards and the next call computes only the missing ones.
+    Rows are written in shards of `shard_rows` (`<path>/<shard:05d>/<row>.safetensors`), each shard atomically with
+    a `shard.json` naming the verifier fingerprint, the layers and its rows, so a killed build keeps its finished
+    shards and the next call computes only the missing ones, and a shard of another verifier or layer set is refused.
+    With several processes (`rank` of `world`, e.g. DDP ranks) each computes the missing shards i with
+    i % world == rank, none twice; then every rank waits for the others (a process-group barrier) and checks that
+    every shard is there. A rank that was killed leaves its shards missing: any later run, with any number of
+    processes, computes them. The build is refused when the shards still to write cannot fit the free disk.
     """
     path = hidden_cache_dir(verifier, ds, layers, cache_dir)
     if (path / "done.json").is_file():
         return path
     wider = superset_cache(verifier, ds, layers, cache_dir)
     if wider is not None:
-        print(f"[data] hidden-state cache: layers {layers} are in the finished cache of layers {cache_layers(wider)} "
-              f"({wider}); reading them from it, nothing to build")
+        if rank == 0:
+            print(f"[data] hidden-state cache: layers {layers} are in the finished cache of layers "
+                  f"{cache_layers(wider)} ({wider}); reading them from it, nothing to build")
         return wider
-    n_tokens = sum(len(ids) for ids in ds["input_ids"])
-    size = n_tokens * len(layers) * verifier.hidden_size * torch.finfo(DTYPE).bits // 8
-    print(f"[data] caching verifier hidden states of layers {layers} for {len(ds)} sequences ({n_tokens} tokens): "
-          f"{size / 2**30:.2f} GiB in {path}")
+    lengths = [len(ids) for ids in ds["input_ids"]]
+    per_token = len(layers) * verifier.hidden_size * torch.finfo(DTYPE).bits // 8
+    if rank == 0:
+        print(f"[data] caching verifier hidden states of layers {layers} for {len(ds)} sequences ({sum(lengths)} "
+              f"tokens): {sum(lengths) * per_token / 2**30:.2f} GiB in {path}"
+              + (f", shards split over {world} processes" if world > 1 else ""))
     path.mkdir(parents=True, exist_ok=True)
     meta = path / "meta.json"
     if meta.is_file():
         shard_rows = json.loads(meta.read_text())["shard_rows"]  # a resumed build keeps its shard layout
     else:
-        meta.write_text(json.dumps({"shard_rows": shard_rows, "layers": layers}))
+        write_json_atomic(meta, {"shard_rows": shard_rows, "layers": layers, "verifier": verifier.fingerprint})
     starts = list(range(0, len(ds), shard_rows))
-    done = [s for s in starts if (path / f"{s // shard_rows:05d}").is_dir()]
-    if done:
+    done = {s for s in starts if (path / f"{s // shard_rows:05d}").is_dir()}
+    expected = {"verifier": verifier.fingerprint, "layers": list(layers)}
+    for s in done:
+        check_shard(path / f"{s // shard_rows:05d}", expected, s, min(s + shard_rows, len(ds)))
+    todo = [s for s in starts if s not in done]
+    need = sum(sum(lengths[s: s + shard_rows]) for s in todo) * per_token
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise UserError(f"the hidden-state cache needs {need / 2**30:.2f} GiB more in {path}, and its disk has "
+                        f"{free / 2**30:.2f} GiB free. Free space, point cache_dir= at a larger disk, or cache fewer "
+                        f"rows (data.limit=) or layers.")
+    mine = [s for s in todo if (s // shard_rows) % world == rank]
+    if done and rank == 0:
         print(f"[data] hidden-state cache: resuming, {len(done)} of {len(starts)} shards already written")
-    bar = tqdm(total=len(ds), initial=sum(min(shard_rows, len(ds) - s) for s in done), desc="caching hidden states",
-               unit="seq", dynamic_ncols=True)
+    bar = tqdm(total=sum(min(shard_rows, len(ds) - s) for s in mine), desc="caching hidden states", unit="seq",
+               dynamic_ncols=True, disable=rank != 0)
     decoder = verifier.model.get_decoder()
-    for start in starts:
-        if start in done:
-            continue
+    for start in mine:
+        end = min(start + shard_rows, len(ds))
         with atomic_dir(path / f"{start // shard_rows:05d}") as tmp:
-            rows = ds[start : start + shard_rows]["input_ids"]
+            rows = ds[start:end]["input_ids"]
             for offset, ids in enumerate(rows):  # one sequence at a time: no padding to store or strip
                 out = decoder(input_ids=torch.tensor([ids], device=verifier.device), output_hidden_states=True,
                               use_cache=False)
                 stacked = torch.stack([out.hidden_states[i][0] for i in layers])  # (L, T, D)
                 save_file({"hidden": stacked.to("cpu", DTYPE).contiguous()}, str(tmp / f"{start + offset}.safetensors"))
                 bar.update(1)
+            (tmp / "shard.json").write_text(json.dumps(expected | {"rows": [start, end], "rank": rank,
+                                                                    "world": world}))
     bar.close()
-    (path / "done.json").write_text(json.dumps({"layers": layers, "sequences": len(ds), "tokens": n_tokens}))
+    barrier()
+    missing = [s // shard_rows for s in starts if not (path / f"{s // shard_rows:05d}").is_dir()]
+    if missing:
+        raise UserError(f"the hidden-state cache {path} lacks {len(missing)} of {len(starts)} shards (e.g. "
+                        f"{missing[:5]}): a process building them stopped. Run again: the finished shards are kept "
+                        f"and the missing ones are computed.")
+    if rank == 0:
+        write_json_atomic(path / "done.json", {"layers": layers, "sequences": len(ds), "tokens": sum(lengths),
+                                               "verifier": verifier.fingerprint})
+    barrier()
     return path
+
+
+def check_shard(folder: Path, expected: dict, start: int, end: int) -> None:
+    """Refuse a finished shard written for another verifier, layer set or row range (shards from before shard.json
+    existed are taken as they are)."""
+    info = folder / "shard.json"
+    if not info.is_file():
+        return
+    got = json.loads(info.read_text())
+    for key, want in (*expected.items(), ("rows", [start, end])):
+        if got.get(key) != want:
+            raise UserError(f"hidden-state cache shard {folder} was written with {key}={got.get(key)!r}, but this "
+                            f"cache is for {key}={want!r}: it was copied from another cache. Delete {folder} (it is "
+                            f"computed again) or the whole cache folder {folder.parent}.")
+
+
+def write_json_atomic(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 @functools.lru_cache(maxsize=64)
@@ -142,22 +195,26 @@ def _argmax_file(path: Path, row: int) -> Path:
 
 
 @torch.no_grad()
-def build_argmax_cache(verifier: Verifier, path: Path, num_rows: int, final_index: int) -> Path:
+def build_argmax_cache(verifier: Verifier, path: Path, num_rows: int, final_index: int, rank: int = 0,
+                       world: int = 1) -> Path:
     """M_q's greedy token (int32, per position) for every cached row: the argmax of the verifier's lm_head over the
     cached final-normed states (`final_index`: where layer -1 sits in the cache's layers), in the verifier's dtype
     (bf16 through the prepacked head on CPU). Written in groups of ARGMAX_ROWS rows, each atomically, so a killed
-    build keeps its finished groups; returns `path / "argmax"`."""
+    build keeps its finished groups; returns `path / "argmax"`. With several processes (`rank` of `world`) each
+    computes the missing groups i with i % world == rank, then all wait for each other."""
     starts = range(0, num_rows, ARGMAX_ROWS)
     todo = [s for s in starts if not _argmax_file(path, s).is_file()]
-    if todo:
+    mine = [s for s in todo if (s // ARGMAX_ROWS) % world == rank]
+    if mine and rank == 0:
         print(f"[data] caching M_q's argmax at every position of {num_rows} cached sequences "
               f"({len(starts) - len(todo)} of {len(starts)} groups already written)")
+    if mine:
         weight = verifier.lm_head.weight.detach()
         bias = getattr(verifier.lm_head, "bias", None)
         head = Linear(weight, None if bias is None else bias.detach(), packed=True)
-        bar = tqdm(total=sum(min(ARGMAX_ROWS, num_rows - s) for s in todo), desc="caching M_q argmax", unit="seq",
-                   dynamic_ncols=True)
-        for start in todo:
+        bar = tqdm(total=sum(min(ARGMAX_ROWS, num_rows - s) for s in mine), desc="caching M_q argmax", unit="seq",
+                   dynamic_ncols=True, disable=rank != 0)
+        for start in mine:
             with atomic_dir(_argmax_file(path, start).parent) as tmp:
                 rows = {}
                 for row in range(start, min(start + ARGMAX_ROWS, num_rows)):
@@ -166,6 +223,11 @@ def build_argmax_cache(verifier: Verifier, path: Path, num_rows: int, final_inde
                     bar.update(1)
                 save_file(rows, str(tmp / "argmax.safetensors"))
         bar.close()
+    barrier()
+    missing = [s // ARGMAX_ROWS for s in starts if not _argmax_file(path, s).is_file()]
+    if missing:
+        raise UserError(f"the argmax cache {path / 'argmax'} lacks {len(missing)} of {len(starts)} groups (e.g. "
+                        f"{missing[:5]}): a process building them stopped. Run again: the finished groups are kept.")
     return path / "argmax"
 
 

@@ -441,3 +441,69 @@ def test_a_cache_of_more_layers_serves_fewer(tiny, tmp_path, capsys):
     other = hf_datasets.Dataset.from_dict(ds[:3])  # other data: its own cache
     assert build_hidden_cache(tiny, other, [-1], tmp_path / "c", shard_rows=2) != wide
     assert build_hidden_cache(tiny, ds, [0, 2], tmp_path / "c", shard_rows=2) != wide  # layer 2 is not in it
+
+
+def _small_set(tiny, tmp_path, n=7):
+    convs = load_conversations("builtin", split="train", limit=n)
+    return build_selfdistill(tiny, convs, tmp_path / "sd", max_new_tokens=4, batch_size=n)
+
+
+def test_hidden_cache_shards_split_over_processes_and_a_missing_share_is_resumed(tiny, tmp_path, capsys):
+    """Rank 1 of 2 writes shards 1 and 3 only and, without rank 0's shards, stops with a message; a later run with
+    one process computes 0 and 2 only (rank 1's are kept as they are), and the result equals a one-process build."""
+    import json
+
+    from data.hidden_cache import build_hidden_cache, load_hidden
+    from models.errors import UserError
+
+    ds = _small_set(tiny, tmp_path)
+    with pytest.raises(UserError, match=r"lacks 2 of 4 shards \(e\.g\. \[0, 2\]\).*Run again"):
+        build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2, rank=1, world=2)
+    (path,) = list((tmp_path / "c" / "hidden").iterdir())
+    assert sorted(p.name for p in path.iterdir() if p.is_dir()) == ["00001", "00003"]
+    kept = {p: p.stat().st_mtime_ns for p in path.glob("0000[13]/*.safetensors")}
+    assert json.loads((path / "00001" / "shard.json").read_text())["rank"] == 1
+    capsys.readouterr()
+    assert build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2) == path
+    assert "resuming, 2 of 4 shards" in capsys.readouterr().out
+    assert all(p.stat().st_mtime_ns == t for p, t in kept.items())
+    assert json.loads((path / "00002" / "shard.json").read_text())["rank"] == 0
+    whole = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "whole", shard_rows=2)
+    for row in range(len(ds)):
+        assert torch.equal(load_hidden(path, row), load_hidden(whole, row))
+
+
+def test_a_hidden_cache_shard_of_another_layer_set_or_verifier_is_refused(tiny, tmp_path):
+    import json
+    import shutil
+
+    from data.hidden_cache import build_hidden_cache
+    from models.errors import UserError
+
+    ds = _small_set(tiny, tmp_path)
+    with pytest.raises(UserError):
+        build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2, rank=1, world=2)
+    (path,) = list((tmp_path / "c" / "hidden").iterdir())
+    other = build_hidden_cache(tiny, ds, [1, -1], tmp_path / "o", shard_rows=2)
+    shutil.rmtree(path / "00001")
+    shutil.copytree(other / "00001", path / "00001")  # a shard copied from a cache of other layers
+    with pytest.raises(UserError, match=r"00001 was written with layers=\[1, -1\].*for layers=\[0, -1\].*Delete"):
+        build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2)
+    info = json.loads((other / "00001" / "shard.json").read_text())
+    (path / "00001" / "shard.json").write_text(json.dumps(info | {"layers": [0, -1], "verifier": "another"}))
+    with pytest.raises(UserError, match=r"verifier='another'.*copied from another cache"):
+        build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2)
+
+
+def test_a_hidden_cache_that_cannot_fit_the_free_disk_is_refused_before_any_work(tiny, tmp_path, monkeypatch):
+    import shutil
+
+    import data.hidden_cache as hc
+    from models.errors import UserError
+
+    ds = _small_set(tiny, tmp_path)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(hc.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    with pytest.raises(UserError, match=r"needs 0\.\d+ GiB more in .* has 0\.00 GiB free.*cache_dir="):
+        hc.build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2)
+    assert not any((tmp_path / "c").glob("hidden/*/0000*"))

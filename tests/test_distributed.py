@@ -152,3 +152,15 @@ def test_ranks_that_disagree_on_the_config_are_refused(tmp_path):
     assert proc.returncode != 0
     assert "the ranks disagree on the run's config" in proc.stderr
     assert not (tmp_path / "export").exists() and not (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def test_two_ranks_build_the_hidden_state_cache_together_and_train_from_it(tmp_path):
+    """Offline mode under DDP: each rank writes its share of the cache's shards (shard i by rank i % 2), none twice,
+    and both train from the whole cache."""
+    cache = tmp_path / "cache"
+    _train([*DDP, "model=eagle3", "verifier.num_layers=4", "data.cache_hidden_states=true",
+            "data.cache_shard_rows=2", f"cache_dir={cache}", "trainer.max_steps=2"], tmp_path / "run")
+    infos = [json.loads(p.read_text()) for p in sorted(cache.glob("hidden/*/0*/shard.json"))]
+    assert len(infos) == 8  # 16 rows in shards of 2
+    assert [i["rank"] for i in infos] == [0, 1] * 4 and {i["world"] for i in infos} == {2}
+    assert len(list(cache.glob("hidden/*/done.json"))) == 1 and len(list(cache.glob("hidden/*/argmax/*"))) == 1
