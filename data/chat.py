@@ -2,8 +2,17 @@
 
 A conversation is rendered with the verifier's own chat template. Assistant spans are found by rendering growing
 prefixes of the conversation: the tokens between `template(messages[:i], add_generation_prompt=True)` and
-`template(messages[:i+1])` are assistant turn i (its text and its end-of-turn token). This works for any template
-whose renderings of prefixes are prefixes of each other, which we check rather than assume.
+`template(messages[:i+1])` are assistant turn i (its text and its end-of-turn token).
+
+Where renderings of prefixes are prefixes of each other (ChatML, Llama 3, SmolLM2...), a conversation is one row
+with every assistant turn in its mask. Reasoning templates break that: Qwen3-style templates drop the `<think>`
+block of every assistant turn before the last user turn, so turn 1 reads differently once turn 2 exists. Then a
+conversation becomes one row per assistant turn, each exactly what the verifier sees when it writes that turn
+(earlier turns as the template renders them, without their reasoning), its mask on that turn only (`encode_turns`).
+
+Reasoning blocks inside assistant spans are trained on (`reasoning=train`) or kept as context with loss 0
+(`reasoning=mask`, `mask_reasoning`): they are located by their tags in the tokens' text, so this works whether the
+tokenizer has the tags as special tokens or splits them.
 """
 
 from __future__ import annotations
@@ -29,6 +38,91 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]
     return render(tokenizer, messages, add_generation_prompt=True)
 
 
+ROLES = ("system", "user", "assistant", "tool")
+REASONING = ("train", "mask")
+TAGS = ("<think>", "</think>")
+
+
+def check_messages(messages: list[dict[str, str]], where: str) -> None:
+    """Refuse a conversation with a role the chat templates do not know, or without an assistant turn to train on."""
+    for j, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise UserError(f"{where}, message {j}: unknown role {m.get('role')!r}; expected one of {list(ROLES)}. "
+                            f"Rename the role in the data (ShareGPT files: \"from\": \"human\" / \"gpt\").")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where}: the conversation has no assistant turn, so there is nothing to train on as it is. "
+                        f"Give conversations with answers, or let the verifier answer the prompts (data=selfdistill).")
+
+
+def encode_turns(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int,
+                 where: str = "conversation") -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) rows for a conversation with assistant turns, loss 1 on assistant tokens only: one row
+    when the template renders prefixes as prefixes, else one row per assistant turn (see the module doc). Each row is
+    truncated to max_length."""
+    check_messages(messages, where)
+    try:
+        return [encode_conversation(tokenizer, messages, max_length)]
+    except NotPrefixes:
+        pass
+    rows = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], add_generation_prompt=True)
+        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if after[: len(before)] != before:
+            raise NotPrefixes(f"the chat template of {tokenizer.name_or_path!r} renders assistant turn {i} of {where} "
+                              f"in a way that does not extend the prompt before it, so its tokens cannot be located. "
+                              f"Use data=selfdistill, or a model with a ChatML-like template.")
+        rows.append((after[:max_length], ([0] * len(before) + [1] * (len(after) - len(before)))[:max_length]))
+    return rows
+
+
+def mask_reasoning(tokenizer: PreTrainedTokenizerBase, ids: list[int], mask: list[int],
+                   tags: tuple[str, str] = TAGS) -> list[int]:
+    """`mask` with every reasoning block inside an assistant span (from its opening tag through its closing tag, or
+    to the span's end when it never closes) set to 0. Tags are found in the concatenated text of the span's tokens,
+    so a tag that is one special token and a tag split over several are found alike."""
+    out = list(mask)
+    open_tag, close_tag = tags
+    j = 0
+    while j < len(mask):
+        if not mask[j]:
+            j += 1
+            continue
+        end = j
+        while end < len(mask) and mask[end]:
+            end += 1
+        pieces = [tokenizer.decode([t]) for t in ids[j:end]]
+        bounds = [0]
+        for piece in pieces:
+            bounds.append(bounds[-1] + len(piece))
+        text = "".join(pieces)
+        at = text.find(open_tag)
+        while at >= 0:
+            close = text.find(close_tag, at + len(open_tag))
+            stop = len(text) if close < 0 else close + len(close_tag)
+            for k in range(end - j):
+                if bounds[k] < stop and bounds[k + 1] > at:  # the token overlaps the block
+                    out[j + k] = 0
+            at = text.find(open_tag, stop) if close >= 0 else -1
+        j = end
+    return out
+
+
+def rewrites_earlier_turns(tokenizer: PreTrainedTokenizerBase, tags: tuple[str, str] = TAGS) -> bool:
+    """Whether the template renders an assistant turn differently once a later user turn follows (Qwen3-style
+    templates drop its reasoning block): then a conversation's ids cannot be extended turn by turn."""
+    turn = [{"role": "user", "content": "a"}, {"role": "assistant", "content": f"{tags[0]}\nr\n{tags[1]}\n\nb"}]
+    alone = render(tokenizer, turn, add_generation_prompt=False)
+    followed = render(tokenizer, turn + [{"role": "user", "content": "c"}], add_generation_prompt=True)
+    return followed[: len(alone)] != alone
+
+
+class NotPrefixes(UserError):
+    """The template does not render a conversation's prefixes as prefixes."""
+
+
 def encode_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int
 ) -> tuple[list[int], list[int]]:
@@ -41,9 +135,10 @@ def encode_conversation(
         before = render(tokenizer, messages[:i], add_generation_prompt=True)
         after = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if after[: len(before)] != before or before[: len(ids)] != ids:
-            raise UserError(
+            raise NotPrefixes(
                 f"the chat template of {tokenizer.name_or_path!r} does not render conversation prefixes as prefixes, "
-                f"so assistant tokens cannot be located. Use data=selfdistill, or a model with a ChatML-like template."
+                f"so assistant tokens cannot be located in one row. Use data=selfdistill, or a model with a ChatML-like "
+                f"template (data.chat.encode_turns splits such conversations into one row per assistant turn)."
             )
         mask += [0] * (len(before) - len(ids)) + [1] * (len(after) - len(before))
         ids = after

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from data.chat import REASONING, TAGS, mask_reasoning
 from data.hidden_cache import build_argmax_cache, build_hidden_cache, cache_layers, load_argmax, load_hidden
 from data.filters import EvalGuard, apply_filters
 from data.prompts import Conversation, eval_prompt_texts, load_conversations, select_prompts
@@ -79,6 +80,9 @@ class DistillDataModule(L.LightningDataModule):
             from the model) once, cache them on disk, and train from the cache instead of running the verifier.
             When the model asks for it (`verifier_argmax`, set by train.py: EAGLE-3), M_q's greedy token at every
             position is cached beside them (data.hidden_cache.build_argmax_cache) and batches carry it.
+        reasoning: `train` (reasoning blocks in assistant turns are targets like the rest of the answer) or `mask`
+            (they stay in the context with loss 0, so the drafter learns the answers only): for reasoning models'
+            `<think>` ... `</think>` blocks (`reasoning_tags`), in every mode.
         cache_shard_rows: rows per hidden-state cache shard (the unit a killed build resumes from and DDP ranks
             split).
         group_by_length: training batches of similar lengths (random megabatches sorted by length), so they pad
@@ -111,6 +115,8 @@ class DistillDataModule(L.LightningDataModule):
         generator: str = "hf",
         shipped: str | None = None,
         cache_shard_rows: int = 256,
+        reasoning: str = "train",
+        reasoning_tags: list[str] | tuple[str, str] = TAGS,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -140,6 +146,13 @@ class DistillDataModule(L.LightningDataModule):
         if cache_shard_rows < 1:
             raise UserError(f"data.cache_shard_rows={cache_shard_rows}: give a whole number of rows >= 1.")
         self.cache_shard_rows = cache_shard_rows
+        if reasoning not in REASONING:
+            raise UserError(f"data.reasoning={reasoning!r} is not one of {list(REASONING)} (train: learn the reasoning "
+                            f"blocks too; mask: keep them as context with loss 0).")
+        if len(reasoning_tags) != 2 or not all(isinstance(t, str) and t for t in reasoning_tags):
+            raise UserError(f"data.reasoning_tags={list(reasoning_tags)}: give the opening and closing tag, e.g. "
+                            f"['<think>', '</think>'].")
+        self.reasoning, self.reasoning_tags = reasoning, tuple(reasoning_tags)
         self.hidden_layers: list[int] = [-1]
         self.verifier_argmax = False  # offline mode also caches M_q's argmax per position (needs layer -1 cached)
         self.hidden_path: Path | None = None
@@ -147,7 +160,16 @@ class DistillDataModule(L.LightningDataModule):
         self.val_set: datasets.Dataset | None = None
 
     def build(self) -> datasets.Dataset:
-        """The full tokenised dataset (generated and cached on first use for self-distillation)."""
+        """The full tokenised dataset (generated and cached on first use for self-distillation), with reasoning
+        blocks masked where `reasoning=mask`."""
+        ds = self._build()
+        if self.reasoning == "mask":
+            tok, tags = self.verifier.tokenizer, self.reasoning_tags
+            ds = ds.map(lambda r: {"loss_mask": mask_reasoning(tok, r["input_ids"], r["loss_mask"], tags)},
+                        desc="masking reasoning blocks")
+        return ds
+
+    def _build(self) -> datasets.Dataset:
         if self.mode == "shipped":
             ds = load_shipped(self.shipped, self.verifier)
             if self.limit is not None:  # nested subsets: the first `limit` rows of one fixed shuffle

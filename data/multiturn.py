@@ -5,6 +5,11 @@ A row [prompt, a1] gives a new row [prompt, a1, user turn 2, a2], its loss mask 
 never re-rendered from text: the verifier's answer a1 stays the token ids it generated (text re-tokenised can come
 out different), and what the template puts between a1's end-of-turn token and a2 is rendered once and appended
 (`continuation_ids`), so the row is exactly what the verifier sees in a two-turn chat.
+
+A template that rewrites earlier turns (Qwen3-style reasoning templates drop a1's `<think>` block once turn 2
+exists, data.chat.rewrites_earlier_turns) is rendered instead: the context of a2 is the template's rendering of
+[prompt messages, a1's text, user turn 2], as the verifier sees it in that chat, and the mask covers a2 only (a1 is
+trained in its own single-turn row, where it reads as generated).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from data.chat import render, rewrites_earlier_turns
 from data.filters import EvalGuard, QualityFilter, apply_filters
 from data.generate import generate_refill
 from models.errors import UserError
@@ -55,13 +61,15 @@ def user_opener_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 def second_turn_rows(verifier: Verifier, ds: datasets.Dataset, num: int, cache_dir: str | Path, seed: int = 0,
                      max_length: int = 1024, max_new_tokens: int = 384, user_tokens: int = 96,
                      batch_size: int = 64, guard: EvalGuard | None = None,
-                     quality: dict[str, Any] | None = None) -> datasets.Dataset:
+                     quality: dict[str, Any] | None = None,
+                     messages: dict[str, list[dict[str, str]]] | None = None) -> datasets.Dataset:
     """Two-turn rows made from `num` rows of `ds` (drawn with `seed` among those whose answer ended and that leave
     room for a second turn): each extended by a follow-up user turn sampled from the verifier (T=1, top-p 0.95, at
     most `user_tokens`; unfinished, low-quality, near-duplicate or eval-matching turns are dropped) and the
     verifier's greedy answer to it. Returns the new rows only (id and source marked `+turn2`), to append: the
     single-turn rows stay, so a set that gains them keeps its earlier rows as they were. Each stage is cached
-    under `<cache>/second-turns/<key>/`, so a rerun after a kill redoes at most the stage it was in."""
+    under `<cache>/second-turns/<key>/`, so a rerun after a kill redoes at most the stage it was in. `messages`
+    (row id -> the prompt's chat messages) is needed for templates that rewrite earlier turns (see above)."""
     tok = verifier.tokenizer
     eos = tok.eos_token_id
     room = max_length - user_tokens - 64
@@ -91,7 +99,22 @@ def second_turn_rows(verifier: Verifier, ds: datasets.Dataset, num: int, cache_d
           f"{user_tokens} tokens (those rows stay single-turn)")
     kept = [ended[i] for i in apply_filters([texts[i] for i in ended], QualityFilter(**(quality or {})), guard, 0.7,
                                             "second turns")]
-    prompts = [list(ds[picked[i]]["input_ids"]) + continuation_ids(tok, texts[i]) for i in kept]
+    rewrites = rewrites_earlier_turns(tok)
+    if rewrites:
+        missing = [ds[picked[i]]["id"] for i in kept if ds[picked[i]]["id"] not in (messages or {})]
+        if missing:
+            raise UserError(f"the chat template of {tok.name_or_path!r} rewrites earlier turns (it drops their "
+                            f"reasoning), so a second turn is rendered from the first turn's messages; none given for "
+                            f"rows {missing[:3]}. Pass messages= (row id -> messages), or ship.second_turns=0.")
+        prompts = []
+        for i in kept:
+            row = ds[picked[i]]
+            first = row["loss_mask"].index(1)
+            a1 = tok.decode([t for t in row["input_ids"][first:] if t != eos], skip_special_tokens=False)
+            prompts.append(render(tok, [*messages[row["id"]], {"role": "assistant", "content": a1},
+                                        {"role": "user", "content": texts[i]}], add_generation_prompt=True))
+    else:
+        prompts = [list(ds[picked[i]]["input_ids"]) + continuation_ids(tok, texts[i]) for i in kept]
     answers_file = root / "answers" / "answers.json"
     if not answers_file.is_file():
         answers = generate_refill(verifier, prompts, max_new_tokens, 0.0, 1.0, batch_size, seed)
@@ -104,7 +127,10 @@ def second_turn_rows(verifier: Verifier, ds: datasets.Dataset, num: int, cache_d
     for i, prompt, answer in zip(kept, prompts, answers):
         row = ds[picked[i]]
         answer = answer[: answer.index(eos) + 1] if eos in answer else answer
-        mask = list(row["loss_mask"]) + [0] * (len(prompt) - len(row["input_ids"])) + [1] * len(answer)
+        if rewrites:  # a1 as the template re-renders it is context here; its own row trains it as generated
+            mask = [0] * len(prompt) + [1] * len(answer)
+        else:
+            mask = list(row["loss_mask"]) + [0] * (len(prompt) - len(row["input_ids"])) + [1] * len(answer)
         row.update(input_ids=(prompt + answer)[:max_length], loss_mask=mask[:max_length], id=f"{row['id']}+turn2")
         if "source" in row:
             row["source"] = f"{row['source']}+turn2"

@@ -122,7 +122,17 @@ def _from_record(rec: Any, index: int, where: str) -> Conversation:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise UserError(f"{where}, record {index}, message {j}: each message needs a `role` string and a "
                                 f"`content` string; got {_shape(m)}.")
-        return Conversation(rid, category, [{"role": m["role"], "content": m["content"]} for m in msgs])
+        from data.chat import ROLES
+
+        for j, m in enumerate(msgs):
+            if m["role"] not in ROLES:
+                raise UserError(f"{where}, record {index}, message {j}: unknown role {m['role']!r}; expected one of "
+                                f"{list(ROLES)}. Rename it in the data.")
+        # A reasoning model's turns may carry their reasoning apart (`reasoning_content`, as Qwen3's template reads it).
+        return Conversation(rid, category, [{"role": m["role"], "content": m["content"]}
+                                            | ({"reasoning_content": m["reasoning_content"]}
+                                               if isinstance(m.get("reasoning_content"), str) else {})
+                                            for m in msgs])
     for key in ("prompt", "instruction", "question"):
         if key in rec and isinstance(rec[key], str) and rec[key].strip():
             return Conversation(rid, category, [{"role": "user", "content": rec[key]}])
@@ -207,6 +217,15 @@ def load_conversations(source: str, split: str | None = "train", limit: int | No
         if not path.exists() or (path.is_dir() and not (path / "dataset_info.json").is_file()
                                  and not (path / "state.json").is_file()):
             records, where = _load_dataset_records(source, hub_split), f"dataset {source!r} (split {hub_split})"
+        elif path.suffix == ".parquet":  # one Parquet file of ShareGPT, `messages` or prompt rows
+            import datasets
+
+            try:
+                records = list(datasets.Dataset.from_parquet(str(path)))
+            except Exception as e:
+                raise UserError(f"prompt file {source!r} cannot be read as Parquet ({type(e).__name__}: "
+                                f"{str(e)[:200]}).") from e
+            where = f"Parquet file {source!r}"
         elif path.is_dir():
             import datasets
 

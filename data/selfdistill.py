@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from data.chat import encode_conversation, prompt_ids
+from data.chat import encode_turns, prompt_ids
 from data.generate import generate_refill
 from data.prompts import Conversation
 from models.errors import UserError
@@ -281,14 +281,16 @@ def _index_in_group(i: int, groups: list[int]) -> int:
 
 
 def build_sharegpt(verifier: Verifier, convs: list[Conversation], max_length: int = 1024) -> datasets.Dataset:
-    """Conversations as they are (no regeneration), tokenised with the verifier's template, assistant-only masks."""
+    """Conversations as they are (no regeneration), tokenised with the verifier's template, assistant-only masks: one
+    row per conversation, or one per assistant turn where the template rewrites earlier turns (data.chat)."""
     rows: dict[str, list] = {"id": [], "category": [], "input_ids": [], "loss_mask": []}
     for conv in convs:
-        ids, mask = encode_conversation(verifier.tokenizer, conv.messages, max_length)
-        rows["id"].append(conv.id)
-        rows["category"].append(conv.category)
-        rows["input_ids"].append(ids)
-        rows["loss_mask"].append(mask)
+        turns = encode_turns(verifier.tokenizer, conv.messages, max_length, where=f"conversation {conv.id!r}")
+        for k, (ids, mask) in enumerate(turns):  # one row, or one per assistant turn (reasoning templates)
+            rows["id"].append(conv.id if len(turns) == 1 else f"{conv.id}#turn{k + 1}")
+            rows["category"].append(conv.category)
+            rows["input_ids"].append(ids)
+            rows["loss_mask"].append(mask)
     return datasets.Dataset.from_dict(rows, features=FEATURES)
 
 

@@ -95,7 +95,8 @@ def ship(cfg: DictConfig) -> None:
     if second:  # multi-turn: the verifier writes a follow-up turn after its own answer, then answers it
         turns = second_turn_rows(verifier, ds, second, cfg.cache_dir, seed=cfg.seed, max_length=cfg.data.max_length,
                                  max_new_tokens=cfg.data.max_new_tokens, batch_size=cfg.data.gen_batch_size,
-                                 guard=EvalGuard(eval_prompt_texts(extra)))
+                                 guard=EvalGuard(eval_prompt_texts(extra)),
+                                 messages={c.id: first_turn(c) for c in convs})
         ds = datasets.concatenate_datasets([ds, turns])  # appended: the single-turn rows' parts stay as they were
     info = {
         "generation": {k: OmegaConf.to_container(cfg.data)[k] for k in
