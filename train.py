@@ -24,6 +24,7 @@ from models.cpu_memory import keep_freed_memory
 from models.errors import UserError, exit_on_user_error
 from models.export import load_export
 from train.distributed import RanksAgree, is_primary
+from train.memory import plan_memory
 from train.safety import LAST_GOOD, CheckpointOnMaxSteps, RestoreLoaderPosition, RunLock, check_writable
 
 
@@ -91,6 +92,11 @@ def _run(cfg: DictConfig) -> Path:
     if cfg.callbacks.get("checkpoint") is not None:
         callbacks.append(CheckpointOnMaxSteps(cfg.callbacks.checkpoint.dirpath))  # a mid-epoch stop resumes mid-epoch
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
+    if is_primary():  # what the run will hold per process, before it starts (train/memory.py)
+        print(plan_memory(verifier, model, cfg.data.batch_size, cfg.data.max_length, world=trainer.world_size,
+                          shard_verifier="shard_verifier" in cfg.callbacks,
+                          offline=bool(cfg.data.get("cache_hidden_states")),
+                          precision=str(cfg.trainer.get("precision"))).table())
     if logger:
         logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "verifier_fingerprint": verifier.fingerprint})
     # Resuming loads tensors and plain values only (resolve_ckpt has already read the file so, for older Lightning).

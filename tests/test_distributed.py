@@ -164,3 +164,52 @@ def test_two_ranks_build_the_hidden_state_cache_together_and_train_from_it(tmp_p
     assert len(infos) == 8  # 16 rows in shards of 2
     assert [i["rank"] for i in infos] == [0, 1] * 4 and {i["world"] for i in infos} == {2}
     assert len(list(cache.glob("hidden/*/done.json"))) == 1 and len(list(cache.glob("hidden/*/argmax/*"))) == 1
+
+
+def test_fsdp_shards_the_verifier_and_trains_exactly_as_ddp(tmp_path):
+    """trainer=fsdp on two CPU processes: the verifier's decoder layers sharded with FSDP2 (the memory table says
+    half of them per rank), and the drafter's weights after every step bit for bit those of trainer=ddp, since
+    gathering the shards gives the verifier's exact weights and hidden states."""
+    args = ["model=eagle3", "verifier.num_layers=4", "trainer.devices=2", "trainer.accelerator=cpu",
+            "data.batch_size=2", "trainer.max_steps=3"]
+    ddp = _train([*args, "trainer=ddp"], tmp_path / "ddp", tmp_path / "ddp-rec")
+    fsdp = _train([*args, "trainer=fsdp"], tmp_path / "fsdp", tmp_path / "fsdp-rec")
+    assert "[fsdp] 4 verifier decoder layers sharded over 2 ranks (cpu)" in fsdp.stdout
+    assert "[fsdp]" not in ddp.stdout
+    for rank in (0, 1):
+        assert [r["weights"] for r in _records(tmp_path / "fsdp-rec", rank)] == \
+            [r["weights"] for r in _records(tmp_path / "ddp-rec", rank)]
+    row = lambda out: next(l for l in out.splitlines() if "verifier (frozen)" in l)
+    assert "decoder layers / 2 ranks (FSDP2)" in row(fsdp.stdout) and "parameters in float32" in row(ddp.stdout)
+    assert float(row(fsdp.stdout).split()[3]) < float(row(ddp.stdout).split()[3])
+
+
+
+def test_the_memory_table_counts_what_the_run_holds(tiny):
+    """The printed plan: the verifier row is its parameter bytes (its decoder layers / W when sharded), the
+    optimizer rows follow the trainable parameters, the TTT unroll multiplies the drafter's activations, and the
+    offline cache removes the verifier's."""
+    from hydra.utils import instantiate
+
+    from helpers import compose_train
+    from train.memory import GIB, plan_memory
+
+    def module(steps: int):
+        cfg = compose_train(["verifier=tiny", "model=eagle", f"model.ttt_steps={steps}"])
+        return instantiate(cfg.model, verifier=tiny)
+
+    rows = lambda plan: {what: size for what, size, _ in plan.rows}
+    one = rows(plan_memory(tiny, module(1), 8, 256))
+    model = tiny.model
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = sum(p.numel() * p.element_size() for p in model.get_decoder().layers.parameters())
+    assert one["verifier (frozen)"] == params
+    n = sum(p.numel() for p in module(1).parameters() if p.requires_grad)
+    assert one["drafter weights"] == one["drafter gradients"] == 4 * n and one["AdamW states"] == 8 * n
+    three = rows(plan_memory(tiny, module(3), 8, 256))
+    assert three["drafter activations"] == 3 * one["drafter activations"] > 0
+    sharded = rows(plan_memory(tiny, module(1), 8, 256, world=2, shard_verifier=True))
+    assert sharded["verifier (frozen)"] == params - layers / 2
+    assert rows(plan_memory(tiny, module(1), 8, 256, offline=True))["verifier activations"] == 0
+    table = plan_memory(tiny, module(1), 8, 256).table()
+    assert f"{params / GIB:8.3f} GiB" in table and "total" in table

@@ -121,3 +121,30 @@ def data_digest(*sets: datasets.Dataset) -> str:
             h.update(np.asarray(column.flatten()).tobytes())  # flatten() respects a slice, .values does not
             h.update(np.asarray(pc.list_value_length(column)).tobytes())
     return h.hexdigest()[:16]
+
+
+class ShardVerifier(Callback):
+    """trainer=fsdp: the frozen verifier's decoder layers sharded over the ranks with FSDP2 (`fully_shard`, one
+    unit per layer, resharded after each forward), the drafter trained as usual (DDP: it is small). Each rank keeps
+    1/W of the decoder layers and gathers a layer's weights only while it runs; the embeddings, the final norm and
+    the lm_head stay whole on every rank, because every drafter reads the head (and EAGLE the embeddings) directly.
+    Every rank runs the verifier in lockstep (one forward per batch; validation batches are padded to equal counts).
+    The verifier is loaded whole on each rank before it is sharded: host memory must hold it once per process."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        verifier = pl_module.verifier
+        device = trainer.strategy.root_device
+        if trainer.world_size == 1:
+            print("[fsdp] one process: the verifier is not sharded")
+            return
+        verifier.to(device)
+        mesh = init_device_mesh(device.type, (trainer.world_size,))
+        decoder = verifier.model.get_decoder()
+        for layer in decoder.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        if trainer.is_global_zero:
+            print(f"[fsdp] {len(decoder.layers)} verifier decoder layers sharded over {trainer.world_size} ranks "
+                  f"({device.type}); embeddings, norm and head whole on every rank")
