@@ -213,3 +213,30 @@ def test_the_memory_table_counts_what_the_run_holds(tiny):
     assert rows(plan_memory(tiny, module(1), 8, 256, offline=True))["verifier activations"] == 0
     table = plan_memory(tiny, module(1), 8, 256).table()
     assert f"{params / GIB:8.3f} GiB" in table and "total" in table
+
+
+def test_the_gpu_recipe_composes_into_the_objects_it_names(cache_dir):
+    """experiment=gpu_8b (an 8B verifier on a node of GPUs) is not run here; its config must still build the data
+    module, the EAGLE-3 module and the DDP trainer it names, with the default verifier's tiny stand-in."""
+    from hydra.utils import instantiate
+
+    from helpers import compose_train
+    from models.verifier import build_tiny
+
+    tiny = build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", num_layers=4)
+    cfg = compose_train(["experiment=gpu_8b", "verifier=tiny", "trainer.accelerator=cpu", "trainer.devices=1"])
+    assert cfg.trainer.strategy == "ddp" and cfg.data.generator == "vllm" and cfg.model.ttt_steps == 7
+    dm = instantiate(cfg.data, verifier=tiny)
+    assert dm.source == "HuggingFaceH4/ultrachat_200k" and dm.hub_split == "train_sft" and dm.batch_size == 4
+    module = instantiate(cfg.model, verifier=tiny)
+    assert module.hparams.draft_vocab_size == 32000
+    trainer = instantiate(cfg.trainer, logger=False, callbacks=[])
+    assert trainer.precision == "bf16-mixed"
+
+
+def test_gpu_check_says_there_is_no_gpu():
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run python -m scripts.gpu_check itself")
+    assert proc.returncode == 2 and "no CUDA device here" in proc.stderr and "nothing was run" in proc.stderr
