@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from models.cpu_memory import keep_freed_memory
 from models.errors import UserError, exit_on_user_error
 from models.export import load_export
-from train.distributed import RanksAgree, is_primary
+from models.distributed import is_primary
+from train.distributed import RanksAgree
 from train.memory import plan_memory
 from train.safety import LAST_GOOD, CheckpointOnMaxSteps, RestoreLoaderPosition, RunLock, check_writable
 

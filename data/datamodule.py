@@ -22,7 +22,7 @@ from data.shipped import load_shipped
 from data.selfdistill import GENERATORS, build_selfdistill, build_sharegpt, check_has_targets
 from models.errors import UserError
 from models.verifier import Verifier
-from train.distributed import world
+from models.distributed import world
 
 MODES = ("selfdistill", "sharegpt", "shipped")
 

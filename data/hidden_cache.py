@@ -31,7 +31,7 @@ from models.errors import UserError
 from models.io import atomic_dir
 from models.packed import Linear
 from models.verifier import Verifier
-from train.distributed import barrier
+from models.distributed import barrier
 
 DTYPE = torch.bfloat16
 

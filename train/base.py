@@ -16,7 +16,7 @@ from torch import Tensor
 from models.errors import UserError
 from models.export import Export, frequent_ids
 from models.families import title
-from train.distributed import token_share
+from models.distributed import token_share
 
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import lightning as L
-import torch
 
 from models.verifier import Verifier
 from train.fused_head import CHUNK
@@ -35,7 +34,7 @@ class MemoryPlan:
         return sum(b for _, b, _ in self.rows)
 
     def table(self) -> str:
-        lines = [f"[memory] per process, before the run starts (estimates marked ~):"]
+        lines = ["[memory] per process, before the run starts (estimates marked ~):"]
         for what, size, how in self.rows:
             lines.append(f"[memory]   {what:<26} {size / GIB:8.3f} GiB   {how}")
         lines.append(f"[memory]   {'total':<26} {self.total / GIB:8.3f} GiB")

@@ -225,7 +225,7 @@ class RunLock:
         self.fd: int | None = None
 
     def __enter__(self) -> "RunLock":
-        from train.distributed import is_primary
+        from models.distributed import is_primary
 
         if not is_primary():  # a rank started by the primary process (DDP), which holds the lock for the run
             return self
