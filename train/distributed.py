@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 from models.distributed import check_ranks_agree, digest
 
 
-
 class RanksAgree(Callback):
     """At setup, once the process group is up: every rank must have composed the same config (its resolved values,
     the run directory aside) and read the same training and validation rows. Otherwise one message on every rank,
