@@ -83,3 +83,14 @@ def test_unknown_key_on_the_command_line(tmp_path):
     )
     assert proc.returncode != 0
     assert "model.decya" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_parallel_drafters_recipes_share_eagle3s_budget(tmp_path):
+    """experiment=ship_peagle and ship_dflash train on what ship_eagle3 trains on: the shipped set, the same cache,
+    batch and epochs (the side-by-side of the parallel drafters compares them on one budget)."""
+    eagle3 = compose_train(["experiment=ship_eagle3"], tmp_path)
+    for name, target in (("ship_peagle", "train.peagle.PEagleModule"), ("ship_dflash", "train.dflash.DFlashModule")):
+        cfg = compose_train([f"experiment={name}"], tmp_path)
+        assert cfg.model._target_ == target and cfg.data.mode == "shipped"
+        assert cfg.data.shipped == eagle3.data.shipped and cfg.data.cache_hidden_states
+        assert cfg.data.batch_size == eagle3.data.batch_size and cfg.trainer.max_epochs == eagle3.trainer.max_epochs

@@ -97,19 +97,21 @@ def _compare(model: list[str], tmp_path: Path, steps: int = 3) -> tuple[list[lis
     pytest.param("eagle3", 2e-3, marks=pytest.mark.slow),
     pytest.param("peagle", 2e-3, marks=pytest.mark.slow),
     pytest.param("dflash", 2e-3, marks=pytest.mark.slow),
-    pytest.param("draft_model", 2e-3, marks=pytest.mark.slow),
+    pytest.param("draft_model", 5e-5, marks=pytest.mark.slow),
 ])
 def test_two_cpu_processes_train_as_one(family, rel, tmp_path):
     """Two gloo ranks with batch 2 each against one process with batch 4, fp32, three steps: the same loss curve and
     the same weights (how far they moved, and in which direction).
 
-    Medusa's loss is a mean over assistant tokens, so the ranks' token-weighted losses give the one-process loss and
-    step up to float rounding (1e-5): the weights match in size and direction (a test that fails without the
-    weighting: the direction then differs by ~2x at step 1). The EAGLE-style losses sum per-step means over
-    different position sets (and EAGLE-1 a feature term), which one token weighting only approximates: their loss
-    curves and the distance the weights moved agree within 2e-3; their directions differ by up to ~30%."""
+    Medusa's and the draft model's losses are means over assistant tokens, so the ranks' token-weighted losses give
+    the one-process loss and step up to float rounding (1e-5, 5e-5): the weights match in size and direction (a
+    test that fails without the weighting: Medusa's direction then differs by ~2x at step 1). The EAGLE-style losses
+    sum per-step means over different position sets (and EAGLE-1 a feature term), which one token weighting only
+    approximates: their loss curves and the distance the weights moved agree within 2e-3 (measured: 2e-4 and 9e-4
+    at most). Their gradients differ slightly, and AdamW's first steps (close to lr x sign(g)) turn that into
+    directions that differ by 1-60% on this tiny model, so direction is not compared for them."""
     single, two = _compare([f"model={family}", *LAYERS.get(family, [])], tmp_path)
-    exact = family == "medusa"  # the others: the loss and the distance moved only (see above)
+    exact = family in ("medusa", "draft_model")  # the others: the loss and the distance moved only (see above)
     for step, (a, b) in enumerate(zip(single, two), 1):
         a, b = (a, b) if exact else (a[:2], b[:2])
         assert b == pytest.approx(a, rel=rel), f"step {step}: one process {a}, two {b} (loss, moved, probe)"
@@ -240,3 +242,17 @@ def test_gpu_check_says_there_is_no_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: run python -m scripts.gpu_check itself")
     assert proc.returncode == 2 and "no CUDA device here" in proc.stderr and "nothing was run" in proc.stderr
+
+
+def test_the_data_digest_ranks_compare_sees_any_changed_token_mask_or_order():
+    import datasets
+
+    from train.distributed import data_digest
+
+    rows = {"input_ids": [[1, 2, 3], [4, 5], [7]], "loss_mask": [[0, 1, 1], [1, 1], [1]]}
+    base = datasets.Dataset.from_dict(rows)
+    same = datasets.Dataset.from_dict({k: v[1:] for k, v in rows.items()})
+    assert data_digest(base.select([1, 2])) == data_digest(same)  # a selection reads as the rows it holds
+    for changed in ({"input_ids": [[1, 2, 3], [4, 6], [7]]}, {"loss_mask": [[0, 1, 1], [0, 1], [1]]}):
+        assert data_digest(datasets.Dataset.from_dict(rows | changed)) != data_digest(base)
+    assert data_digest(base.select([1, 0, 2])) != data_digest(base)
