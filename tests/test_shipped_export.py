@@ -115,3 +115,25 @@ def test_a_damaged_or_foreign_compact_export_is_refused(exports, varied, tiny, t
     (compact / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="does not know"):
         load_export(compact, varied)
+
+
+def _shipped() -> list[Path]:
+    return sorted(p for p in PRETRAINED.iterdir() if (p / "config.json").is_file()) if PRETRAINED.is_dir() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("export", _shipped() or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no drafter in pretrained/ yet"))], ids=lambda p: p.name if p else "none")
+def test_every_shipped_drafter_is_the_default_verifiers_and_decodes_exactly(export, smollm2, one_thread):
+    """Each folder of pretrained/: compact, its fingerprint the embedded default verifier's (checked by load_export,
+    which refuses another), with the recipe, training figures and eval report it ships with, and speculative
+    decoding through it equal to plain greedy decoding token for token."""
+    from models.export import load_export
+
+    config = json.loads((export / "config.json").read_text())
+    assert config.get(COMPACT_KEY) and sum(f.stat().st_size for f in export.rglob("*") if f.is_file()) <= 20 * 2**20
+    assert config["verifier_fingerprint"] == smollm2.fingerprint
+    load_export(export, smollm2)
+    for name in ("recipe.yaml", "training.json", "eval_report.json"):
+        assert (export / "specdraft" / name).is_file(), f"{export.name} ships without specdraft/{name}"
+    _decode_exactly(smollm2, export)
