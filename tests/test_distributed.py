@@ -63,12 +63,13 @@ def _records(record: Path, rank: int) -> list[dict]:
 
 
 LAYERS = {"eagle3": ["verifier.num_layers=4"], "peagle": ["verifier.num_layers=4"], "dflash": ["verifier.num_layers=4"],
-          "draft_model": ["model.num_layers=1"]}
+          "draft_model": ["model.num_layers=1"], "eagle": ["model.noise=0"]}  # EAGLE-1's noise: each rank its own
 DDP = ["trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "data.batch_size=2"]
 ONE = ["trainer=cpu", "data.batch_size=4"]
 
 
-def _compare(model: list[str], tmp_path: Path, steps: int = 3) -> tuple[list[list[float]], list[list[float]]]:
+def _compare(model: list[str], tmp_path: Path, steps: int = 3,
+             global_means: bool = False) -> tuple[list[list[float]], list[list[float]]]:
     """Train `steps` steps in one process and in two; returns each run's per-step (loss, distance the weights moved
     from the start, their projection on a random direction), the two-process loss being the global batch's."""
     one, two = tmp_path / "one", tmp_path / "two"
@@ -83,8 +84,10 @@ def _compare(model: list[str], tmp_path: Path, steps: int = 3) -> tuple[list[lis
     assert proc.stdout.count("[export] written by rank 0 of 2") == 1
     assert [line for line in proc.stdout.splitlines() if line.startswith("export: ")] == [f"export: {two / 'export'}"]
     assert (two / "export" / "config.json").is_file()
-    # The global batch's loss: each rank's mean weighted by its assistant tokens.
-    glob = [(a["loss"] * a["tokens"] + b["loss"] * b["tokens"]) / (a["tokens"] + b["tokens"]) for a, b in zip(r0, r1)]
+    # The global batch's loss: each rank's mean weighted by its assistant tokens; or, where each rank's loss is its
+    # share of the global means already (EAGLE's modules: DrafterModule.global_mean), their mean.
+    glob = [(a["loss"] + b["loss"]) / 2 if global_means else
+            (a["loss"] * a["tokens"] + b["loss"] * b["tokens"]) / (a["tokens"] + b["tokens"]) for a, b in zip(r0, r1)]
     assert sum(a["tokens"] + b["tokens"] for a, b in zip(r0, r1)) == sum(r["tokens"] for r in single)
     return ([[r["loss"], r["moved"], r["probe"]] for r in single],
             [[g, r["moved"], r["probe"]] for g, r in zip(glob, r0)])
@@ -93,8 +96,8 @@ def _compare(model: list[str], tmp_path: Path, steps: int = 3) -> tuple[list[lis
 
 @pytest.mark.parametrize("family,rel", [
     ("medusa", 1e-5),
-    pytest.param("eagle", 2e-3, marks=pytest.mark.slow),
-    pytest.param("eagle3", 2e-3, marks=pytest.mark.slow),
+    pytest.param("eagle", 1e-4, marks=pytest.mark.slow),
+    pytest.param("eagle3", 1e-5, marks=pytest.mark.slow),
     pytest.param("peagle", 2e-3, marks=pytest.mark.slow),
     pytest.param("dflash", 2e-3, marks=pytest.mark.slow),
     pytest.param("draft_model", 5e-5, marks=pytest.mark.slow),
@@ -103,15 +106,16 @@ def test_two_cpu_processes_train_as_one(family, rel, tmp_path):
     """Two gloo ranks with batch 2 each against one process with batch 4, fp32, three steps: the same loss curve and
     the same weights (how far they moved, and in which direction).
 
-    Medusa's and the draft model's losses are means over assistant tokens, so the ranks' token-weighted losses give
-    the one-process loss and step up to float rounding (1e-5, 5e-5): the weights match in size and direction (a
-    test that fails without the weighting: Medusa's direction then differs by ~2x at step 1). The EAGLE-style losses
-    sum per-step means over different position sets (and EAGLE-1 a feature term), which one token weighting only
-    approximates: their loss curves and the distance the weights moved agree within 2e-3 (measured: 2e-4 and 9e-4
-    at most). Their gradients differ slightly, and AdamW's first steps (close to lr x sign(g)) turn that into
-    directions that differ by 1-60% on this tiny model, so direction is not compared for them."""
-    single, two = _compare([f"model={family}", *LAYERS.get(family, [])], tmp_path)
-    exact = family in ("medusa", "draft_model")  # the others: the loss and the distance moved only (see above)
+    Medusa's and the draft model's losses are means over assistant tokens: each rank's loss weighed by its share of
+    the global batch's tokens gives the one-process step. The EAGLE-style losses sum per-step means over different
+    position sets (EAGLE-1 a feature term too): each mean is taken over the global batch (DrafterModule.global_mean).
+    Either way the weights match the one-process run in size and direction up to float rounding (1e-5; 5e-5 and
+    1e-4 where the draft model's loss and EAGLE-1's small projection round more); without them, directions differed by up to 2x at step 1 (AdamW's first steps are close to
+    lr x sign(g)). P-EAGLE and DFlash sample their chains and anchors, so each process draws its own: their loss
+    and the distance the weights moved agree within 2e-3, and direction is not compared."""
+    single, two = _compare([f"model={family}", *LAYERS.get(family, [])], tmp_path,
+                           global_means=family in ("eagle", "eagle3", "peagle", "dflash"))
+    exact = family in ("medusa", "draft_model", "eagle", "eagle3")  # P-EAGLE, DFlash sample: see above
     for step, (a, b) in enumerate(zip(single, two), 1):
         a, b = (a, b) if exact else (a[:2], b[:2])
         assert b == pytest.approx(a, rel=rel), f"step {step}: one process {a}, two {b} (loss, moved, probe)"

@@ -16,7 +16,7 @@ from torch import Tensor
 from models.errors import UserError
 from models.export import Export, frequent_ids
 from models.families import title
-from models.distributed import token_share
+from models.distributed import token_share, world
 
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 
@@ -56,12 +56,28 @@ class DrafterModule(L.LightningModule):
     # -- several processes (trainer=ddp): each rank's loss weighs by its share of the global batch's targets --------
     _rank_weight: Tensor | float = 1.0
 
+    global_means = False  # True: the module's loss terms are global means already (global_mean), not rank means
+
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         """DDP averages the ranks' gradients, and each rank's loss is a mean over its own assistant tokens, so a rank
         whose batch holds few targets would count as much as one whose batch holds many. Scaling rank r's loss by
         W * n_r / sum(n) makes the averaged gradient the gradient of the mean over the global batch's targets, as
-        one process training on the whole global batch computes it. The logged loss stays the rank's own."""
-        super().backward(loss * self._rank_weight, *args, **kwargs)
+        one process training on the whole global batch computes it. The logged loss stays the rank's own. Modules
+        whose loss sums means over different position sets (EAGLE's unrolled steps) take each mean over the global
+        batch instead (`global_mean`) and set `global_means`."""
+        super().backward(loss if self.global_means else loss * self._rank_weight, *args, **kwargs)
+
+    def global_mean(self, total: Tensor, count: Tensor | int) -> Tensor:
+        """total / count in one process or outside training; under DDP, total * W / (count summed over the ranks):
+        the term's mean over the global batch, scaled so that DDP's average of the ranks' gradients is its
+        gradient. Every rank must call it as often, in the same order (it all-reduces the count)."""
+        count = torch.as_tensor(count, dtype=torch.float32, device=total.device).reshape(1)
+        rank_world = world()[1] if self.training else 1
+        if rank_world > 1:
+            count = count.clone()
+            torch.distributed.all_reduce(count)
+            return total * rank_world / count.clamp(min=1).squeeze(0)
+        return total / count.clamp(min=1).squeeze(0)
 
     def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
         """Throughput: `train/tokens_per_s` (every real token) and `train/assistant_tokens_per_s` (the tokens with

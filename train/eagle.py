@@ -91,6 +91,8 @@ class EagleModule(DrafterModule):
             miss in validation. The export records N and the decoder drafts over the same rows. null: all V.
     """
 
+    global_means = True  # each unrolled step's loss is a mean over the global batch (DrafterModule.global_mean)
+
     def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., Any] | None = None, kind: str = "eagle", ttt_steps: int = 1,
                  val_steps: int = 5, step_decay: float = 0.8, feature_weight: float = 1.0, ce_weight: float = 0.1,
@@ -181,8 +183,10 @@ class EagleModule(DrafterModule):
                 # With train_vocab both p and q live on the kept rows; the logged top-1 compares rows (no full pass).
                 per_row, p_arg, q_arg = frozen_head_ce(h, lm_head.weight if rows is None else rows,
                                                        teacher=final[bi, ti + j + 1])
-                reg = F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float())
-                losses.append(self.hparams.feature_weight * reg + self.hparams.ce_weight * per_row.mean())
+                ce = self.global_mean(per_row.sum(), per_row.numel())  # the same two means, in the same order,
+                reg = self.global_mean(F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float(), reduction="sum"),
+                                       h.numel())  # as the path below takes on a rank with no target at this step
+                losses.append(self.hparams.feature_weight * reg + self.hparams.ce_weight * ce)
                 hit[bi, ti] = p_arg == q_arg
                 correct.append(hit)
                 valid_at.append(valid)
@@ -203,10 +207,11 @@ class EagleModule(DrafterModule):
             # EAGLE-3 skips targets its draft vocabulary cannot express; EAGLE-1's kept rows span all of q.
             in_vocab = self.net.t2d[q_arg] if targets is not None else torch.ones_like(q_arg, dtype=torch.bool)
             ce, draft = soft_target_ce(p_logits, q, at)  # (N,) each: -sum q log p in fp32, and p's argmax
-            ce = (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
+            ce = self.global_mean((ce * in_vocab).sum(), in_vocab.sum())
             step_loss = ce
             if targets is None:
-                reg = F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float()) if bi.numel() else ce * 0
+                reg = self.global_mean(F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float(), reduction="sum"),
+                                       h.numel())
                 step_loss = self.hparams.feature_weight * reg + self.hparams.ce_weight * ce
             losses.append(step_loss if bi.numel() else p_logits.sum() * 0.0)
             hit[bi, ti] = (self.net.draft_to_target(draft) if rows is None else self.head_ids[draft]) == q_arg
