@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data.chat import ROLES
 from models.errors import UserError
 
 BUILTIN_PATH = Path(__file__).parent / "prompts" / "builtin.jsonl"
@@ -122,9 +123,6 @@ def _from_record(rec: Any, index: int, where: str) -> Conversation:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise UserError(f"{where}, record {index}, message {j}: each message needs a `role` string and a "
                                 f"`content` string; got {_shape(m)}.")
-        from data.chat import ROLES
-
-        for j, m in enumerate(msgs):
             if m["role"] not in ROLES:
                 raise UserError(f"{where}, record {index}, message {j}: unknown role {m['role']!r}; expected one of "
                                 f"{list(ROLES)}. Rename it in the data.")
