@@ -110,7 +110,8 @@ def test_two_cpu_processes_train_as_one(family, rel, tmp_path):
     the global batch's tokens gives the one-process step. The EAGLE-style losses sum per-step means over different
     position sets (EAGLE-1 a feature term too): each mean is taken over the global batch (DrafterModule.global_mean).
     Either way the weights match the one-process run in size and direction up to float rounding (measured 1e-5 at
-    most; checked at 1e-4, as fp32 rounding with batches of 2 and 4 differs from one CPU kernel to another); without them, directions differed by up to 2x at step 1 (AdamW's first steps are close to
+    most; checked at 1e-4, as fp32 rounding with batches of 2 and 4 differs from one CPU kernel to another);
+    without them, directions differed by up to 2x at step 1 (AdamW's first steps are close to
     lr x sign(g)). P-EAGLE and DFlash sample their chains and anchors, so each process draws its own: their loss
     and the distance the weights moved agree within 2e-3, and direction is not compared."""
     single, two = _compare([f"model={family}", *LAYERS.get(family, [])], tmp_path,
