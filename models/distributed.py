@@ -63,15 +63,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_true(flag: bool) -> bool:
-    """Whether `flag` holds on every rank (one all-reduce)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    t = torch.tensor([0 if flag else 1])
-    dist.all_reduce(t)
-    return int(t) == 0
-
-
 def token_share(tokens: Tensor) -> Tensor | float:
     """W * n_r / sum over ranks of n (n: this rank's target count this step); 1.0 in one process or when no rank
     has a target."""
