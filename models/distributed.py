@@ -15,7 +15,6 @@ import json
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
