@@ -8,6 +8,7 @@ from typing import Any
 
 import datasets
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -172,8 +173,12 @@ class DistillDataModule(L.LightningDataModule):
     def _build(self) -> datasets.Dataset:
         if self.mode == "shipped":
             ds = load_shipped(self.shipped, self.verifier)
-            if self.limit is not None:  # nested subsets: the first `limit` rows of one fixed shuffle
-                ds = ds.shuffle(seed=0).select(range(min(self.limit, len(ds))))
+            # Nested subsets: the first `limit` rows of one fixed permutation. The hidden-state cache is the whole
+            # set's, so every subset of the learning curve reads the one cache.
+            self._whole, self._rows = ds, list(range(len(ds)))
+            if self.limit is not None:
+                self._rows = [int(i) for i in np.random.default_rng(0).permutation(len(ds))[: self.limit]]
+                ds = ds.select(self._rows)
             return ds
         convs, groups = self.conversations(with_groups=True)
         if self.mode == "sharegpt":
@@ -227,8 +232,9 @@ class DistillDataModule(L.LightningDataModule):
             raise UserError(f"data from {self.source!r} has {len(ds)} conversation(s); need at least 2 for a "
                             f"train/val split.")
         if self.cache_hidden_states:
-            self.hidden_path = self.build_caches(ds)
-            ds = ds.add_column("row", list(range(len(ds))))
+            whole, rows = self.cache_scope(ds)
+            self.hidden_path = self.build_caches(whole)
+            ds = ds.add_column("row", rows)
         self.train_set, self.val_set = self.split(ds)
         n_tokens = sum(sum(m) for m in self.train_set["loss_mask"])
         print(f"[data] {len(self.train_set)} train / {len(self.val_set)} val conversations, "
@@ -240,6 +246,13 @@ class DistillDataModule(L.LightningDataModule):
         n_val = max(1, round(len(ds) * self.val_fraction))
         split = ds.train_test_split(test_size=n_val, seed=self.seed)
         return split["train"], split["test"]
+
+    def cache_scope(self, ds: datasets.Dataset) -> tuple[datasets.Dataset, list[int]]:
+        """(the dataset whose hidden-state cache serves `ds`, the cache row of each row of `ds`): the whole shipped
+        set for a shipped subset (`limit`), so the subsets of a learning curve share one cache; else `ds` itself."""
+        if self.mode == "shipped":
+            return self._whole, self._rows
+        return ds, list(range(len(ds)))
 
     @property
     def caches_argmax(self) -> bool:

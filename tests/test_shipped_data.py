@@ -82,6 +82,38 @@ def test_an_unknown_set_names_the_ones_there(tmp_path):
         load_shipped(tmp_path / "nothing", None)
 
 
+def test_nested_subsets_read_the_whole_sets_hidden_state_cache(tiny, packed, tmp_path):
+    """`data.limit` on a shipped set takes the first rows of one fixed permutation (nested: 8 rows hold the first 4),
+    and in offline mode every subset reads the whole set's one cache: each row's cached states are those of its own
+    ids, computed afresh."""
+    import torch
+
+    from data.datamodule import DistillDataModule
+    from data.hidden_cache import load_hidden
+
+    _, folder, _ = packed
+
+    def module(limit):
+        dm = DistillDataModule(tiny, str(tmp_path / "cache"), mode="shipped", shipped=str(folder), limit=limit,
+                               cache_hidden_states=True, val_fraction=0.25)
+        dm.setup()
+        return dm
+
+    whole, eight, four = module(None), module(8), module(4)
+    assert whole.hidden_path == eight.hidden_path == four.hidden_path
+    assert len(list((tmp_path / "cache" / "hidden").iterdir())) == 1
+    rows = lambda dm: {r["id"]: r["row"] for r in [*dm.train_set, *dm.val_set]}
+    assert len(rows(eight)) == 8 and rows(four).items() <= rows(eight).items()
+    by_row = {r["row"]: r["input_ids"] for r in [*whole.train_set, *whole.val_set]}
+    decoder = tiny.model.get_decoder()
+    for r in [*four.train_set, *four.val_set]:
+        assert r["input_ids"] == by_row[r["row"]]
+        with torch.no_grad():
+            want = decoder(input_ids=torch.tensor([r["input_ids"]]), output_hidden_states=True).hidden_states[-1][0]
+        got = load_hidden(four.hidden_path, r["row"])[0].float()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 def test_train_cli_trains_from_a_shipped_set_and_generates_nothing(tiny, packed, tmp_path):
     """The real command line: `data=shipped` on a set packed for the tiny verifier trains and exports; the cache gets
     no self-distillation folder (nothing was generated)."""
