@@ -72,6 +72,26 @@ def test_resume_from_last_checkpoint(train_script, tmp_path):
     assert sorted(resumed_steps) == list(range(7))  # steps 0-3 from the first run, 4-6 resumed, none repeated
 
 
+def test_training_record_per_epoch_survives_a_resume(train_script, tmp_path):
+    """<run>/training.json: one entry per epoch with its wall time, steps, assistant tokens (every training target
+    once per epoch) and logged figures; a run resumed for a third epoch keeps the first two as they were written."""
+    common = [*TINY, "logger=csv", "trainer.log_every_n_steps=1"]
+    export = train_script.run(compose_train([*common, "trainer.max_epochs=2"], tmp_path))
+    first = json.loads((tmp_path / "training.json").read_text())
+    tokens = json.loads((export / "config.json").read_text())["train_tokens"]
+    assert [e["epoch"] for e in first["epochs"]] == [0, 1] and first["max_epochs"] == 2
+    for e in first["epochs"]:
+        assert e["assistant_tokens"] == tokens and e["steps"] == 3 and e["wall_s"] > 0  # 9 train rows, batch 4
+        assert e["assistant_tokens_per_wall_s"] == pytest.approx(tokens / e["wall_s"], rel=0.05)
+        assert "train/loss" in e["metrics"] and any(k.startswith("val/") for k in e["metrics"])
+        assert 0 < e["train_loss_mean"] < 100
+    assert first["global_step"] == 6 and first["wall_s_total"] == pytest.approx(sum(e["wall_s"] for e in first["epochs"]))
+    train_script.run(compose_train([*common, "trainer.max_epochs=3", "ckpt_path=last"], tmp_path))
+    second = json.loads((tmp_path / "training.json").read_text())
+    assert second["epochs"][:2] == first["epochs"] and second["epochs"][2]["epoch"] == 2
+    assert second["global_step"] == 9 and second["max_epochs"] == 3
+
+
 def test_validate_only_rewrites_the_export_from_the_checkpoint(train_script, tmp_path):
     """An export trained before a figure was recorded gets it from its checkpoint, with the training record kept."""
     common = [*TINY, "model=eagle", "model.val_steps=3", "logger=csv", "trainer.max_steps=4"]
