@@ -52,6 +52,23 @@ def _cpu() -> str:
     return f"{platform.machine()}, {kind}"
 
 
+def answer_stats(ds: datasets.Dataset, eos: int, n: int = 8) -> dict[str, float | int]:
+    """What a small verifier's greedy answers are like: how many never end (cut at max_new_tokens), and the share of
+    assistant tokens that complete an n-gram already seen in the same answer (greedy loops, lists, code)."""
+    cut = repeated = total = 0
+    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+        answer = [t for t, m in zip(ids, mask) if m]
+        cut += eos not in answer
+        seen: set[tuple[int, ...]] = set()
+        for i in range(n - 1, len(answer)):
+            gram = tuple(answer[i - n + 1: i + 1])
+            repeated += gram in seen
+            seen.add(gram)
+        total += len(answer)
+    return {"rows_without_eos": cut, f"assistant_tokens_completing_a_repeated_{n}gram": repeated,
+            f"share_completing_a_repeated_{n}gram": round(repeated / max(total, 1), 4)}
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     exit_on_user_error(lambda: ship(cfg))
@@ -99,20 +116,21 @@ def ship(cfg: DictConfig) -> None:
                                  messages={c.id: first_turn(c) for c in convs})
         ds = datasets.concatenate_datasets([ds, turns])  # appended: the single-turn rows' parts stay as they were
     info = {
-        "generation": {k: OmegaConf.to_container(cfg.data)[k] for k in
+        "generation": {k: OmegaConf.to_container(cfg.data, resolve=True)[k] for k in
                        ("generator", "max_new_tokens", "temperature", "max_length", "gen_batch_size", "seed")}
                       | {"dtype": str(verifier.model.dtype).removeprefix("torch."),
                          "turns": "the first user turn of every prompt; a second turn (the verifier's own follow-up, "
                                   "T=1, top-p 0.95, and its greedy answer) on "
                                   f"{sum(i.endswith('+turn2') for i in ds['id'])} rows"},
         "sources": [{"source": str(s), "label": _label(str(s)), "conversations_in": n} for s, n in zip(sources, groups)]
-                   + ([{"selfgen": OmegaConf.to_container(cfg.data.selfgen)}] if "selfgen" in sources else []),
+                   + ([{"selfgen": OmegaConf.to_container(cfg.data.selfgen, resolve=True)}] if "selfgen" in sources else []),
         "decontaminated_against": {
             "builtin_eval_split": len(load_conversations("builtin", split="eval")),
             "all_eval_texts": len(eval_prompt_texts(extra)),
             "files": [{"path": Path(f).name, "sha256": file_sha256(Path(f))} for f in extra],
             "how": "exact match after normalisation and word 3-gram Jaccard >= 0.7 (data/filters.py EvalGuard)",
         },
+        "answers": answer_stats(ds, tok.eos_token_id),
         "built_with": {"command": "python -m scripts.ship_data " + " ".join(sys.argv[1:]), "commit": _commit(),
                        "machine": _cpu(), "seconds_this_run": round(seconds)},
     }
