@@ -154,18 +154,32 @@ def test_the_shipped_set_is_the_default_verifiers_and_holds_what_its_manifest_sa
     header = prompt_ids(tok, [{"role": "user", "content": "x"}])
     header = header[header.index(tok.convert_tokens_to_ids("x")) + 1:]  # end of turn + assistant header
     eos, cap = tok.eos_token_id, manifest["generation"]["max_new_tokens"]
-    prompts, answers = set(), 0
-    users = []
-    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
-        start = mask.index(1)
-        assert mask == [0] * start + [1] * (len(ids) - start)  # one span: the answer, to the end of the row
-        assert ids[start - len(header):start] == header
+    prompts, answers, users, two_turn = set(), 0, [], 0
+    for row_id, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
+        # The answers' spans: one, or two on a "+turn2" row (the first answer, then the verifier's own follow-up
+        # turn unmasked, then the second answer to the end of the row).
+        spans, j = [], 0
+        while 1 in mask[j:]:
+            a = mask.index(1, j)
+            b = mask.index(0, a) if 0 in mask[a:] else len(mask)
+            spans.append((a, b))
+            j = b
+        assert len(spans) == (2 if row_id.endswith("+turn2") else 1), row_id
+        assert spans[-1][1] == len(ids)  # the last answer runs to the end of the row
+        for a, b in spans:
+            assert ids[a - len(header):a] == header
+        if len(spans) == 2:
+            two_turn += 1
+            assert ids[spans[0][1] - 1] == eos  # the follow-up comes after a finished first answer
+        start = spans[-1][0]
         assert ids[-1] == eos or len(ids) - start == cap or len(ids) == manifest["generation"]["max_length"]
         assert tuple(ids[:start]) not in prompts
         prompts.add(tuple(ids[:start]))
-        answers += len(ids) - start
-        text = tok.decode(ids[:start])
-        users.append(text[text.rfind("<|im_start|>user\n") + len("<|im_start|>user\n"):text.rfind("<|im_end|>")])
+        answers += sum(b - a for a, b in spans)
+        for a, _ in spans:
+            text = tok.decode(ids[:a])
+            users.append(text[text.rfind("<|im_start|>user\n") + len("<|im_start|>user\n"):text.rfind("<|im_end|>")])
+    assert two_turn == sum(c["conversations"] for k, c in manifest["by_source"].items() if k.endswith("+turn2")) > 0
     assert answers == manifest["counts"]["assistant_tokens"]
     guard = EvalGuard(eval_prompt_texts())
     contaminated = [u for u in users if guard.contaminated(u)]
