@@ -8,7 +8,7 @@ prompts across sources, then Parquet parts and a manifest under shipped/data/<na
     python -m scripts.ship_data experiment=ship_data ship.out=/tmp/my-set   # somewhere else
 
 The recipe (sources, answer length, decontamination files) is conf/experiment/ship_data.yaml; the set it made is
-described in docs/results/shipped.md.
+described in docs/results/shipped-data.md.
 """
 
 from __future__ import annotations
