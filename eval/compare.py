@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from eval.accept import mean_accept_length
+from eval.accept import mean_accept_length, per_position_acceptance
 from eval.protocol import Drafter
 from eval.report import LENGTH_EDGES, Sample, length_group, write_samples
 from models.export import ExportInfo
@@ -28,8 +28,10 @@ from models.verifier import Verifier
 REFERENCES = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 
 
-def rows(samples: Sequence[Sample], methods: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per method: tau (families only), tokens/s (all tokens over all seconds), speedup over our plain decoding, the
+def rows(samples: Sequence[Sample], methods: Sequence[str],
+         depths: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    """Per method: tau and per-position acceptance (families only; `depths`: each drafter's deepest draft, so
+    positions never accepted show as 0), drafter and verifier milliseconds per speculative round, tokens/s (all tokens over all seconds), speedup over our plain decoding, the
     fraction of prompts whose output equals our plain decoding's token for token (greedy runs: exactness), and for
     our own loops the prefill apart: its seconds and the tokens/s of the decoding after it."""
     def rate(m: str) -> float:
@@ -37,21 +39,33 @@ def rows(samples: Sequence[Sample], methods: Sequence[str]) -> dict[str, dict[st
         return sum(len(s.outputs[m]) for s in samples) / secs if secs > 0 else 0.0
 
     base = rate("baseline")
+    depths = depths or {}
     out = {}
     for m in ("baseline", *methods):
-        tau = None
+        tau = alpha = draft_ms = verify_ms = None
         if samples and m in samples[0].lengths:
-            tau = round(mean_accept_length(torch.cat([s.lengths[m] for s in samples])), 4)
+            lengths = torch.cat([s.lengths[m] for s in samples])
+            tau = round(mean_accept_length(lengths), 4)
+            depth = max(int(lengths.max()) if lengths.numel() else 0, int(depths.get(m, 0)))
+            alpha = [round(a, 4) for a in per_position_acceptance(lengths, depth).tolist()]
+            if lengths.numel() and m in samples[0].times:  # one verify and one draft per round
+                draft_ms = round(1000 * sum(s.times[m].get("draft_s", 0.0) for s in samples) / lengths.numel(), 3)
+                verify_ms = round(1000 * sum(s.times[m].get("verify_s", 0.0) for s in samples) / lengths.numel(), 3)
         out[m] = {"tau": tau, "tokens_per_s": round(rate(m), 2),
                   "speedup": round(rate(m) / base, 4) if base else 0.0,
                   "greedy_match": round(sum(s.matches(m) for s in samples) / max(len(samples), 1), 4),
-                  "prefill_s": None, "decode_tokens_per_s": None}
+                  "accept_rate_per_position": alpha, "draft_ms_per_round": draft_ms,
+                  "verify_ms_per_round": verify_ms, "prefill_s": None, "decode_tokens_per_s": None}
         if samples and m in samples[0].times:  # ours: the prefill is timed apart
             pre = sum(s.times[m].get("prefill_s", 0.0) for s in samples)
             rest = sum(s.seconds[m] for s in samples) - pre
             out[m]["prefill_s"] = round(pre, 4)
             out[m]["decode_tokens_per_s"] = round(sum(len(s.outputs[m]) for s in samples) / rest, 2) if rest > 0 else None
     return out
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def save_chart(table: dict[str, dict[str, Any]], title: str, path: Path) -> Path:
@@ -85,6 +99,7 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
     """Write report.json, outputs.jsonl and families.png for method=all, print the table; returns the report."""
     methods = [*drafters, *(r for r in REFERENCES if samples and r in samples[0].outputs)]
     categories = sorted({s.category for s in samples})
+    depths = {m: d.max_depth for m, d in drafters.items()}
     groups = [g for g in map(length_group, (0, *LENGTH_EDGES)) if any(length_group(s.prompt_tokens) == g
                                                                       for s in samples)]
     report = {
@@ -92,9 +107,9 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
         "num_prompts": len(samples), "max_new_tokens": int(cfg.max_new_tokens), "threads": int(cfg.threads),
         "dtype": str(cfg.dtype), "engine": engine, "sampling": sampling,
         "trees": {m: d.describe() for m, d in drafters.items()},
-        "methods": rows(samples, methods),
-        "by_category": {c: rows([s for s in samples if s.category == c], methods) for c in categories},
-        "by_prompt_length": {g: rows([s for s in samples if length_group(s.prompt_tokens) == g], methods)
+        "methods": rows(samples, methods, depths),
+        "by_category": {c: rows([s for s in samples if s.category == c], methods, depths) for c in categories},
+        "by_prompt_length": {g: rows([s for s in samples if length_group(s.prompt_tokens) == g], methods, depths)
                              for g in groups},
     }
     out_dir = Path(str(cfg.output_dir))
@@ -105,10 +120,12 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
     console = Console()
     exact = "exact" if sampling["rule"] == "greedy" else "= plain"
     table = Table(title=f"every family on {len(samples)} prompts ({verifier.name}, {sampling['rule']})")
-    for col in ("method", "tau", "tokens/s", "speedup", exact):
+    for col in ("method", "tau", "alpha_1..4", "draft ms/round", "verify ms/round", "tokens/s", "speedup", exact):
         table.add_column(col, justify="left" if col == "method" else "right")
     for m, r in report["methods"].items():
-        table.add_row(m, "-" if r["tau"] is None else f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}",
+        table.add_row(m, "-" if r["tau"] is None else f"{r['tau']:.2f}",
+                      " ".join(f"{a:.2f}" for a in (r["accept_rate_per_position"] or [])[:4]) or "-",
+                      _num(r["draft_ms_per_round"]), _num(r["verify_ms_per_round"]), f"{r['tokens_per_s']:.1f}",
                       f"{r['speedup']:.2f}x", f"{r['greedy_match']:.0%}")
     console.print(table)
     for title, by in (("tokens/s per category", report["by_category"]),

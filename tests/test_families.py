@@ -263,6 +263,27 @@ def test_cli_bad_input_is_one_clear_error(varied, tmp_path, case):
     assert len(errors) == 1 and expected in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_method_all_rows_per_position_acceptance_and_per_round_times():
+    """The comparison rows from known rounds: alpha_k = the share of rounds with >= k drafts accepted (zero past the
+    deepest accepted, up to the drafter's depth), drafter and verify ms per round = their seconds over the rounds."""
+    import torch
+
+    from eval.compare import rows
+    from eval.report import Sample
+
+    def sample(lengths, draft_s, verify_s):
+        n = int(sum(lengths) + len(lengths))
+        return Sample("p", "c", 0, 8, {"baseline": 2.0, "d": 1.0}, {"baseline": [1] * n, "d": [1] * n},
+                      {"d": torch.tensor(lengths)}, {"baseline": n, "d": len(lengths)},
+                      {"d": {"draft_s": draft_s, "verify_s": verify_s, "prefill_s": 0.1}})
+
+    out = rows([sample([0, 2, 3], 0.03, 0.06), sample([1], 0.01, 0.02)], ["d"], {"d": 5})["d"]
+    assert out["accept_rate_per_position"] == [0.75, 0.5, 0.25, 0.0, 0.0]
+    assert out["tau"] == pytest.approx(1 + sum(out["accept_rate_per_position"]))  # 2.5
+    assert out["draft_ms_per_round"] == pytest.approx(10.0) and out["verify_ms_per_round"] == pytest.approx(20.0)
+    assert out["speedup"] == pytest.approx(2.0) and rows([sample([0], 0.0, 0.0)], ["d"])["baseline"]["tau"] is None
+
+
 def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -293,6 +314,13 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
     assert set(report["by_category"]) and all(set(r) == set(report["methods"]) for r in report["by_category"].values())
     assert sum(1 for _ in report["by_prompt_length"]) >= 1
     assert all(set(r) == set(report["methods"]) for r in report["by_prompt_length"].values())
+    for name, row in report["methods"].items():
+        if row["tau"] is None:
+            assert row["accept_rate_per_position"] is row["draft_ms_per_round"] is row["verify_ms_per_round"] is None
+            continue
+        alpha = row["accept_rate_per_position"]  # alpha_k = P(k-th draft accepted): tau = 1 + sum_k alpha_k
+        assert alpha == sorted(alpha, reverse=True) and row["tau"] == pytest.approx(1 + sum(alpha), abs=1e-3), name
+        assert row["draft_ms_per_round"] > 0 and row["verify_ms_per_round"] > 0, name
     for name, row in report["methods"].items():  # our loops' prefill apart; HF's calls cannot be split
         ours = not name.startswith("hf_")
         assert (row["prefill_s"] is not None) == ours and (not ours or row["prefill_s"] > 0), name
