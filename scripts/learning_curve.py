@@ -11,6 +11,7 @@ forward). Chain accuracy per depth is teacher-forced on the verifier's own answe
 export is its config's `train_tokens` (assistant tokens in its training split), or `--tokens`. Beside them, the
 verifier's mean top-1 probability on its own answers (eval.offline.verifier_top1): a ceiling indicator; and the
 export's `train_depth1_top1` (its last epoch's depth-1 accuracy on training batches): next to acc d1, the gap.
+From the run's training.json (train/record.py): its epochs and wall seconds per epoch on the machine that trained it.
 
 Writes learning_curve.json, learning_curve.md (the table) and learning_curve.png (tau against training tokens, one
 line per drafter family and budget), and logs the table and plot to W&B (offline unless an account is configured).
@@ -58,6 +59,19 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def training_record(export: Path) -> dict[str, Any]:
+    """The export's epochs and wall seconds per epoch, from its run's training.json (train.record; beside the export
+    folder, or inside a shipped export's specdraft/); epochs resumed mid-way are left out of the time. Empty when
+    the run wrote none."""
+    for path in (export / "specdraft" / "training.json", export.parent / "training.json"):
+        if path.is_file():
+            epochs = json.loads(path.read_text())["epochs"]
+            whole = [e for e in epochs if not e.get("resumed")]
+            return {"epochs": len(epochs),
+                    "wall_s_per_epoch": round(sum(e["wall_s"] for e in whole) / len(whole), 1) if whole else None}
+    return {}
 
 
 def main() -> None:
@@ -114,6 +128,7 @@ def main() -> None:
         row["chain_accuracy"] = [float(a) for a in tables["chain_conditional"]]
         row["verifier_top1"] = ceiling
         row["train_depth1_top1"] = config.get("train_depth1_top1")  # last epoch's, on training batches
+        row |= training_record(export)
         results.append(row)
     report(results, args)
 
@@ -126,11 +141,12 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning_curve.json").write_text(json.dumps(results, indent=2))
     head = ["drafter", "training tokens", *(f"tau @{s}" for s in args.tree_sizes), "greedy match",
-            *(f"acc d{d + 1}" for d in range(args.depth)), "train d1"]
+            *(f"acc d{d + 1}" for d in range(args.depth)), "train d1", "epochs", "s / epoch"]
     cells = [[r["drafter"], f"{r['train_tokens']:,}", *(f"{r['tau'][str(s)]:.2f}" for s in args.tree_sizes),
               f"{min(r['greedy_match'].values()):.0%}", *(f"{a:.2f}" for a in r["chain_accuracy"][: args.depth]),
               *[""] * (args.depth - len(r["chain_accuracy"][: args.depth])),  # Medusa: as deep as its heads
-              "" if r.get("train_depth1_top1") is None else f"{r['train_depth1_top1']:.2f}"]
+              "" if r.get("train_depth1_top1") is None else f"{r['train_depth1_top1']:.2f}",
+              str(r.get("epochs", "")), "" if r.get("wall_s_per_epoch") is None else f"{r['wall_s_per_epoch']:,.0f}"]
              for r in sorted(results, key=lambda r: (r["drafter"], r["train_tokens"]))]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(c) + " |" for c in cells)]
     ceilings = sorted({r["verifier_top1"] for r in results if r.get("verifier_top1") is not None})

@@ -22,6 +22,11 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     heads = MedusaHeads(v.hidden_size, v.vocab_size, num_heads=2)
     table = [[0.5, 0.7, 0.8], [0.3, 0.5, 0.6]]  # per-head top-k accuracies, which tree=auto builds from
     save_export(heads, v, tmp_path / "medusa", {"train_tokens": 4000, "medusa_topk_accuracy": table})
+    # Their runs' training.json: beside the export folder (a run's), or inside it (a shipped export's)
+    (tmp_path / "training.json").write_text(json.dumps({"epochs": [
+        {"epoch": 0, "wall_s": 10.0, "resumed": True}, {"epoch": 1, "wall_s": 20.0}, {"epoch": 2, "wall_s": 30.0}]}))
+    (tmp_path / "medusa" / "specdraft").mkdir(exist_ok=True)
+    (tmp_path / "medusa" / "specdraft" / "training.json").write_text(json.dumps({"epochs": [{"epoch": 0, "wall_s": 7.0}]}))
     env = {**os.environ, "WANDB_MODE": "disabled"}
 
     def run(export: str, out, *extra: str) -> None:
@@ -43,9 +48,11 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
         assert all(0.0 <= a <= 1.0 for a in r["chain_accuracy"])
         assert 1 / v.vocab_size < r["verifier_top1"] <= 1.0  # the ceiling indicator, same verifier for both runs
     assert rows[0]["verifier_top1"] == rows[1]["verifier_top1"]
+    record = {r["drafter"]: (r["epochs"], r["wall_s_per_epoch"]) for r in rows}
+    assert record == {"EAGLE-1": (3, 25.0), "Medusa": (1, 7.0)}  # a resumed epoch's part-time is left out
     assert (out / "learning_curve.png").stat().st_size > 0
     table = (out / "learning_curve.md").read_text()
-    assert "| EAGLE-1 | 1,000 |" in table and "| Medusa | 4,000 |" in table
+    assert "| EAGLE-1 | 1,000 |" in table and "| Medusa | 4,000 |" in table and "| 3 | 25 |" in table
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines() if line.startswith("|"))
     assert f"(T=1): {rows[0]['verifier_top1']:.3f}" in table
     merged = tmp_path / "merged"  # no exports: only merge curves run apart (e.g. one per machine core)
