@@ -12,6 +12,7 @@ export is its config's `train_tokens` (assistant tokens in its training split), 
 verifier's mean top-1 probability on its own answers (eval.offline.verifier_top1): a ceiling indicator; and the
 export's `train_depth1_top1` (its last epoch's depth-1 accuracy on training batches): next to acc d1, the gap.
 From the run's training.json (train/record.py): its epochs and wall seconds per epoch on the machine that trained it.
+Where a curve has 4+ points, the limit it points to: tau = limit - a N^-b fitted (scipy), drawn dashed out to 10x.
 
 Writes learning_curve.json, learning_curve.md (the table) and learning_curve.png (tau against training tokens, one
 line per drafter family and budget), and logs the table and plot to W&B (offline unless an account is configured).
@@ -41,6 +42,28 @@ from models.families import title
 from models.verifier import load_verifier
 
 
+def fit_limit(points: list[tuple[float, float]]) -> dict[str, float] | None:
+    """The limit a learning curve points to: tau(N) = limit - a * N^-b fitted (least squares, a > 0, 0 < b < 2,
+    limit at least the best point) to (training tokens N, tau) points; None below 4 points (3 parameters need one
+    point to spare) or when the fit fails. Indicative: an extrapolation, not a measurement."""
+    if len(points) < 4:
+        return None
+    import numpy as np
+    from scipy.optimize import curve_fit
+
+    n, tau = np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points], dtype=float)
+    scale = n.max()  # fit on N / max(N): a well-conditioned problem at any token count
+    law = lambda x, limit, a, b: limit - a * x ** (-b)  # noqa: E731
+    try:
+        (limit, a, b), _ = curve_fit(law, n / scale, tau, p0=(tau.max() + 0.1, 0.1, 0.5),
+                                     bounds=([tau.max(), 0.0, 1e-3], [tau.max() + 10.0, 10.0, 2.0]), maxfev=20000)
+    except (RuntimeError, ValueError):
+        return None
+    residual = float(np.sqrt(np.mean((law(n / scale, limit, a, b) - tau) ** 2)))
+    return {"limit": round(float(limit), 3), "a": float(a), "b": round(float(b), 3), "scale": float(scale),
+            "rms_residual": round(residual, 4)}
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -51,7 +74,14 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     for family in sorted({r["drafter"] for r in results}):
         for size in sorted({s for r in results for s in r["tau"]}, key=int):
             pts = sorted((r["train_tokens"], r["tau"][size]) for r in results if r["drafter"] == family)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{family}, {size} nodes")
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{family}, {size} nodes")
+            fit = fit_limit(pts)
+            if fit is not None:  # the fitted law, out to 10x the largest point, and its limit
+                import numpy as np
+
+                x = np.geomspace(pts[0][0], 10 * pts[-1][0], 50)
+                ax.plot(x, fit["limit"] - fit["a"] * (x / fit["scale"]) ** (-fit["b"]), linestyle="--",
+                        color=line.get_color(), linewidth=0.8)
     ax.set(xscale="log", xlabel="training tokens (assistant tokens, log scale)", ylabel="tau (tokens per verifier call)",
            title="tau on the built-in eval split, fp32, exact")
     ax.grid(alpha=0.3)
@@ -154,6 +184,19 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     if ceiling is not None:
         lines += ["", f"The verifier's mean top-1 probability on its own answers to these prompts (T=1): {ceiling:.3f} "
                   "(a ceiling indicator: where it is low, M_q's argmax is hard to predict for any drafter)."]
+    fits = []
+    for family in sorted({r["drafter"] for r in results}):
+        for size in args.tree_sizes:
+            pts = sorted((r["train_tokens"], r["tau"][str(size)]) for r in results
+                         if r["drafter"] == family and str(size) in r["tau"])
+            fit = fit_limit(pts)
+            if fit is not None:
+                fits.append(f"{family} @{size}: limit {fit['limit']:.2f} (tau = limit - a (N / {fit['scale']:,.0f})"
+                            f"^-{fit['b']:.2f}, rms residual {fit['rms_residual']:.3f}; at 10x the tokens "
+                            f"{fit['limit'] - fit['a'] * 10 ** (-fit['b']):.2f})")
+    if fits:
+        lines += ["", "Where the curves point (a saturating power law fitted to each curve of 4+ points; an "
+                  "extrapolation, not a measurement):", "", *(f"- {f}" for f in fits)]
     (out / "learning_curve.md").write_text("\n".join(lines) + "\n")
     plot(results, out / "learning_curve.png")
     print("\n".join(lines))

@@ -64,3 +64,17 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     by_export = lambda rs: sorted(rs, key=lambda r: r["export"])
     assert by_export(json.loads((merged / "learning_curve.json").read_text())) == by_export(rows)  # each export once
     assert (merged / "learning_curve.md").read_text() == table
+
+
+def test_the_fitted_limit_recovers_a_known_law():
+    """tau = 2.8 - 0.6 (N / 2.6M)^-0.35 at four token counts (with +-0.01 wiggle): the fit finds its limit; three
+    points are too few for three parameters."""
+    from scripts.learning_curve import fit_limit
+
+    law = lambda n: 2.8 - 0.6 * (n / 2.6e6) ** -0.35  # noqa: E731
+    pts = [(n, law(n) + d) for n, d in zip((1.6e5, 3.3e5, 6.5e5, 2.6e6), (0.01, -0.01, 0.01, -0.01))]
+    fit = fit_limit(pts)
+    assert abs(fit["limit"] - 2.8) < 0.1 and abs(fit["b"] - 0.35) < 0.1 and fit["rms_residual"] < 0.02
+    assert fit_limit(pts[:3]) is None
+    flat = fit_limit([(n, 1.5) for n, _ in pts])  # no gain from more data: the limit is where it already is
+    assert abs(flat["limit"] - 1.5) < 0.05
