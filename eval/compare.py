@@ -68,6 +68,19 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+def _table(title: str, by_method: dict[str, dict[str, Any]], exact: str) -> Table:
+    """One row per method: tau, per-position acceptance, drafter and verify ms per round, tokens/s, speedup, match."""
+    table = Table(title=title)
+    for col in ("method", "tau", "alpha_1..4", "draft ms/round", "verify ms/round", "tokens/s", "speedup", exact):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for m, r in by_method.items():
+        table.add_row(m, "-" if r["tau"] is None else f"{r['tau']:.2f}",
+                      " ".join(f"{a:.2f}" for a in (r["accept_rate_per_position"] or [])[:4]) or "-",
+                      _num(r["draft_ms_per_round"]), _num(r["verify_ms_per_round"]), f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup']:.2f}x", f"{r['greedy_match']:.0%}")
+    return table
+
+
 def save_chart(table: dict[str, dict[str, Any]], title: str, path: Path) -> Path:
     import matplotlib
 
@@ -112,6 +125,10 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
         "by_prompt_length": {g: rows([s for s in samples if length_group(s.prompt_tokens) == g], methods, depths)
                              for g in groups},
     }
+    if not isinstance(cfg.prompts, str):  # prompts=[set, ...]: categories are "<set>/<category>"
+        sets = list(dict.fromkeys(s.category.split("/")[0] for s in samples))
+        report["by_prompt_set"] = {p: rows([s for s in samples if s.category.split("/")[0] == p], methods, depths)
+                                   for p in sets}
     out_dir = Path(str(cfg.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -119,15 +136,11 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
     save_chart(report["methods"], f"{verifier.name}, {len(samples)} prompts", out_dir / "families.png")
     console = Console()
     exact = "exact" if sampling["rule"] == "greedy" else "= plain"
-    table = Table(title=f"every family on {len(samples)} prompts ({verifier.name}, {sampling['rule']})")
-    for col in ("method", "tau", "alpha_1..4", "draft ms/round", "verify ms/round", "tokens/s", "speedup", exact):
-        table.add_column(col, justify="left" if col == "method" else "right")
-    for m, r in report["methods"].items():
-        table.add_row(m, "-" if r["tau"] is None else f"{r['tau']:.2f}",
-                      " ".join(f"{a:.2f}" for a in (r["accept_rate_per_position"] or [])[:4]) or "-",
-                      _num(r["draft_ms_per_round"]), _num(r["verify_ms_per_round"]), f"{r['tokens_per_s']:.1f}",
-                      f"{r['speedup']:.2f}x", f"{r['greedy_match']:.0%}")
-    console.print(table)
+    console.print(_table(f"every family on {len(samples)} prompts ({verifier.name}, {sampling['rule']})",
+                         report["methods"], exact))
+    for p, by_method in report.get("by_prompt_set", {}).items():
+        n = sum(1 for s in samples if s.category.split("/")[0] == p)
+        console.print(_table(f"prompt set {p}: {n} prompts", by_method, exact))
     for title, by in (("tokens/s per category", report["by_category"]),
                       ("tokens/s per prompt length", report["by_prompt_length"])):
         grid = Table(title=f"{title} (prompts, then each method; our plain decoding's prefill apart)")

@@ -126,6 +126,27 @@ def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo]
     return drafters
 
 
+def prompt_set_label(source: str) -> str:
+    """A prompt set's short name: builtin, humaneval, or a file's stem (question.jsonl -> question)."""
+    return source if source in ("builtin", "humaneval") else Path(source).expanduser().stem
+
+
+def load_prompt_sets(prompts: Any, num: int | None) -> list[Conversation]:
+    """`prompts=` as conversations: one set (builtin, humaneval, a file), or a list of them, each drawn apart
+    (`num` prompts round-robin over its categories) and its categories prefixed `<set>/` so reports group by set."""
+    if isinstance(prompts, str):
+        return select_prompts(load_conversations(prompts, split="eval"), num)
+    sets = [str(p) for p in prompts]
+    if not sets:
+        raise UserError("prompts=[]: name at least one prompt set (builtin, humaneval or a file).")
+    labels = [prompt_set_label(p) for p in sets]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"prompts={sets}: two sets share the name {labels}; give each set once.")
+    return [Conversation(f"{label}/{c.id}", f"{label}/{c.category}", c.messages)
+            for source, label in zip(sets, labels)
+            for c in select_prompts(load_conversations(source, split="eval"), num)]
+
+
 def setup(cfg: DictConfig) -> Setup:
     """Read the export(s) and the prompts first (a bad file fails in a second), then load the verifier (the
     export's, `verifier_path`, else the default), then build the drafter(s) with their tree policy (an export made
@@ -136,7 +157,7 @@ def setup(cfg: DictConfig) -> Setup:
     export = exports[0] if exports else None
     if family == "export" and export is not None:
         family = export.kind
-    convs = select_prompts(load_conversations(str(cfg.prompts), split="eval"), cfg.num_prompts)
+    convs = load_prompt_sets(cfg.prompts, cfg.num_prompts)
     source = verifier_source_of(cfg, export)
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
     if method_all:

@@ -295,7 +295,8 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose(config_name="eval", overrides=[
-            "method=all", f"checkpoint={export}", "num_prompts=2", "max_new_tokens=10", "threads=1", "warmup=false",
+            "method=all", f"checkpoint={export}", "prompts=[builtin,humaneval]", "num_prompts=1", "max_new_tokens=10",
+            "threads=1", "warmup=false",
             "dtype=float32",  # HF generate and assisted generation match ours token for token in fp32 only
             "wandb.mode=disabled", "drafter=draft_model", "drafter.layers=1", f"output_dir={tmp_path / 'out'}"])
     report = evaluate(cfg, progress=False)
@@ -313,6 +314,10 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
                                                                             "hf_prompt_lookup", "hf_assisted"))
     assert set(report["by_category"]) and all(set(r) == set(report["methods"]) for r in report["by_category"].values())
     assert sum(1 for _ in report["by_prompt_length"]) >= 1
+    # prompts=[a, b]: each set drawn apart (num_prompts from each), its categories prefixed, a row set per set
+    assert report["num_prompts"] == 2 and list(report["by_prompt_set"]) == ["builtin", "humaneval"]
+    assert all(c.split("/")[0] in ("builtin", "humaneval") for c in report["by_category"])
+    assert all(set(r) == set(report["methods"]) for r in report["by_prompt_set"].values())
     assert all(set(r) == set(report["methods"]) for r in report["by_prompt_length"].values())
     for name, row in report["methods"].items():
         if row["tau"] is None:
@@ -382,3 +387,15 @@ def test_hybrid_on_a_medusa_export_plans_its_budget_from_the_heads_table(varied,
     assert model["tree_size_auto"] and 1 <= model["size"] <= 14  # the table's tree holds 14 drafts at most
     assert model["draft_ms"] > 0 and len(set(model["draft_curve_ms"])) == 1  # its Medusa heads' time, once a round
     assert report["method"] == f"hybrid/hybrid-{model['size']}" and report["greedy_match"] == 1.0
+
+
+def test_prompt_sets_are_drawn_apart_and_named_once():
+    from eval.harness import load_prompt_sets
+
+    both = load_prompt_sets(["builtin", "humaneval"], 3)
+    assert [c.category.split("/")[0] for c in both] == ["builtin"] * 3 + ["humaneval"] * 3
+    assert [c.messages for c in both[:3]] == [c.messages for c in load_prompt_sets("builtin", 3)]
+    with pytest.raises(UserError, match="two sets share the name"):
+        load_prompt_sets(["builtin", "builtin"], 2)
+    with pytest.raises(UserError, match="at least one prompt set"):
+        load_prompt_sets([], 2)
