@@ -64,14 +64,15 @@ class TrainingRecord(Callback):
             self._losses.append(float(loss.detach()))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        tokens = int(trainer.strategy.reduce(torch.tensor(float(self._tokens)), reduce_op="sum"))  # every rank's
         if not trainer.is_global_zero:
             return
         seconds = time.perf_counter() - self._start
         metrics = {k: round(float(v), 6) for k, v in trainer.callback_metrics.items()
                    if isinstance(v, torch.Tensor) and v.numel() == 1 and "_step" not in k}
         epoch = {"epoch": trainer.current_epoch, "wall_s": round(seconds, 3),
-                 "steps": trainer.global_step - self._steps, "assistant_tokens": self._tokens * trainer.world_size,
-                 "assistant_tokens_per_wall_s": round(self._tokens * trainer.world_size / max(seconds, 1e-9), 1),
+                 "steps": trainer.global_step - self._steps, "assistant_tokens": tokens,
+                 "assistant_tokens_per_wall_s": round(tokens / max(seconds, 1e-9), 1),
                  "train_loss_mean": round(sum(self._losses) / max(len(self._losses), 1), 6),
                  **({"resumed": True} if self._resumed else {}), "metrics": metrics}
         self._resumed = False
