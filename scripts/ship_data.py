@@ -14,7 +14,6 @@ described in docs/results/shipped-data.md.
 from __future__ import annotations
 
 import hashlib
-import platform
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from data.selfdistill import first_turn
 from data.chat import prompt_ids
 from data.shipped import ROOT, file_sha256, pack
 from models.errors import UserError, exit_on_user_error
+from train.record import cpu_kind
 
 
 def _commit() -> str:
@@ -44,12 +44,6 @@ def _commit() -> str:
 
 def _label(source: str) -> str:
     return source if source in ("builtin", "selfgen") else Path(source).stem
-
-
-def _cpu() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    kind = "AMX" if "amx_bf16" in flags else "AVX512-BF16 without AMX" if "avx512_bf16" in flags else "other"
-    return f"{platform.machine()}, {kind}"
 
 
 def answer_stats(ds: datasets.Dataset, eos: int, n: int = 8) -> dict[str, float | int]:
@@ -132,7 +126,7 @@ def ship(cfg: DictConfig) -> None:
         },
         "answers": answer_stats(ds, tok.eos_token_id),
         "built_with": {"command": "python -m scripts.ship_data " + " ".join(sys.argv[1:]), "commit": _commit(),
-                       "machine": _cpu(), "seconds_this_run": round(seconds)},
+                       "machine": cpu_kind(), "seconds_this_run": round(seconds)},
     }
     manifest = pack(ds, out, verifier, info)
     size = sum(e["bytes"] for e in manifest["files"])
