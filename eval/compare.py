@@ -21,7 +21,7 @@ from rich.table import Table
 
 from eval.accept import mean_accept_length, per_position_acceptance
 from eval.protocol import Drafter
-from eval.report import LENGTH_EDGES, Sample, length_group, write_samples
+from eval.report import LENGTH_EDGES, Sample, length_group, num_or_dash, write_samples
 from models.export import ExportInfo
 from models.verifier import Verifier
 
@@ -64,10 +64,6 @@ def rows(samples: Sequence[Sample], methods: Sequence[str],
     return out
 
 
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
-
-
 def _table(title: str, by_method: dict[str, dict[str, Any]], exact: str) -> Table:
     """One row per method: tau, per-position acceptance, drafter and verify ms per round, tokens/s, speedup, match."""
     table = Table(title=title)
@@ -76,7 +72,7 @@ def _table(title: str, by_method: dict[str, dict[str, Any]], exact: str) -> Tabl
     for m, r in by_method.items():
         table.add_row(m, "-" if r["tau"] is None else f"{r['tau']:.2f}",
                       " ".join(f"{a:.2f}" for a in (r["accept_rate_per_position"] or [])[:4]) or "-",
-                      _num(r["draft_ms_per_round"]), _num(r["verify_ms_per_round"]), f"{r['tokens_per_s']:.1f}",
+                      num_or_dash(r["draft_ms_per_round"]), num_or_dash(r["verify_ms_per_round"]), f"{r['tokens_per_s']:.1f}",
                       f"{r['speedup']:.2f}x", f"{r['greedy_match']:.0%}")
     return table
 

@@ -189,7 +189,7 @@ def _match(report: Mapping[str, Any]) -> str:
             + (" -- LOSSY: output does not follow the verifier's distribution" if s.get("lossy") else ""))
 
 
-def _num(x: float | None) -> str:
+def num_or_dash(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
@@ -233,7 +233,7 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
                          f"{m['tau']:.2f}", f"{a1:.2f}", f"{m['tokens_per_s']:.1f}", f"{m['baseline_tokens_per_s']:.1f}",
                          f"{m['hf_generate_tokens_per_s']:.1f}", f"{m['hf_prompt_lookup_tokens_per_s']:.1f}",
                          f"{m['speedup']:.2f}x", f"{m['speedup_vs_hf_generate']:.2f}x",
-                         _num(pre["baseline"]["prompt_tokens_per_s"]), _num(pre[SPECULATIVE]["decode_tokens_per_s"]),
+                         num_or_dash(pre["baseline"]["prompt_tokens_per_s"]), num_or_dash(pre[SPECULATIVE]["decode_tokens_per_s"]),
                          "-" if m["greedy_match"] is None else f"{m['greedy_match']:.0%}")
         console.print(cats)
     times = Table(title="where the time goes: seconds (share)")

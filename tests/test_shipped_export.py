@@ -137,3 +137,20 @@ def test_every_shipped_drafter_is_the_default_verifiers_and_decodes_exactly(expo
     for name in ("recipe.yaml", "training.json", "eval_report.json"):
         assert (export / "specdraft" / name).is_file(), f"{export.name} ships without specdraft/{name}"
     _decode_exactly(smollm2, export)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("export", _shipped()[:1] or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no drafter in pretrained/ yet"))], ids=lambda p: p.name if p else "none")
+def test_python_m_eval_runs_a_shipped_drafter_as_it_is(export, tmp_path):
+    """The quick start: `python -m eval checkpoint=pretrained/<name>` from the clone, nothing trained or built,
+    decodes through the compact export (bf16 where the CPU has it) and matches plain greedy decoding."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "eval", f"checkpoint={export.relative_to(ROOT)}", "num_prompts=2",
+                           "max_new_tokens=16", "threads=1", "wandb.mode=disabled", "warmup=false",
+                           f"output_dir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["greedy_match"] == 1.0 and report["num_prompts"] == 2
