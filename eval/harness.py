@@ -234,7 +234,8 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         return compare.report(cfg, run.verifier, run.drafters, run.exports, samples, sampling_record(cfg),
                               "engine" if use_engine(run.verifier, engine) else "hf")
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
-            "checkpoint": None if cfg.checkpoint is None else str(cfg.checkpoint), "sampling": sampling_record(cfg)}
+            "checkpoint": None if cfg.checkpoint is None else str(cfg.checkpoint), "sampling": sampling_record(cfg),
+            "prompt_sets": None if isinstance(cfg.prompts, str) else [prompt_set_label(str(p)) for p in cfg.prompts]}
     setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
                "dtype_reason": dtype_reason, "engine": "engine" if use_engine(run.verifier, engine) else "hf",
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),

@@ -29,7 +29,7 @@ REPORT_KEYS = (
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
     "speedup", "speedup_vs_hf_generate", "greedy_match",
     "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "prompt_tokens", "prefill",
-    "sampling", "by_category", "by_prompt_length",
+    "sampling", "by_category", "by_prompt_length", "by_prompt_set",
 )
 PARTS = ("prefill_s", "verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times; the rest of total_s: "other"
 LENGTH_EDGES = (256, 512, 1024)  # prompt-length groups of the report: <256, 256-511, 512-1023, >=1024 tokens
@@ -130,17 +130,21 @@ def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
 
 def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int) -> dict[str, Any]:
     """report.json: `meta` (method, tree, verifier, checkpoint, sampling), the metrics overall, and the same per
-    category."""
+    category, per prompt length and, when `meta["prompt_sets"]` names several sets (prompts=[builtin, humaneval,
+    ...], categories "<set>/<category>"), per prompt set (else `by_prompt_set` is empty)."""
     categories = sorted({s.category for s in samples})
     by_category = {c: metrics([s for s in samples if s.category == c], depth) for c in categories}
     groups = [g for g in map(length_group, (0, *LENGTH_EDGES)) if any(length_group(s.prompt_tokens) == g
                                                                       for s in samples)]
     by_length = {g: metrics([s for s in samples if length_group(s.prompt_tokens) == g], depth) for g in groups}
-    report = {**meta, **metrics(samples, depth), "by_category": by_category, "by_prompt_length": by_length}
+    by_set = {p: metrics([s for s in samples if s.category.split("/")[0] == p], depth)
+              for p in meta.get("prompt_sets") or []}
+    report = {**meta, **metrics(samples, depth), "by_category": by_category, "by_prompt_length": by_length,
+              "by_prompt_set": by_set}
     report.setdefault("sampling", {"temperature": 0.0, "rule": "greedy", "exact": True, "lossy": False})
     if report["sampling"].get("rule", "greedy") != "greedy":
         # Sampled outputs equal the sampled baseline's only by chance: greedy_match is null, not a misleading 0.
-        for m in [report, *by_category.values(), *by_length.values()]:
+        for m in [report, *by_category.values(), *by_length.values(), *by_set.values()]:
             m["greedy_match"] = m["hf_assisted_greedy_match"] = None
     return {k: report[k] for k in REPORT_KEYS}
 
@@ -221,7 +225,10 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
                           f"{spec['tau'] or 0:.3f}, alpha_k [{a}], speedup {spec['speedup'] or 0:.2f}x over {name} plain")
         else:
             console.print(f"{name} {peer['version']}: {peer.get('note', 'plain only')}")
-    for title, groups in (("per category", report["by_category"]), ("per prompt length", report["by_prompt_length"])):
+    for title, groups in (("per prompt set", report.get("by_prompt_set") or {}), ("per category", report["by_category"]),
+                          ("per prompt length", report["by_prompt_length"])):
+        if not groups:
+            continue
         cats = Table(title=f"{title}; prefill apart: ours (plain) prompt tok/s, decode tok/s after it")
         for col in ("group", "n", "prompt", "tau", "alpha_1", "tokens/s", "plain", "HF", "HF lookup", "speedup",
                     "vs HF", "prefill tok/s", "decode tok/s", "greedy match"):

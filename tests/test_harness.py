@@ -33,7 +33,7 @@ from models.verifier import Verifier
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
 METRIC_KEYS = set(REPORT_KEYS) - {"method", "tree", "verifier", "checkpoint", "sampling", "by_category",
-                                   "by_prompt_length"}
+                                   "by_prompt_length", "by_prompt_set"}
 FAST = ["threads=1", "max_new_tokens=12", "wandb.mode=disabled", "dtype=float32"]  # fp32: HF generate is exact too
 
 
@@ -225,6 +225,21 @@ def test_per_category_breakdown(exports, questions, tmp_path):
     assert [m["num_prompts"] for m in report["by_category"].values()] == [2, 2]
     assert sum(m["new_tokens"] for m in report["by_category"].values()) == report["new_tokens"]
     assert [p["turn"] for p in profile["per_prompt"]] == [1, 1, 1, 1]  # first turn only by default
+
+
+def test_several_prompt_sets_are_reported_apart(exports, questions, tmp_path):
+    """prompts=[a, b]: num_prompts from each set, categories "<set>/<category>", and one metrics block per set whose
+    prompts and tokens add up to the whole run; a single set leaves by_prompt_set empty."""
+    report, _ = run_eval([f"checkpoint={exports['random']}", f"prompts=[{questions},humaneval]", "num_prompts=2"],
+                         tmp_path)
+    sets = report["by_prompt_set"]
+    assert list(sets) == [Path(questions).stem, "humaneval"] and [m["num_prompts"] for m in sets.values()] == [2, 2]
+    assert sum(m["new_tokens"] for m in sets.values()) == report["new_tokens"]
+    assert sets["humaneval"]["new_tokens"] == sum(m["new_tokens"] for c, m in report["by_category"].items()
+                                                  if c.startswith("humaneval/"))
+    assert all(m["greedy_match"] == 1.0 for m in sets.values())
+    single, _ = run_eval([f"checkpoint={exports['random']}", "prompts=humaneval", "num_prompts=1"], tmp_path / "one")
+    assert single["by_prompt_set"] == {}
 
 
 def test_multi_turn_runs_every_turn_with_the_answers_as_history(exports, questions, tmp_path):
