@@ -21,7 +21,7 @@ from rich.table import Table
 
 from eval.accept import mean_accept_length, per_position_acceptance
 from eval.protocol import Drafter
-from eval.report import LENGTH_EDGES, Sample, length_group, num_or_dash, write_samples
+from eval.report import LENGTH_EDGES, Sample, length_group, num_or_dash, prompt_set_of, write_samples
 from models.export import ExportInfo
 from models.verifier import Verifier
 
@@ -72,7 +72,8 @@ def _table(title: str, by_method: dict[str, dict[str, Any]], exact: str) -> Tabl
     for m, r in by_method.items():
         table.add_row(m, "-" if r["tau"] is None else f"{r['tau']:.2f}",
                       " ".join(f"{a:.2f}" for a in (r["accept_rate_per_position"] or [])[:4]) or "-",
-                      num_or_dash(r["draft_ms_per_round"]), num_or_dash(r["verify_ms_per_round"]), f"{r['tokens_per_s']:.1f}",
+                      num_or_dash(r["draft_ms_per_round"]), num_or_dash(r["verify_ms_per_round"]),
+                      f"{r['tokens_per_s']:.1f}",
                       f"{r['speedup']:.2f}x", f"{r['greedy_match']:.0%}")
     return table
 
@@ -122,8 +123,8 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
                              for g in groups},
     }
     if not isinstance(cfg.prompts, str):  # prompts=[set, ...]: categories are "<set>/<category>"
-        sets = list(dict.fromkeys(s.category.split("/")[0] for s in samples))
-        report["by_prompt_set"] = {p: rows([s for s in samples if s.category.split("/")[0] == p], methods, depths)
+        sets = list(dict.fromkeys(prompt_set_of(s.category) for s in samples))
+        report["by_prompt_set"] = {p: rows([s for s in samples if prompt_set_of(s.category) == p], methods, depths)
                                    for p in sets}
     out_dir = Path(str(cfg.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +136,7 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
     console.print(_table(f"every family on {len(samples)} prompts ({verifier.name}, {sampling['rule']})",
                          report["methods"], exact))
     for p, by_method in report.get("by_prompt_set", {}).items():
-        n = sum(1 for s in samples if s.category.split("/")[0] == p)
+        n = sum(1 for s in samples if prompt_set_of(s.category) == p)
         console.print(_table(f"prompt set {p}: {n} prompts", by_method, exact))
     for title, by in (("tokens/s per category", report["by_category"]),
                       ("tokens/s per prompt length", report["by_prompt_length"])):

@@ -137,7 +137,7 @@ def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int)
     groups = [g for g in map(length_group, (0, *LENGTH_EDGES)) if any(length_group(s.prompt_tokens) == g
                                                                       for s in samples)]
     by_length = {g: metrics([s for s in samples if length_group(s.prompt_tokens) == g], depth) for g in groups}
-    by_set = {p: metrics([s for s in samples if s.category.split("/")[0] == p], depth)
+    by_set = {p: metrics([s for s in samples if prompt_set_of(s.category) == p], depth)
               for p in meta.get("prompt_sets") or []}
     report = {**meta, **metrics(samples, depth), "by_category": by_category, "by_prompt_length": by_length,
               "by_prompt_set": by_set}
@@ -193,6 +193,11 @@ def _match(report: Mapping[str, Any]) -> str:
             + (" -- LOSSY: output does not follow the verifier's distribution" if s.get("lossy") else ""))
 
 
+def prompt_set_of(category: str) -> str:
+    """The prompt set of a sample's category: with prompts=[set, ...] categories are "<set>/<category>"."""
+    return category.split("/")[0]
+
+
 def num_or_dash(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -240,7 +245,8 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
                          f"{m['tau']:.2f}", f"{a1:.2f}", f"{m['tokens_per_s']:.1f}", f"{m['baseline_tokens_per_s']:.1f}",
                          f"{m['hf_generate_tokens_per_s']:.1f}", f"{m['hf_prompt_lookup_tokens_per_s']:.1f}",
                          f"{m['speedup']:.2f}x", f"{m['speedup_vs_hf_generate']:.2f}x",
-                         num_or_dash(pre["baseline"]["prompt_tokens_per_s"]), num_or_dash(pre[SPECULATIVE]["decode_tokens_per_s"]),
+                         num_or_dash(pre["baseline"]["prompt_tokens_per_s"]),
+                         num_or_dash(pre[SPECULATIVE]["decode_tokens_per_s"]),
                          "-" if m["greedy_match"] is None else f"{m['greedy_match']:.0%}")
         console.print(cats)
     times = Table(title="where the time goes: seconds (share)")
