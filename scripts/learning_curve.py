@@ -42,6 +42,9 @@ from models.families import title
 from models.verifier import load_verifier
 
 
+MIN_SATURATING_B = 0.05  # a fitted exponent below this: the curve is about log-linear over its range, no limit
+
+
 def fit_limit(points: list[tuple[float, float]]) -> dict[str, float] | None:
     """The limit a learning curve points to: tau(N) = limit - a * N^-b fitted (least squares, a > 0, 0 < b < 2,
     limit at least the best point) to (training tokens N, tau) points; None below 4 points (3 parameters need one
@@ -60,8 +63,10 @@ def fit_limit(points: list[tuple[float, float]]) -> dict[str, float] | None:
     except (RuntimeError, ValueError):
         return None
     residual = float(np.sqrt(np.mean((law(n / scale, limit, a, b) - tau) ** 2)))
+    # b near 0: limit - a x^-b ~ (limit - a) + a b ln x, a log-linear curve whose "limit" grows without bound as b
+    # shrinks; such a fit says the points show no saturation, not where they saturate.
     return {"limit": round(float(limit), 3), "a": float(a), "b": round(float(b), 3), "scale": float(scale),
-            "rms_residual": round(residual, 4)}
+            "rms_residual": round(residual, 4), "saturating": bool(b >= MIN_SATURATING_B)}
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -191,9 +196,12 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                          if r["drafter"] == family and str(size) in r["tau"])
             fit = fit_limit(pts)
             if fit is not None:
-                fits.append(f"{family} @{size}: limit {fit['limit']:.2f} (tau = limit - a (N / {fit['scale']:,.0f})"
-                            f"^-{fit['b']:.2f}, rms residual {fit['rms_residual']:.3f}; at 10x the tokens "
-                            f"{fit['limit'] - fit['a'] * 10 ** (-fit['b']):.2f})")
+                at_10x = fit["limit"] - fit["a"] * 10 ** (-fit["b"])
+                where = (f"limit {fit['limit']:.2f}" if fit["saturating"] else
+                         "no saturation in this range (the exponent is near 0: tau grows about log-linearly, and the "
+                         f"fitted 'limit' {fit['limit']:.2f} means nothing)")
+                fits.append(f"{family} @{size}: {where} (tau = limit - a (N / {fit['scale']:,.0f})^-{fit['b']:.2f}, "
+                            f"rms residual {fit['rms_residual']:.3f}; at 10x the tokens {at_10x:.2f})")
     if fits:
         lines += ["", "Where the curves point (a saturating power law fitted to each curve of 4+ points; an "
                   "extrapolation, not a measurement):", "", *(f"- {f}" for f in fits)]

@@ -75,6 +75,10 @@ def test_the_fitted_limit_recovers_a_known_law():
     pts = [(n, law(n) + d) for n, d in zip((1.6e5, 3.3e5, 6.5e5, 2.6e6), (0.01, -0.01, 0.01, -0.01))]
     fit = fit_limit(pts)
     assert abs(fit["limit"] - 2.8) < 0.1 and abs(fit["b"] - 0.35) < 0.1 and fit["rms_residual"] < 0.02
+    assert fit["saturating"]
+    import math  # a log-linear curve (as Medusa's on the shipped set): no limit in sight, and the fit says so
+    loglin = fit_limit([(n, 1.43 + 0.1 * math.log(n / 1.6e5)) for n, _ in pts])
+    assert loglin is not None and not loglin["saturating"]
     assert fit_limit(pts[:3]) is None
     flat = fit_limit([(n, 1.5) for n, _ in pts])  # no gain from more data: the limit is where it already is
     assert abs(flat["limit"] - 1.5) < 0.05
