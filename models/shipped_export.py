@@ -100,7 +100,20 @@ def ship(export_dir: str | Path, out_dir: str | Path, verifier: Any, extras: dic
                 shutil.copyfile(file, tmp / SIDE_DIR / name)
         save_file(kept, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+        (tmp / MANIFEST).write_text(json.dumps(file_manifest(tmp), indent=2))
     return Path(out_dir)
+
+
+MANIFEST = f"{SIDE_DIR}/manifest.json"  # every other file of a shipped export: its size and sha256
+
+
+def file_manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {"bytes", "sha256"}} of every file in a shipped export but the manifest itself."""
+    import hashlib
+
+    return {f.relative_to(folder).as_posix(): {"bytes": f.stat().st_size,
+                                               "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+            for f in sorted(folder.rglob("*")) if f.is_file() and f.relative_to(folder).as_posix() != MANIFEST}
 
 
 def engine_ready(shipped_dir: str | Path, out_dir: str | Path, verifier: Any) -> Path:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from helpers import ROOT, compose_train
 from models.errors import UserError, VerifierMismatchError
 from models.families import EXPORT_FAMILIES
-from models.shipped_export import COMPACT_KEY, engine_ready, ship
+from models.shipped_export import COMPACT_KEY, engine_ready, file_manifest, ship
 
 VARIED = ["verifier=tiny", "verifier.seed=1", "+verifier.layer_std=0.3"]
 TRAIN = [*VARIED, "data.limit=8", "data.max_new_tokens=12", "data.gen_batch_size=8", "data.batch_size=4",
@@ -134,6 +134,8 @@ def test_every_shipped_drafter_is_the_default_verifiers_and_decodes_exactly(expo
     assert config.get(COMPACT_KEY) and sum(f.stat().st_size for f in export.rglob("*") if f.is_file()) <= 20 * 2**20
     assert config["verifier_fingerprint"] == smollm2.fingerprint
     load_export(export, smollm2)
+    manifest = json.loads((export / "specdraft" / "manifest.json").read_text())
+    assert manifest == file_manifest(export), f"{export.name} differs from its specdraft/manifest.json"
     for name in ("recipe.yaml", "training.json", "eval_report.json"):
         assert (export / "specdraft" / name).is_file(), f"{export.name} ships without specdraft/{name}"
     _decode_exactly(smollm2, export)
