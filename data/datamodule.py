@@ -174,12 +174,11 @@ class DistillDataModule(L.LightningDataModule):
         if self.mode == "shipped":
             ds = load_shipped(self.shipped, self.verifier)
             # Nested subsets: the first `limit` rows of one fixed permutation. The hidden-state cache is the whole
-            # set's, so every subset of the learning curve reads the one cache.
-            self._whole, self._rows = ds, list(range(len(ds)))
-            if self.limit is not None:
-                self._rows = [int(i) for i in np.random.default_rng(0).permutation(len(ds))[: self.limit]]
-                ds = ds.select(self._rows)
-            return ds
+            # set's in that order, so every subset of the learning curve reads the one cache, and a subset needs
+            # (and builds) only its leading shards.
+            self._whole = ds.select(np.random.default_rng(0).permutation(len(ds)))
+            self._rows = list(range(len(ds) if self.limit is None else min(self.limit, len(ds))))
+            return self._whole if self.limit is None else self._whole.select(self._rows)
         convs, groups = self.conversations(with_groups=True)
         if self.mode == "sharegpt":
             return build_sharegpt(self.verifier, convs, self.max_length)
@@ -233,7 +232,7 @@ class DistillDataModule(L.LightningDataModule):
                             f"train/val split.")
         if self.cache_hidden_states:
             whole, rows = self.cache_scope(ds)
-            self.hidden_path = self.build_caches(whole)
+            self.hidden_path = self.build_caches(whole, rows)
             ds = ds.add_column("row", rows)
         self.train_set, self.val_set = self.split(ds)
         n_tokens = sum(sum(m) for m in self.train_set["loss_mask"])
@@ -258,16 +257,18 @@ class DistillDataModule(L.LightningDataModule):
     def caches_argmax(self) -> bool:
         return self.cache_hidden_states and self.verifier_argmax and -1 in self.hidden_layers
 
-    def build_caches(self, ds: datasets.Dataset) -> Path:
+    def build_caches(self, ds: datasets.Dataset, rows: list[int] | None = None) -> Path:
         """Offline mode's caches for `ds` (built once, resumable): the hidden states of `hidden_layers`, and M_q's
         argmax per position where `verifier_argmax` asks for it. Under DDP every rank builds its share of the shards
         (data.hidden_cache). Training then reads each batch's rows from disk, so the cache may exceed memory.
+        Only the shards that hold `rows` are built where it is given (a shipped subset).
         Returns the hidden-state cache's directory."""
         rank, size = world()
         path = build_hidden_cache(self.verifier, ds, self.hidden_layers, self.cache_dir,
-                                  shard_rows=self.cache_shard_rows, rank=rank, world=size)
+                                  shard_rows=self.cache_shard_rows, rank=rank, world=size, rows=rows)
         if self.caches_argmax:
-            build_argmax_cache(self.verifier, path, len(ds), cache_layers(path).index(-1), rank=rank, world=size)
+            build_argmax_cache(self.verifier, path, len(ds), cache_layers(path).index(-1), rank=rank, world=size,
+                               rows=rows)
         return path
 
     def _loader(self, ds: datasets.Dataset, shuffle: bool) -> DataLoader:

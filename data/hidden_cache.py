@@ -63,8 +63,11 @@ def superset_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[int], 
 
 @torch.no_grad()
 def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[int], cache_dir: str | Path,
-                       batch_size: int = 8, shard_rows: int = 256, rank: int = 0, world: int = 1) -> Path:
+                       batch_size: int = 8, shard_rows: int = 256, rank: int = 0, world: int = 1,
+                       rows: list[int] | None = None) -> Path:
     """Compute and store the hidden states of `layers` for every row of `ds` (once); returns the cache directory.
+    With `rows`, only the shards that hold those rows are built (a nested subset of a shipped set reads the leading
+    shards of the whole set's cache): the cache is finished (`done.json`) once a later build has written the rest.
     A finished cache of the same verifier and data holding more layers is used instead (`superset_cache`): read it
     with `load_hidden(path, row, layers)`.
 
@@ -98,11 +101,12 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
     else:
         write_json_atomic(meta, {"shard_rows": shard_rows, "layers": layers, "verifier": verifier.fingerprint})
     starts = list(range(0, len(ds), shard_rows))
+    needed = starts if rows is None else sorted({r // shard_rows * shard_rows for r in rows})
     done = {s for s in starts if (path / f"{s // shard_rows:05d}").is_dir()}
     expected = {"verifier": verifier.fingerprint, "layers": list(layers)}
     for s in done:
         check_shard(path / f"{s // shard_rows:05d}", expected, s, min(s + shard_rows, len(ds)))
-    todo = [s for s in starts if s not in done]
+    todo = [s for s in needed if s not in done]
     need = sum(sum(lengths[s: s + shard_rows]) for s in todo) * per_token
     free = shutil.disk_usage(path).free
     if need > free:
@@ -112,6 +116,9 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
     mine = [s for s in todo if (s // shard_rows) % world == rank]
     if done and rank == 0:
         print(f"[data] hidden-state cache: resuming, {len(done)} of {len(starts)} shards already written")
+    if len(needed) < len(starts) and rank == 0:
+        print(f"[data] hidden-state cache: building the {len(needed)} of {len(starts)} shards that hold the rows this "
+              f"run reads ({len(todo)} still to write, {need / 2**30:.2f} GiB); a run that reads the rest builds them")
     bar = tqdm(total=sum(min(shard_rows, len(ds) - s) for s in mine), desc="caching hidden states", unit="seq",
                dynamic_ncols=True, disable=rank != 0)
     decoder = verifier.model.get_decoder()
@@ -129,12 +136,12 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
                                                                     "world": world}))
     bar.close()
     barrier()
-    missing = [s // shard_rows for s in starts if not (path / f"{s // shard_rows:05d}").is_dir()]
+    missing = [s // shard_rows for s in needed if not (path / f"{s // shard_rows:05d}").is_dir()]
     if missing:
-        raise UserError(f"the hidden-state cache {path} lacks {len(missing)} of {len(starts)} shards (e.g. "
+        raise UserError(f"the hidden-state cache {path} lacks {len(missing)} of {len(needed)} shards (e.g. "
                         f"{missing[:5]}): a process building them stopped. Run again: the finished shards are kept "
                         f"and the missing ones are computed.")
-    if rank == 0:
+    if rank == 0 and all((path / f"{s // shard_rows:05d}").is_dir() for s in starts):
         write_json_atomic(path / "done.json", {"layers": layers, "sequences": len(ds), "tokens": sum(lengths),
                                                "verifier": verifier.fingerprint})
     barrier()
@@ -196,13 +203,14 @@ def _argmax_file(path: Path, row: int) -> Path:
 
 @torch.no_grad()
 def build_argmax_cache(verifier: Verifier, path: Path, num_rows: int, final_index: int, rank: int = 0,
-                       world: int = 1) -> Path:
+                       world: int = 1, rows: list[int] | None = None) -> Path:
     """M_q's greedy token (int32, per position) for every cached row: the argmax of the verifier's lm_head over the
     cached final-normed states (`final_index`: where layer -1 sits in the cache's layers), in the verifier's dtype
     (bf16 through the prepacked head on CPU). Written in groups of ARGMAX_ROWS rows, each atomically, so a killed
     build keeps its finished groups; returns `path / "argmax"`. With several processes (`rank` of `world`) each
-    computes the missing groups i with i % world == rank, then all wait for each other."""
-    starts = range(0, num_rows, ARGMAX_ROWS)
+    computes the missing groups i with i % world == rank, then all wait for each other. With `rows`, only the
+    groups that hold those rows."""
+    starts = range(0, num_rows, ARGMAX_ROWS) if rows is None else sorted({r // ARGMAX_ROWS * ARGMAX_ROWS for r in rows})
     todo = [s for s in starts if not _argmax_file(path, s).is_file()]
     mine = [s for s in todo if (s // ARGMAX_ROWS) % world == rank]
     if mine and rank == 0:

@@ -36,7 +36,7 @@ def build(cfg: DictConfig) -> None:
         model = instantiate(cfg.model, verifier=verifier)
         datamodule.hidden_layers = model.hidden_layers  # as train.py sets them
         datamodule.verifier_argmax = getattr(model, "uses_verifier_argmax", False)
-        path = datamodule.build_caches(datamodule.cache_scope(ds)[0])  # the hidden states, and M_q's argmax where the model reads it (EAGLE-3)
+        path = datamodule.build_caches(*datamodule.cache_scope(ds))  # the hidden states, and M_q's argmax where the model reads it (EAGLE-3)
         print(f"[build_data] hidden states in {path} ({time.perf_counter() - t1:.0f} s)")
 
 

@@ -256,6 +256,8 @@ def test_argmax_cache_is_the_heads_argmax_and_resumes(tiny, tmp_path, capsys, mo
     ds = build_selfdistill(tiny, convs, tmp_path / "sd", max_new_tokens=4, batch_size=5)
     path = hc.build_hidden_cache(tiny, ds, [0, -1], tmp_path / "cache", shard_rows=2)
     monkeypatch.setattr(hc, "ARGMAX_ROWS", 2)
+    hc.build_argmax_cache(tiny, path, len(ds), final_index=1, rows=[0, 1])  # a subset: only the group that holds it
+    assert [g.name for g in (path / "argmax").iterdir()] == ["00000"]
     hc.build_argmax_cache(tiny, path, len(ds), final_index=1)
     groups = sorted((path / "argmax").iterdir())
     assert [g.name for g in groups] == ["00000", "00001", "00002"]

@@ -84,8 +84,9 @@ def test_an_unknown_set_names_the_ones_there(tmp_path):
 
 def test_nested_subsets_read_the_whole_sets_hidden_state_cache(tiny, packed, tmp_path):
     """`data.limit` on a shipped set takes the first rows of one fixed permutation (nested: 8 rows hold the first 4),
-    and in offline mode every subset reads the whole set's one cache: each row's cached states are those of its own
-    ids, computed afresh."""
+    and in offline mode every subset reads the whole set's one cache, building only the shards that hold its rows
+    (the leading ones) until a run of the whole set finishes it: each row's cached states are those of its own ids,
+    computed afresh."""
     import torch
 
     from data.datamodule import DistillDataModule
@@ -95,11 +96,18 @@ def test_nested_subsets_read_the_whole_sets_hidden_state_cache(tiny, packed, tmp
 
     def module(limit):
         dm = DistillDataModule(tiny, str(tmp_path / "cache"), mode="shipped", shipped=str(folder), limit=limit,
-                               cache_hidden_states=True, val_fraction=0.25)
+                               cache_hidden_states=True, val_fraction=0.25, cache_shard_rows=2)
         dm.setup()
         return dm
 
-    whole, eight, four = module(None), module(8), module(4)
+    shards = lambda dm: sorted(p.name for p in dm.hidden_path.iterdir() if p.is_dir())
+    four = module(4)
+    assert shards(four) == ["00000", "00001"] and not (four.hidden_path / "done.json").exists()
+    eight = module(8)
+    assert shards(eight) == ["00000", "00001", "00002", "00003"] and not (eight.hidden_path / "done.json").exists()
+    whole = module(None)
+    assert len(shards(whole)) == -(-(len(whole.train_set) + len(whole.val_set)) // 2)  # every shard, 2 rows each
+    assert (whole.hidden_path / "done.json").is_file()
     assert whole.hidden_path == eight.hidden_path == four.hidden_path
     assert len(list((tmp_path / "cache" / "hidden").iterdir())) == 1
     rows = lambda dm: {r["id"]: r["row"] for r in [*dm.train_set, *dm.val_set]}
