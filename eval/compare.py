@@ -105,8 +105,10 @@ def save_chart(table: dict[str, dict[str, Any]], title: str, path: Path) -> Path
 
 
 def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], exports: list[ExportInfo],
-           samples: Sequence[Sample], sampling: dict[str, Any], engine: str) -> dict[str, Any]:
-    """Write report.json, outputs.jsonl and families.png for method=all, print the table; returns the report."""
+           samples: Sequence[Sample], sampling: dict[str, Any], engine: str,
+           plans: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Write report.json, outputs.jsonl and families.png for method=all, print the table; returns the report.
+    `plans`: what tree.size=auto planned for each family it planned (its budget and predicted speedup)."""
     methods = [*drafters, *(r for r in REFERENCES if samples and r in samples[0].outputs)]
     categories = sorted({s.category for s in samples})
     depths = {m: d.max_depth for m, d in drafters.items()}
@@ -116,7 +118,7 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
         "method": "all", "verifier": verifier.name, "checkpoint": [str(e.path) for e in exports],
         "num_prompts": len(samples), "max_new_tokens": int(cfg.max_new_tokens), "threads": int(cfg.threads),
         "dtype": str(cfg.dtype), "engine": engine, "sampling": sampling,
-        "trees": {m: d.describe() for m, d in drafters.items()},
+        "trees": {m: d.describe() for m, d in drafters.items()}, "plans": plans or {},
         "methods": rows(samples, methods, depths),
         "by_category": {c: rows([s for s in samples if s.category == c], methods, depths) for c in categories},
         "by_prompt_length": {g: rows([s for s in samples if length_group(s.prompt_tokens) == g], methods, depths)

@@ -305,13 +305,15 @@ def predict(export: ExportInfo, drafter: Any, curve: Curve, draft: Sequence[floa
 
 
 def for_run(cfg: Any, source: Any, verifier: Verifier, family: str, export: ExportInfo | None, policy: Any,
-            prefix_ids: Any, build: Callable[[Any], Any]
+            prefix_ids: Any, build: Callable[[Any], Any], curve: Curve | None = None
             ) -> tuple[Any, list[Curve], Plan | None, list[float] | None]:
     """`python -m eval`'s curves and its drafter. With profile=true or tree.size=auto: the run's dtype and threads
     first (the curve tree.size=auto and the prediction use) and the drafter's draft curve with the same threads, then
     with profile=true every other `profile_dtypes` x `profile_threads`. `build(policy)` makes the drafter; for
     tree.size=auto a probe drafter with the largest budget is timed first, then the drafter is built with the budget
-    chosen. Returns the drafter, the curves, the plan tree.size=auto chose (or None) and the draft curve (or None)."""
+    chosen. `curve`: the verifier's curve at the run's dtype and threads, measured once already (method=all plans
+    every family on one curve). Returns the drafter, the curves, the plan tree.size=auto chose (or None) and the
+    draft curve (or None)."""
     from eval.tree import AutoTree
     from models.verifier import load_verifier
 
@@ -330,7 +332,7 @@ def for_run(cfg: Any, source: Any, verifier: Verifier, family: str, export: Expo
         return build(policy), [], None, None
     prefix = torch.tensor([prefix_ids()], device=verifier.device)
     engine, threads, dtype = str(cfg.get("engine", "auto")), int(cfg.threads), str(cfg.dtype)
-    curves = [measure(verifier, prefix, threads, engine)]
+    curves = [curve if curve is not None else measure(verifier, prefix, threads, engine)]
 
     def drafting(drafter: Any) -> list[float] | None:
         before = torch.get_num_threads()

@@ -19,6 +19,7 @@ eval.report (one family) and eval.compare (method=all) turn the samples into rep
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ class Setup:
     predicted: cost.Plan | None = None  # what the first curve predicts for this drafter
     auto_size: bool = False
     draft_curve: list[float] | None = None  # ms of one round's drafting at the first curve's sizes
+    plans: dict[str, cost.Plan] = field(default_factory=dict)  # method=all, tree.size=auto: each family's plan
 
     @property
     def drafter(self) -> Drafter:
@@ -100,11 +102,16 @@ def verifier_source_of(cfg: DictConfig, export: ExportInfo | None) -> Any:
     return source or "smollm2"
 
 
-def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo]) -> dict[str, Drafter]:
+def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo], prefix: Callable[[], list[int]]
+                  ) -> tuple[dict[str, Drafter], dict[str, cost.Plan]]:
     """method=all: every family available, by method label (e.g. `medusa/auto-16`): each export's own family, then
     every family that needs no export, then those that build on one (the hybrid) on the first export. The family
-    named by `drafter=` keeps its command-line options; the others take conf/drafter/<name>.yaml as it is. One node
-    budget for every family, so they compare."""
+    named by `drafter=` keeps its command-line options; the others take conf/drafter/<name>.yaml as it is.
+
+    tree.size=N gives every tree family N nodes. tree.size=auto (the default) plans each export family's budget as a
+    single run would, on one verifier cost curve, the export's own acceptance estimates and the family's own draft
+    curve (a parallel drafter's one forward buys it a deeper tree than a sequential one's); a family that cannot be
+    planned drafts FALLBACK_SIZE nodes. Returns the drafters and the plans by method label."""
     chosen = family_of(cfg.drafter)
     families: list[tuple[str, Any, ExportInfo | None]] = [
         (e.kind, OmegaConf.create({"_target_": FAMILIES[e.kind].drafter, "_partial_": True, "kind": e.kind}), e)
@@ -115,15 +122,27 @@ def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo]
         families.append((name, cfg.drafter if name == chosen else family_config(name),
                          exports[0] if exports and fam.needs_export else None))
     policy = instantiate(cfg.tree, _convert_="all")
-    if isinstance(policy, AutoTree) and policy.size == "auto":
-        print(f"[eval] method=all compares every family at one node budget: tree.size=auto drafts "
-              f"{cost.FALLBACK_SIZE} nodes here. Give tree.size=N to choose.")
-        policy = AutoTree(size=cost.FALLBACK_SIZE)
-    drafters = {}
+    auto = isinstance(policy, AutoTree) and policy.size == "auto"
+    curve = None
+    if auto and any(e is not None and e.acceptance is not None and FAMILIES[n].tree != "own" for n, _, e in families):
+        ids = torch.tensor([prefix()], device=verifier.device)
+        curve = cost.measure(verifier, ids, int(cfg.threads), str(cfg.get("engine", "auto")))
+    drafters, plans = {}, {}
+    plain_cfg = OmegaConf.merge(cfg, {"profile": False})  # one curve for all; profile=true's extra curves are not drawn
     for name, drafter_cfg, export in families:
-        drafter = build_drafter(cfg, drafter_cfg, verifier, export, policy)
-        drafters[method_name(name, drafter)] = drafter
-    return drafters
+        def build(p: Any, d: Any = drafter_cfg, e: ExportInfo | None = export) -> Drafter:
+            return build_drafter(cfg, d, verifier, e, p)
+
+        if curve is None:
+            drafter, planned = build(AutoTree(size=cost.FALLBACK_SIZE) if auto else policy), None
+        else:
+            drafter, _, planned, _ = cost.for_run(plain_cfg, None, verifier, name, export, policy, prefix, build, curve)
+        label = method_name(name, drafter)
+        drafters[label] = drafter
+        if planned is not None:
+            plans[label] = planned
+            print(f"[eval] tree.size=auto: {label} plans {planned.size} nodes (predicted {planned.predicted_speedup:.2f}x)")
+    return drafters, plans
 
 
 def prompt_set_label(source: str) -> str:
@@ -160,13 +179,15 @@ def setup(cfg: DictConfig) -> Setup:
     convs = load_prompt_sets(cfg.prompts, cfg.num_prompts)
     source = verifier_source_of(cfg, export)
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
-    if method_all:
-        return Setup(verifier, _every_family(cfg, verifier, exports), "all", exports, convs, source)
 
     def prefix() -> list[int]:  # a real prefix for the cost curve, checked before anything runs on it
         ids = prompt_ids(verifier.tokenizer, user_turns(convs[0])[0])
         check_length(verifier, ids, int(cfg.max_new_tokens), f"prompt {convs[0].id!r}")
         return ids
+
+    if method_all:
+        drafters, plans = _every_family(cfg, verifier, exports, prefix)
+        return Setup(verifier, drafters, "all", exports, convs, source, plans=plans)
 
     policy = instantiate(cfg.tree, _convert_="all")
     drafter, curves, planned, draft = cost.for_run(cfg, source, verifier, family, export, policy, prefix,
@@ -232,7 +253,8 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     if run.method == "all":
         return compare.report(cfg, run.verifier, run.drafters, run.exports, samples, sampling_record(cfg),
-                              "engine" if use_engine(run.verifier, engine) else "hf")
+                              "engine" if use_engine(run.verifier, engine) else "hf",
+                              {m: asdict(p) for m, p in run.plans.items()})
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
             "checkpoint": None if cfg.checkpoint is None else str(cfg.checkpoint), "sampling": sampling_record(cfg),
             "prompt_sets": None if isinstance(cfg.prompts, str) else [prompt_set_label(str(p)) for p in cfg.prompts]}

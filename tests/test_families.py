@@ -30,6 +30,7 @@ from eval.lookup import PromptLookupDrafter, lookup
 from eval.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices, tree_buffers
 from models.errors import UserError
 from models.export import save_export
+from models.families import FAMILIES
 from models.medusa import MedusaHeads
 from models.verifier import build_tiny
 from test_eagle_decode import random_net
@@ -306,8 +307,10 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
     assert families == {"baseline", "medusa", "draft_model", "prompt_lookup", "lookahead", "hybrid", "hf_generate",
                         "hf_prompt_lookup", "hf_assisted"}
     assert report["trees"]["draft_model/chain-4"]["draft_model"].endswith("[:1]")  # drafter= kept its options
-    # tree.size=auto (the default) gives every family one budget, 16: all 14 nodes this 3-head, top-2 table holds
-    assert "medusa/auto-14" in report["methods"], list(report["methods"])
+    # tree.size=auto (the default) plans each export family as a single run would (test below); the rest draft
+    # their own shapes
+    assert {m.split("/")[0] for m in report["plans"]} == {"medusa", "hybrid"}, report["plans"]
+    assert all(m in report["methods"] for m in report["plans"])
     for name, row in report["methods"].items():
         assert row["greedy_match"] == 1.0, name
         assert row["tokens_per_s"] > 0 and (row["tau"] is None) == (name in ("baseline", "hf_generate",
@@ -330,6 +333,47 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
         ours = not name.startswith("hf_")
         assert (row["prefill_s"] is not None) == ours and (not ours or row["prefill_s"] > 0), name
         assert not ours or row["decode_tokens_per_s"] > 0, name
+
+
+@pytest.mark.parametrize("slope", [0.0, 8.0], ids=["flat-verify-cost", "steep-verify-cost"])
+def test_method_all_plans_each_export_familys_budget_on_the_run_curve(varied, tmp_path, monkeypatch, slope):
+    """tree.size=auto under method=all: each export family gets the budget a single run plans, on one verifier
+    curve, its own acceptance table and its own draft curve (here a given curve, to know the answer): a flat verify
+    cost buys every node the table holds, a steep one a few; the hybrid plans at least one draft for its graft."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval import cost
+    from eval.harness import evaluate
+
+    table = [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4]]
+    export = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3), varied, tmp_path / "m",
+                         {"medusa_topk_accuracy": table})
+    sizes = list(cost.SIZES)
+    ms = [10.0 + slope * (n - 1) for n in sizes]
+    measured = []
+
+    def fake_measure(verifier, prefix, threads, engine="auto", *args, **kwargs):
+        measured.append(prefix.shape)
+        return cost.Curve("float32", threads, "hf", sizes, ms, ms, ms, {})
+
+    monkeypatch.setattr(cost, "measure", fake_measure)
+    monkeypatch.setattr(cost, "draft_curve", lambda *a, **k: [0.0] * len(sizes))
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[
+            "method=all", f"checkpoint={export}", "num_prompts=1", "max_new_tokens=6", "threads=1", "warmup=false",
+            "dtype=float32", "wandb.mode=disabled", "drafter=draft_model", "drafter.layers=1",
+            f"output_dir={tmp_path / 'out'}"])
+    report = evaluate(cfg, progress=False)
+    assert len(measured) == 1  # one verifier curve serves every family
+    want = {f: cost.best_size(sizes, ms, table, draft=[0.0] * len(sizes), min_drafts=FAMILIES[f].min_drafts).size
+            for f in ("medusa", "hybrid")}
+    got = {m.split("/")[0]: p["size"] for m, p in report["plans"].items()}
+    assert got == want, (got, want)
+    assert (want["medusa"] == 14) == (slope == 0.0)  # flat: all 14 nodes the 3-head top-2 table holds
+    assert "medusa/auto-" + str(want["medusa"]) in report["methods"] and want["hybrid"] >= 1
+    assert all(row["greedy_match"] == 1.0 for row in report["methods"].values())
 
 
 def test_method_all_samples_every_method_as_a_single_run_does(varied, tmp_path):
