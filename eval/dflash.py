@@ -19,7 +19,6 @@ from eval.peagle import PEagleDrafter
 from eval.sampling import SamplingConfig
 from eval.tree import TreePolicy
 from models.dflash import DFlashNet
-from models.errors import UserError
 from models.verifier import Verifier
 
 
@@ -57,12 +56,12 @@ def dflash_drafter(net: DFlashNet, config: dict[str, Any], verifier: Verifier, t
                    sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
                    head_ids: Tensor | None = None) -> DFlashDrafter:
     """The DFlash drafter for a loaded network (models/families.py names it the family's decoder): a fixed tree under
-    `tree` (tree=auto from the export's eagle_topk_accuracy), at most K = block_size - 1 deep."""
-    if head_ids is not None:
-        raise UserError("drafter.draft_vocab is not supported for DFlash yet; leave drafter.draft_vocab=null.")
+    `tree` (tree=auto from the export's eagle_topk_accuracy), at most K = block_size - 1 deep. `head_ids`: draft
+    over those rows of the verifier's head only (`drafter.draft_vocab`, or the rows an export trained on with
+    `model.train_vocab`)."""
 
     class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
         num_heads = net.parallel
 
     shape, name = medusa_tree(tree, _Depths, config.get("eagle_topk_accuracy"))
-    return DFlashDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator)
+    return DFlashDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, head_ids=head_ids)

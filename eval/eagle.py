@@ -30,7 +30,7 @@ from eval.heads import row_head
 from eval.protocol import Draft
 from eval.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy
-from models.eagle import Eagle1Net, EagleNet
+from models.eagle import EagleNet
 from models.errors import UserError
 from models.verifier import Verifier
 
@@ -70,9 +70,10 @@ class EagleDrafter:
         # Draft ids index head_ids. Exactness is the verifier's: only which tokens get drafted changes.
         self.head_ids: Tensor | None = None
         if head_ids is not None:
-            if not isinstance(net, Eagle1Net):
-                raise UserError("draft_vocab restricts EAGLE-1's drafting head (the verifier's lm_head); EAGLE-3 "
-                                "drafts over its own trained draft vocabulary. Leave drafter.draft_vocab=null.")
+            if not net.shares_verifier_head:
+                raise UserError("draft_vocab restricts a drafting head that is the verifier's lm_head (EAGLE-1, "
+                                "DFlash); EAGLE-3 drafts over its own trained draft vocabulary. Leave "
+                                "drafter.draft_vocab=null.")
             self.head_ids = head_ids.sort().values.to(verifier.device)
             self.lm_head = row_head(verifier, self.head_ids)
         self.head_size = net.draft_vocab_size if self.head_ids is None else self.head_ids.numel()

@@ -31,14 +31,15 @@ class PEagleDrafter(EagleDrafter):
     tree of depth <= K filled from one forward's K distributions."""
 
     def __init__(self, net: PEagleNet, verifier: Verifier, tree: Tree, policy: str = "tree",
-                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None) -> None:
-        super().__init__(net, verifier, Chain(net.parallel), sampling=sampling, generator=generator)
+                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                 head_ids: Tensor | None = None) -> None:
+        super().__init__(net, verifier, Chain(net.parallel), sampling=sampling, generator=generator, head_ids=head_ids)
         if tree.max_depth > net.parallel:
             raise UserError(f"The tree is {tree.max_depth} drafts deep but the P-EAGLE export drafts "
                             f"{net.parallel} tokens per forward; use a tree of depth <= {net.parallel}.")
-        if max(tree.ranks[1:], default=0) >= net.draft_vocab_size:
+        if max(tree.ranks[1:], default=0) >= self.head_size:
             raise UserError(f"The tree asks for rank {max(tree.ranks)} of a depth, but the draft vocabulary has "
-                            f"{net.draft_vocab_size} tokens; use smaller ranks.")
+                            f"{self.head_size} tokens; use smaller ranks.")
         self.tree, self.tree_policy = tree, policy
         self.size, self.max_nodes, self.max_depth = tree.num_drafts, tree.num_nodes, tree.max_depth
         self._depth = tree_buffers(tree).positions[1:].to(verifier.device)  # (N-1,) depth of each draft node

@@ -82,3 +82,38 @@ def test_bad_input_is_refused_with_a_message(varied):
         build_dflash(varied, 16, block_size=4096, aux_layer_ids=[0, 1])
     with pytest.raises(UserError, match=r"mask token must be a token id in 0\.\.49151"):
         build_dflash(varied, 49152, aux_layer_ids=[0, 1])
+
+
+@torch.no_grad()
+def test_an_export_trained_over_frequent_rows_drafts_over_them_exactly(varied, tmp_path):
+    """An export trained with `model.train_vocab=N` (the N most frequent targets' rows of the verifier's head) drafts
+    over those rows, as training scored them, and decoding stays exact; without it, other tokens get drafted."""
+    from eval.decode import greedy_decode, speculative_decode
+    from eval.drafters import make_drafter
+    from eval.tree import Chain
+    from models.export import save_export
+
+    net, vocab = _net(varied), varied.vocab_size
+    counts = torch.rand(vocab, generator=torch.Generator().manual_seed(0))
+    ids = counts.topk(vocab // 8).indices.sort().values
+    lean = save_export(net, varied, tmp_path / "lean", {"train_vocab": vocab // 8}, target_counts=counts)
+    full = save_export(net, varied, tmp_path / "full", target_counts=counts)
+    drafted = {}
+    for name, path in (("lean", lean), ("full", full)):
+        drafter = make_drafter("dflash", varied, Chain(4), checkpoint=path)
+        seen, propose = set(), drafter.propose
+
+        def spy(*args, propose=propose, seen=seen):
+            draft = propose(*args)
+            seen.update(draft.tokens[0, 1:].tolist())
+            return draft
+
+        drafter.propose = spy
+        for prompt in ("The capital of France is", "def add(a, b):"):
+            prompt_ids = varied.tokenizer(prompt, return_tensors="pt").input_ids
+            want = greedy_decode(varied, prompt_ids, 24).tokens[0].tolist()
+            assert speculative_decode(varied, drafter, prompt_ids, 24).tokens[0].tolist() == want, (name, prompt)
+        drafted[name] = seen
+    assert torch.equal(make_drafter("dflash", varied, Chain(4), checkpoint=lean).head_ids, ids)
+    assert drafted["lean"] and drafted["lean"] <= set(ids.tolist())
+    assert not drafted["full"] <= set(ids.tolist())
