@@ -9,11 +9,13 @@ weight and token (FLOPs / matmul peak), so the bound is the larger of the two.
 With a drafter's acceptance estimates, E[tokens per round](s) for a tree of s drafts is 1 + the sum of its nodes'
 path-acceptance probabilities: eval.tree.auto_tree's node values from the export's top-k table (Medusa: per head;
 EAGLE: per unrolled step, `eagle_topk_accuracy`; an older EAGLE export's `val_step_top1` is a chain, which says
-nothing about siblings, so it never asks for more nodes than its depth). A round also pays the drafter: `draft_curve` measures d(s), the ms one round's
-drafting takes for s drafts on the same prefix (EAGLE: feeding the round's new features, then growing s nodes; Medusa:
-its heads and top-k, the same for every s). The best size maximises E[tokens](s) / (t(s + 1) + d(s)); the predicted
-speedup over plain decoding is E[tokens](s) * t(1) / (t(s + 1) + d(s)). What else a round costs (acceptance, commit,
-Python) is not in it; the report measures every part apart.
+nothing about siblings, so it never asks for more nodes than its depth). A round also pays the drafter: `draft_curve`
+measures d(s), the ms one round's drafting takes for s drafts on the same prefix (EAGLE: feeding the round's new
+features, then growing s nodes; Medusa: its heads and top-k, the same for every s; P-EAGLE and DFlash: the new
+features, then one forward over the mask slots of the depth the s-draft tree reaches). Both curves are read
+non-decreasing (`monotone`). The best size maximises E[tokens](s) / (t(s + 1) + d(s)); the predicted speedup over
+plain decoding is E[tokens](s) * t(1) / (t(s + 1) + d(s)). What else a round costs (acceptance, commit, Python) is
+not in it; the report measures every part apart.
 """
 
 from __future__ import annotations
@@ -128,10 +130,11 @@ def draft_curve(verifier: Verifier, drafter: Any, prefix_ids: Tensor, sizes: Seq
                 engine: str = "auto", reps: int = 3) -> list[float] | None:
     """Least ms (of `reps` interleaved rounds) of one round's drafting with s = n - 1 drafts, for each n in `sizes`,
     after the prefix `prefix_ids` (1, P) in steady state (the previous round accepted nothing, so one new position
-    comes in). EAGLE: `EagleDrafter.trial` (its layer over the new features, then growing s nodes, each depth a drafter forward and a
-    head over the frontier); Medusa: one `propose`, the same for every s (its heads run once a round whatever the
-    tree; the tree only indexes their top-k); the hybrid: its primary's (the grafted prompt lookup's string search is
-    left out). None for other drafters."""
+    comes in). EAGLE: `EagleDrafter.trial` (its layer over the new features, then growing s nodes, each depth a
+    drafter forward and a head over the frontier); P-EAGLE and DFlash: their `trial`, one forward over the depth of
+    the tree s drafts buy; Medusa: one `propose`, the same for every s (its heads run once a round whatever the tree;
+    the tree only indexes their top-k); the hybrid: its primary's (the grafted prompt lookup's string search is left
+    out). None for other drafters."""
     from eval.decode import _Verify
     from eval.medusa import MedusaDrafter
     from eval.eagle import EagleDrafter
@@ -199,10 +202,21 @@ class Plan:
     draft_ms: float = 0.0
 
 
+def monotone(ms: Sequence[float]) -> list[float]:
+    """The non-decreasing curve nearest `ms` (least squares, scipy's isotonic regression). A forward over more tokens,
+    or a round with more drafts, does at least the work of a smaller one, so a measured dip is timing noise; planning on
+    it would let one noisy size (a 2-token forward timed below the 1-token step) decide the tree."""
+    from scipy.optimize import isotonic_regression
+
+    return [float(x) for x in isotonic_regression(list(ms), increasing=True).x]
+
+
 def plan(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int,
          draft: Sequence[float] | None = None) -> Plan:
     """The prediction for `drafts` drafts: verify time t(drafts + 1) and, with a draft curve `draft` (ms at the same
-    `sizes`, as n = drafts + 1 nodes), the round's drafting time d(drafts); no drafting at 0 drafts."""
+    `sizes`, as n = drafts + 1 nodes), the round's drafting time d(drafts); no drafting at 0 drafts. Both curves are
+    read through `monotone`."""
+    ms, draft = monotone(ms), (None if draft is None else monotone(draft))
     verify = interpolate(sizes, ms, drafts + 1)
     step = interpolate(sizes, ms, 1)
     spent = interpolate(sizes, draft, drafts + 1) if draft is not None and drafts > 0 else 0.0
@@ -214,6 +228,7 @@ def best_size(sizes: Sequence[int], ms: Sequence[float], table: Sequence[Sequenc
               max_nodes: int = 64, draft: Sequence[float] | None = None, min_drafts: int = 0) -> Plan:
     """The draft budget s in min_drafts..max_nodes-1 that maximises E[tokens](s) / (t(s + 1) + d(s)) (ties: the
     smaller s); without a draft curve, d = 0."""
+    ms, draft = monotone(ms), (None if draft is None else monotone(draft))
     plans = [plan(sizes, ms, expected_tokens(table, s), s, draft) for s in range(min_drafts, max_nodes)]
     return max(plans, key=lambda p: (p.predicted_speedup, -p.size))
 

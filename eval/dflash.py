@@ -40,9 +40,10 @@ class DFlashDrafter(PEagleDrafter):
         self._v = v if self._v is None else torch.cat([self._v, v], dim=3)
         self._root = input_ids[:, -1:]
 
-    def _depth_logits(self, root_out: Any) -> Tensor:
-        """One block, [root, K masks] at positions n..n+K over the whole context: slot k's logits are depth k's."""
-        k = self.max_depth
+    def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
+        """One block, [root, K masks] at positions n..n+K over the whole context (K: `depth`, the tree's max_depth
+        by default): slot k's logits are depth k's."""
+        k = self.max_depth if depth is None else depth
         root = self._root
         n = self.cache_length
         tokens = torch.cat([root, torch.full((1, k), self.net.mask_token_id, device=root.device)], dim=1)
@@ -63,5 +64,7 @@ def dflash_drafter(net: DFlashNet, config: dict[str, Any], verifier: Verifier, t
     class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
         num_heads = net.parallel
 
-    shape, name = medusa_tree(tree, _Depths, config.get("eagle_topk_accuracy"))
-    return DFlashDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, head_ids=head_ids)
+    table = config.get("eagle_topk_accuracy")
+    shape, name = medusa_tree(tree, _Depths, table)
+    return DFlashDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, head_ids=head_ids,
+                         table=table)

@@ -20,7 +20,7 @@ from eval.eagle import EagleDrafter
 from eval.medusa import medusa_tree
 from eval.protocol import Draft
 from eval.sampling import SamplingConfig, warp
-from eval.tree import Chain, Tree, TreePolicy, describe, tree_buffers
+from eval.tree import Chain, Tree, TreePolicy, auto_tree, describe, tree_buffers
 from models.errors import UserError
 from models.peagle import PEagleNet
 from models.verifier import Verifier
@@ -32,8 +32,9 @@ class PEagleDrafter(EagleDrafter):
 
     def __init__(self, net: PEagleNet, verifier: Verifier, tree: Tree, policy: str = "tree",
                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
-                 head_ids: Tensor | None = None) -> None:
+                 head_ids: Tensor | None = None, table: list[list[float]] | None = None) -> None:
         super().__init__(net, verifier, Chain(net.parallel), sampling=sampling, generator=generator, head_ids=head_ids)
+        self.table = table[: net.parallel] if table else None  # per-depth top-k accuracy: the tree each budget buys
         if tree.max_depth > net.parallel:
             raise UserError(f"The tree is {tree.max_depth} drafts deep but the P-EAGLE export drafts "
                             f"{net.parallel} tokens per forward; use a tree of depth <= {net.parallel}.")
@@ -50,11 +51,13 @@ class PEagleDrafter(EagleDrafter):
         return {"policy": self.tree_policy, "proposals": "sampled" if self.sampling else "topk",
                 "parallel_tokens": self.net.parallel, **describe(self.tree)}
 
-    def _depth_logits(self, root_out: Tensor) -> Tensor:
-        """The drafter's logits for depths 1..max_depth: the root's output, then the mask slots'. (max_depth, Vd)"""
+    def _depth_logits(self, root_out: Tensor, depth: int | None = None) -> Tensor:
+        """The drafter's logits for depths 1..depth (the tree's max_depth by default): the root's output, then the
+        mask slots'. (depth, Vd)"""
+        depth = self.max_depth if depth is None else depth
         outs = [root_out[:, None]]
-        if self.max_depth > 1:
-            outs.append(self.net.mask_slots(self.max_depth - 1, self.cache_length, self._k, self._v, self.embed))
+        if depth > 1:
+            outs.append(self.net.mask_slots(depth - 1, self.cache_length, self._k, self._v, self.embed))
         return self.net.logits(torch.cat(outs, dim=1)).float()[0]
 
     @torch.no_grad()
@@ -89,14 +92,17 @@ class PEagleDrafter(EagleDrafter):
 
     @torch.no_grad()
     def trial(self, input_ids: Tensor, hidden: Tensor, drafts: int) -> Tree | None:
-        """One round's drafting (the new features, then the one mask forward), leaving the cache as it was: what
-        eval.cost.draft_curve times. The same for every `drafts`: the tree only indexes the K distributions."""
+        """One round's drafting as a drafter planned for `drafts` drafts does it (the new features, then one forward
+        over the mask slots of that tree's depth), leaving the cache as it was: what eval.cost.draft_curve times.
+        With the export's table the tree is the one tree.size=auto would build for the budget (a one-deep tree needs
+        no mask forward); without it, this drafter's own tree. Returns that tree."""
+        tree = auto_tree(self.table, drafts) if self.table and drafts else self.tree
         keys = self._k, self._v
         try:
             root_out = self._extend(input_ids, hidden)
-            if drafts:
-                self._depth_logits(root_out).topk(max(self._topk, 1), dim=-1)
-            return self.tree
+            if drafts and tree.num_drafts:
+                self._depth_logits(root_out, tree.max_depth).topk(max(tree.ranks[1:]) + 1, dim=-1)
+            return tree
         finally:
             self._k, self._v = keys
 
@@ -113,5 +119,6 @@ def peagle_drafter(net: PEagleNet, config: dict[str, Any], verifier: Verifier, t
     class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
         num_heads = net.parallel
 
-    shape, name = medusa_tree(tree, _Depths, config.get("eagle_topk_accuracy"))
-    return PEagleDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator)
+    table = config.get("eagle_topk_accuracy")
+    shape, name = medusa_tree(tree, _Depths, table)
+    return PEagleDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table)

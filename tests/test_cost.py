@@ -45,6 +45,19 @@ def test_best_size_follows_the_curve():
     assert cost.best_size(SIZES, free, ACCURACY).size == 63
 
 
+def test_a_timing_dip_does_not_decide_the_plan():
+    """A forward over more tokens is timed below a smaller one (noise: the 2-token forward below the 1-token step);
+    the planner reads the curves non-decreasing, so the dip neither makes a tree look cheaper than the step nor picks
+    the size. Measured as it was in one run: the 2-token forward 23.4 ms, the step 24.0."""
+    ms = [24.0, 23.4, 24.9, 25.0, 25.2, 25.6, 26.4, 27.5, 28.6, 29.8, 32.5, 35.0, 37.6, 43.0]
+    assert cost.monotone(ms)[:2] == pytest.approx([23.7, 23.7]) and cost.monotone([1.0, 2.0]) == [1.0, 2.0]
+    fitted = cost.monotone(ms)
+    assert all(a <= b for a, b in zip(fitted, fitted[1:]))
+    one = cost.plan(cost.SIZES, ms, 1.3, 1)
+    assert one.verify_ms == one.step_ms  # one draft costs what the step costs, not less
+    assert cost.best_size(cost.SIZES, ms, ACCURACY) == cost.best_size(cost.SIZES, fitted, ACCURACY)
+
+
 def test_draft_time_enters_the_prediction():
     flat = [10.0] * len(SIZES)
     draft = [2.0 * n for n in SIZES]  # drafting costs 2 ms a node

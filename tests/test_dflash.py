@@ -75,6 +75,31 @@ def test_a_round_is_one_block_forward(varied, monkeypatch):
     assert draft.tokens.shape == (1, 6) and calls == [6]  # the root and 5 masks, once
 
 
+@torch.no_grad()
+def test_the_planner_times_the_block_the_budget_buys(varied, monkeypatch):
+    """eval.cost.draft_curve times `trial(s)`: one block over the depth of the tree tree.size=auto builds for s drafts
+    from the export's table, not the block of the probe drafter's largest tree."""
+    from eval.dflash import DFlashDrafter
+    from eval.tree import auto_tree
+
+    net = _net(varied, block_size=6)
+    table = [[0.6, 0.7, 0.75], [0.5, 0.6, 0.65], [0.45, 0.55, 0.6], [0.4, 0.5, 0.55], [0.3, 0.4, 0.45]]
+    drafter = DFlashDrafter(net, varied, auto_tree(table, 63), table=table)  # the probe: the largest budget
+    ids = torch.randint(20, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
+    hidden = _hidden(varied, ids)
+    drafter.propose(ids, hidden[:, :-1])
+    drafter.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    calls = []
+    original = net.block
+    monkeypatch.setattr(net, "block", lambda *a, **k: calls.append(a[0].shape[1]) or original(*a, **k))
+    seq = torch.cat([ids, ids[:, -1:]], dim=1)
+    for drafts in (1, 2, 12):
+        calls.clear()
+        assert drafter.trial(seq, hidden[:, -1:], drafts) == auto_tree(table, drafts)
+        assert calls == [1 + auto_tree(table, drafts).max_depth]  # the root and that many masks, once
+    assert auto_tree(table, 1).max_depth == 1 < auto_tree(table, 12).max_depth  # the budgets differ in depth
+
+
 def test_bad_input_is_refused_with_a_message(varied):
     with pytest.raises(UserError, match="block_size=1"):
         build_dflash(varied, 16, block_size=1, aux_layer_ids=[0, 1])

@@ -108,10 +108,11 @@ def test_bad_input_is_refused_with_a_message(varied, tmp_path):
 
 
 @torch.no_grad()
-def test_the_planner_sees_one_forward_whatever_the_tree(varied, monkeypatch):
-    """A P-EAGLE round costs two drafter forwards for any number of drafts (its `trial`, which eval.cost.draft_curve
-    times), where EAGLE-3's grows a forward per depth; with the flat draft curve that gives, tree.size=auto plans a
-    tree at least as large as with a growing one on the same verifier curve and acceptance table."""
+def test_the_planner_times_one_forward_over_the_depth_the_budget_buys(varied, monkeypatch):
+    """A P-EAGLE round's drafting (its `trial`, which eval.cost.draft_curve times) is the new features' forward, then
+    one mask forward as deep as the tree tree.size=auto builds for the budget (none for a one-deep tree), whatever the
+    probe drafter's own tree; EAGLE-3's grows a forward per depth. With the flatter draft curve that gives,
+    tree.size=auto plans a tree at least as large as with a growing one on the same verifier curve and table."""
     from eval.cost import best_size
     from eval.eagle import EagleDrafter
     from eval.peagle import PEagleDrafter
@@ -121,8 +122,9 @@ def test_the_planner_sees_one_forward_whatever_the_tree(varied, monkeypatch):
     ids = torch.randint(20, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
     hidden = torch.cat([varied.model(ids, output_hidden_states=True).hidden_states[i] for i in (0, 1)], dim=-1)
     table = [[0.6, 0.7, 0.75, 0.78], [0.5, 0.6, 0.65, 0.68], [0.45, 0.55, 0.6, 0.63], [0.4, 0.5, 0.55, 0.58]]
+    budgets = (1, 2, 4, 12)
     counts = {}
-    for name, drafter in (("peagle", PEagleDrafter(_net(varied), varied, auto_tree(table, 12))),
+    for name, drafter in (("peagle", PEagleDrafter(_net(varied), varied, auto_tree(table, 63), table=table)),
                           ("eagle3", EagleDrafter(build_eagle("eagle3", varied, aux_layer_ids=[0, 1]), varied,
                                                   DynamicTree(size=12, depth=4, topk=4)))):
         drafter.propose(ids, hidden[:, :-1])  # the prefill, then a round that accepted nothing (eval.cost.draft_curve)
@@ -130,13 +132,18 @@ def test_the_planner_sees_one_forward_whatever_the_tree(varied, monkeypatch):
         seq = torch.cat([ids, ids[:, -1:]], dim=1)
         calls = []
         original = drafter.net.step
-        monkeypatch.setattr(drafter.net, "step", lambda *a, **k: calls.append(1) or original(*a, **k))
+        monkeypatch.setattr(drafter.net, "step", lambda *a, **k: calls.append(a[0].shape[1]) or original(*a, **k))
         counts[name] = []
-        for drafts in (1, 4, 12):
+        for drafts in budgets:
             calls.clear()
-            drafter.trial(seq, hidden[:, -1:], drafts)
-            counts[name].append(len(calls))
-    assert counts["peagle"] == [2, 2, 2] and counts["eagle3"][0] < counts["eagle3"][-1]
+            tree = drafter.trial(seq, hidden[:, -1:], drafts)
+            if name == "peagle":
+                assert tree == auto_tree(table, drafts)
+            counts[name].append(list(calls))
+    # the new position's forward, then depth - 1 mask slots in one forward: depths 1, 2, 3, 4
+    assert counts["peagle"] == [[1], [1, 1], [1, 2], [1, 3]]
+    assert [auto_tree(table, s).max_depth for s in budgets] == [1, 2, 3, 4]
+    assert len(counts["eagle3"][0]) < len(counts["eagle3"][-1])
     sizes, verify = [1, 8, 16, 32, 64], [10.0, 11.0, 12.0, 16.0, 26.0]
     flat = best_size(sizes, verify, table, draft=[3.0] * 5)
     growing = best_size(sizes, verify, table, draft=[3.0, 6.0, 9.0, 12.0, 15.0])
