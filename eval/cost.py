@@ -216,7 +216,12 @@ def plan(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int
     """The prediction for `drafts` drafts: verify time t(drafts + 1) and, with a draft curve `draft` (ms at the same
     `sizes`, as n = drafts + 1 nodes), the round's drafting time d(drafts); no drafting at 0 drafts. Both curves are
     read through `monotone`."""
-    ms, draft = monotone(ms), (None if draft is None else monotone(draft))
+    return _plan(sizes, monotone(ms), expected, drafts, None if draft is None else monotone(draft))
+
+
+def _plan(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int,
+          draft: Sequence[float] | None) -> Plan:
+    """`plan` on curves already read non-decreasing."""
     verify = interpolate(sizes, ms, drafts + 1)
     step = interpolate(sizes, ms, 1)
     spent = interpolate(sizes, draft, drafts + 1) if draft is not None and drafts > 0 else 0.0
@@ -229,7 +234,7 @@ def best_size(sizes: Sequence[int], ms: Sequence[float], table: Sequence[Sequenc
     """The draft budget s in min_drafts..max_nodes-1 that maximises E[tokens](s) / (t(s + 1) + d(s)) (ties: the
     smaller s); without a draft curve, d = 0."""
     ms, draft = monotone(ms), (None if draft is None else monotone(draft))
-    plans = [plan(sizes, ms, expected_tokens(table, s), s, draft) for s in range(min_drafts, max_nodes)]
+    plans = [_plan(sizes, ms, expected_tokens(table, s), s, draft) for s in range(min_drafts, max_nodes)]
     return max(plans, key=lambda p: (p.predicted_speedup, -p.size))
 
 
