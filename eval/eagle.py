@@ -13,7 +13,9 @@ from M_q's true features (the rollback EAGLE does).
 Trees: one growth procedure for every policy. From the root, expand the `topk` children of the `topk` best frontier
 nodes by cumulative log-probability, one batched drafter forward per depth, then keep the `size` best of all drafted
 nodes (a child never beats its parent, so the kept set is a tree). A chain is topk 1; `AutoTree(size)` is a dynamic
-tree with the default depth and topk (docs/results/families.md says how those were measured). Sampled drafts
+tree with the default topk (docs/results/families.md says how those were measured), as deep as the default or, with
+the export's acceptance table, as deep as the tree that table buys for `size` drafts (eval.tree.auto_tree): the depth
+tree.size=auto priced when it chose `size` (`trial`). Sampled drafts
 (sampled_drafts=true) grow the same frontier, but draw children without replacement and keep every one drawn, the
 budget spent layer by layer (`EagleDrafter._sample_tree` says why that keeps the sampling rule exact).
 """
@@ -29,7 +31,7 @@ from eval.engine import packed_head
 from eval.heads import row_head
 from eval.protocol import Draft
 from eval.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
-from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy
+from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy, auto_tree
 from models.eagle import EagleNet
 from models.errors import UserError
 from models.verifier import Verifier
@@ -58,11 +60,15 @@ class EagleDrafter:
         their parent instead of taken by rank, siblings without replacement (`_sample_tree`), and `Draft.p` carries
         the distribution each was drawn from over the verifier's vocabulary (EAGLE-3's draft vocabulary mapped
         through d2t, every other token 0). Without it, top-k drafts, which the sampling rule treats as one-hot p.
+    table: the export's acceptance estimates (a per-depth cumulative top-k table, ExportInfo.acceptance). Under an
+        AutoTree budget the tree grows no deeper than `auto_tree(table, size)`, the tree tree.size=auto plans and
+        prices (eval.cost.best_size over `trial`'s times): without the cap a confident drafter grows a size-deep chain
+        each round, a drafter forward per depth the plan never paid for.
     """
 
     def __init__(self, net: EagleNet, verifier: Verifier, tree: TreePolicy = DEFAULT,
                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
-                 head_ids: Tensor | None = None) -> None:
+                 head_ids: Tensor | None = None, table: list[list[float]] | None = None) -> None:
         self.net = net.eval().requires_grad_(False)
         self.embed, self.lm_head = verifier.model.get_input_embeddings(), packed_head(verifier.lm_head)
         # EAGLE-1 drafting over a subset of the vocabulary (`head_ids`, verifier ids): the head is those rows of the
@@ -80,6 +86,8 @@ class EagleDrafter:
         self.policy = tree
         grow = dynamic_policy(tree)
         self.size, self.depth, self.topk = grow.size, grow.depth, min(grow.topk, self.head_size)
+        self.table = table if isinstance(tree, AutoTree) and table else None
+        self.depth = self.planned_depth(self.size)
         self.feature_layers = net.feature_layers
         self.max_nodes, self.max_depth = 1 + self.size, min(self.depth, self.size)
         self._k: Tensor | None = None  # (B, H_kv, P, hd) step-0 keys of the committed positions 0..P-1
@@ -87,6 +95,13 @@ class EagleDrafter:
         self._next: int | None = None  # positions the next round must bring (1 + accepted), for a sync check
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.generator, self.vocab_size = generator, int(verifier.vocab_size)
+
+    def planned_depth(self, drafts: int) -> int:
+        """How deep a tree of `drafts` drafts grows: the policy's depth, capped under tree=auto with the export's table
+        at the depth of the tree that table buys for `drafts` (auto_tree)."""
+        if self.table is None or drafts == 0:
+            return self.depth
+        return min(self.depth, auto_tree(self.table, drafts).max_depth)
 
     def describe(self) -> dict[str, Any]:
         policy = {Chain: "chain", AutoTree: "auto", DynamicTree: "dynamic"}[type(self.policy)]
@@ -129,11 +144,13 @@ class EagleDrafter:
 
     # -- 2. drafting -------------------------------------------------------------------------------------------------
     def _expand(self, root_out: Tensor, depth: int, topk: int, total: int,
-                bound_frontier: bool = True) -> tuple[Tree, Tensor]:
+                bound_frontier: bool = True, worst_case: bool = False) -> tuple[Tree, Tensor]:
         """Grow the tree under the root from top-k drafts; returns (tree, verifier-vocabulary tokens (N-1,)).
         `bound_frontier=False` expands the topk best nodes of every layer, as EAGLE-2 does: the same tree (tested),
         at the cost of topk drafter rows and vocabulary-head rows per layer instead of at most min(topk, total -
-        depth), of which only those that can still have a kept child."""
+        depth), of which only those that can still have a kept child. `worst_case=True` feeds every layer's
+        min(topk, total - depth) best nodes whatever their scores (no early stop): the most drafting a round of this
+        budget and depth can do, the same work on any prefix (what `trial` times)."""
         dev = root_out.device
         fed = _Fed(self, root_out)
         self.rows_fed = 1  # drafter (and vocabulary-head) rows this call computes: the root, then each frontier
@@ -154,7 +171,7 @@ class EagleDrafter:
             if width <= 0:
                 break
             pick = layer.topk(width).indices + layer_lo
-            if bound_frontier and score.numel() >= total:
+            if bound_frontier and not worst_case and score.numel() >= total:
                 # ... and only nodes that beat the total-th best candidate so far: a child scores at most its parent,
                 # and, created after every candidate already there, loses a tie to them in the stable rerank, so the
                 # children of a node scoring <= that threshold can never be kept (the threshold only rises).
@@ -267,16 +284,19 @@ class EagleDrafter:
 
     @torch.no_grad()
     def trial(self, input_ids: Tensor, hidden: Tensor, drafts: int) -> Tree | None:
-        """One round's drafting as `propose` does it (feed the new features, grow `drafts` nodes), leaving the
-        drafter's cache as it was: what eval.cost.draft_curve times for each budget."""
+        """One round's drafting as a drafter of `drafts` drafts does it (feed the new features, grow `drafts` nodes
+        as deep as `planned_depth(drafts)`), at its most: every depth's frontier as wide as the budget lets it be,
+        however the scores fall (`_expand(worst_case=True)`), so what eval.cost.draft_curve times is the round the
+        plan pays for, not however deep this one prefix happens to grow. Leaves the drafter's cache as it was."""
         keys = self._k, self._v
         try:
             root_out = self._extend(input_ids, hidden)
             if drafts == 0:
                 return None
+            depth = self.planned_depth(drafts)
             if self.sampling is not None:
-                return self._sample_tree(root_out, self.depth, self.topk, drafts)[0]
-            return self._expand(root_out, self.depth, self.topk, drafts)[0]
+                return self._sample_tree(root_out, depth, self.topk, drafts)[0]
+            return self._expand(root_out, depth, self.topk, drafts, worst_case=True)[0]
         finally:
             self._k, self._v = keys
 
@@ -327,5 +347,10 @@ class _Fed:
 def eagle_drafter(net: EagleNet, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,
                   sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
                   head_ids: Tensor | None = None) -> EagleDrafter:
-    """The drafter for a loaded EAGLE-1 / EAGLE-3 network (models/families.py names it the families' decoder)."""
-    return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids)
+    """The drafter for a loaded EAGLE-1 / EAGLE-3 network (models/families.py names it the families' decoder), its
+    tree=auto depth capped by the export's acceptance table."""
+    from models.export import acceptance_table
+    from models.families import family_of_net
+
+    return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids,
+                        table=acceptance_table(config, family_of_net(net)))

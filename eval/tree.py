@@ -106,7 +106,8 @@ class Chain:
 class AutoTree:
     """The `size` draft nodes of highest expected acceptance by the drafter's own estimates: Medusa grows a fixed
     tree from its export's per-head top-k accuracies (`auto_tree`); EAGLE grows an EAGLE-2 dynamic tree of at most
-    `size` nodes each round from its scores (default depth and topk). `size=0` drafts nothing: plain decoding.
+    `size` nodes each round from its scores (default topk; as deep as `auto_tree` of its export's table for `size`,
+    else the default depth). `size=0` drafts nothing: plain decoding.
     `size="auto"`: the budget that maximises expected tokens/s from the verifier's measured cost curve and the
     drafter's acceptance estimates (eval.cost.best_size; the harness resolves it before building the drafter)."""
 

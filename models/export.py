@@ -154,16 +154,23 @@ class ExportInfo:
         """Its acceptance estimates as a cumulative top-k table, one row per depth, from the first of its family's
         `acceptance` keys the config has (a per-depth list of top-1 rates is read as a chain: one rank per depth,
         nothing on siblings); None when it records none."""
-        for key in FAMILIES[self.kind].acceptance:
-            value = self.config.get(key)
-            if value:
-                return [list(row) if isinstance(row, (list, tuple)) else [float(row)] for row in value]
-        return None
+        return acceptance_table(self.config, self.kind)
 
     @property
     def speculative_tokens(self) -> int | None:
         """The chain an engine drafts when it serves the export as it is (speculators format), or None."""
         return self.config.get("speculative_tokens")
+
+
+def acceptance_table(config: dict[str, Any], kind: str) -> list[list[float]] | None:
+    """An export config's acceptance estimates as a cumulative top-k table, one row per depth, from the first of
+    family `kind`'s `acceptance` keys it has (a per-depth list of top-1 rates is read as a chain: one rank per depth,
+    nothing on siblings); None when it records none."""
+    for key in FAMILIES[kind].acceptance:
+        value = config.get(key)
+        if value:
+            return [list(row) if isinstance(row, (list, tuple)) else [float(row)] for row in value]
+    return None
 
 
 def read_info(path: str | Path | ExportInfo) -> ExportInfo:

@@ -281,6 +281,51 @@ def test_trial_drafts_like_propose_and_leaves_the_cache(varied, kind):
         assert trees[0] == trees[1] == drafter.propose(seq, new).tree and trees[0].num_drafts == size
 
 
+SHIPPED_TABLE = [[0.447, 0.551, 0.614, 0.655], [0.511, 0.636, 0.678, 0.729], [0.522, 0.626, 0.698, 0.755],
+                 [0.514, 0.666, 0.721, 0.792], [0.592, 0.702, 0.789, 0.831]]  # pretrained/eagle3-smollm2's, 4 ranks
+
+
+@torch.no_grad()
+def test_tree_auto_grows_and_prices_the_depth_its_table_buys(varied, monkeypatch):
+    """Under tree=auto with the export's acceptance table, an EAGLE round grows no deeper than the tree that table
+    buys for the budget (the tree tree.size=auto priced), however confident the drafter: a sharpened drafter grows a
+    5-deep chain from 5 drafts without the table, 3 deep with it (auto_tree of this table). And `trial` (what
+    eval.cost.draft_curve times) feeds every depth of that tree at its widest whatever the scores: the same drafter
+    rows on any prefix, and never fewer than a real round feeds."""
+    from eval.tree import AutoTree, auto_tree
+
+    net = random_net("eagle3", varied, seed=3)
+    original_logits = net.logits
+    monkeypatch.setattr(net, "logits", lambda *a, **k: 60 * original_logits(*a, **k))  # confident: deep chains
+    assert auto_tree(SHIPPED_TABLE, 5).max_depth == 3
+    capped = EagleDrafter(net, varied, AutoTree(size=5), table=SHIPPED_TABLE)
+    free = EagleDrafter(net, varied, AutoTree(size=5))
+    calls: list[int] = []
+    original_step = net.step
+    monkeypatch.setattr(net, "step", lambda *a, **k: calls.append(a[0].shape[1]) or original_step(*a, **k))
+    depths: dict[str, list[int]] = {"capped": [], "free": []}
+    trials, rounds = [], []
+    for prompt in PROMPTS:
+        ids = varied.tokenizer(prompt, return_tensors="pt").input_ids
+        step = kv.forward(varied.model, kv.new_cache(), ids, hidden_layers=net.feature_layers)
+        seq = torch.cat([ids, step.logits[:, -1:].argmax(-1)], dim=1)
+        for name, drafter in (("capped", capped), ("free", free)):
+            drafter.propose(seq[:, :-1], step.hidden[:, :-1])
+            drafter.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+            if name == "capped":
+                calls.clear()
+                drafter.trial(seq, step.hidden[:, -1:], 5)
+                trials.append(list(calls))
+            calls.clear()
+            depths[name].append(drafter.propose(seq, step.hidden[:, -1:]).tree.max_depth)
+            if name == "capped":
+                rounds.append(list(calls))
+    assert max(depths["free"]) == 5 and max(depths["capped"]) == 3, depths
+    # the new position, then depths 1 and 2 fed min(topk, 5 - d) nodes each: on every prefix
+    assert trials == [[1, 4, 3]] * len(PROMPTS), trials
+    assert all(sum(r) <= sum(t) and len(r) <= len(t) for r, t in zip(rounds, trials)), (rounds, trials)
+
+
 class _MaskedHead:
     """The verifier's full head with every token outside `ids` at -inf: what a head over those rows alone must draft."""
 
