@@ -227,6 +227,8 @@ def _drafter(kind: str, verifier, cfg: SamplingConfig):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
         if name in ("eagle3", "peagle"):  # a draft vocabulary that holds the verifier's likely tokens, and random others
             net.set_draft_vocab(torch.randperm(verifier.vocab_size, generator=gen)[:4096])
+        if name == "peagle":  # its one random vector too: the same drafter whichever tests ran before (global RNG)
+            net.mask_hidden.copy_(torch.randn(net.mask_hidden.shape, generator=gen) * 0.02)
     return make_drafter(name, verifier, tree, net=net, sampling=cfg if proposals == "sampled" else None,
                         generator=torch.Generator().manual_seed(8))
 
