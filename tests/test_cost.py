@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import ROOT
 from eval import cost

@@ -12,7 +12,6 @@ Each has a negative control (accept every draft; a residual without renormalisat
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch

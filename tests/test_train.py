@@ -36,7 +36,7 @@ def test_fast_dev_run_exports_loadable_heads(train_script, tmp_path, tiny):
     export = train_script.run(cfg)
     loaded = load_export(export, tiny)
 
-    heads, lm_head, config = loaded.net, loaded.lm_head, loaded.config
+    heads, config = loaded.net, loaded.config
     assert heads.num_heads == 4 and config["verifier_fingerprint"] == tiny.fingerprint
 
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from data.hidden_cache import gather_layers
 from models.draft_model import save_draft_model, truncate
-from models.errors import NonFiniteLossError, UserError
+from models.errors import NonFiniteLossError
 from models.verifier import Verifier
 from train.base import DrafterModule
 from train.export import data_record

@@ -15,7 +15,6 @@ chain of the drafter's top-1 would get against M_q's argmax, plus the bonus toke
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
