@@ -138,11 +138,21 @@ def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo]
         else:
             drafter, _, planned, _ = cost.for_run(plain_cfg, None, verifier, name, export, policy, prefix, build, curve)
         label = method_name(name, drafter)
+        if export is not None and sum(e.kind == export.kind for e in exports) > 1:
+            label = f"{label}@{export_tag(export)}"  # two exports of one family: each keeps its own row
+        if label in drafters:
+            raise UserError(f"checkpoint=[...]: two exports give the method {label}; give each export once, from "
+                            "folders with different names.")
         drafters[label] = drafter
         if planned is not None:
             plans[label] = planned
             print(f"[eval] tree.size=auto: {label} plans {planned.size} nodes (predicted {planned.predicted_speedup:.2f}x)")
     return drafters, plans
+
+
+def export_tag(export: ExportInfo) -> str:
+    """An export's short name in method labels: its folder's name, or the run's for a train.py `<run>/export`."""
+    return export.path.parent.name if export.path.name == "export" else export.path.name
 
 
 def prompt_set_label(source: str) -> str:

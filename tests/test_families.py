@@ -335,6 +335,33 @@ def test_method_all_runs_every_family_on_the_same_prompts(varied, tmp_path):
         assert not ours or row["decode_tokens_per_s"] > 0, name
 
 
+def test_method_all_keeps_a_row_per_export_of_one_family(varied, tmp_path):
+    """Two exports of one family side by side (two EAGLE-3 runs, a 1- and a 3-layer DFlash): each keeps its own row,
+    labelled with its run's folder, where one label would have let the second overwrite the first."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+
+    table = {"medusa_topk_accuracy": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4]]}
+    torch.manual_seed(0)
+    first = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3), varied,
+                        tmp_path / "run-a" / "export", table)
+    second = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=2), varied, tmp_path / "run-b",
+                         table)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[
+            "method=all", f"checkpoint=[{first},{second}]", "num_prompts=1", "max_new_tokens=6", "threads=1",
+            "warmup=false", "dtype=float32", "wandb.mode=disabled", "drafter=draft_model", "drafter.layers=1",
+            "tree.size=4", f"output_dir={tmp_path / 'out'}"])
+    report = evaluate(cfg, progress=False)
+    medusa = sorted(m for m in report["methods"] if m.startswith("medusa/"))
+    assert [m.split("@")[-1] for m in medusa] == ["run-a", "run-b"], medusa
+    assert report["trees"][medusa[0]] != report["trees"][medusa[1]]  # 3 heads against 2: each its own drafter
+    assert all(report["methods"][m]["greedy_match"] == 1.0 for m in medusa)
+
+
 @pytest.mark.parametrize("slope", [0.0, 8.0], ids=["flat-verify-cost", "steep-verify-cost"])
 def test_method_all_plans_each_export_familys_budget_on_the_run_curve(varied, tmp_path, monkeypatch, slope):
     """tree.size=auto under method=all: each export family gets the budget a single run plans, on one verifier
