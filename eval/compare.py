@@ -144,7 +144,8 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
                       ("tokens/s per prompt length", report["by_prompt_length"])):
         grid = Table(title=f"{title} (prompts, then each method; our plain decoding's prefill apart)")
         for col in ("group", "n", *report["methods"], "plain prefill s"):
-            grid.add_column(col.split("/")[0] + col[col.find("@"):] * ("@" in col) if "/" in col else col, justify="left" if col == "group" else "right")
+            head = col.split("/")[0] + col[col.find("@"):] * ("@" in col) if "/" in col else col  # family[@run]
+            grid.add_column(head, justify="left" if col == "group" else "right")
         for g, r in by.items():
             n = sum(1 for s in samples if (s.category if by is report["by_category"] else length_group(s.prompt_tokens)) == g)
             grid.add_row(g, str(n), *[f"{r[m]['tokens_per_s']:.1f}" for m in report["methods"]],
