@@ -51,8 +51,7 @@ class TrainingRecord(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._resumed = trainer.global_step > 0
         # An epoch resumed in the middle gets no on_train_epoch_start: its clock and step count start here.
-        self._start, self._tokens, self._steps = time.perf_counter(), 0, trainer.global_step
-        self._losses = []
+        self.on_train_epoch_start(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start, self._tokens, self._steps = time.perf_counter(), 0, trainer.global_step
