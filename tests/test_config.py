@@ -94,3 +94,19 @@ def test_the_parallel_drafters_recipes_share_eagle3s_budget(tmp_path):
         assert cfg.model._target_ == target and cfg.data.mode == "shipped"
         assert cfg.data.shipped == eagle3.data.shipped and cfg.data.cache_hidden_states
         assert cfg.data.batch_size == eagle3.data.batch_size and cfg.trainer.max_epochs == eagle3.trainer.max_epochs
+
+
+@pytest.mark.parametrize("name", ["ship_medusa", "ship_eagle3", "ship_dflash"])
+def test_each_shipped_recipe_has_a_gpu_twin_that_changes_only_the_machine(name, tmp_path):
+    """experiment=<recipe>_gpu is the shipped drafter's recipe for one GPU: the same data, drafter and epochs; only
+    the trainer, the batch, the loader and the hidden-state cache change."""
+    from omegaconf import OmegaConf
+
+    cpu = OmegaConf.to_container(compose_train([f"experiment={name}"], tmp_path))
+    gpu = OmegaConf.to_container(compose_train([f"experiment={name}_gpu"], tmp_path))
+    assert gpu["trainer"]["accelerator"] == "gpu" and gpu["trainer"]["precision"] == "bf16-mixed"
+    assert gpu["model"] == cpu["model"] and gpu["trainer"]["max_epochs"] == cpu["trainer"]["max_epochs"]
+    assert gpu["data"]["batch_size"] == 4 * cpu["data"]["batch_size"] and not gpu["data"]["cache_hidden_states"]
+    machine = {"batch_size", "cache_hidden_states", "num_workers"}
+    assert {k: v for k, v in gpu["data"].items() if k not in machine} == \
+        {k: v for k, v in cpu["data"].items() if k not in machine}
