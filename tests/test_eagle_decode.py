@@ -282,7 +282,7 @@ def test_trial_drafts_like_propose_and_leaves_the_cache(varied, kind):
 
 
 SHIPPED_TABLE = [[0.447, 0.551, 0.614, 0.655], [0.511, 0.636, 0.678, 0.729], [0.522, 0.626, 0.698, 0.755],
-                 [0.514, 0.666, 0.721, 0.792], [0.592, 0.702, 0.789, 0.831]]  # pretrained/eagle3-smollm2's, 4 ranks
+                 [0.514, 0.666, 0.721, 0.792], [0.592, 0.702, 0.789, 0.831]]  # the first shipped EAGLE-3's, 4 ranks
 
 
 @torch.no_grad()
