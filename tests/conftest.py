@@ -14,6 +14,20 @@ os.environ.setdefault("SPECDRAFT_CACHE", str(ROOT / ".cache"))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# Under pytest-xdist (`-n auto`, what .ci/run uses) each worker is one process; torch's intra-op threads are shared
+# out so the workers do not oversubscribe the cores (on this 2-core machine: two workers of one thread each).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker a core, at most 4 (each holds the default verifier and may start a vLLM engine)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 
 @pytest.fixture(scope="session")
 def cache_dir() -> str:

@@ -5,9 +5,11 @@ pick whichever was imported first."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -22,6 +24,20 @@ def varied_llama(seed: int = 1):
 
     return build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu", seed=seed,
                       layer_std=0.3)
+
+
+@contextlib.contextmanager
+def run_shared(tmp_path_factory, name: str) -> Iterator[Path]:
+    """A directory shared by every xdist worker of this test run (one per run; the worker's own without xdist),
+    held under a file lock while the body runs: what the first worker builds there, the others find."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / "shared" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        yield folder
 
 
 def compose_train(overrides: list[str], output_dir: Path | None = None):

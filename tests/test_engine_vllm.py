@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import compose_train
+from helpers import compose_train, run_shared
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -52,22 +52,27 @@ def vllm():
 
 
 class _Exports(dict):
-    """family -> export directory, trained by train.py on the default verifier when a test first asks for it."""
+    """family -> export directory, trained by train.py on the default verifier when a test first asks for it: once
+    per test run, whichever xdist worker asks first (the others wait on its lock and find it)."""
 
-    def __init__(self, train_script, root: Path) -> None:
+    def __init__(self, train_script, tmp_path_factory) -> None:
         super().__init__()
-        self.train_script, self.root = train_script, root
+        self.train_script, self.tmp_path_factory = train_script, tmp_path_factory
 
     def __missing__(self, kind: str) -> Path:
-        self[kind] = self.train_script.run(compose_train([f"model={MODEL.get(kind, kind)}", *RECIPE,
-                                                          *EXTRA.get(kind, [])],
-                                                         self.root / kind))
+        with run_shared(self.tmp_path_factory, f"engine-export-{kind}") as root:
+            done = root / "export.path"
+            if not done.is_file():
+                export = self.train_script.run(compose_train([f"model={MODEL.get(kind, kind)}", *RECIPE,
+                                                              *EXTRA.get(kind, [])], root / "run"))
+                done.write_text(str(export))
+            self[kind] = Path(done.read_text())
         return self[kind]
 
 
 @pytest.fixture(scope="session")
 def exports(vllm, train_script, tmp_path_factory):
-    return _Exports(train_script, tmp_path_factory.mktemp("engine-exports"))
+    return _Exports(train_script, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
