@@ -25,11 +25,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
+from eval.protocol import BudgetDrafter, CostProbe, FixedTreeDrafter
 from eval.tree import Tree, auto_tree, rank_probs, tree_buffers
 from models.errors import UserError
 from models.export import ExportInfo
@@ -41,11 +42,11 @@ FALLBACK_SIZE = 16  # tree.size=auto's budget where it cannot be planned (no acc
 SHAPE_TABLE = [[0.6, 0.75, 0.8, 0.85]] * 4  # the shape of the measured trees: bushy, 4 deep, like a Medusa tree
 
 
-def _timed(fn, reps: int) -> float:
-    return _interleaved([fn], reps)[0]
+def timed(fn, reps: int) -> float:
+    return interleaved([fn], reps)[0]
 
 
-def _interleaved(fns: Sequence[Callable[[], Any]], reps: int) -> list[float]:
+def interleaved(fns: Sequence[Callable[[], Any]], reps: int) -> list[float]:
     """ms of each of `fns`: all warmed once, then timed in `reps` rounds, each round calling every fn once, and the
     least of the rounds kept (what the machine does when nothing else runs). Interleaving makes the sizes of a curve
     comparable on a shared machine: a burst of load lands on every size alike instead of on a few."""
@@ -64,14 +65,14 @@ def machine(dtypes: Sequence[str] = ("float32", "bfloat16"), reps: int = 3) -> d
     """Read bandwidth (GB/s, a 256 MiB sum) and matmul peak per dtype (GFLOP/s, 1024x2048 @ 2048x2048), measured with
     the current thread count."""
     big = torch.ones(64 * 2**20)
-    read_ms = min(_timed(lambda: big.sum(), reps) for _ in range(2))
+    read_ms = min(timed(lambda: big.sum(), reps) for _ in range(2))
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "read_gbs": big.numel() * 4 / read_ms / 1e6,
                            "peak_gflops": {}}
     del big
     for name in dtypes:
         dt = getattr(torch, name)
         a, b = torch.randn(1024, 2048).to(dt), torch.randn(2048, 2048).to(dt)
-        ms = min(_timed(lambda: a @ b, reps) for _ in range(2))
+        ms = min(timed(lambda: a @ b, reps) for _ in range(2))
         out["peak_gflops"][name] = 2 * 1024 * 2048 * 2048 / ms / 1e6
     return out
 
@@ -123,40 +124,28 @@ def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] =
 
         return run
 
-    return _interleaved([step(n) for n in sizes], reps)
+    return interleaved([step(n) for n in sizes], reps)
 
 
-def draft_curve(verifier: Verifier, drafter: Any, prefix_ids: Tensor, sizes: Sequence[int] = SIZES,
+def prefix_cache(verifier: Verifier, prefix_ids: Tensor, engine: str = "auto") -> Any:
+    """An empty verifier cache through the decode loops' path (eval.decode), room for the prefix `prefix_ids` (1, P)
+    and one more token: what a drafter's `draft_cost` feeds the prefix through to get M_q's features."""
+    from eval.decode import _Verify  # eval.decode imports nothing from here
+
+    return _Verify(verifier, engine, prefix_ids.shape[1] + 1, 1, 1)
+
+
+def draft_curve(verifier: Verifier, drafter: CostProbe, prefix_ids: Tensor, sizes: Sequence[int] = SIZES,
                 engine: str = "auto", reps: int = 3) -> list[float] | None:
     """Least ms (of `reps` interleaved rounds) of one round's drafting with s = n - 1 drafts, for each n in `sizes`,
     after the prefix `prefix_ids` (1, P) in steady state (the previous round accepted nothing, so one new position
-    comes in). EAGLE: `EagleDrafter.trial` (its layer over the new features, then growing s nodes, each depth a
-    drafter forward and a head over the frontier); P-EAGLE and DFlash: their `trial`, one forward over the depth of
-    the tree s drafts buy; Medusa: one `propose`, the same for every s (its heads run once a round whatever the tree;
-    the tree only indexes their top-k); the hybrid: its primary's (the grafted prompt lookup's string search is left
-    out). None for other drafters."""
-    from eval.decode import _Verify
-    from eval.medusa import MedusaDrafter
-    from eval.eagle import EagleDrafter
-    from eval.hybrid import HybridDrafter
-
-    if isinstance(drafter, HybridDrafter):
-        drafter = drafter.primary
-    if not isinstance(drafter, (MedusaDrafter, EagleDrafter)):
-        return None
-    layers = drafter.feature_layers
-    cache = _Verify(verifier, engine, prefix_ids.shape[1] + 1, 1, 1)
-    root = prefix_ids[:, -1:]  # which token does not change the cost
-    if isinstance(drafter, MedusaDrafter):
-        hidden = cache.forward(prefix_ids, layers=layers).hidden
-        seq = torch.cat([prefix_ids, root], dim=1)
-        one = _timed(lambda: drafter.propose(seq, hidden), reps)
-        return [round(one, 3)] * len(sizes)
-    drafter.propose(prefix_ids, cache.forward(prefix_ids[:, :-1], layers=layers).hidden)  # the prefill
-    drafter.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
-    new = cache.forward(prefix_ids[:, -1:], layers=layers).hidden  # (1, 1, D): the last prefix position
-    seq = torch.cat([prefix_ids, root], dim=1)
-    return [round(t, 3) for t in _interleaved([lambda n=n: drafter.trial(seq, new, n - 1) for n in sizes], reps)]
+    comes in): the drafter's own `draft_cost` (eval.protocol.CostProbe). EAGLE: its `trial` (its layer over the new
+    features, then growing s nodes, each depth a drafter forward and a head over the frontier); P-EAGLE and DFlash:
+    their `trial`, one forward over the depth of the tree s drafts buy; Medusa: one `propose`, the same for every s
+    (its heads run once a round whatever the tree; the tree only indexes their top-k); the hybrid: its primary's
+    (the grafted prompt lookup's string search is left out). None where the drafter says its drafting is not timed
+    (prompt lookup, lookahead, a draft model)."""
+    return drafter.draft_cost(verifier, prefix_ids, sizes, engine, reps)
 
 
 def interpolate(sizes: Sequence[int], ms: Sequence[float], n: int) -> float:
@@ -312,16 +301,20 @@ def auto_size(family: str, export: ExportInfo, curve: Curve, draft: Sequence[flo
     return best_size(curve.sizes, curve.ms, table, draft=draft, min_drafts=FAMILIES[family].min_drafts)
 
 
-def predict(export: ExportInfo, drafter: Any, curve: Curve, draft: Sequence[float] | None = None) -> Plan | None:
-    """What the curve predicts for the drafter as built (a fixed tree, Medusa's: that tree; a dynamic one, EAGLE's:
-    the best tree of its node budget under its table), or None without acceptance estimates."""
+def predict(export: ExportInfo, drafter: FixedTreeDrafter | BudgetDrafter, curve: Curve,
+            draft: Sequence[float] | None = None) -> Plan | None:
+    """What the curve predicts for the drafter as built, or None without acceptance estimates. The export's family
+    says which contract the drafter keeps (its registry `tree`): "fixed" (Medusa, P-EAGLE, DFlash), a
+    FixedTreeDrafter, scored on its `tree`; "dynamic" (EAGLE), a BudgetDrafter, on the best tree of its `size` under
+    the table."""
     table = export.acceptance
     if table is None:
         return None
     if FAMILIES[export.kind].tree == "fixed":
-        tree = drafter.tree
+        tree = cast(FixedTreeDrafter, drafter).tree
         return plan(curve.sizes, curve.ms, 1.0 + sum(tree_values(tree, table)), tree.num_drafts, draft)
-    return plan(curve.sizes, curve.ms, expected_tokens(table, drafter.size), drafter.size, draft)
+    size = cast(BudgetDrafter, drafter).size
+    return plan(curve.sizes, curve.ms, expected_tokens(table, size), size, draft)
 
 
 def for_run(cfg: Any, source: Any, verifier: Verifier, family: str, export: ExportInfo | None, policy: Any,

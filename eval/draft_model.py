@@ -15,6 +15,7 @@ verifier kept, so rejected drafts never stay cached; the prefix check makes a ne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -60,8 +61,10 @@ def load_draft_model(verifier: Verifier, path: str | None = None, layers: int = 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=verifier.dtype, attn_implementation="sdpa")
+        # never the checkpoint's own code (auto_map): the architectures transformers ships only
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=verifier.dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise UserError(f"drafter.path={path!r} could not be loaded as a causal LM with a tokenizer ({e}). Give a "
                         f"Hub id or a local checkpoint directory.") from None
@@ -136,6 +139,15 @@ class DraftModelDrafter:
         if 0 < keep < len(self.cached):
             self._crop(keep)
             self.cached = self.cached[:keep]
+
+    def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
+                   reps: int = 3) -> None:
+        """eval.protocol.CostProbe: not timed, planned as free. Its chain depth is its own setting (tree.depth),
+        which tree.size=auto does not plan; the report measures its drafting time apart."""
+
+    def hf_assistant(self) -> tuple[nn.Module, int]:
+        """eval.protocol.Assistant: this draft model and its depth, for HF assisted generation beside it."""
+        return self.model, self.depth
 
 
 def make_draft_model_drafter(verifier: Verifier, tree: TreePolicy, path: str | None = None,

@@ -22,6 +22,7 @@ budget spent layer by layer (`EagleDrafter._sample_tree` says why that keeps the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from eval.heads import row_head
 from eval.protocol import Draft
 from eval.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
 from eval.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy, auto_tree
-from models.eagle import EagleNet
+from models.eagle import EagleNet, unroll
 from models.errors import UserError
 from models.verifier import Verifier
 
@@ -300,6 +301,20 @@ class EagleDrafter:
         finally:
             self._k, self._v = keys
 
+    def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
+                   reps: int = 3) -> list[float]:
+        """eval.protocol.CostProbe: the prefix's features fed as a prefill, a round that accepted nothing, then
+        `trial` (the round a plan of s drafts pays for: EAGLE's layer over the new features and s nodes grown;
+        P-EAGLE's and DFlash's one forward over the depth s drafts buy) for every size."""
+        from eval.cost import interleaved, prefix_cache  # eval.cost imports no drafter
+
+        cache, layers = prefix_cache(verifier, prefix_ids, engine), self.feature_layers
+        self.propose(prefix_ids, cache.forward(prefix_ids[:, :-1], layers=layers).hidden)  # the prefill
+        self.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+        new = cache.forward(prefix_ids[:, -1:], layers=layers).hidden  # (1, 1, D): the last prefix position
+        seq = torch.cat([prefix_ids, prefix_ids[:, -1:]], dim=1)  # which root does not change the cost
+        return [round(t, 3) for t in interleaved([lambda n=n: self.trial(seq, new, n - 1) for n in sizes], reps)]
+
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         """Roll back to the accepted prefix. The cache already holds committed positions only (drafted keys never
         enter it), so this records that the next round brings 1 + num_accepted new positions."""
@@ -354,3 +369,30 @@ def eagle_drafter(net: EagleNet, config: dict[str, Any], verifier: Verifier, tre
 
     return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids,
                         table=acceptance_table(config, family_of_net(net)))
+
+
+def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], depth: int,
+                keep: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Teacher-forced scoring (eval.offline.score_export; the registry's `teacher_forced`) of an EAGLE drafter,
+    unrolled `depth` steps exactly as in training: (D, B, T) ranks, validity and top-1 probability, as
+    eval.medusa.medusa_ranks; the target of step j at position t is M_q's argmax at t+j+1."""
+    from data.hidden_cache import gather_layers
+    from eval.offline import keep_only, rank_rows
+
+    layers = list(dict.fromkeys([*net.feature_layers, -1]))
+    states = gather_layers(batch, layers, verifier, layers)
+    ids, n = batch["input_ids"], batch["input_ids"].shape[1] - 1
+    q_arg = verifier.lm_head(states[-1]).argmax(-1)  # (B, T): M_q's greedy token after each position
+    embed, vocab = verifier.model.get_input_embeddings(), verifier.vocab_size
+    ranks, valids, confs = [], [], []
+    steps = unroll(net, net.features(states)[:, :n], ids, batch["attention_mask"], batch["loss_mask"].bool(), embed,
+                   depth)
+    for j, step in enumerate(steps):
+        valid, bi, ti = step.valid, step.batch, step.position
+        logits = keep_only(net.logits(step.at_targets, verifier.lm_head).float(), keep)  # (N, V_draft)
+        rank, conf = rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
+        pad = lambda x, v: torch.cat([x, x.new_full((x.shape[0], 1), v)], dim=1)  # (B, n) -> (B, T)
+        ranks.append(pad(rank, vocab))
+        valids.append(pad(valid, False))
+        confs.append(pad(conf, 0.0))
+    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)

@@ -13,7 +13,7 @@ many tokens as the grafted tree alone, and as the primary tree alone whenever no
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -21,6 +21,11 @@ from torch import Tensor
 from eval.protocol import Draft, Drafter
 from eval.tree import Tree
 from models.errors import UserError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from models.verifier import Verifier
 
 
 def graft(primary: Draft, extra: Draft, budget: int) -> tuple[Draft, list[int]]:
@@ -106,3 +111,9 @@ class HybridDrafter:
         origin = torch.tensor(self._origin, device=nodes.device)
         self.primary.accepted(num_accepted, origin[nodes])
         self.extra.accepted(num_accepted, torch.full_like(nodes, -1))
+
+    def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
+                   reps: int = 3) -> list[float] | None:
+        """eval.protocol.CostProbe: the primary's (tree.size=auto plans the primary's budget); the grafted prompt
+        lookup's string search is left out."""
+        return self.primary.draft_cost(verifier, prefix_ids, sizes, engine, reps)

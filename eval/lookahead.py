@@ -29,7 +29,7 @@ Greedy only, as the rest of this loop; the output is plain greedy's token for to
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -37,6 +37,11 @@ from torch import Tensor
 from eval.protocol import Draft
 from eval.tree import Tree
 from models.errors import UserError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from models.verifier import Verifier
 
 
 class LookaheadDrafter:
@@ -143,3 +148,9 @@ class LookaheadDrafter:
 
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         pass  # the next propose finds its window from the positions alone
+
+    def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
+                   reps: int = 3) -> None:
+        """eval.protocol.CostProbe: not timed, planned as free. Its guesses come from the verifier's own forward
+        (`observe`) and a pool look-up, no drafter forward; its window and n-grams are its own options, which
+        tree.size=auto does not plan."""

@@ -9,7 +9,7 @@ first n with a match, take the earliest match whose continuation is not empty an
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -17,6 +17,11 @@ from torch import Tensor
 from eval.protocol import Draft
 from eval.tree import Chain, TreePolicy, chain
 from models.errors import UserError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from models.verifier import Verifier
 
 
 def lookup(tokens: list[int], num_tokens: int, max_ngram_size: int = 3, min_ngram_size: int = 1) -> list[int]:
@@ -67,3 +72,8 @@ class PromptLookupDrafter:
 
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         pass  # stateless
+
+    def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
+                   reps: int = 3) -> None:
+        """eval.protocol.CostProbe: not timed, planned as free. A string search over the tokens so far, no model
+        forward; its chain is its own (drafter.num_tokens), which tree.size=auto does not plan."""

@@ -4,6 +4,7 @@ decoder)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,8 +14,9 @@ from eval.heads import row_head
 from eval.protocol import Draft
 from eval.sampling import SamplingConfig, warp
 from eval.tree import AutoTree, Chain, Tree, TreePolicy, auto_tree, chain, describe, tree_buffers
+from models.eagle import target_rank
 from models.errors import UserError
-from models.medusa import MedusaHeads
+from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import Verifier
 
 
@@ -101,6 +103,17 @@ class MedusaDrafter:
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         pass  # Medusa heads keep no state between rounds
 
+    def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
+                   reps: int = 3) -> list[float]:
+        """eval.protocol.CostProbe: one `propose`, the same ms for every size (the heads run once a round whatever
+        the tree; the tree only indexes their top-k)."""
+        from eval.cost import prefix_cache, timed  # eval.cost imports no drafter
+
+        hidden = prefix_cache(verifier, prefix_ids, engine).forward(prefix_ids, layers=self.feature_layers).hidden
+        seq = torch.cat([prefix_ids, prefix_ids[:, -1:]], dim=1)  # which root does not change the cost
+        one = timed(lambda: self.propose(seq, hidden), reps)
+        return [round(one, 3)] * len(sizes)
+
 
 def medusa_tree(policy: TreePolicy, heads: MedusaHeads, topk_accuracy: list[list[float]] | None) -> tuple[Tree, str]:
     """The fixed tree a Medusa drafter proposes under `policy`, and the policy's name."""
@@ -131,3 +144,24 @@ def medusa_drafter(net: MedusaHeads, config: dict[str, Any], verifier: Verifier,
         lm_head = packed_head(verifier.lm_head) if head_ids is None else row_head(verifier, head_ids)
     return MedusaDrafter(net, shape, lm_head=lm_head, policy=name, sampling=sampling, generator=generator,
                          head_ids=head_ids)
+
+
+def medusa_ranks(heads: MedusaHeads, verifier: Verifier, batch: dict[str, Tensor], depth: int,
+                 keep: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Teacher-forced scoring (eval.offline.score_export; the registry's `teacher_forced`): (D, B, T) ranks of
+    x_{t+d+1} under head d, validity, and the head's top-1 probability; with `keep`, over those tokens only."""
+    from data.hidden_cache import gather_layers
+    from eval.offline import keep_only, rank_rows
+
+    hidden = gather_layers(batch, [-1], verifier, [-1])[-1]  # (B, T, D)
+    vocab = verifier.vocab_size
+    ranks, valids, confs = [], [], []
+    for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)):
+        if k >= depth:
+            break
+        logits = keep_only(heads.head_logits(hidden[valid], k, verifier.lm_head).float(), keep)  # (N, V)
+        rank, conf = rank_rows(logits, targets[valid], valid, vocab, target_rank)
+        ranks.append(rank)
+        valids.append(valid)
+        confs.append(conf)
+    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)

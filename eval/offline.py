@@ -20,8 +20,8 @@ from torch import Tensor
 
 from data.datamodule import collate
 from data.hidden_cache import gather_layers
-from models.eagle import EagleNet, target_rank, unroll
-from models.medusa import MedusaHeads, medusa_targets
+from models.errors import UserError
+from models.families import FAMILIES, family, resolve
 from models.verifier import Verifier
 
 TOPK = (1, 2, 4, 8, 16)
@@ -74,8 +74,10 @@ def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tupl
 
 
 # -- ranks of the verifier's tokens under each drafter (teacher-forced), the input of acceptance_tables -------------
+# Each family's own function computes them (its registry entry's `teacher_forced`: eval.medusa.medusa_ranks,
+# eval.eagle.eagle_ranks), with these two helpers.
 
-def _rank_rows(logits: Tensor, targets: Tensor, valid: Tensor, vocab: int, rank_of) -> tuple[Tensor, Tensor]:
+def rank_rows(logits: Tensor, targets: Tensor, valid: Tensor, vocab: int, rank_of) -> tuple[Tensor, Tensor]:
     """(B, T) ranks of `targets` where `valid` (vocab elsewhere), and the draft's top-1 probability there."""
     rank = torch.full(valid.shape, vocab, dtype=torch.long)
     rank[valid] = rank_of(logits, targets)
@@ -84,7 +86,7 @@ def _rank_rows(logits: Tensor, targets: Tensor, valid: Tensor, vocab: int, rank_
     return rank, conf
 
 
-def _only(logits: Tensor, keep: Tensor | None) -> Tensor:
+def keep_only(logits: Tensor, keep: Tensor | None) -> Tensor:
     """Logits over the full vocabulary with every token outside `keep` impossible (None: unchanged): what a drafter
     trained with train_vocab drafts over, so a target outside them ranks V (a miss)."""
     if keep is None:
@@ -93,59 +95,23 @@ def _only(logits: Tensor, keep: Tensor | None) -> Tensor:
     return logits.masked_fill(outside, float("-inf"))
 
 
-def medusa_ranks(heads: Any, verifier: Verifier, batch: dict[str, Tensor], depth: int,
-                 keep: Tensor | None = None) -> tuple[Tensor, ...]:
-    """(D, B, T) ranks of x_{t+d+1} under head d, validity, and the head's top-1 probability; with `keep`, over
-    those tokens only."""
-    hidden = gather_layers(batch, [-1], verifier, [-1])[-1]  # (B, T, D)
-    vocab = verifier.vocab_size
-    ranks, valids, confs = [], [], []
-    for k, (targets, valid) in enumerate(medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)):
-        if k >= depth:
-            break
-        logits = _only(heads.head_logits(hidden[valid], k, verifier.lm_head).float(), keep)  # (N, V)
-        rank, conf = _rank_rows(logits, targets[valid], valid, vocab, target_rank)
-        ranks.append(rank)
-        valids.append(valid)
-        confs.append(conf)
-    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
-
-
-def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], depth: int,
-                keep: Tensor | None = None) -> tuple[Tensor, ...]:
-    """The same for an EAGLE drafter, unrolled `depth` steps exactly as in training; the target of step j at
-    position t is M_q's argmax at t+j+1."""
-    layers = list(dict.fromkeys([*net.feature_layers, -1]))
-    states = gather_layers(batch, layers, verifier, layers)
-    ids, n = batch["input_ids"], batch["input_ids"].shape[1] - 1
-    q_arg = verifier.lm_head(states[-1]).argmax(-1)  # (B, T): M_q's greedy token after each position
-    embed, vocab = verifier.model.get_input_embeddings(), verifier.vocab_size
-    ranks, valids, confs = [], [], []
-    steps = unroll(net, net.features(states)[:, :n], ids, batch["attention_mask"], batch["loss_mask"].bool(), embed,
-                   depth)
-    for j, step in enumerate(steps):
-        valid, bi, ti = step.valid, step.batch, step.position
-        logits = _only(net.logits(step.at_targets, verifier.lm_head).float(), keep)  # (N, V_draft)
-        rank, conf = _rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
-        pad = lambda x, v: torch.cat([x, x.new_full((x.shape[0], 1), v)], dim=1)  # (B, n) -> (B, T)
-        ranks.append(pad(rank, vocab))
-        valids.append(pad(valid, False))
-        confs.append(pad(conf, 0.0))
-    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
-
-
 def score_export(kind: str, net: Any, verifier: Verifier, rows: list[dict[str, Any]], depth: int,
                  bf16: bool = False, batch_size: int = 8, keep: Tensor | None = None) -> dict[str, Any]:
     """acceptance_tables for one drafter (Medusa heads or an EAGLE net; `kind` names its family) over tokenised answers `rows`
     (input_ids + loss_mask, e.g. the verifier's own answers to held-out prompts), teacher-forced `depth` deep.
     `bf16`: under bf16 autocast, as training's bf16-mixed runs it. `keep`: the tokens the drafter drafts over
-    (an export's `train_ids`; EAGLE-1 and shared-head Medusa), None for all."""
+    (an export's `train_ids`; EAGLE-1 and shared-head Medusa), None for all. The ranks come from the family's own
+    function (its registry entry's `teacher_forced`)."""
+    fam = family(kind, "kind")
+    if fam.teacher_forced is None:
+        raise UserError(f"{fam.title} has no export network to score teacher-forced; score an export of "
+                        f"{', '.join(n for n, f in FAMILIES.items() if f.teacher_forced)}.")
+    ranks_of = resolve(fam.teacher_forced)
     ranks, valids, confs, masks = [], [], [], []
     for i in range(0, len(rows), batch_size):
         batch = collate(rows[i : i + batch_size], verifier.tokenizer.pad_token_id or 0)
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            r, v, c = (medusa_ranks(net, verifier, batch, depth, keep) if isinstance(net, MedusaHeads)
-                       else eagle_ranks(net, verifier, batch, depth, keep))
+            r, v, c = ranks_of(net, verifier, batch, depth, keep)
         ranks += list(r.unbind(1))
         valids += list(v.unbind(1))
         confs += list(c.unbind(1))

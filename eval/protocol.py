@@ -11,12 +11,16 @@ drafter with its own KV cache (EAGLE, a draft model) can roll it back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from eval.tree import Tree
+
+if TYPE_CHECKING:
+    from models.verifier import Verifier
 
 
 @dataclass
@@ -61,4 +65,46 @@ class Drafter(Protocol):
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         """Told after verification: `num_accepted` (B,) drafts were accepted, on tree nodes `nodes` (B, 1+A)
         counted from the root, in the draft just verified."""
+        ...
+
+
+# -- what the planner (eval.cost: tree.size=auto, the predicted speedup) calls on a drafter ------------------------
+
+@runtime_checkable
+class CostProbe(Protocol):
+    """A drafter that says what one round's drafting costs: every drafter of this project (eval.cost.draft_curve
+    calls nothing else, so no family is planned as free unless its own module says so)."""
+
+    def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
+                   reps: int = 3) -> list[float] | None:
+        """ms of one round's drafting with s = n - 1 drafts for each n in `sizes`, the least of `reps` interleaved
+        rounds (eval.cost.interleaved), after the prefix `prefix_ids` (1, P) in steady state: the previous round
+        accepted nothing, so one new position comes in. The verifier's features come through `engine`'s path
+        (eval.cost.prefix_cache). Leaves the drafter as a fresh one of its kind would be after that prefix.
+        None: drafting is not timed, and the plan counts it as free; a drafter returning None says why in its
+        docstring."""
+        ...
+
+
+class FixedTreeDrafter(Protocol):
+    """A drafter whose family drafts one tree every round (its registry entry's `tree` is "fixed": Medusa,
+    P-EAGLE, DFlash); eval.cost.predict scores that tree under the export's acceptance table."""
+
+    tree: Tree  # the tree every round fills
+
+
+class BudgetDrafter(Protocol):
+    """A drafter whose family grows its tree each round within a node budget (registry `tree` "dynamic": EAGLE);
+    eval.cost.predict scores the best tree of that budget under the export's acceptance table."""
+
+    size: int  # the drafts a round may grow (its node budget, root excluded)
+
+
+@runtime_checkable
+class Assistant(Protocol):
+    """A drafter that Hugging Face assisted generation can run as well (a draft model): the harness adds HF's
+    `generate(assistant_model=...)` as a reference beside it (eval.runner.assistant_of)."""
+
+    def hf_assistant(self) -> tuple[nn.Module, int]:
+        """The model to pass as `assistant_model` and the drafts per round it proposes (`num_assistant_tokens`)."""
         ...

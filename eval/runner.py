@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 from data.chat import prompt_ids
 from data.prompts import Conversation
 from eval.decode import DecodeResult, sample_decode, speculative_decode
-from eval.protocol import Drafter
+from eval.protocol import Assistant, Drafter
 from eval.report import SPECULATIVE, Sample
 from eval.sampling import SamplingConfig
 from models.errors import UserError
@@ -40,11 +40,9 @@ def check_length(verifier: Verifier, ids: list[int], max_new_tokens: int, where:
 
 
 def assistant_of(drafter: Drafter) -> tuple[Any | None, int]:
-    """The draft model HF assisted generation can use as `assistant_model` and its depth, or (None, 0) for a drafter
-    that is no draft model."""
-    from eval.draft_model import DraftModelDrafter
-
-    return (drafter.model, drafter.depth) if isinstance(drafter, DraftModelDrafter) else (None, 0)
+    """The model HF assisted generation can use as `assistant_model` and its drafts per round, for a drafter that
+    offers one (eval.protocol.Assistant: a draft model), or (None, 0)."""
+    return drafter.hf_assistant() if isinstance(drafter, Assistant) else (None, 0)
 
 
 class Runner:

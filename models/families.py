@@ -68,6 +68,8 @@ class Family:
     serve: vLLM's speculative method for its export (models/vllm_engine.py), or None.
     serve_options: further --speculative-config keys that method needs for this family (P-EAGLE: vLLM serves it
         as eagle3 with parallel drafting).
+    teacher_forced: for a family with an export, the function eval/offline.py scores its network with, teacher-
+        forced: `(net, verifier, batch, depth, keep) -> (ranks, valid, top-1 probability)`, each (D, B, T).
     """
 
     name: str
@@ -83,6 +85,7 @@ class Family:
     min_drafts: int = 0
     serve: str | None = None
     serve_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys vLLM needs for it
+    teacher_forced: str | None = None
 
     @property
     def has_export(self) -> bool:
@@ -96,13 +99,14 @@ _EAGLE_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("medusa", "Medusa", drafter="eval.families.export", decoder="eval.medusa.medusa_drafter",
            training="train.medusa.MedusaModule", network=MedusaHeads, needs_export=True, tree="fixed",
-           acceptance=("medusa_topk_accuracy",), serve="medusa",
+           acceptance=("medusa_topk_accuracy",), serve="medusa", teacher_forced="eval.medusa.medusa_ranks",
            export=ExportFormat(("MedusaModel",), medusa_layout, medusa_from_layout, model_type="medusa",
                                reference_weights=("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
                                to_reference=ref.medusa_to_reference, from_reference=ref.medusa_from_reference)),
     Family("eagle", "EAGLE-1", drafter="eval.families.export", decoder="eval.eagle.eagle_drafter",
            training="train.eagle.EagleModule", network=Eagle1Net, needs_export=True, tree="dynamic",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle",
+           teacher_forced="eval.eagle.eagle_ranks",
            export=ExportFormat(_EAGLE_ARCHS, eagle_layout, partial(eagle_from_layout, "eagle"),
                                reference_weights=("pytorch_model.bin", "model.safetensors"),
                                to_reference=partial(ref.eagle_to_reference, "eagle"),
@@ -110,6 +114,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("eagle3", "EAGLE-3", drafter="eval.families.export", decoder="eval.eagle.eagle_drafter",
            training="train.eagle.EagleModule", network=Eagle3Net, needs_export=True, tree="dynamic",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
+           teacher_forced="eval.eagle.eagle_ranks",
            export=ExportFormat(("LlamaForCausalLMEagle3",), eagle_layout, partial(eagle_from_layout, "eagle3"),
                                reads=("Eagle3LlamaForCausalLM",),
                                reference_weights=("model.safetensors", "pytorch_model.bin"),
@@ -119,12 +124,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("peagle", "P-EAGLE", drafter="eval.families.export", decoder="eval.peagle.peagle_drafter",
            training="train.peagle.PEagleModule", network=PEagleNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
+           teacher_forced="eval.eagle.eagle_ranks",
            serve_options=(("parallel_drafting", True),),
            export=ExportFormat(("PeagleLlamaForCausalLM",), peagle_layout, peagle_from_layout,
                                speculators_type="peagle")),
     Family("dflash", "DFlash", drafter="eval.families.export", decoder="eval.dflash.dflash_drafter",
            training="train.dflash.DFlashModule", network=DFlashNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="dflash",
+           teacher_forced="eval.eagle.eagle_ranks",
            export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash")),
     Family("draft_model", "draft model", drafter="eval.families.draft_model",
            training="train.draft_model.DraftModelModule"),

@@ -53,7 +53,7 @@ def main() -> None:
         assert bounded[0] == full[0] and torch.equal(bounded[1], full[1]), n
     fns = [lambda n=n, b=b: drafter._expand(root_out, drafter.depth, drafter.topk, n, bound_frontier=b)
            for n in SIZES for b in (True, False)]
-    runs = [cost._interleaved(fns, 1) for _ in range(args.rounds)]
+    runs = [cost.interleaved(fns, 1) for _ in range(args.rounds)]
     med = [statistics.median(r[i] for r in runs) for i in range(len(fns))]
     print(f"{args.export}: {args.dtype}, {args.threads} thread(s), depth {drafter.depth}, topk {drafter.topk}, "
           f"prefix {prefix.shape[1]}, median of {args.rounds} interleaved rounds")

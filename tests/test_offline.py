@@ -109,7 +109,7 @@ def test_ranks_over_the_training_rows_of_a_train_vocab_export():
     """Offline scoring of a drafter trained with train_vocab ranks over the rows it drafts over: a target inside them
     gets its rank among them, one outside is a miss (rank V)."""
     from helpers import varied_llama
-    from eval.offline import medusa_ranks
+    from eval.medusa import medusa_ranks
     from models.medusa import MedusaHeads, medusa_targets
 
     v = varied_llama()
@@ -137,7 +137,7 @@ def test_ranks_over_the_training_rows_of_a_train_vocab_export():
             assert torch.equal(sub[k][ok], want)
             torch.testing.assert_close(conf[k][ok], logits.softmax(-1).amax(-1))
     # EAGLE-1 the same way: M_q's argmax outside the kept rows is a miss, inside it ranks among them.
-    from eval.offline import eagle_ranks
+    from eval.eagle import eagle_ranks
     from models.eagle import build_eagle
 
     torch.manual_seed(0)
