@@ -242,11 +242,19 @@ def test_train_depth1_top1_is_the_last_epochs_tally(tmp_path):
     from train.base import DrafterModule
 
     class Counting(DrafterModule):
+        hidden_layers = [-1]
+
         def __init__(self) -> None:
             super().__init__()
             self.w = torch.nn.Parameter(torch.ones(1))
             self.optimizer_factory = functools.partial(torch.optim.SGD, lr=0.1)
             self.scheduler_factory = None
+
+        def export(self, path):  # DrafterModule's contract; this test exports nothing
+            raise AssertionError("not exported here")
+
+        def activation_estimate(self, tokens, hidden, intermediate, width):
+            return 0.0, "none"
 
         def training_step(self, batch, batch_idx):
             self.count_depth1(torch.tensor(float(self.current_epoch * (batch_idx + 1))), torch.tensor(4.0))

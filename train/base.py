@@ -7,6 +7,8 @@ The verifier is a plain object (never a submodule), so `parameters()` are the dr
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -21,9 +23,34 @@ from models.distributed import token_share, world
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 
 
-class DrafterModule(L.LightningModule):
+class DrafterModule(L.LightningModule, ABC):
     """Subclasses set `self.optimizer_factory` (a partial optimizer), `self.scheduler_factory` (a partial schedule
-    taking (optimizer, num_warmup_steps, num_training_steps), or None) and save `warmup_ratio` in their hparams."""
+    taking (optimizer, num_warmup_steps, num_training_steps), or None) and save `warmup_ratio` in their hparams.
+
+    What train.py, train/export.py and train/memory.py call on every training module is declared here: the abstract
+    `hidden_layers`, `export` and `activation_estimate` each family's module implements, and `uses_verifier_argmax`,
+    `warm_start`, `trained_steps` and `train_summary` with their defaults."""
+
+    @property
+    @abstractmethod
+    def hidden_layers(self) -> list[int]:
+        """The verifier hidden states training reads, as ids into HF's `output_hidden_states` (-1: the final-normed
+        last layer, the lm_head input); train.py hands them to the data module, whose offline mode caches them."""
+
+    @abstractmethod
+    def export(self, path: str | Path) -> Path:
+        """Write the trained drafter in its family's on-disk format at `path` (train/export.py calls it on fit end,
+        train.py after validate_only); returns the export directory."""
+
+    @abstractmethod
+    def activation_estimate(self, tokens: int, hidden: int, intermediate: int, width: int) -> tuple[float, str]:
+        """The drafter's activations kept for the backward of one step over `tokens` = B x T positions, for a
+        verifier of `hidden` / `intermediate` sizes in `width`-byte values: (bytes, how they were counted, as
+        train/memory.py prints it). An estimate, stated by its formula."""
+
+    # True: the module's targets read M_q's full-vocabulary argmax, which offline mode then caches beside the hidden
+    # states (train.py sets the data module's `verifier_argmax` from it).
+    uses_verifier_argmax: bool = False
 
     _tick = 0.0
     _epoch_start: float | None = None  # when this epoch's first training batch started

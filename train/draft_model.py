@@ -26,6 +26,7 @@ from models.errors import NonFiniteLossError
 from models.verifier import Verifier
 from train.base import DrafterModule
 from train.export import data_record
+from train.memory import layer_activations
 from train.safety import last_good_advice
 
 
@@ -53,6 +54,10 @@ class DraftModelModule(DrafterModule):
     """
 
     hidden_layers = [-1]  # verifier hidden states training reads: the final-normed last layer (the lm_head input)
+
+    def activation_estimate(self, tokens: int, hidden: int, intermediate: int, width: int) -> tuple[float, str]:
+        """train/memory.py's drafter row: its `num_layers` verifier layers, one step."""
+        return layer_activations(self.hparams, tokens, hidden, intermediate, width)
 
     def __init__(
         self,

@@ -32,6 +32,7 @@ from models.verifier import Verifier
 from train.fused_head import frozen_head_ce, soft_target_ce
 from train.base import TOPK, DrafterModule
 from train.export import data_record
+from train.memory import layer_activations
 from train.safety import last_good_advice
 
 
@@ -122,6 +123,11 @@ class EagleModule(DrafterModule):
         """Verifier hidden states training reads (ids into HF output_hidden_states): the drafter's features and the
         final-normed last layer (-1), whose lm_head gives q and, for EAGLE-1, the feature targets."""
         return list(dict.fromkeys([*self.net.feature_layers, -1]))
+
+    def activation_estimate(self, tokens: int, hidden: int, intermediate: int, width: int) -> tuple[float, str]:
+        """train/memory.py's drafter row: its layers once per unrolled training step (`ttt_steps`; P-EAGLE's
+        parallel tokens; DFlash's `num_layers`)."""
+        return layer_activations(self.hparams, tokens, hidden, intermediate, width)
 
     @property
     def uses_verifier_argmax(self) -> bool:

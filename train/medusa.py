@@ -80,6 +80,11 @@ class MedusaModule(DrafterModule):
 
     hidden_layers = [-1]  # verifier hidden states training reads: the final-normed last layer (the lm_head input)
 
+    def activation_estimate(self, tokens: int, hidden: int, intermediate: int, width: int) -> tuple[float, str]:
+        """train/memory.py's drafter row: each head's residual blocks keep about 4 H values per position."""
+        heads = self.hparams.num_heads
+        return int(heads) * tokens * 4 * hidden * width, f"~ {heads} heads x B x T x 4H x {width} B"
+
     # -- the shared step -------------------------------------------------------------------------------------------
     def model_step(self, batch: dict[str, Tensor], train: bool = False) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
         """Returns (loss, per-head losses, per-head hit counts (K, TOPK): top-1..top-10 in validation, top-1 only in

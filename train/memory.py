@@ -8,19 +8,23 @@ The activation terms are estimates, stated by formula (B = batch size, T = max l
 hidden and MLP sizes, L its layers, b = 2 bytes in bf16, 4 in fp32):
   verifier forward: (L + 1) x B x T x H x b (every layer's output kept for the hidden states read) plus one
     layer's MLP, 2 x B x T x I x b; zero when the hidden states come from the offline cache.
-  drafter: per drafter layer and unrolled step, B x T x (10 H + 4 I) x b (attention inputs, scores by flash-style
-    kernels not counted, MLP); Medusa: heads x B x T x 4 H x b; plus the fused head's chunk of logits
-    (train/fused_head.py: 2 x 512 rows x V in fp32).
+  drafter: what its training module says (DrafterModule.activation_estimate): per drafter layer and unrolled
+    step, B x T x (10 H + 4 I) x b (`layer_activations`: attention inputs, scores by flash-style kernels not
+    counted, MLP; EAGLE, P-EAGLE, DFlash, a draft model); Medusa: heads x B x T x 4 H x b; plus the fused head's
+    chunk of logits (train/fused_head.py: 2 x 512 rows x V in fp32).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-
-import lightning as L
+from typing import TYPE_CHECKING, Any
 
 from models.verifier import Verifier
 from train.fused_head import CHUNK
+
+if TYPE_CHECKING:
+    from train.base import DrafterModule
 
 GIB = 2**30
 
@@ -45,7 +49,17 @@ def _bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def plan_memory(verifier: Verifier, module: L.LightningModule, batch_size: int, max_length: int, world: int = 1,
+def layer_activations(hparams: Mapping[str, Any], tokens: int, hidden: int, intermediate: int,
+                      width: int) -> tuple[float, str]:
+    """A transformer drafter's activations: its `num_layers` layers (hparams, default 1) once per unrolled step
+    (`ttt_steps`, default 1), B x T x (10 H + 4 I) values each; (bytes, how)."""
+    steps = int(hparams.get("ttt_steps", 1) or 1)
+    layers = int(hparams.get("num_layers", 1) or 1)
+    return (steps * layers * tokens * (10 * hidden + 4 * intermediate) * width,
+            f"~ {steps} unrolled step(s) x {layers} layer(s) x B x T x (10H + 4I) x {width} B")
+
+
+def plan_memory(verifier: Verifier, module: DrafterModule, batch_size: int, max_length: int, world: int = 1,
                 shard_verifier: bool = False, offline: bool = False, precision: str = "bf16-mixed") -> MemoryPlan:
     model = verifier.model
     layers = model.get_decoder().layers
@@ -65,17 +79,8 @@ def plan_memory(verifier: Verifier, module: L.LightningModule, batch_size: int, 
     H, I, Lv = verifier.hidden_size, int(getattr(cfg, "intermediate_size", 4 * verifier.hidden_size)), len(layers)
     b = 2 if "bf16" in str(precision) or "16" in str(precision) else 4
     tokens = batch_size * max_length
-    hp = getattr(module, "hparams", {})
-    steps = int(hp.get("ttt_steps", 1) or 1)
-    heads = hp.get("num_heads")
-    draft_layers = int(hp.get("num_layers", 1) or 1)
     verifier_act = 0.0 if offline else tokens * H * b * (Lv + 1) + 2 * tokens * I * b
-    if heads and module.__class__.__name__.startswith("Medusa"):
-        drafter_act = int(heads) * tokens * 4 * H * b
-        how = f"~ {heads} heads x B x T x 4H x {b} B"
-    else:
-        drafter_act = steps * draft_layers * tokens * (10 * H + 4 * I) * b
-        how = f"~ {steps} unrolled step(s) x {draft_layers} layer(s) x B x T x (10H + 4I) x {b} B"
+    drafter_act, how = module.activation_estimate(tokens, H, I, b)
     head_chunk = 2 * CHUNK * verifier.vocab_size * 4  # logits and their softmax, one chunk at a time
     return MemoryPlan([
         verifier_row,
