@@ -39,7 +39,8 @@ def check_block_size(block_size: Any, window: int | None = None, where: str = "m
                         f">= 2 (DFlash's published recipes use 8 or 16).")
     if window is not None and block_size >= window:
         raise UserError(f"{where}={block_size}: the verifier's window ({window} positions) cannot hold a block of "
-                        f"{block_size} after a prompt; use a smaller block.")
+                        f"{block_size} after a prompt; use a block_size below {window} (an export: retrain it with a "
+                        f"smaller model.block_size).")
     return int(block_size)
 
 
@@ -234,7 +235,9 @@ def dflash_layout(net: DFlashNet, verifier: Any) -> tuple[dict[str, Any], dict[s
 
 def dflash_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Any,
                        reference: bool) -> tuple[DFlashNet, None]:
-    """The DFlash network an export holds, checked against the verifier's shapes."""
+    """The DFlash network an export holds, checked against the verifier's shapes and the settings an engine reads:
+    the draft layers' (models.eagle_export.check_draft_layer) and a block_size the window holds."""
+    from models.eagle_export import check_draft_layer
     from models.io import load_state, require_ints
 
     where = file.parent / "config.json"
@@ -245,13 +248,18 @@ def dflash_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
                         f"the drafter.")
     aux = [int(k) + 1 for k in dconf["target_layer_ids"]]
     lc = layer_config(verifier)
+    check_draft_layer(config, verifier, where, required=not reference)
+    # The window a block must fit: the verifier's, and the one the export tells an engine (max_position_embeddings).
+    windows = [w for w in (getattr(verifier.config, "max_position_embeddings", None),
+                           config.get("max_position_embeddings")) if isinstance(w, int) and not isinstance(w, bool)]
+    block_size = check_block_size(config["block_size"], min(windows) if windows else None, f"{where}: block_size")
     fc = tensors.get("fc.weight")
     if fc is None or tuple(fc.shape) != (lc["hidden_size"], len(aux) * lc["hidden_size"]):
         raise UserError(f"{file}: fc.weight is {None if fc is None else tuple(fc.shape)}; this verifier and "
                         f"{len(aux)} target layers need {(lc['hidden_size'], len(aux) * lc['hidden_size'])}. Pass the "
                         f"verifier the drafter was trained on.")
     net = DFlashNet(mask_token_id=check_mask_token(dconf["mask_token_id"], lc["vocab_size"], f"{where}: mask_token_id"),
-                    block_size=check_block_size(config["block_size"], where=f"{where}: block_size"),
+                    block_size=block_size,
                     num_layers=int(config["num_hidden_layers"]), aux_layer_ids=aux, **lc)
     load_state(net, tensors, file)
     return net, None

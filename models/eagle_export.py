@@ -7,6 +7,8 @@ EAGLE-3's feature layers are written twice, once per engine's convention (`aux_l
 
 from __future__ import annotations
 
+import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,52 @@ def draft_layer_config(verifier: Any, model_type: str, num_layers: int) -> dict[
     }
 
 
+# The draft layer's settings an engine reads from the export (not from the verifier) and this toolkit's layer takes from
+# the verifier: each must be in an export this toolkit wrote, and equal to the verifier's.
+ENGINE_LAYER_KEYS = ("num_attention_heads", "rope_theta", "rms_norm_eps")
+
+
+def check_draft_layer(config: dict[str, Any], verifier: Any, where: str | Path, required: bool = True) -> None:
+    """Refuse an export config whose draft-layer settings an engine would read otherwise than this toolkit runs the
+    layer (which copies them from the verifier: draft_layer_config): ENGINE_LAYER_KEYS missing (when `required`, i.e.
+    an export this toolkit wrote) or other than the verifier's, a head count or head size other than the verifier's.
+    One message each, naming the field, the value seen, the value expected and the fix. A reference-layout checkpoint
+    (`required` False: it names no verifier, and its layer is rebuilt from the one given) is warned about instead."""
+    lc = layer_config(verifier)
+    fix = ("Re-export the drafter (python -m scripts.convert from-reference <this folder> <new folder>), or pass the "
+           "verifier it was trained on")
+    missing = [k for k in ENGINE_LAYER_KEYS if config.get(k) is None]
+    if required and missing:
+        raise UserError(f"{where}: {missing[0]} is missing (expected {lc[missing[0]]!r}, the verifier's): an engine "
+                        f"would build the draft layer with its own default. {fix}.")
+
+    def refuse(key: str, seen: Any, expected: Any, why: str) -> None:
+        message = f"{where}: {key}={seen!r} but the verifier's is {expected!r}: {why}"
+        if not required:
+            warnings.warn(f"{message}. This toolkit reads the reference checkpoint with the verifier's value (and "
+                          f"writes it when converting); check that it is the verifier the drafter was trained on.",
+                          stacklevel=4)
+            return
+        raise UserError(f"{message}. {fix}.")
+
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+        seen = config.get(key)
+        if seen is not None and (isinstance(seen, bool) or not isinstance(seen, int) or seen != lc[key]):
+            refuse(key, seen, lc[key], "an engine would split the draft layer's attention otherwise than it was "
+                                       "trained")
+    for key in ("rope_theta", "rms_norm_eps"):  # the layer copies the verifier's
+        seen = config.get(key)
+        if seen is not None and (isinstance(seen, bool) or not isinstance(seen, (int, float))
+                                 or not math.isclose(float(seen), lc[key], rel_tol=1e-6)):
+            refuse(key, seen, lc[key], "this toolkit runs the draft layer with the verifier's value and an engine "
+                                       "with the export's, so the two would draft differently")
+    heads, size = config.get("num_attention_heads"), config.get("hidden_size", lc["hidden_size"])
+    if config.get("head_dim") is None and isinstance(heads, int) and heads > 0 and isinstance(size, int):
+        if size // heads != lc["head_dim"]:
+            refuse("head_dim", f"hidden_size / num_attention_heads = {size}/{heads}", lc["head_dim"],
+                   "with no head_dim an engine takes hidden_size // num_attention_heads; set head_dim")
+
+
 def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The config keys and tensors of an EAGLE-1 or EAGLE-3 export (`architectures` comes from the registry)."""
     lc = layer_config(verifier)
@@ -76,13 +124,15 @@ def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str
     return config, tensors
 
 
-def aux_layer_ids(config: dict[str, Any], num_layers: int, file: str | Path = "config.json") -> list[int]:
+def aux_layer_ids(config: dict[str, Any], num_layers: int, file: str | Path = "config.json",
+                  required: bool = False) -> list[int]:
     """An EAGLE-3 export's feature layers in this project's convention (id k = input of layer k = HF
     `hidden_states[k]`), refusing ids that an engine would read differently.
 
     The top-level `eagle_aux_hidden_state_layer_ids` is this convention (vLLM reads it); `eagle_config.
     eagle_aux_hidden_state_layer_ids` must then be each id minus 1 (SGLang adds 1). An older export with only the
-    nested key stored this convention there; none at all = the engines' default [2, L//2, L-3]."""
+    nested key stored this convention there; none at all = the engines' default [2, L//2, L-3], refused when
+    `required` (an export this toolkit wrote always records the layers it was trained on)."""
     top = config.get("eagle_aux_hidden_state_layer_ids")
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if top is not None:
@@ -97,6 +147,10 @@ def aux_layer_ids(config: dict[str, Any], num_layers: int, file: str | Path = "c
         check_aux_layers(nested, num_layers, f"{file}: eagle_config.eagle_aux_hidden_state_layer_ids")
         return list(nested)
     default = [2, num_layers // 2, num_layers - 3]
+    if required:
+        raise UserError(f"{file}: eagle_aux_hidden_state_layer_ids is missing: vLLM would feed the drafter its default "
+                        f"layers {default}, not necessarily the ones it was trained on. Set it to the ids the drafter "
+                        f"was trained with (the run's model.aux_layer_ids), or re-export the drafter.")
     check_aux_layers(default, num_layers, f"{file}: no eagle_aux_hidden_state_layer_ids, so the engines' default")
     return default
 
@@ -144,8 +198,9 @@ def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tens
     if int(fc.shape[0]) != lc["hidden_size"]:
         raise UserError(f"{file}: fc.weight {tuple(fc.shape)} is for a hidden size of {fc.shape[0]}, but the verifier's "
                         f"hidden_size is {lc['hidden_size']}. Pass the verifier the drafter was trained on.")
+    check_draft_layer(config, verifier, file.parent / "config.json", required=not reference)
     if kind == "eagle3":
-        aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json")
+        aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json", required=not reference)
         draft = min(int(config.get("draft_vocab_size") or lc["vocab_size"]), lc["vocab_size"])
         _draft_vocab(tensors, draft, lc["vocab_size"], file)
         net: EagleNet = Eagle3Net(draft_vocab_size=draft, aux_layer_ids=aux, fc_norm=_flag(config, "fc_norm", file),
@@ -178,7 +233,8 @@ def peagle_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
                         f"as drafter=eagle3).")
     mask = check_mask_token(config.get("mask_token_id"), lc["vocab_size"], f"{file.parent / 'config.json'}: mask_token_id")
     parallel = check_parallel(config.get("parallel_tokens", 4), f"{file.parent / 'config.json'}: parallel_tokens")
-    aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json")
+    check_draft_layer(config, verifier, file.parent / "config.json", required=not reference)
+    aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json", required=not reference)
     draft = min(int(config.get("draft_vocab_size") or lc["vocab_size"]), lc["vocab_size"])
     _draft_vocab(tensors, draft, lc["vocab_size"], file)
     hidden = tensors["mask_hidden"].reshape(-1)

@@ -40,6 +40,19 @@ LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_h
               "head_dim", "num_hidden_layers", "rms_norm_eps", "rope_theta", "attention_bias", "hidden_act",
               "vocab_size", "max_position_embeddings", "tie_word_embeddings", "torch_dtype", "dtype")
 DEFAULT_SPECULATIVE_TOKENS = 3
+# What vLLM reads from transformer_layer_config and fills with its own default when absent (the family's reader checks
+# the values against the verifier: models.eagle_export.check_draft_layer).
+ENGINE_LAYER_KEYS = ("num_attention_heads", "rope_theta", "rms_norm_eps")
+
+
+def _check_layer_keys(layer: dict[str, Any], file: str) -> None:
+    """Refuse a transformer_layer_config without one of ENGINE_LAYER_KEYS: vLLM builds the draft layer from that dict
+    alone, so a value found elsewhere in the config is not the one it would use."""
+    missing = [k for k in ENGINE_LAYER_KEYS if layer.get(k) is None]
+    if missing:
+        raise UserError(f"{file}: transformer_layer_config.{missing[0]} is missing: vLLM builds the draft layer from "
+                        f"transformer_layer_config and would use its own default. Set it to the verifier's "
+                        f"{missing[0]}, or re-export the drafter.")
 
 
 def is_speculators(config: dict[str, Any]) -> bool:
@@ -127,6 +140,7 @@ def _dflash_to_speculators(flat: dict[str, Any], verifier: str, architectures: l
 def _dflash_flatten(config: dict[str, Any], file: str) -> dict[str, Any]:
     """vLLM's `dflash` speculators config back as DFlash's reference-layout config (models/dflash.py reads it)."""
     layer = config["transformer_layer_config"]
+    _check_layer_keys(layer, file)
     for key in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
         if key not in config:
             raise UserError(f"{file}: speculators_model_type='dflash' needs {key}, which is missing: not a DFlash "
@@ -178,6 +192,7 @@ def flatten(config: dict[str, Any], file: str = "config.json") -> dict[str, Any]
     if not isinstance(layer, dict) or "hidden_size" not in layer:
         raise UserError(f"{file}: transformer_layer_config is missing or has no hidden_size: the speculators format "
                         f"needs the drafter layer's Hugging Face config there. Re-export the drafter.")
+    _check_layer_keys(layer, file)
     spec = config.get("speculators_config")
     if not isinstance(spec, dict):
         raise UserError(f"{file}: speculators_config is missing: it names the algorithm, the proposal methods and the "

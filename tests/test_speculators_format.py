@@ -104,3 +104,65 @@ def test_a_missing_or_wrong_vllm_interpreter_is_named_with_the_fix(tmp_path, mon
         vllm_engine.vllm_python()
     with pytest.raises(UserError, match="does not serve 'draft_model' drafters"):
         vllm_engine.speculative_config("draft_model", tmp_path, 3)
+
+
+# -- the layer settings an engine reads from the export, checked against the verifier (issue 54) ----------------------
+
+def _layer(c: dict) -> dict:
+    return c["transformer_layer_config"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: _layer(c).pop("rope_theta"), r"transformer_layer_config.rope_theta is missing"),
+    (lambda c: _layer(c).pop("num_attention_heads"), r"transformer_layer_config.num_attention_heads is missing"),
+    (lambda c: _layer(c).__setitem__("rope_theta", 500000.0), r"rope_theta=500000.0 but the verifier's is 10000.0"),
+    (lambda c: _layer(c).__setitem__("rms_norm_eps", 1e-5), r"rms_norm_eps=1e-05 but the verifier's is 1e-06"),
+    (lambda c: _layer(c).__setitem__("num_attention_heads", 2), r"num_attention_heads=2 but the verifier's is 4"),
+    (lambda c: _layer(c).__setitem__("head_dim", 32), r"head_dim=32 but the verifier's is 16"),
+    (lambda c: c.pop("eagle_aux_hidden_state_layer_ids"), r"eagle_aux_hidden_state_layer_ids is missing: vLLM would "
+                                                          r"feed the drafter its default layers"),
+    (lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", [1, 2, 4]), r"\[4\] out of range 0..3"),
+])
+def test_layer_settings_vllm_reads_that_are_missing_or_contradict_the_verifier_are_refused(eagle3_export, tiny4,
+                                                                                          edit, message):
+    """Each of these loaded silently before (this toolkit runs the layer with the verifier's values, vLLM with the
+    export's, or its own defaults where one is missing): now one message naming the field, the values and the fix."""
+    cfg = json.loads((eagle3_export / "config.json").read_text())
+    edit(cfg)
+    (eagle3_export / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=message) as info:
+        load_export(eagle3_export, tiny4)
+    assert "e3/config.json" in str(info.value)
+
+
+def test_an_eagle1_export_without_its_layer_settings_is_refused(tiny4, tmp_path):
+    path = save_export(build_eagle("eagle", tiny4), tiny4, tmp_path / "e1")
+    cfg = json.loads((path / "config.json").read_text())
+    load_export(path, tiny4)
+    cfg.pop("rms_norm_eps")
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"e1/config.json: rms_norm_eps is missing \(expected 1e-06, the verifier's\)"
+                                        r".*from-reference"):
+        load_export(path, tiny4)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: (c.__setitem__("block_size", 2048), c["speculators_config"]["proposal_methods"][0].__setitem__(
+        "speculative_tokens", 2047)), r"block_size=2048: the verifier's window \(2048 positions\) cannot hold"),
+    (lambda c: _layer(c).__setitem__("max_position_embeddings", 4), r"block_size=4: .*window \(4 positions\)"),
+    (lambda c: (c.__setitem__("block_size", 1), c["speculators_config"]["proposal_methods"][0].__setitem__(
+        "speculative_tokens", 0)), r"block_size=1: .* >= 2"),
+    (lambda c: _layer(c).__setitem__("rope_theta", 1e6), r"rope_theta=1000000.0 but the verifier's is 10000.0"),
+    (lambda c: _layer(c).pop("rms_norm_eps"), r"transformer_layer_config.rms_norm_eps is missing"),
+])
+def test_a_dflash_export_whose_block_or_layer_settings_do_not_fit_is_refused(tiny4, tmp_path, edit, message):
+    from models.dflash import build_dflash
+
+    path = save_export(build_dflash(tiny4, 16, block_size=4, aux_layer_ids=[0, 1]), tiny4, tmp_path / "df")
+    assert load_export(path, tiny4).net.block_size == 4
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=message) as info:
+        load_export(path, tiny4)
+    assert "df/config.json" in str(info.value)
