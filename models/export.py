@@ -33,7 +33,9 @@ from models import speculators_format as spec
 from models.errors import UserError
 from models.families import FAMILIES, family_of_config, family_of_net, title
 from models.io import atomic_dir
-from models.shipped_export import expand
+from models.export_folder import check_replaceable
+from models.export_folder import is_project_export as _is_project_export
+from models.shipped_export import check_manifest, expand
 from models.verifier import Verifier, check_fingerprint, verifier_source
 
 CONFIG_NAME = "config.json"
@@ -83,13 +85,6 @@ def _raw_config(path: Path) -> dict[str, Any]:
         raise UserError(f"{cfg_file} holds a JSON {type(config).__name__}, not an object of config keys; "
                         f"re-export the checkpoint.")
     return spec.flatten(config, str(cfg_file)) if spec.is_speculators(config) else config
-
-
-def _is_project_export(config: dict[str, Any]) -> bool:
-    """Written by this toolkit (a fingerprint, or a layout only it writes), not a reference repository's checkpoint."""
-    return "verifier_fingerprint" in config or "eagle_kind" in config or any(
-        f.export.model_type is not None and config.get("model_type") == f.export.model_type
-        for f in FAMILIES.values() if f.export is not None)
 
 
 def _load_tensors(file: Path) -> dict[str, Tensor]:
@@ -223,7 +218,8 @@ def load_export(path: str | Path | ExportInfo, verifier: Verifier, kind: str | N
     """Rebuild the drafter an export holds (a directory, or its ExportInfo already read), refusing one of another
     kind than `kind` (when given) or one made for another verifier. A reference-layout checkpoint
     (models/reference_formats.py) loads too; having no fingerprint, it is checked against the verifier by shape
-    only."""
+    only. A shipped export's files are checked against its manifest first (models.shipped_export.check_manifest)."""
+    check_manifest(path.path if isinstance(path, ExportInfo) else path)
     info = read_info(path)
     path, found, config = info.path, info.kind, dict(info.config)
     if kind is not None and found != kind:
@@ -298,15 +294,18 @@ def served_verifier(verifier: Verifier) -> str:
 
 def save_export(net: nn.Module, verifier: Verifier, path: str | Path,
                 extra: dict[str, Any] | None = None, target_counts: Tensor | None = None,
-                speculative_tokens: int | None = None, served: str | None = None) -> Path:
+                speculative_tokens: int | None = None, served: str | None = None, force: bool = False) -> Path:
     """Write `config.json` + `model.safetensors` for the network of a family with an export (models/families.py),
-    atomically. Returns the directory.
+    atomically. Returns the directory. A folder holding anything but an export of the same family is refused
+    (check_replaceable) unless `force`.
     `target_counts` (V,): how often each verifier token was a training target, written as `SIDE_DIR/COUNTS_NAME`
     (the decoder's `draft_vocab` reads it; no engine looks there). An EAGLE-3 export is in the speculators format:
     `speculative_tokens` is the chain vLLM drafts when it serves the folder as it is (default: a parallel
     drafter's K, else 3), and `served` (default:
     `served_verifier(verifier)`) the verifier it loads."""
-    fmt = _format(family_of_net(net))
+    kind = family_of_net(net)
+    check_replaceable(path, kind, "export", force)
+    fmt = _format(kind)
     layout, tensors = fmt.write(net, verifier)
     config = {"architectures": list(fmt.architectures), **layout} | _verifier_keys(verifier) | (extra or {})
     if fmt.speculators_type is not None:
@@ -357,11 +356,13 @@ def _format(name: str) -> Any:
     return fmt
 
 
-def to_reference(kind: str | None, export_dir: str | Path, out_dir: str | Path, weights_name: str | None = None) -> Path:
+def to_reference(kind: str | None, export_dir: str | Path, out_dir: str | Path, weights_name: str | None = None,
+                 force: bool = False) -> Path:
     """This project's export -> the reference layout of its kind (Medusa repository, EAGLE repository, SpecForge),
     written atomically into `out_dir`. `weights_name` picks the file (default: the first its family's
     `reference_weights` names);
-    `.pt` / `.bin` are written with torch.save, `.safetensors` with safetensors. Returns `out_dir`."""
+    `.pt` / `.bin` are written with torch.save, `.safetensors` with safetensors. Returns `out_dir`. A folder holding
+    anything but a reference layout of the same family is refused (check_replaceable) unless `force`."""
     export_dir = Path(export_dir).expanduser()
     config = _raw_config(export_dir)
     if not _is_project_export(config):
@@ -378,6 +379,7 @@ def to_reference(kind: str | None, export_dir: str | Path, out_dir: str | Path, 
         raise UserError(f"weights file {name!r} is not one the {title(found)} reference reads; use one of "
                         f"{list(fmt.reference_weights)}.")
     out = {k: v.contiguous() for k, v in out.items()}
+    check_replaceable(out_dir, found, "reference", force)
     with atomic_dir(out_dir) as tmp:
         if name.endswith(".safetensors"):
             save_file(out, str(tmp / name), metadata={"format": "pt"})
@@ -393,10 +395,12 @@ REWRITTEN_KEYS = ("eagle_config", "eagle_aux_hidden_state_layer_ids", "draft_voc
 
 
 def from_reference(ref_dir: str | Path, out_dir: str | Path, verifier: Verifier, served: str | None = None,
-                   speculative_tokens: int | None = None) -> Path:
+                   speculative_tokens: int | None = None, force: bool = False) -> Path:
     """A reference-layout checkpoint (or an older export) -> this project's export for `verifier`, written by
-    save_export (so it gets the fingerprint and every engine fix). Returns `out_dir`."""
+    save_export (so it gets the fingerprint and every engine fix). Returns `out_dir`. A folder holding anything but
+    an export of the same family is refused (check_replaceable) unless `force`."""
     loaded = load_export(ref_dir, verifier)
+    check_replaceable(out_dir, loaded.kind, "export", force)  # before converting, as save_export checks again
     kept = {}
     if not loaded.config.get("reference_layout"):  # an older export: keep what training recorded in it
         written = {"architectures": None, **_format(loaded.kind).write(loaded.net, verifier)[0]}
@@ -404,4 +408,5 @@ def from_reference(ref_dir: str | Path, out_dir: str | Path, verifier: Verifier,
         kept = {k: v for k, v in loaded.config.items() if k not in regenerated}
     tokens = speculative_tokens or loaded.config.get("speculative_tokens") or spec.DEFAULT_SPECULATIVE_TOKENS
     return save_export(loaded.net, verifier, out_dir, kept | {"converted_from": str(ref_dir)},
-                       target_counts=loaded.target_counts, speculative_tokens=int(tokens), served=served)
+                       target_counts=loaded.target_counts, speculative_tokens=int(tokens), served=served,
+                       force=force)

@@ -26,10 +26,11 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from models.errors import UserError
+from models.export_folder import COMPACT_KEY, check_replaceable
+from models.families import family_of_config
 from models.io import atomic_dir
 from models.verifier import check_fingerprint
 
-COMPACT_KEY = "specdraft_compact"
 CONFIG_NAME, WEIGHTS_NAME, SIDE_DIR = "config.json", "model.safetensors", "specdraft"
 # Where a left-out tensor comes from: a name, and how to take it from the verifier.
 SHARED: dict[str, Callable[[Any], Tensor]] = {
@@ -82,18 +83,20 @@ def expand(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, wh
 
 
 def ship(export_dir: str | Path, out_dir: str | Path, verifier: Any, extras: dict[str, Path | None] | None = None,
-         dtype: torch.dtype = torch.bfloat16) -> Path:
+         dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
     """Write the compact form of the export in `export_dir` into `out_dir` (atomically): its side data and, from
-    `extras` (file name under specdraft/ -> source file), the recipe, training figures and eval report."""
+    `extras` (file name under specdraft/ -> source file), the recipe, training figures and eval report. A folder
+    holding anything but a compact export of the same family is refused unless `force`."""
     src = Path(export_dir).expanduser()
     config = json.loads((src / CONFIG_NAME).read_text())
     if config.get(COMPACT_KEY):
         raise UserError(f"{src} is already compact; ship an export written by train.py.")
+    check_replaceable(out_dir, family_of_config(config), "compact", force)
     kept, record = compact_tensors(load_file(str(src / WEIGHTS_NAME)), verifier, dtype)
     config[COMPACT_KEY] = record
     with atomic_dir(out_dir) as tmp:
         if (src / SIDE_DIR).is_dir():
-            shutil.copytree(src / SIDE_DIR, tmp / SIDE_DIR)
+            shutil.copytree(src / SIDE_DIR, tmp / SIDE_DIR, ignore=_no_manifest)
         (tmp / SIDE_DIR).mkdir(exist_ok=True)
         for name, file in (extras or {}).items():
             if file is not None:
@@ -116,21 +119,63 @@ def file_manifest(folder: Path) -> dict[str, dict[str, Any]]:
             for f in sorted(folder.rglob("*")) if f.is_file() and f.relative_to(folder).as_posix() != MANIFEST}
 
 
-def engine_ready(shipped_dir: str | Path, out_dir: str | Path, verifier: Any) -> Path:
+def _no_manifest(directory: str, names: list[str]) -> list[str]:
+    """copytree's `ignore` for a SIDE_DIR copy: leave the manifest out (it lists the files of the folder it is in)."""
+    return [n for n in names if Path(directory).name == SIDE_DIR and f"{SIDE_DIR}/{n}" == MANIFEST]
+
+
+def check_manifest(folder: str | Path) -> None:
+    """Refuse a shipped export whose files are not the ones its manifest (MANIFEST, written by `ship`) lists: a file
+    missing, or of another size or sha256, named with the fix. A folder without a manifest passes."""
+    import hashlib
+
+    folder = Path(folder).expanduser()
+    file = folder / MANIFEST
+    if not file.is_file():
+        return
+    fix = (f"Restore it (git checkout -- {folder}, for a drafter that ships in the repository) or ship it again "
+           f"(python -m scripts.convert ship <the export it was shipped from> {folder})")
+    try:
+        listed = json.loads(file.read_text(encoding="utf-8"))
+        items = [(str(name), int(rec["bytes"]), str(rec["sha256"])) for name, rec in listed.items()]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise UserError(f"{file} is damaged ({type(e).__name__}: {e}), so the export's files cannot be checked. "
+                        f"{fix}.") from e
+    for name, size, sha in items:
+        path = folder / name
+        if not path.is_file():
+            raise UserError(f"{path} is missing but {file} lists it: the shipped export is damaged. {fix}.")
+        seen = path.stat().st_size
+        if seen != size:
+            raise UserError(f"{path} has {seen} bytes but {file} records {size}: the file is damaged or was changed "
+                            f"after shipping. {fix}.")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != sha:
+            raise UserError(f"{path}: sha256 {digest.hexdigest()[:16]}... but {file} records {sha[:16]}...: the file "
+                            f"is damaged or was changed after shipping. {fix}.")
+
+
+def engine_ready(shipped_dir: str | Path, out_dir: str | Path, verifier: Any, force: bool = False) -> Path:
     """The folder an engine loads, written from a compact export (the left-out tensors put back, the recorded
-    dtypes restored; config.json without the compact record). The verifier must be the one the export names (its
-    fingerprint is checked)."""
+    dtypes restored; config.json without the compact record; no manifest). The verifier must be the one the export
+    names (its fingerprint is checked), its files the ones its manifest lists. A folder holding anything but an
+    export of the same family is refused unless `force`."""
     src = Path(shipped_dir).expanduser()
+    check_manifest(src)
     config = json.loads((src / CONFIG_NAME).read_text())
     if not config.get(COMPACT_KEY):
         raise UserError(f"{src} is not a compact export (no {COMPACT_KEY} in its config.json): it is engine-ready "
                         f"as it is.")
+    check_replaceable(out_dir, family_of_config(config), "export", force)
     check_fingerprint(config["verifier_fingerprint"], verifier, f"shipped export {str(src)!r}")
     tensors = expand(config, load_file(str(src / WEIGHTS_NAME)), verifier, src / WEIGHTS_NAME)
     del config[COMPACT_KEY]
     with atomic_dir(out_dir) as tmp:
         if (src / SIDE_DIR).is_dir():
-            shutil.copytree(src / SIDE_DIR, tmp / SIDE_DIR)
+            shutil.copytree(src / SIDE_DIR, tmp / SIDE_DIR, ignore=_no_manifest)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return Path(out_dir)

@@ -10,6 +10,8 @@
         --speculative-tokens 5
 
 `python -m eval checkpoint=<reference dir> verifier_path=<verifier>` reads the reference layouts directly too.
+Each command replaces its output folder whole: one that holds anything but an export of the same family and layout
+(another family's export, other files) is refused unless `--force` is given.
 
     # an export -> the compact form that ships in pretrained/ (bf16, the verifier's own head left out), with the
     # recipe, training figures and eval report that go with it
@@ -25,7 +27,7 @@ import argparse
 import sys
 
 from models.errors import UserError
-from models.export import export_verifier, from_reference, read_config, to_reference
+from models.export import check_replaceable, export_kind, export_verifier, from_reference, read_config, to_reference
 from models.shipped_export import engine_ready, ship
 from models.verifier import load_verifier
 
@@ -60,27 +62,36 @@ def main(argv: list[str] | None = None) -> int:
     er.add_argument("shipped_dir")
     er.add_argument("out_dir")
     er.add_argument("--cache-dir", default=None)
+    for command in (to, fr, sh, er):
+        command.add_argument("--force", action="store_true",
+                             help="replace the output folder even when it holds something other than an export of "
+                                  "the same family and layout (all of it is deleted)")
     args = parser.parse_args(argv)
     try:
         if args.command in ("ship", "engine-ready"):
             src = args.export_dir if args.command == "ship" else args.shipped_dir
-            source = export_verifier(read_config(src))
+            config = read_config(src)
+            source = export_verifier(config)
             if not source:
                 raise UserError(f"{src} names no verifier; only exports written by train.py can be shipped.")
+            # before the verifier loads (ship and engine_ready check it again)
+            check_replaceable(args.out_dir, export_kind(config), "compact" if args.command == "ship" else "export",
+                              args.force)
             verifier = load_verifier(source, "float32", "cpu", args.cache_dir)
             if args.command == "ship":
                 out = ship(src, args.out_dir, verifier, {"recipe.yaml": args.recipe, "training.json": args.training,
-                                                         "eval_report.json": args.eval_report})
+                                                         "eval_report.json": args.eval_report}, force=args.force)
             else:
-                out = engine_ready(src, args.out_dir, verifier)
+                out = engine_ready(src, args.out_dir, verifier, force=args.force)
         elif args.command == "to-reference":
-            out = to_reference(None, args.export_dir, args.out_dir, args.weights)
+            out = to_reference(None, args.export_dir, args.out_dir, args.weights, force=args.force)
         else:
             source = args.verifier or export_verifier(read_config(args.ref_dir))
             if not source:
                 raise UserError(f"{args.ref_dir} names no verifier; pass --verifier <the verifier it was trained on>.")
             out = from_reference(args.ref_dir, args.out_dir, load_verifier(source, "float32", "cpu", args.cache_dir),
-                                 served=args.served_verifier, speculative_tokens=args.speculative_tokens)
+                                 served=args.served_verifier, speculative_tokens=args.speculative_tokens,
+                                 force=args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -197,6 +197,74 @@ def test_convert_cli(tiny, tmp_path, capsys):
     assert "already in a reference layout" in capsys.readouterr().err
 
 
+def test_convert_keeps_a_folder_that_is_not_the_same_kind_of_export(tiny, tmp_path, capsys):
+    """Issue 54: every writer replaced its output folder whole, so `convert ... served` deleted another export and
+    the notes in served/ with exit 0. Now a folder holding anything but an export of the same family and layout is
+    refused (exit 2, naming it and --force); the same kind of export is still replaced (a re-run, a re-export)."""
+    import shutil
+
+    from scripts.convert import main
+
+    ref, _ = medusa_reference(tmp_path / "ref", tiny.vocab_size, heads=2)
+    net = load_export(ref, tiny).net
+    ours = save_export(net, tiny, tmp_path / "ours")
+    eagle = from_reference(eagle1_reference(tmp_path / "eref", tiny.vocab_size)[0], tmp_path / "eagle", tiny)
+    served = tmp_path / "served"
+    shutil.copytree(eagle, served)
+    (served / "notes.txt").write_text("how this was served\n")
+
+    def kept() -> dict:
+        return {p.name: p.read_bytes() for p in served.iterdir() if p.is_file()}
+
+    before = kept()
+    for command in ("to-reference", "from-reference"):  # from-reference: the verifier `ours` names (tiny)
+        assert main([command, str(ours), str(served)]) == 2
+        err = capsys.readouterr().err
+        assert f"{served} holds an EAGLE-1 export" in err and "--force" in err, err
+    with pytest.raises(UserError, match=r"served holds an EAGLE-1 export; writing a Medusa export there"):
+        save_export(net, tiny, served)
+    assert kept() == before
+    (served / "model.safetensors").unlink()
+    (served / "config.json").unlink()  # only the notes: no export at all
+    with pytest.raises(UserError, match=r"served holds no export but notes.txt; writing a Medusa export"):
+        save_export(net, tiny, served)
+    save_export(net, tiny, tmp_path / "empty")  # an empty or missing folder is written
+    (tmp_path / "blank").mkdir()
+    save_export(net, tiny, tmp_path / "blank")
+    # The same kind of export is replaced (train.py's re-export, a re-run of the same convert) ...
+    assert save_export(net, tiny, ours) == ours
+    assert main(["to-reference", str(ours), str(tmp_path / "back")]) == 0
+    assert main(["to-reference", str(ours), str(tmp_path / "back")]) == 0
+    assert from_reference(ours, ours, tiny) == ours  # an export rewritten in place
+    # ... but not with files beside it that the new one would not have; --force replaces all of it.
+    (ours / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match=r"ours holds a Medusa export and also \['notes.txt'\]"):
+        save_export(net, tiny, ours)
+    assert main(["to-reference", str(ours), str(served), "--force"]) == 0
+    assert sorted(p.name for p in served.iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
+
+
+def test_convert_engine_ready_refuses_before_loading_the_verifier(tmp_path, capsys):
+    """The issue's own command: `convert engine-ready pretrained/medusa-smollm2 served` with another export and notes
+    in served/ stops at once (the default verifier is never loaded), deleting nothing."""
+    from helpers import ROOT
+    from scripts.convert import main
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    (served / "notes.txt").write_text("mine\n")
+    shipped = ROOT / "pretrained" / "medusa-smollm2"
+    if not (shipped / "config.json").is_file():
+        pytest.skip("no pretrained/medusa-smollm2")
+    for command in ("engine-ready", "ship"):
+        assert main([command, str(shipped), str(served)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {served} holds no export but config.json, notes.txt; writing a" in err, err
+        assert "--force" in err
+    assert sorted(p.name for p in served.iterdir()) == ["config.json", "notes.txt"]
+
+
 # -- bad input: one message each, naming the file and the key -------------------------------------------------------------
 
 def test_unknown_layout_is_refused(tiny, tmp_path):

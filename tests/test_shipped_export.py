@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from helpers import ROOT, compose_train
 from models.errors import UserError, VerifierMismatchError
 from models.families import EXPORT_FAMILIES
-from models.shipped_export import COMPACT_KEY, engine_ready, file_manifest, ship
+from models.shipped_export import COMPACT_KEY, MANIFEST, check_manifest, engine_ready, file_manifest, ship
 
 VARIED = ["verifier=tiny", "verifier.seed=1", "+verifier.layer_std=0.3"]
 TRAIN = [*VARIED, "data.limit=8", "data.max_new_tokens=12", "data.gen_batch_size=8", "data.batch_size=4",
@@ -105,6 +105,7 @@ def test_a_damaged_or_foreign_compact_export_is_refused(exports, varied, tiny, t
         engine_ready(compact, tmp_path / "served", tiny)
     with pytest.raises(UserError, match="already compact"):
         ship(compact, tmp_path / "again", varied)
+    (compact / MANIFEST).unlink()  # what the reader itself refuses, in a folder without a manifest
     tensors = load_file(str(compact / "model.safetensors"))
     tensors.pop("blocks.0.layers.0.weight")
     save_file(tensors, str(compact / "model.safetensors"))
@@ -115,6 +116,60 @@ def test_a_damaged_or_foreign_compact_export_is_refused(exports, varied, tiny, t
     (compact / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="does not know"):
         load_export(compact, varied)
+
+
+def test_a_shipped_file_that_differs_from_its_manifest_is_refused(exports, varied, tmp_path):
+    """Issue 54: one flipped byte in a shipped model.safetensors loaded silently with a changed weight. Now the
+    manifest (size and sha256 per file) is checked on load and by engine_ready."""
+    from models.export import load_export
+
+    compact = ship(exports["eagle3"], tmp_path / "compact", varied)
+    good = load_export(compact, varied).net.state_dict()
+    weights = compact / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-2] ^= 0x40  # inside the last tensor's bytes: still a valid file
+    weights.write_bytes(bytes(data))
+    for read in (lambda: load_export(compact, varied), lambda: engine_ready(compact, tmp_path / "served", varied)):
+        with pytest.raises(UserError, match=r"compact/model.safetensors: sha256 .* but .*manifest.json records .*"
+                                            r"git checkout -- .*compact.*ship"):
+            read()
+    assert not (tmp_path / "served").exists()
+    manifest = (compact / MANIFEST).read_bytes()
+    (compact / MANIFEST).unlink()  # the negative control: without the check the damage loads silently
+    bad = load_export(compact, varied).net.state_dict()
+    assert any(not torch.equal(good[k], bad[k]) for k in good)
+    (compact / MANIFEST).write_bytes(manifest)
+    weights.write_bytes(bytes(data[:-1]))  # truncated
+    with pytest.raises(UserError, match=r"model.safetensors has \d+ bytes but .*manifest.json records \d+"):
+        load_export(compact, varied)
+    weights.unlink()
+    with pytest.raises(UserError, match=r"model.safetensors is missing but .*manifest.json lists it"):
+        load_export(compact, varied)
+
+
+def test_engine_ready_and_ship_keep_a_folder_that_is_not_the_same_kind_of_export(exports, varied, tmp_path):
+    """Issue 54: engine-ready and ship replaced their output folder whole, whatever it held. Now only an export of
+    the same family and layout is replaced; anything else is refused unless force=True."""
+    compact = ship(exports["medusa"], tmp_path / "compact", varied)
+    other = ship(exports["eagle3"], tmp_path / "other", varied)
+    before = {p.name: p.read_bytes() for p in other.iterdir() if p.is_file()}
+    for write in (lambda: engine_ready(compact, other, varied), lambda: ship(exports["medusa"], other, varied),
+                  lambda: engine_ready(compact, compact, varied)):  # the shipped folder itself: a full export
+        with pytest.raises(UserError, match=r"holds an? .*export; writing an? .* there would replace the whole "
+                                            r"folder and delete it.*--force"):
+            write()
+    assert {p.name: p.read_bytes() for p in other.iterdir() if p.is_file()} == before
+    assert check_manifest(compact) is None
+    served = engine_ready(compact, tmp_path / "served", varied)
+    assert engine_ready(compact, served, varied) == served  # the same kind of export: replaced
+    assert ship(exports["medusa"], compact, varied) == compact
+    assert engine_ready(compact, other, varied, force=True) == other
+    assert json.loads((other / "config.json").read_text())["model_type"] == "medusa"
+
+
+def test_the_folders_in_pretrained_match_their_manifests():
+    for folder in _shipped():
+        check_manifest(folder)
 
 
 def _shipped() -> list[Path]:
