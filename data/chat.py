@@ -13,24 +13,96 @@ conversation becomes one row per assistant turn, each exactly what the verifier 
 Reasoning blocks inside assistant spans are trained on (`reasoning=train`) or kept as context with loss 0
 (`reasoning=mask`, `mask_reasoning`): they are located by their tags in the tokens' text, so this works whether the
 tokenizer has the tags as special tokens or splits them.
+
+Message content is text, never control: a `<|im_start|>system` typed inside a prompt or an answer is tokenised as the
+characters it is, not as the template's control tokens (`encode_rendered`), so it opens no turn and bounds no loss
+mask. A conversation without such text tokenises exactly as the whole rendered text always did.
 """
 
 from __future__ import annotations
+
+import re
 
 from transformers import PreTrainedTokenizerBase
 
 from models.errors import UserError
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    """Token ids of `messages` through the chat template (no extra special tokens: the template has them)."""
+def control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The tokenizer's special tokens as text (`<|im_start|>`, `<|im_end|>`...), longest first: what only the
+    template may write."""
+    return sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content},
+                  key=len, reverse=True)
+
+
+def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str, spans: list[tuple[int, int]]) -> list[int]:
+    """Token ids of a rendered `text` whose `spans` (start, end) are message content: control tokens outside them
+    are the template's (one id each), inside them plain text (`split_special_tokens`). The text is cut at the
+    template's control tokens only, where the tokenizer cuts it anyway, so a text whose spans hold no control token
+    gets the ids of `tokenizer(text)`."""
+    specials = control_tokens(tokenizer)
+    if not specials or not any(s in text[a:b] for a, b in spans for s in specials):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    masked = list(text)
+    for a, b in spans:  # content blanked: the template's own control tokens are found outside it only
+        masked[a:b] = "\0" * (b - a)
+    ids: list[int] = []
+    pos = 0
+    for m in re.finditer("|".join(map(re.escape, specials)), "".join(masked)):
+        if m.start() > pos:
+            ids += tokenizer(text[pos:m.start()], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids += tokenizer(m.group(), add_special_tokens=False)["input_ids"]
+        pos = m.end()
+    if pos < len(text):
+        ids += tokenizer(text[pos:], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
+
+
+SENTINEL = "\ue000specdraft-content-{}\ue001"  # private-use characters: in no template, no message
+
+
+def content_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool,
+                  text: str, where: str) -> list[tuple[int, int]]:
+    """Where each message's content lies in `text` (the rendering of `messages`): the template rendered again with
+    a sentinel for each content must give `text` back once the sentinels are replaced. A template that changes
+    content (trims it, drops reasoning) does not: a content holding a control token is then refused, naming it."""
+    contents = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
+    marked = [dict(m, content=SENTINEL.format(j)) if c is not None else m for j, (m, c) in enumerate(zip(messages, contents))]
+    probe = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    found = sorted((probe.find(SENTINEL.format(j)), j) for j, c in enumerate(contents) if c is not None)
+    spans, out, pos, shift = [], [], 0, 0
+    ok = all(probe.count(SENTINEL.format(j)) == 1 for _, j in found) and all(at >= 0 for at, _ in found)
+    if ok:
+        for at, j in found:
+            out.append(probe[pos:at] + contents[j])
+            spans.append((at + shift, at + shift + len(contents[j])))
+            shift += len(contents[j]) - len(SENTINEL.format(j))
+            pos = at + len(SENTINEL.format(j))
+        ok = "".join(out) + probe[pos:] == text
+    if not ok:
+        specials = control_tokens(tokenizer)
+        j, tok = next((j, s) for j, c in enumerate(contents) for s in specials if c and s in c)
+        raise UserError(f"{where}, message {j} ({messages[j].get('role')}): its content holds the control token "
+                        f"{tok!r}, and the chat template of {tokenizer.name_or_path!r} does not show content verbatim, "
+                        f"so it cannot be kept as text. Remove {tok!r} from that message.")
+    return spans
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool,
+           where: str = "conversation") -> list[int]:
+    """Token ids of `messages` through the chat template (no extra special tokens: the template has them). Control
+    tokens written inside a message's content stay text (`encode_rendered`); `where` names the conversation in the
+    error for a template that does not show content verbatim."""
     if tokenizer.chat_template is None:
         raise UserError(
             f"the verifier's tokenizer ({tokenizer.name_or_path!r}) has no chat template. Use an instruct/chat model "
             f"or set tokenizer.chat_template before training."
         )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    specials = control_tokens(tokenizer)
+    if not any(isinstance(m.get("content"), str) and s in m["content"] for m in messages for s in specials):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]  # nothing to keep apart: the ids as always
+    return encode_rendered(tokenizer, text, content_spans(tokenizer, messages, add_generation_prompt, text, where))
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
@@ -61,15 +133,15 @@ def encode_turns(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, st
     truncated to max_length."""
     check_messages(messages, where)
     try:
-        return [encode_conversation(tokenizer, messages, max_length)]
+        return [encode_conversation(tokenizer, messages, max_length, where)]
     except NotPrefixes:
         pass
     rows = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True)
-        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, where=where)
+        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False, where=where)
         if after[: len(before)] != before:
             raise NotPrefixes(f"the chat template of {tokenizer.name_or_path!r} renders assistant turn {i} of {where} "
                               f"in a way that does not extend the prompt before it, so its tokens cannot be located. "
@@ -124,7 +196,7 @@ class NotPrefixes(UserError):
 
 
 def encode_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int, where: str = "conversation"
 ) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) for a full conversation; loss_mask is 1 on assistant tokens only. Truncated to max_length."""
     ids: list[int] = []
@@ -132,8 +204,8 @@ def encode_conversation(
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True)
-        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, where=where)
+        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False, where=where)
         if after[: len(before)] != before or before[: len(ids)] != ids:
             raise NotPrefixes(
                 f"the chat template of {tokenizer.name_or_path!r} does not render conversation prefixes as prefixes, "

@@ -23,7 +23,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from data.chat import render, rewrites_earlier_turns
+from data.chat import control_tokens, encode_rendered, render, rewrites_earlier_turns
 from data.filters import EvalGuard, QualityFilter, apply_filters
 from data.generate import generate_refill
 from models.errors import UserError
@@ -49,7 +49,15 @@ def continuation_ids(tokenizer: PreTrainedTokenizerBase, user: str) -> list[int]
     """The ids the template puts after an assistant turn's end-of-turn token: the next user turn with `user`, then
     the assistant's header (where the verifier starts answering)."""
     text, cut, _ = _render(tokenizer, user)
-    return tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
+    probe, _, at = _render(tokenizer, SENT_U)  # where the user text lies: control tokens in it stay text (data.chat)
+    if probe.replace(SENT_U, user) != text:  # the template changes the text: it may not hold a control token
+        held = [t for t in control_tokens(tokenizer) if t in user]
+        if held:
+            raise UserError(f"a second user turn {user[:60]!r} holds the control token {held[0]!r}, and the chat "
+                            f"template of {tokenizer.name_or_path!r} does not show it verbatim, so it cannot be kept "
+                            f"as text. Use single-turn data (ship.second_turns=0).")
+        return tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
+    return encode_rendered(tokenizer, text[cut:], [(at - cut, at - cut + len(user))])
 
 
 def user_opener_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -103,6 +103,13 @@ def family_of(drafter_cfg: DictConfig) -> str:
     return str(drafter_cfg.get("kind") or "export") if name == "export" else name
 
 
+def check_proposals(cfg: DictConfig, name: str) -> None:
+    """Refuse sampled_drafts=true for family `name` when it drafts from no export (nothing to sample proposals from)."""
+    if bool(cfg.get("sampled_drafts", False)) and name != "export" and not FAMILIES[name].needs_export:
+        raise UserError(f"sampled_drafts=true applies to the drafters of an export (Medusa, EAGLE, the hybrid), "
+                        f"not to drafter={name}; drop sampled_drafts.")
+
+
 def build_drafter(cfg: DictConfig, drafter_cfg: DictConfig, verifier: Verifier, export: ExportInfo | None,
                   policy: TreePolicy) -> Drafter:
     """Instantiate one family's factory (conf/drafter/*.yaml) and call it with the verifier, the tree policy and the
@@ -111,10 +118,7 @@ def build_drafter(cfg: DictConfig, drafter_cfg: DictConfig, verifier: Verifier, 
     factory = instantiate(drafter_cfg, _convert_="all")
     proposals = {}
     if bool(cfg.get("sampled_drafts", False)):
-        name = family_of(drafter_cfg)
-        if name != "export" and not FAMILIES[name].needs_export:
-            raise UserError(f"sampled_drafts=true applies to the drafters of an export (Medusa, EAGLE, the hybrid), "
-                            f"not to drafter={name}; drop sampled_drafts.")
+        check_proposals(cfg, family_of(drafter_cfg))
         proposals = {"sampling": sampling_config(cfg),
                      "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
     try:

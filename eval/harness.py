@@ -32,7 +32,7 @@ from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
 from eval import compare, cost
 from eval.decode import ENGINES, engine_of, use_engine
-from eval.families import build_drafter, family_config, family_of, method_name
+from eval.families import build_drafter, check_proposals, family_config, family_of, method_name
 from eval.peers import check_peers, vllm_peer
 from eval.protocol import Drafter
 from eval.report import SPECULATIVE, write_outputs
@@ -42,8 +42,8 @@ from eval.tree import AutoTree
 from models.draft_model import read_draft_info
 from models.errors import UserError
 from models.export import ExportInfo, read_info
-from models.families import FAMILIES
-from models.verifier import Verifier, load_verifier
+from models.families import FAMILIES, title
+from models.verifier import Verifier, from_file, load_verifier, verifier_source
 
 EVAL_DTYPES = ("float32", "bfloat16")
 
@@ -95,11 +95,24 @@ def verifier_source_of(cfg: DictConfig, export: ExportInfo | None) -> Any:
         if not source:
             raise UserError(f"checkpoint={str(export.path)!r} names no verifier; pass verifier_path=<the verifier>.")
     path = cfg.drafter.get("path") if not source and family_of(cfg.drafter) == "draft_model" else None
-    if path:
-        source = (read_draft_info(path) or {}).get("verifier")
+    if path and (read_draft_info(path) or {}).get("verifier"):  # named by the draft model's file: local, no code
+        source = from_file(verifier_source(read_draft_info(path)["verifier"]),
+                           f"drafter.path={str(path)!r}'s `verifier`")
     if OmegaConf.is_config(source):  # verifier_path={loader: tiny, seed: 1} on the command line
         source = OmegaConf.to_container(source, resolve=True)
     return source or "smollm2"
+
+
+def check_before_loading(cfg: DictConfig, family: str, export: ExportInfo | None, method_all: bool) -> None:
+    """Refuse what the config and the export's config.json settle alone, before the verifier loads and any cost
+    curve is measured (minutes): `drafter=<family>` of another family than the export holds, and sampled_drafts for a
+    family that drafts from no export."""
+    if not method_all and export is not None and FAMILIES[family].has_export and family != export.kind:
+        raise UserError(f"checkpoint={str(export.path)!r} is an {title(export.kind)} export but drafter={family} asks "
+                        f"for an {title(family)} one. Use drafter={export.kind} (or leave drafter= out: the export's "
+                        f"own family), or pass an {title(family)} export.")
+    if not method_all:
+        check_proposals(cfg, family)
 
 
 def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo], prefix: Callable[[], list[int]]
@@ -186,6 +199,7 @@ def setup(cfg: DictConfig) -> Setup:
     export = exports[0] if exports else None
     if family == "export" and export is not None:
         family = export.kind
+    check_before_loading(cfg, family, export, method_all)
     convs = load_prompt_sets(cfg.prompts, cfg.num_prompts)
     source = verifier_source_of(cfg, export)
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))

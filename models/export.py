@@ -36,7 +36,7 @@ from models.io import atomic_dir
 from models.export_folder import check_replaceable
 from models.export_folder import is_project_export as _is_project_export
 from models.shipped_export import check_manifest, expand
-from models.verifier import Verifier, check_fingerprint, verifier_source
+from models.verifier import Verifier, check_fingerprint, from_file, verifier_source
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -206,11 +206,13 @@ def export_kind(config: dict[str, Any]) -> str | None:
 
 
 def export_verifier(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The verifier description an export stores (older exports: the `verifier_path` string), or None."""
+    """The verifier description an export stores (older exports: the `verifier_path` string), or None. Named by a
+    file, not by the user, it loads from this machine only and never with the checkpoint's own code
+    (models.verifier.from_file): a user who trusts it passes it themselves (verifier_path=, --verifier)."""
     if config.get("verifier"):
-        return verifier_source(config["verifier"])
+        return from_file(verifier_source(config["verifier"]), "the export's config.json `verifier`")
     if config.get("verifier_path"):
-        return verifier_source(str(config["verifier_path"]))
+        return from_file(verifier_source(str(config["verifier_path"])), "the export's config.json `verifier_path`")
     return None
 
 

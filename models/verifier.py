@@ -189,8 +189,45 @@ def save_checkpoint(verifier: Verifier, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
-def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: str = "auto") -> Verifier:
-    """Load any Hugging Face causal LM (Hub id or local directory) as a frozen verifier."""
+# Keys of a Hugging Face config file that make transformers import Python from the checkpoint (trust_remote_code).
+CODE_KEYS = ("auto_map",)
+HF_FILES = ("config.json", "tokenizer_config.json")
+
+
+def from_file(source: dict[str, Any], field: str) -> dict[str, Any]:
+    """A verifier description read from a file (an export's `verifier` entry), not given by the user: one of the `hf`
+    loader is loaded from this machine only and never with code of its own (load_hf's `named_by`, naming `field`)."""
+    return dict(source, named_by=field) if source.get("loader") == "hf" else dict(source)
+
+
+def _code_files(target: str, local: bool) -> list[str]:
+    """The config files of a checkpoint (a local directory, or a Hub id already in this machine's cache: nothing is
+    downloaded) that ask transformers to import code of the checkpoint's own (`auto_map`)."""
+    found = []
+    for name in HF_FILES:
+        if local:
+            file: Any = Path(target) / name
+        else:
+            from huggingface_hub import try_to_load_from_cache
+
+            file = try_to_load_from_cache(target, name)
+        if not isinstance(file, (str, Path)) or not Path(file).is_file():
+            continue
+        try:
+            config = json.loads(Path(file).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # transformers refuses it below, with its own message
+        if isinstance(config, dict) and any(config.get(k) for k in CODE_KEYS):
+            found.append(name)
+    return found
+
+
+def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: str = "auto",
+            named_by: str | None = None) -> Verifier:
+    """Load any Hugging Face causal LM (Hub id or local directory) as a frozen verifier, never running code the
+    checkpoint brings (trust_remote_code=False). `named_by`: the file field that named it (an export's `verifier`),
+    when the user did not: then it is loaded from this machine only (a local directory, or a Hub id already in the
+    cache; nothing is downloaded), and a checkpoint that asks for code of its own (`auto_map`) is refused."""
     if not path:
         raise UserError("verifier.path is empty: give a Hub id or a local checkpoint directory.")
     local = Path(path).expanduser()
@@ -200,12 +237,27 @@ def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: 
             f"verifier.path={path!r}: no config.json in that directory. Point it at a Hugging Face checkpoint "
             f"directory (config.json + weights + tokenizer), or use the default verifier=smollm2."
         )
+    target = str(local) if looks_local else path
+    yourself = (f"If you trust it, pass the verifier yourself: verifier_path={path} (python -m eval) or --verifier "
+                f"{path} (python -m scripts.convert)")
+    if named_by is not None:
+        code = _code_files(target, looks_local)
+        if code:
+            raise UserError(f"{named_by} names the verifier {path!r}, whose {' and '.join(code)} carry an auto_map: "
+                            f"loading it would run Python code from that checkpoint, and a verifier named by a file "
+                            f"is never loaded with code. {yourself}; it then loads without that code "
+                            f"(trust_remote_code=False), or use the default verifier_path=smollm2.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(local) if looks_local else path)
-        model = AutoModelForCausalLM.from_pretrained(str(local) if looks_local else path, dtype=_resolve_dtype(dtype))
+        tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=False, local_files_only=named_by is not None)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=_resolve_dtype(dtype), trust_remote_code=False,
+                                                     local_files_only=named_by is not None)
     except (OSError, ValueError) as e:
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if named_by is not None:
+            raise UserError(f"{named_by} names the verifier {path!r}, which does not load from this machine alone "
+                            f"({reason}); a verifier named by a file is never downloaded. {yourself}.") from e
         raise UserError(
-            f"verifier.path={path!r} could not be loaded as a causal LM ({type(e).__name__}: {str(e).splitlines()[0]}). "
+            f"verifier.path={path!r} could not be loaded as a causal LM ({reason}). "
             f"Give a local checkpoint directory or a Hub id this machine can reach; the default is verifier=smollm2."
         ) from e
     return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "hf", "path": path}, name or Path(path).name,
@@ -279,8 +331,10 @@ def ensure_smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, gguf_p
         print(f"[verifier] {final} has no {MANIFEST} (incomplete, or built by an older version): rebuilding it")
     gguf = Path(gguf_path) if gguf_path else smollm2_gguf_path()
     print(f"[verifier] dequantising {gguf.name} once into {final} (about 20 s)")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False,
+                                              local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 trust_remote_code=False, local_files_only=True)
     # The weights are plain fp32 after dequantisation; drop the GGUF marker so save_pretrained writes them.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -292,6 +346,11 @@ def ensure_smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, gguf_p
         write_manifest(tmp)
     _hashed_this_process.add(final.resolve())
     return final
+
+
+def local_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a checkpoint directory on this machine, without code of its own."""
+    return AutoTokenizer.from_pretrained(directory, trust_remote_code=False, local_files_only=True)
 
 
 def _from_cache(ckpt: Path, load: Any) -> Any:
@@ -308,8 +367,9 @@ def load_smollm2(
     """The embedded default verifier, SmolLM2-135M-Instruct (loads from the cache after the first run)."""
     ckpt = ensure_smollm2_checkpoint(cache_dir, gguf_path)
     torch_dtype = _resolve_dtype(dtype)
-    tokenizer = _from_cache(ckpt, AutoTokenizer.from_pretrained)
-    model = _from_cache(ckpt, lambda c: AutoModelForCausalLM.from_pretrained(c, dtype=torch_dtype))
+    tokenizer = _from_cache(ckpt, local_tokenizer)
+    model = _from_cache(ckpt, lambda c: AutoModelForCausalLM.from_pretrained(
+        c, dtype=torch_dtype, trust_remote_code=False, local_files_only=True))
     return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "smollm2"}, "SmolLM2-135M-Instruct",
                    str(Path(ckpt).resolve()))
 
@@ -329,7 +389,7 @@ def build_tiny(
 
     layer_std: redraw the decoder layers' weight matrices from N(0, layer_std^2) (generator seeded 0): with 0.3 the
     model's greedy output varies instead of repeating one token, so it exercises caches and masks."""
-    tokenizer = _from_cache(ensure_smollm2_checkpoint(cache_dir), AutoTokenizer.from_pretrained)
+    tokenizer = _from_cache(ensure_smollm2_checkpoint(cache_dir), local_tokenizer)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
