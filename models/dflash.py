@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models import format_parts as parts
 from models.eagle import UnrolledStep, check_aux_layers, default_aux_layers, layer_config, step_inputs
 from models.eagle_layers import DraftMLP, RMSNorm, apply_rope, rope
 from models.errors import UserError
@@ -263,3 +264,72 @@ def dflash_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
                     num_layers=int(config["num_hidden_layers"]), aux_layer_ids=aux, **lc)
     load_state(net, tensors, file)
     return net, None
+
+
+# -- the speculators format (models/speculators_format.py): vLLM's dflash ----------------------------------------------
+
+# DFlash's reference layout keeps these in its layer config; the speculators format moves the rest to the top level
+# and into `dflash`'s own keys.
+DFLASH_LAYER_KEYS = (*parts.LAYER_KEYS, "layer_types", "rope_scaling")
+
+
+def dflash_to_speculators(flat: dict[str, Any], algorithm: str, verifier: str, architectures: list[str],
+                          speculative_tokens: int) -> dict[str, Any]:
+    """DFlash's reference-layout config as vLLM's `dflash` speculators type: the layer config (Qwen3, every key written:
+    vLLM fills in no defaults), `aux_hidden_state_layer_ids` in vLLM's convention (the input of layer k, which vLLM
+    captures as given; it derives the reference layout's ids by subtracting 1), `mask_token_id`, bidirectional
+    attention within the block (`sliding_window_non_causal`), and the block's drafts as the speculative tokens (the
+    block fixes them: `speculative_tokens` is not read)."""
+    layer = {k: flat[k] for k in DFLASH_LAYER_KEYS if k in flat} | {"architectures": ["Qwen3ForCausalLM"]}
+    dconf = flat["dflash_config"]
+    own = {k: v for k, v in flat.items()
+           if k not in (*DFLASH_LAYER_KEYS, "architectures", "dflash_config", "aux_hidden_state_layer_ids",
+                        "block_size")}
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": algorithm,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": flat["vocab_size"],
+        "target_hidden_size": None,
+        "block_size": flat["block_size"],
+        "aux_hidden_state_layer_ids": [int(k) + 1 for k in dconf["target_layer_ids"]],
+        "mask_token_id": dconf["mask_token_id"],
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+        "torch_dtype": flat.get("torch_dtype"),
+        "speculators_config": parts.speculators_config(algorithm, int(flat["block_size"]) - 1, verifier, architectures),
+        **own,
+    }
+
+
+def dflash_from_speculators(config: dict[str, Any], file: str, name: str, architecture: str) -> dict[str, Any]:
+    """vLLM's `dflash` speculators config back as DFlash's reference-layout config (`dflash_from_layout` reads it),
+    written as `architecture`."""
+    layer, section = config.get("transformer_layer_config"), config.get("speculators_config")
+    if not isinstance(layer, dict) or not isinstance(section, dict):
+        parts.check_sections(config, file)  # refuses the missing part
+    parts.check_layer_keys(layer, file)
+    for key in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
+        if key not in config:
+            raise UserError(f"{file}: speculators_model_type={config.get('speculators_model_type')!r} needs {key}, "
+                            f"which is missing: not a DFlash export (another family's, relabelled?). Re-export the "
+                            f"drafter, or load it as its own family.")
+    if config.get("sliding_window_non_causal") is not True or config.get("sample_from_anchor"):
+        raise UserError(f"{file}: sliding_window_non_causal must be true and sample_from_anchor false: this toolkit's "
+                        f"DFlash attends both ways within the block and drafts from its mask slots, and vLLM would "
+                        f"run another drafter otherwise. Re-export the drafter.")
+    tokens = parts.speculative_tokens(config)
+    if tokens != int(config["block_size"]) - 1:
+        raise UserError(f"{file}: speculative_tokens={tokens!r} but block_size={config['block_size']}: vLLM drafts "
+                        f"speculative_tokens from one block of block_size - 1 masks. Set it to "
+                        f"{int(config['block_size']) - 1}.")
+    flat = {k: v for k, v in config.items()
+            if k not in (*parts.FORMAT_KEYS, "aux_hidden_state_layer_ids", "mask_token_id", "sliding_window_non_causal",
+                         "sample_from_anchor", "draft_vocab_size", "target_hidden_size")}
+    flat |= {k: v for k, v in layer.items() if k != "architectures"}
+    flat["architectures"] = [architecture]
+    flat["dflash_config"] = {"mask_token_id": config["mask_token_id"],
+                             "target_layer_ids": [int(k) - 1 for k in config["aux_hidden_state_layer_ids"]]}
+    flat["speculative_tokens"] = tokens
+    flat["speculators_verifier"] = dict(section.get("verifier") or {})
+    return flat

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from models import format_parts as parts
 from models.eagle import Eagle1Net, Eagle3Net, EagleNet, check_aux_layers, layer_config
 from models.errors import UserError
 from models.io import load_state
@@ -246,3 +247,143 @@ def peagle_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
                     fc_norm=_flag(config, "fc_norm", file), **lc)
     load_state(net, tensors, file)
     return net, None
+
+
+# -- the speculators format (models/speculators_format.py): vLLM's eagle3 and peagle -----------------------------------
+
+# The algorithm's flags whose defaults differ between vLLM's reader and the `speculators` library, or whose
+# meaning our network fixes: written explicitly, and checked on reading. Our EAGLE-3 layer keeps the un-normed
+# hidden state as its residual (vLLM's default for this format would norm it first).
+EAGLE3_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+FIXED_FLAGS = ("norm_before_residual", "norm_before_fc")  # our layer computes these one way only
+# EAGLE-3.1's options, which our network has either way (models/eagle.py): written from the export, at the top level
+# (vLLM's eagle3 reads them there) and in the layer config (its peagle reads them there only).
+OPTION_FLAGS = ("fc_norm", "norm_output")
+
+
+def eagle3_to_speculators(flat: dict[str, Any], algorithm: str, verifier_name_or_path: str,
+                          verifier_architectures: list[str], speculative_tokens: int) -> dict[str, Any]:
+    """A flat EAGLE-3 (or P-EAGLE) export config in the speculators format as `algorithm` (`eagle3`, `peagle`)."""
+    options = {k: bool(flat.get(k, False)) for k in OPTION_FLAGS}
+    layer = {k: flat[k] for k in parts.LAYER_KEYS if k in flat} | options
+    layer["architectures"] = ["LlamaForCausalLM"]
+    own = {k: v for k, v in flat.items()
+           if k not in parts.LAYER_KEYS and k not in ("architectures", "eagle_config", *OPTION_FLAGS)}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": algorithm,
+        "transformer_layer_config": layer,
+        **EAGLE3_FLAGS,
+        **options,
+        "draft_vocab_size": flat["draft_vocab_size"],
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(flat["eagle_aux_hidden_state_layer_ids"]),
+        "torch_dtype": flat.get("torch_dtype"),
+        "speculators_config": parts.speculators_config(algorithm, speculative_tokens, verifier_name_or_path,
+                                                      verifier_architectures),
+        **{k: v for k, v in own.items() if k not in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
+                                                        "torch_dtype")},
+    }
+
+
+def _from_speculators(config: dict[str, Any], file: str, name: str, architecture: str,
+                      options_in_layer: bool) -> dict[str, Any]:
+    layer, section = parts.check_sections(config, file)
+    tokens, verifier = parts.check_proposal(config, section, file)
+    for flag in OPTION_FLAGS:
+        if not isinstance(config.get(flag, False), bool):
+            raise UserError(f"{file}: {flag}={config[flag]!r}: give true or false (EAGLE-3.1's option).")
+    for flag, ours in ((f, EAGLE3_FLAGS[f]) for f in EAGLE3_FLAGS):
+        if flag in OPTION_FLAGS:
+            continue
+        if flag not in config:
+            raise UserError(f"{file}: {flag} is not set: vLLM's default for the speculators format and the "
+                            f"speculators library's differ, so the export must say it. This toolkit's EAGLE-3 "
+                            f"layer needs {flag}={str(ours).lower()}.")
+        if bool(config[flag]) != ours:
+            raise UserError(f"{file}: {flag}={config[flag]!r}, but this toolkit's EAGLE-3 layer computes "
+                            f"{flag}={ours}; the drafter would run another network in vLLM than the one trained. "
+                            f"Set {flag} to {str(ours).lower()} (or re-export the drafter).")
+    flat = {k: v for k, v in config.items() if k not in (*parts.FORMAT_KEYS, *FIXED_FLAGS, "target_hidden_size")}
+    flat |= {k: v for k, v in layer.items() if k != "architectures" and k not in OPTION_FLAGS}
+    if options_in_layer:
+        flat |= {k: bool(layer.get(k, False)) for k in OPTION_FLAGS}
+    flat["architectures"] = [architecture]
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:  # the older flat layout's SGLang key (output of layer k - 1): what to_reference writes
+        flat["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}
+    flat["eagle_kind"] = name
+    flat["speculative_tokens"] = tokens
+    flat["speculators_verifier"] = dict(verifier)
+    return flat
+
+
+def eagle3_from_speculators(config: dict[str, Any], file: str, name: str, architecture: str) -> dict[str, Any]:
+    """vLLM's `eagle3` speculators config as the flat EAGLE-3 config (`name`'s, written as `architecture`)."""
+    return _from_speculators(config, file, name, architecture, options_in_layer=False)
+
+
+def peagle_from_speculators(config: dict[str, Any], file: str, name: str, architecture: str) -> dict[str, Any]:
+    """vLLM's `peagle` speculators config as the flat P-EAGLE config: EAGLE-3's, with EAGLE-3.1's options read from
+    the layer config (where vLLM's peagle reads them, and only there)."""
+    return _from_speculators(config, file, name, architecture, options_in_layer=True)
+
+
+# -- the reference layouts (models/reference_formats.py): the EAGLE repository's EAGLE-1, SpecForge's EAGLE-3 --------
+
+def is_eagle1_reference(config: dict[str, Any], names: list[str]) -> bool:
+    """The EAGLE repository's EAGLE-1 weights: `fc.weight` and one decoder layer `layers.0.*` (no EAGLE-3 midlayer)."""
+    return ("fc.weight" in names and any(n.startswith("layers.0.") for n in names)
+            and not is_eagle3_reference(config, names))
+
+
+def is_eagle3_reference(config: dict[str, Any], names: list[str]) -> bool:
+    """SpecForge's / the EAGLE repository's EAGLE-3 weights: a `midlayer.*`."""
+    return any(n.startswith("midlayer.") for n in names)
+
+
+def _from_reference(kind: str, config: dict[str, Any], tensors: dict[str, Tensor]) -> tuple[dict, dict]:
+    cfg = dict(config) | {"eagle_kind": kind, "reference_layout": kind}
+    out = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "model.embed_tokens.weight")}
+    return cfg, out
+
+
+def eagle1_from_reference(config: dict[str, Any], tensors: dict[str, Tensor],
+                          file: Path | None = None) -> tuple[dict, dict]:
+    """An EAGLE-1 reference config + state dict -> this project's (same tensor names; embeddings dropped)."""
+    return _from_reference("eagle", config, tensors)
+
+
+def eagle3_from_reference(config: dict[str, Any], tensors: dict[str, Tensor],
+                          file: Path | None = None) -> tuple[dict, dict]:
+    """An EAGLE-3 reference config + state dict -> this project's (embeddings dropped; the layer ids moved from
+    SGLang's convention, nested, to this project's, top-level)."""
+    cfg, out = _from_reference("eagle3", config, tensors)
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        cfg["eagle_aux_hidden_state_layer_ids"] = [int(k) + 1 for k in ids]
+    return cfg, out
+
+
+def eagle1_to_reference(config: dict[str, Any], tensors: dict[str, Tensor], base_model: str | None = None,
+                        file: Path | None = None) -> tuple[dict, dict]:
+    """This project's EAGLE-1 export -> the EAGLE repository's config + state dict (fc always with a bias)."""
+    cfg = parts.strip_project_keys(config)
+    out = dict(tensors)
+    out.setdefault("fc.bias", torch.zeros(int(config["hidden_size"]), dtype=out["fc.weight"].dtype))
+    cfg["architectures"] = ["LlamaForCausalLM"]  # ea_model.py: the draft config's architectures is not read
+    return cfg, out
+
+
+def eagle3_to_reference(config: dict[str, Any], tensors: dict[str, Tensor], base_model: str | None = None,
+                        file: Path | None = None) -> tuple[dict, dict]:
+    """This project's EAGLE-3 export -> SpecForge's config + state dict (d2t / t2d always written)."""
+    cfg = parts.strip_project_keys(config)
+    out = dict(tensors)
+    vocab, draft = int(config["vocab_size"]), int(config.get("draft_vocab_size") or config["vocab_size"])
+    if "d2t" not in out:  # SpecForge writes d2t / t2d always, full vocabulary included
+        out["d2t"] = torch.zeros(draft, dtype=torch.long)
+        out["t2d"] = torch.arange(vocab) < draft
+    cfg["draft_vocab_size"] = draft
+    cfg["architectures"] = ["LlamaForCausalLMEagle3"]
+    return cfg, out

@@ -19,18 +19,25 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from models import reference_formats as ref
+from models import eagle_export as eagle_io
 from models.eagle import Eagle1Net, Eagle3Net
-from models.eagle_export import eagle_layout, eagle_from_layout, peagle_from_layout, peagle_layout
 from models.errors import UserError
-from models.medusa import MedusaHeads, medusa_from_layout, medusa_layout
-from models.dflash import DFlashNet, dflash_from_layout, dflash_layout
+from models.medusa import (MedusaHeads, is_medusa_reference, medusa_from_layout, medusa_from_reference, medusa_layout,
+                           medusa_to_reference)
+from models.dflash import DFlashNet, dflash_from_layout, dflash_from_speculators, dflash_layout, dflash_to_speculators
 from models.peagle import PEagleNet
 
 # (net, verifier) -> (the family's config keys, tensors to write)
 Writer = Callable[[nn.Module, Any], tuple[dict[str, Any], dict[str, Tensor]]]
 # (config, tensors, verifier, weights file, reference layout?) -> (network, the export's copy of a shared head or None)
 Reader = Callable[[dict[str, Any], dict[str, Tensor], Any, Path, bool], tuple[nn.Module, Tensor | None]]
+# (flat config, speculators_model_type, verifier name_or_path, verifier architectures, speculative tokens) -> the
+# config in the speculators format (models/speculators_format.py)
+SpeculatorsWriter = Callable[[dict[str, Any], str, str, list[str], int], dict[str, Any]]
+# (speculators config, file, family name, the architecture to write) -> the flat config the family's Reader reads
+SpeculatorsReader = Callable[[dict[str, Any], str, str, str], dict[str, Any]]
+# (reference config, the weight file's tensor names) -> whether they are the family's reference layout
+ReferenceDetector = Callable[[dict[str, Any], list[str]], bool]
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,20 @@ class ExportFormat:
     reference_weights: tuple[str, ...] = ()  # the reference repository's weight file names, the first written
     to_reference: Callable[..., tuple[dict, dict]] | None = None  # (config, tensors, base model, file) -> reference
     from_reference: Callable[..., tuple[dict, dict]] | None = None  # (config, tensors, file) -> this project's
+    is_reference: ReferenceDetector | None = None  # a reference-layout folder is this family's (layout_of)
     speculators_type: str | None = None  # vLLM's `speculators_model_type`: the export is in that format
+    to_speculators: SpeculatorsWriter | None = None  # with speculators_type: the flat config in that format
+    from_speculators: SpeculatorsReader | None = None  # with speculators_type: that format's config as the flat one
+
+    def __post_init__(self) -> None:
+        speculators = (self.speculators_type, self.to_speculators, self.from_speculators)
+        if any(x is None for x in speculators) != all(x is None for x in speculators):
+            raise TypeError(f"{self.architectures}: speculators_type, to_speculators and from_speculators go together")
+        reference = (self.is_reference, self.to_reference, self.from_reference)
+        if any(x is None for x in reference) != all(x is None for x in reference) or (
+                self.is_reference is not None and not self.reference_weights):
+            raise TypeError(f"{self.architectures}: is_reference, to_reference, from_reference and reference_weights "
+                            f"go together")
 
 
 @dataclass(frozen=True)
@@ -102,37 +122,41 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            acceptance=("medusa_topk_accuracy",), serve="medusa", teacher_forced="eval.medusa.medusa_ranks",
            export=ExportFormat(("MedusaModel",), medusa_layout, medusa_from_layout, model_type="medusa",
                                reference_weights=("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
-                               to_reference=ref.medusa_to_reference, from_reference=ref.medusa_from_reference)),
+                               is_reference=is_medusa_reference, to_reference=medusa_to_reference,
+                               from_reference=medusa_from_reference)),
     Family("eagle", "EAGLE-1", drafter="eval.families.export", decoder="eval.eagle.eagle_drafter",
            training="train.eagle.EagleModule", network=Eagle1Net, needs_export=True, tree="dynamic",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle",
            teacher_forced="eval.eagle.eagle_ranks",
-           export=ExportFormat(_EAGLE_ARCHS, eagle_layout, partial(eagle_from_layout, "eagle"),
+           export=ExportFormat(_EAGLE_ARCHS, eagle_io.eagle_layout, partial(eagle_io.eagle_from_layout, "eagle"),
                                reference_weights=("pytorch_model.bin", "model.safetensors"),
-                               to_reference=partial(ref.eagle_to_reference, "eagle"),
-                               from_reference=partial(ref.eagle_from_reference, "eagle"))),
+                               is_reference=eagle_io.is_eagle1_reference, to_reference=eagle_io.eagle1_to_reference,
+                               from_reference=eagle_io.eagle1_from_reference)),
     Family("eagle3", "EAGLE-3", drafter="eval.families.export", decoder="eval.eagle.eagle_drafter",
            training="train.eagle.EagleModule", network=Eagle3Net, needs_export=True, tree="dynamic",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
            teacher_forced="eval.eagle.eagle_ranks",
-           export=ExportFormat(("LlamaForCausalLMEagle3",), eagle_layout, partial(eagle_from_layout, "eagle3"),
-                               reads=("Eagle3LlamaForCausalLM",),
+           export=ExportFormat(("LlamaForCausalLMEagle3",), eagle_io.eagle_layout,
+                               partial(eagle_io.eagle_from_layout, "eagle3"), reads=("Eagle3LlamaForCausalLM",),
                                reference_weights=("model.safetensors", "pytorch_model.bin"),
-                               to_reference=partial(ref.eagle_to_reference, "eagle3"),
-                               from_reference=partial(ref.eagle_from_reference, "eagle3"),
-                               speculators_type="eagle3")),
+                               is_reference=eagle_io.is_eagle3_reference, to_reference=eagle_io.eagle3_to_reference,
+                               from_reference=eagle_io.eagle3_from_reference,
+                               speculators_type="eagle3", to_speculators=eagle_io.eagle3_to_speculators,
+                               from_speculators=eagle_io.eagle3_from_speculators)),
     Family("peagle", "P-EAGLE", drafter="eval.families.export", decoder="eval.peagle.peagle_drafter",
            training="train.peagle.PEagleModule", network=PEagleNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
            teacher_forced="eval.eagle.eagle_ranks",
            serve_options=(("parallel_drafting", True),),
-           export=ExportFormat(("PeagleLlamaForCausalLM",), peagle_layout, peagle_from_layout,
-                               speculators_type="peagle")),
+           export=ExportFormat(("PeagleLlamaForCausalLM",), eagle_io.peagle_layout, eagle_io.peagle_from_layout,
+                               speculators_type="peagle", to_speculators=eagle_io.eagle3_to_speculators,
+                               from_speculators=eagle_io.peagle_from_speculators)),
     Family("dflash", "DFlash", drafter="eval.families.export", decoder="eval.dflash.dflash_drafter",
            training="train.dflash.DFlashModule", network=DFlashNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="dflash",
            teacher_forced="eval.eagle.eagle_ranks",
-           export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash")),
+           export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash",
+                               to_speculators=dflash_to_speculators, from_speculators=dflash_from_speculators)),
     Family("draft_model", "draft model", drafter="eval.families.draft_model",
            training="train.draft_model.DraftModelModule"),
     Family("prompt_lookup", "prompt lookup", drafter="eval.families.prompt_lookup"),

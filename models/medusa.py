@@ -10,6 +10,7 @@ one shared `lm_head.weight` with `original_lm_head: true`), so `state_dict()` is
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +147,82 @@ def medusa_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
     lm_head = tensors.pop("lm_head.weight", None) if shared else None
     load_state(net, tensors, file)
     return net, lm_head
+
+
+# -- the reference layout (models/reference_formats.py): FasterDecoding/Medusa ---------------------------------------
+
+_MEDUSA_KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
+
+
+def is_medusa_reference(config: dict[str, Any], names: list[str]) -> bool:
+    """The Medusa repository's layout: `{h}.{l}.linear.weight|bias` tensors, or `medusa_num_heads` in its config."""
+    return any(_MEDUSA_KEY.match(n) for n in names) or "medusa_num_heads" in config
+
+
+def medusa_from_reference(config: dict[str, Any], tensors: dict[str, Tensor], file: Path) -> tuple[dict, dict]:
+    """A Medusa reference config + state dict -> this project's Medusa config + tensors (vLLM's names)."""
+    layers = int(config.get("medusa_num_layers", 1))
+    if layers != 1:
+        raise UserError(f"{file.parent / 'config.json'}: medusa_num_layers={layers}; only 1 maps (the reference "
+                        f"repeats one shared ResBlock {layers} times, which this project's heads cannot express). "
+                        f"Retrain with model.num_layers=1 or convert a 1-layer checkpoint.")
+    parsed: dict[tuple[int, int, str], Tensor] = {}
+    for name, t in tensors.items():
+        m = _MEDUSA_KEY.match(name)
+        if m is None:
+            raise UserError(f"{file}: tensor {name!r} is not a Medusa reference key ({{h}}.{{l}}.linear.weight|bias "
+                            f"or {{h}}.{{L}}.weight).")
+        parsed[(int(m[1]), int(m[2]), m[3])] = t
+    heads = sorted({h for h, _, _ in parsed})
+    if heads != list(range(len(heads))) or not heads:
+        raise UserError(f"{file}: the heads in the file are {heads}; expected 0..K-1.")
+    declared = config.get("medusa_num_heads")
+    if declared is not None and int(declared) != len(heads):
+        raise UserError(f"{file}: config.json medusa_num_heads={declared} but the file holds {len(heads)} heads "
+                        f"(keys 0..{len(heads) - 1}.*). Fix medusa_num_heads in {file.parent / 'config.json'}.")
+    hidden = int(parsed[(0, 0, "weight")].shape[0]) if (0, 0, "weight") in parsed else None
+    if hidden is None:
+        raise UserError(f"{file}: no 0.0.linear.weight, so this is not a 1-layer Medusa reference file.")
+    if config.get("hidden_size") is not None and int(config["hidden_size"]) != hidden:
+        raise UserError(f"{file}: 0.0.linear.weight is ({hidden}, {hidden}) but config.json hidden_size="
+                        f"{config['hidden_size']}.")
+    own = [(h, 1, "weight") in parsed for h in heads]
+    if any(own) and not all(own):
+        raise UserError(f"{file}: only some heads have a vocabulary projection ({{h}}.1.weight); expected all or none.")
+    out: dict[str, Tensor] = {}
+    for h in heads:
+        for part in ("weight", "bias"):
+            if (h, 0, part) not in parsed:
+                raise UserError(f"{file}: {h}.0.linear.{part} is missing.")
+            out[f"blocks.{h}.layers.0.{part}"] = parsed[(h, 0, part)]
+        if all(own):
+            out[f"lm_heads.{h}.weight"] = parsed[(h, 1, "weight")]
+    vocab = int(parsed[(0, 1, "weight")].shape[0]) if all(own) else config.get("vocab_size")
+    cfg = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": len(heads), "num_hidden_layers": 1,
+           "hidden_size": hidden, "vocab_size": vocab, "truncated_vocab_size": vocab, "medusa_fc_bias": True,
+           "original_lm_head": not all(own), "reference_layout": "medusa"}
+    if config.get("base_model_name_or_path"):
+        cfg["verifier_path"] = config["base_model_name_or_path"]
+    return cfg, out
+
+
+def medusa_to_reference(config: dict[str, Any], tensors: dict[str, Tensor], base_model: str | None,
+                        file: Path) -> tuple[dict, dict]:
+    """This project's Medusa export -> the reference config + state dict (`{h}.0.linear.*`, `{h}.1.weight`)."""
+    layers = int(config["num_hidden_layers"])
+    if layers != 1:
+        raise UserError(f"{file.parent / 'config.json'}: num_hidden_layers={layers}; the Medusa reference shares one "
+                        f"ResBlock across its layers, so only 1-layer heads convert. Retrain with model.num_layers=1.")
+    heads = int(config["num_heads"])
+    out: dict[str, Tensor] = {}
+    for h in range(heads):
+        out[f"{h}.0.linear.weight"] = tensors[f"blocks.{h}.layers.0.weight"]
+        out[f"{h}.0.linear.bias"] = tensors[f"blocks.{h}.layers.0.bias"]
+        proj = tensors.get("lm_head.weight") if config.get("original_lm_head") else tensors.get(f"lm_heads.{h}.weight")
+        if proj is None:
+            raise UserError(f"{file}: no vocabulary projection for head {h} (lm_head.weight with original_lm_head, "
+                            f"else lm_heads.{h}.weight); re-export it with train.py.")
+        out[f"{h}.1.weight"] = proj.clone()  # one tensor per head: the reference has no shared head
+    cfg = {"medusa_num_heads": heads, "medusa_num_layers": 1, "base_model_name_or_path": base_model,
+           "hidden_size": int(config["hidden_size"]), "vocab_size": int(config["vocab_size"])}
+    return cfg, out

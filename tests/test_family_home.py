@@ -40,8 +40,6 @@ SHARED = sorted(
 # higher than what the file still holds (lower it; delete the entry at 0). Empty this list, do not grow it.
 PENDING = {
     "eval/harness.py": 1,  # verifier_source_of: family_of(cfg.drafter) == "draft_model"
-    "models/reference_formats.py": 2,  # eagle_to_reference / eagle_from_reference: kind == "eagle3" / "eagle"
-    "models/speculators_format.py": 3,  # the speculators layout of DFlash and P-EAGLE: kind == "dflash" / "peagle"
 }
 
 
