@@ -4,8 +4,10 @@
     python train.py experiment=smoke             # two minutes end to end
     python train.py ckpt_path=last               # resume the run named `name`
 
-compose -> lock the run directory, check checkpoint/export locations -> instantiate verifier, data, model, logger,
-callbacks, trainer -> fit (a divergence guard keeps checkpoints/last-good.ckpt) -> export (printed last).
+compose -> check the settings -> lock the run directory, refuse to replace a finished run of the same name (unless
+resumed or overwrite=true), record the config in .hydra/, check checkpoint/export locations -> instantiate verifier,
+data, model, logger, callbacks, trainer -> fit (a divergence guard keeps checkpoints/last-good.ckpt; checkpoints are
+renamed into place) -> export (printed last).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from models.export import load_export
 from models.distributed import is_primary
 from train.distributed import RanksAgree
 from train.memory import plan_memory
-from train.safety import LAST_GOOD, CheckpointOnMaxSteps, RestoreLoaderPosition, RunLock, check_writable
+from train.preflight import check_reused_name, check_settings, record_run_config
+from train.safety import (LAST_GOOD, AtomicCheckpointIO, CheckpointOnMaxSteps, RestoreLoaderPosition, RunLock,
+                          check_writable)
 
 
 def resolve_ckpt(cfg: DictConfig) -> str | None:
@@ -71,7 +75,11 @@ def check_output_locations(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> Path:
     """Fit the drafter described by `cfg`; returns the export directory. Holds a lock on the run directory."""
+    check_settings(cfg)  # before anything is written or loaded
     with RunLock(cfg.output_dir):
+        if is_primary():  # the ranks a DDP run launches are this run
+            check_reused_name(cfg)
+            record_run_config(cfg)  # only now: a run refused above leaves the running one's recipe as it was
         return _run(cfg)
 
 
@@ -92,7 +100,8 @@ def _run(cfg: DictConfig) -> Path:
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [RestoreLoaderPosition(), RanksAgree(cfg)]
     if cfg.callbacks.get("checkpoint") is not None:
         callbacks.append(CheckpointOnMaxSteps(cfg.callbacks.checkpoint.dirpath))  # a mid-epoch stop resumes mid-epoch
-    trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
+    # Every checkpoint is written beside its destination and renamed over it: a full disk keeps the previous one.
+    trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=callbacks, plugins=[AtomicCheckpointIO()])
     if is_primary():  # what the run will hold per process, before it starts (train/memory.py)
         print(plan_memory(verifier, model, cfg.data.batch_size, cfg.data.max_length, world=trainer.world_size,
                           shard_verifier="shard_verifier" in cfg.callbacks,
@@ -126,9 +135,6 @@ def revalidate(cfg: DictConfig, trainer: L.Trainer, model: L.LightningModule, da
     so it carries the validation figures this train.py records. Figures only training measures (the last epoch's
     training accuracy) come from the checkpoint, or, for one written before checkpoints kept them, from the previous
     export of the same run (same trained_steps)."""
-    if ckpt_path is None:
-        raise UserError("validate_only=true validates a trained checkpoint: add ckpt_path=last (this run's) or "
-                        "ckpt_path=<file.ckpt>.")
     trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, **safe)
     dirpath = Path(cfg.callbacks.export.dirpath)
     previous = dirpath / "config.json"

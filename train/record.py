@@ -4,8 +4,9 @@ Per epoch: its wall seconds (first batch to the end of its validation, data load
 assistant tokens (the tokens with targets) it trained on, assistant tokens per wall second, the mean training loss over its steps, and the last value of
 every scalar the module logged (training loss and accuracy, the held-out figures of the epoch's validation). A resumed run reads the file and
 appends, so the epochs before a kill keep their figures; an epoch resumed in the middle is marked `resumed` (its wall
-time covers only the part after the restart). `scripts.convert ship --training` puts the file beside a shipped
-export.
+time covers only the part after the restart). A fresh run (no checkpoint resumed) starts a record of its own: an
+earlier run's epochs in the file are never merged into it. `scripts.convert ship --training` puts the file beside a
+shipped export.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ class TrainingRecord(Callback):
         self._steps = 0
         self._losses: list[float] = []
         self._resumed = False
+        self._append = False  # the file holds this run's epochs (resumed, or written by an earlier epoch of it)
 
     def _read(self) -> dict[str, Any]:
-        if self.path.is_file():
+        if self._append and self.path.is_file():
             try:
                 return json.loads(self.path.read_text())
             except json.JSONDecodeError:  # a half-written file cannot happen (atomic writes); a hand-edited one can
@@ -50,6 +52,7 @@ class TrainingRecord(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._resumed = trainer.global_step > 0
+        self._append = bool(trainer.ckpt_path)  # set once the checkpoint is restored (None in `setup`)
         # An epoch resumed in the middle gets no on_train_epoch_start: its clock and step count start here.
         self.on_train_epoch_start(trainer, pl_module)
 
@@ -88,3 +91,4 @@ class TrainingRecord(Callback):
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))
         tmp.replace(self.path)
+        self._append = True

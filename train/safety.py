@@ -1,5 +1,6 @@
 """Training that fails safe: a divergence guard that keeps the last good checkpoint apart, a lock per run directory,
-and checks that the places a run writes to are writable before any work starts.
+checks that the places a run writes to are writable before any work starts, and checkpoints written beside their
+destination and renamed into place, so a failed write (a full disk) never replaces the previous one.
 
 What a diverged run leaves: `checkpoints/last-good.ckpt` (the newest checkpoint whose weights were seen to give a
 healthy loss), `checkpoints/diverged.ckpt` (what `last.ckpt` held when the guard fired, kept for inspection), no
@@ -8,7 +9,9 @@ healthy loss), `checkpoints/diverged.ckpt` (what `last.ckpt` held when the guard
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import io
 import math
 import os
 import tempfile
@@ -20,6 +23,7 @@ import lightning as L
 import torch
 from hydra.experimental.callback import Callback as HydraCallback
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from models.errors import NonFiniteLossError, UserError, exit_on_user_error
 
@@ -193,6 +197,49 @@ class CheckpointOnMaxSteps(Callback):
                            batch_idx: int) -> None:
         if not trainer.fast_dev_run and 0 < trainer.max_steps <= trainer.global_step:
             trainer.save_checkpoint(self.dirpath / "last.ckpt", weights_only=False)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, with the temporary file beside its destination: the checkpoint is written to
+    `<dir>/.<name>.<pid>.tmp`, fsynced, and renamed over the old file (os.replace, atomic within a filesystem).
+
+    Lightning's own writer puts the temporary file in the system temp directory and moves it into place; when that
+    directory is on another disk the move is a copy over the old file, and a full disk left a truncated `last.ckpt`
+    where the good one had been. Here a failed write loses only the new checkpoint. train.py gives every trainer
+    one, so every save (ModelCheckpoint, the divergence guard's candidate, `last.ckpt` at the end) goes through it.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):  # remote storage: Lightning's own transaction
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)  # serialised before any file is touched
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                self._write(f, buffer.getbuffer())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)  # frees what the partial write took
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise UserError(f"checkpoint {str(path)!r} could not be written ({e.strerror}); the previous "
+                                f"{path.name} is kept. Free space in {str(path.parent)!r}, then resume with "
+                                f"ckpt_path=last.") from e
+            raise
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself survives a power cut
+        finally:
+            os.close(fd)
+
+    def _write(self, f: Any, data: memoryview) -> None:
+        """Write the serialised checkpoint to the open temporary file (one place a disk-full fault can strike)."""
+        f.write(data)
 
 
 def _ckpt_step(path: Path) -> int | None:
