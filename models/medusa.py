@@ -11,6 +11,7 @@ one shared `lm_head.weight` with `original_lm_head: true`), so `state_dict()` is
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
-from models.io import load_state, require_ints
+from models.export_config import ExportConfig
+from models.io import load_state
 
 
 class ResidualBlock(nn.Module):
@@ -102,19 +104,32 @@ def medusa_targets(input_ids: Tensor, loss_mask: Tensor, num_heads: int) -> list
 
 # -- the export layout (models/families.py registers it; models/export.py does the files) ----------------------------
 
+@dataclass(frozen=True, kw_only=True)
+class MedusaConfig(ExportConfig):
+    """A Medusa export's config.json keys, as vLLM's Medusa reader (and this toolkit's) takes them."""
+
+    model_type: str = field(default="medusa", metadata={"help": "the layout vLLM reads: Medusa's",
+                                                        "choices": ("medusa",)})
+    num_heads: int = field(metadata={"help": "the heads, head k drafting token t+k+2", "min": 1})
+    num_hidden_layers: int = field(metadata={"help": "the residual blocks of each head", "min": 1})
+    hidden_size: int = field(metadata={"help": "the verifier's hidden size, each block's width",
+                                                  "min": 1})
+    vocab_size: int | None = field(default=None, metadata={"help": "the vocabulary the heads project to (null: "
+                                                                   "the verifier's)", "min": 1})
+    truncated_vocab_size: int | None = field(default=None, metadata={"help": "the vocabulary vLLM keeps (the whole "
+                                                                             "one)", "min": 1})
+    medusa_fc_bias: bool = field(default=True, metadata={"help": "whether the blocks' linear layers have biases "
+                                                                 "(this toolkit's always do)", "choices": (True,)})
+    original_lm_head: bool = field(default=False, metadata={"help": "whether every head shares the verifier's "
+                                                                    "lm_head (written once as lm_head.weight)"})
+
+
 def medusa_layout(heads: MedusaHeads, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """vLLM's Medusa layout: the config keys (`architectures` comes from the registry) and the tensors. A shared head is written once as `lm_head.weight`
-    (vLLM shares it across heads when `original_lm_head`)."""
-    config = {
-        "model_type": "medusa",
-        "num_heads": heads.num_heads,
-        "num_hidden_layers": heads.num_layers,
-        "hidden_size": heads.hidden_size,
-        "vocab_size": heads.vocab_size,
-        "truncated_vocab_size": heads.vocab_size,
-        "medusa_fc_bias": True,
-        "original_lm_head": heads.share_lm_head,
-    }
+    """vLLM's Medusa layout: the config keys (MedusaConfig; `architectures` comes from the registry) and the tensors.
+    A shared head is written once as `lm_head.weight` (vLLM shares it across heads when `original_lm_head`)."""
+    config = MedusaConfig(num_heads=heads.num_heads, num_hidden_layers=heads.num_layers,
+                          hidden_size=heads.hidden_size, vocab_size=heads.vocab_size,
+                          truncated_vocab_size=heads.vocab_size, original_lm_head=heads.share_lm_head).to_config()
     tensors = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
     if heads.share_lm_head:
         tensors["lm_head.weight"] = verifier.lm_head.weight.detach().cpu().contiguous()
@@ -124,26 +139,26 @@ def medusa_layout(heads: MedusaHeads, verifier: Any) -> tuple[dict[str, Any], di
 def medusa_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Path,
                        reference: bool) -> tuple[MedusaHeads, Tensor | None]:
     """The heads an export holds, and the export's copy of the shared head (None when each head has its own)."""
-    require_ints(config, ("hidden_size", "num_heads", "num_hidden_layers"), file.parent / "config.json")
+    cfg = MedusaConfig.from_config(config, file.parent / "config.json")
     heads = {int(k.split(".")[1]) for k in tensors if k.startswith("blocks.")}
-    if len(heads) != int(config["num_heads"]):
-        raise UserError(f"{file}: config.json num_heads={config['num_heads']} but the weights hold {len(heads)} heads "
+    if len(heads) != cfg.num_heads:
+        raise UserError(f"{file}: config.json num_heads={cfg.num_heads} but the weights hold {len(heads)} heads "
                         f"(blocks.{{0..{len(heads) - 1}}}). Re-export the checkpoint, or fix num_heads.")
     w = tensors.get("blocks.0.layers.0.weight")
-    if w is not None and tuple(w.shape) != (config["hidden_size"],) * 2:
-        raise UserError(f"{file}: config.json hidden_size={config['hidden_size']} but blocks.0.layers.0.weight is "
+    if w is not None and tuple(w.shape) != (cfg.hidden_size,) * 2:
+        raise UserError(f"{file}: config.json hidden_size={cfg.hidden_size} but blocks.0.layers.0.weight is "
                         f"{tuple(w.shape)}. Re-export the checkpoint, or fix hidden_size.")
-    shared = bool(config.get("original_lm_head", False))
+    shared = cfg.original_lm_head
     own = verifier.lm_head.weight.detach().cpu()
-    num = int(config["num_heads"])
+    num = cfg.num_heads
     if reference and not shared and all(torch.equal(tensors[f"lm_heads.{h}.weight"].to(own.dtype), own)
                                         for h in range(num)):
         shared = True  # the reference copies a shared head into every head: share it again
         for h in range(num):
             tensors.pop(f"lm_heads.{h}.weight")
         config["original_lm_head"] = True
-    net = MedusaHeads(hidden_size=config["hidden_size"], vocab_size=int(config.get("vocab_size") or verifier.vocab_size),
-                      num_heads=num, num_layers=config["num_hidden_layers"], share_lm_head=shared)
+    net = MedusaHeads(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size or verifier.vocab_size,
+                      num_heads=num, num_layers=cfg.num_hidden_layers, share_lm_head=shared)
     lm_head = tensors.pop("lm_head.weight", None) if shared else None
     load_state(net, tensors, file)
     return net, lm_head
@@ -209,20 +224,21 @@ def medusa_from_reference(config: dict[str, Any], tensors: dict[str, Tensor], fi
 def medusa_to_reference(config: dict[str, Any], tensors: dict[str, Tensor], base_model: str | None,
                         file: Path) -> tuple[dict, dict]:
     """This project's Medusa export -> the reference config + state dict (`{h}.0.linear.*`, `{h}.1.weight`)."""
-    layers = int(config["num_hidden_layers"])
+    cfg = MedusaConfig.from_config(config, file.parent / "config.json")
+    layers = cfg.num_hidden_layers
     if layers != 1:
         raise UserError(f"{file.parent / 'config.json'}: num_hidden_layers={layers}; the Medusa reference shares one "
                         f"ResBlock across its layers, so only 1-layer heads convert. Retrain with model.num_layers=1.")
-    heads = int(config["num_heads"])
+    heads = cfg.num_heads
     out: dict[str, Tensor] = {}
     for h in range(heads):
         out[f"{h}.0.linear.weight"] = tensors[f"blocks.{h}.layers.0.weight"]
         out[f"{h}.0.linear.bias"] = tensors[f"blocks.{h}.layers.0.bias"]
-        proj = tensors.get("lm_head.weight") if config.get("original_lm_head") else tensors.get(f"lm_heads.{h}.weight")
+        proj = tensors.get("lm_head.weight") if cfg.original_lm_head else tensors.get(f"lm_heads.{h}.weight")
         if proj is None:
             raise UserError(f"{file}: no vocabulary projection for head {h} (lm_head.weight with original_lm_head, "
                             f"else lm_heads.{h}.weight); re-export it with train.py.")
         out[f"{h}.1.weight"] = proj.clone()  # one tensor per head: the reference has no shared head
-    cfg = {"medusa_num_heads": heads, "medusa_num_layers": 1, "base_model_name_or_path": base_model,
-           "hidden_size": int(config["hidden_size"]), "vocab_size": int(config["vocab_size"])}
-    return cfg, out
+    ref = {"medusa_num_heads": heads, "medusa_num_layers": 1, "base_model_name_or_path": base_model,
+           "hidden_size": cfg.hidden_size, "vocab_size": int(config["vocab_size"])}
+    return ref, out

@@ -297,7 +297,7 @@ BAD_INPUTS = {
     "config.json not an object": (lambda e, d: [f"checkpoint={_edit(e, d, b'[1, 2]')}"], "not an object"),
     "config.json not UTF-8": (lambda e, d: ["checkpoint=" + str(_edit(e, d, NOT_UTF8))], "UTF-8"),
     "config.json without hidden_size": (lambda e, d: [f"checkpoint={_edit(e, d, drop='hidden_size')}"],
-                                        "lacks the whole-number key(s) ['hidden_size']"),
+                                        "hidden_size is missing"),
     "export without fingerprint": (lambda e, d: [f"checkpoint={_edit(e, d, drop='verifier_fingerprint')}"],
                                    "has no verifier_fingerprint"),
     "num_prompts not a number": (lambda e, d: [f"checkpoint={e}", "num_prompts=abc"], "give a whole number"),

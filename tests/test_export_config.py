@@ -1,0 +1,121 @@
+"""Each family's export config is a typed, validated class (models/export_config.py): one description per field, the
+config.json written by its `to_config` and read by its `from_config`, and a bad field (a wrong type, a count below its
+bound, a missing required key) refused naming the file, the key and the value seen."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.errors import UserError
+from models.export import load_export, save_export
+from models.export_config import ExportConfig
+from models.medusa import MedusaConfig, MedusaHeads
+from models.verifier import build_tiny
+
+CLASSES = [MedusaConfig]
+
+
+@pytest.fixture(scope="module")
+def tiny4(cache_dir):
+    return build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", num_layers=4)
+
+
+def _exports(verifier, root: Path) -> dict[str, Path]:
+    """family -> a small export of it."""
+    torch.manual_seed(0)
+    return {"medusa": save_export(MedusaHeads(verifier.config.hidden_size, verifier.vocab_size, num_heads=2),
+                                  verifier, root / "medusa")}
+
+
+@pytest.fixture(scope="module")
+def exports(tiny4, tmp_path_factory):
+    return _exports(tiny4, tmp_path_factory.mktemp("exports"))
+
+
+def _edited(export: Path, tmp: Path, edit) -> Path:
+    """A copy of `export` whose config.json went through `edit`."""
+    copy = tmp / export.name
+    copy.mkdir()
+    for f in export.iterdir():
+        if f.is_file():
+            (copy / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((copy / "config.json").read_text())
+    edit(cfg)
+    (copy / "config.json").write_text(json.dumps(cfg))
+    return copy
+
+
+def _set(key: str, value):
+    return lambda c: c.__setitem__(key, value)
+
+
+BAD = [
+    ("medusa", _set("num_heads", -1), "num_heads=-1", ">= 1"),
+    ("medusa", _set("num_heads", "2"), "num_heads='2'", "whole number"),
+    ("medusa", _set("num_heads", True), "num_heads=True", "whole number"),
+    ("medusa", _set("num_hidden_layers", 0), "num_hidden_layers=0", ">= 1"),
+    ("medusa", _set("hidden_size", 64.0), "hidden_size=64.0", "whole number"),
+    ("medusa", lambda c: c.pop("hidden_size"), "hidden_size is missing", "whole number"),
+    ("medusa", _set("original_lm_head", "yes"), "original_lm_head='yes'", "true or false"),
+    ("medusa", _set("medusa_fc_bias", False), "medusa_fc_bias=False", "one of [True]"),
+]
+
+
+@pytest.mark.parametrize("family,edit,seen,fix", BAD, ids=[f"{b[0]}:{b[2]}" for b in BAD])
+def test_a_bad_field_is_refused_naming_the_file_the_key_and_the_value(exports, tiny4, tmp_path, family, edit, seen,
+                                                                      fix):
+    bad = _edited(exports[family], tmp_path, edit)
+    with pytest.raises(UserError, match=re.escape(seen)) as info:
+        load_export(bad, tiny4)
+    assert str(bad / "config.json") in str(info.value) and fix in str(info.value)
+
+
+def test_the_written_config_is_the_class_round_trip(exports, tiny4):
+    """What a family writes is its class's `to_config`, and reading it back gives the same keys and values."""
+    for family, cls in (("medusa", MedusaConfig),):
+        written = json.loads((exports[family] / "config.json").read_text())
+        read = cls.from_config(written, exports[family] / "config.json")
+        assert read.to_config() == {k: written[k] for k in read.to_config()}, family
+        load_export(exports[family], tiny4)  # and the export loads
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_every_field_is_described(cls):
+    assert issubclass(cls, ExportConfig) and dataclasses.is_dataclass(cls)
+    for f in dataclasses.fields(cls):
+        assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no description"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Nested(ExportConfig):
+    ids: list[int] = dataclasses.field(metadata={"help": "layer ids", "min": 0})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Demo(ExportConfig):
+    count: int = dataclasses.field(metadata={"help": "a count", "min": 1, "max": 8})
+    rate: float = dataclasses.field(default=0.5, metadata={"help": "a rate", "min": 0.0})
+    inner: Nested = dataclasses.field(metadata={"help": "the nested part"})
+    note: str | None = dataclasses.field(default=None, metadata={"help": "a note"})
+
+
+def test_the_checks_themselves():
+    """A negative control on the class machinery alone: each kind of bad value is refused, a good one kept."""
+
+    good = {"count": 3, "rate": 1, "inner": {"ids": [0, 2]}, "note": None, "other": "kept out"}
+    assert Demo.from_config(good, "f.json").to_config() == {"count": 3, "rate": 1, "inner": {"ids": [0, 2]},
+                                                           "note": None}
+    for config, message in [({"inner": {"ids": []}}, "count is missing"),
+                            ({"count": 9, "inner": {"ids": []}}, "count=9, but it is a count: give >= 1 and <= 8"),
+                            ({"count": 2, "rate": "x", "inner": {"ids": []}}, "rate='x'"),
+                            ({"count": 2, "inner": {"ids": [0, -1]}}, "inner.ids holds -1"),
+                            ({"count": 2, "inner": [0]}, "inner=[0]"),
+                            ({"count": 2, "inner": {"ids": ["0"]}}, "inner.ids=['0']")]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            Demo.from_config(config, "f.json")
