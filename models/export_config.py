@@ -9,7 +9,7 @@ models/dflash.py); the keys every export shares (the verifier's, the draft layer
 
 Field metadata: `help` (what the key is, for messages and readers), `min` / `max` (inclusive bounds of a number or of
 each item of a list), `choices` (the values allowed). A field with a default may be missing or null in a config.json
-(the default is used); one without is required. Types: int (a bool is refused), float (an int is taken), bool, str,
+(the default is used); one without is required. Types: int (a bool is refused), float (an int is taken), bool, str, dict,
 `list[int]`, `X | None`, and a nested ExportConfig (a JSON object).
 """
 
@@ -37,6 +37,8 @@ def _describe(kind: Any) -> str:
         return "true or false"
     if kind is str:
         return "a string"
+    if kind is dict:
+        return "an object"
     if typing.get_origin(kind) in (list, tuple):
         return f"a list of {_describe(typing.get_args(kind)[0]).removeprefix('a ')}s"
     if isinstance(kind, type) and issubclass(kind, ExportConfig):
@@ -54,6 +56,8 @@ def _is(value: Any, kind: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is str:
         return isinstance(value, str)
+    if kind is dict:
+        return isinstance(value, dict)
     if typing.get_origin(kind) in (list, tuple):
         item = typing.get_args(kind)[0]
         return isinstance(value, (list, tuple)) and all(_is(v, item) for v in value)
@@ -95,13 +99,13 @@ class ExportConfig:
                 continue
             if isinstance(kind, type) and issubclass(kind, ExportConfig):
                 if not isinstance(value, dict):
-                    raise UserError(f"{file}: {key}={value!r}, but it is {what}: give {_describe(kind)}. Re-export "
-                                    f"the drafter, or fix {key}.")
+                    raise UserError(f"{file}: {key}={value!r}: {what}; give {_describe(kind)}. Re-export the "
+                                    f"drafter, or fix {key}.")
                 values[f.name] = kind.from_config(value, file, f"{key}.")
                 continue
             if not _is(value, kind):
-                raise UserError(f"{file}: {key}={value!r}, but it is {what}: give {_describe(kind)}. Re-export the "
-                                f"drafter, or fix {key}.")
+                raise UserError(f"{file}: {key}={value!r}: {what}; give {_describe(kind)}. Re-export the drafter, "
+                                f"or fix {key}.")
             items = value if isinstance(value, (list, tuple)) else [value]
             low, high, choices = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("choices")
             bad = next((v for v in items if (low is not None and v < low) or (high is not None and v > high)
@@ -110,9 +114,8 @@ class ExportConfig:
                 bounds = (f"one of {list(choices)}" if choices is not None else
                           " and ".join(s for s in (f">= {low}" if low is not None else "",
                                                     f"<= {high}" if high is not None else "") if s))
-                which = f"{key} holds {bad!r}" if isinstance(value, (list, tuple)) else f"{key}={value!r}"
-                raise UserError(f"{file}: {which}, but it is {what}: give {bounds}. Re-export the drafter, or fix "
-                                f"{key}.")
+                which = f"{key}={value!r} holds {bad!r}" if isinstance(value, (list, tuple)) else f"{key}={value!r}"
+                raise UserError(f"{file}: {which}: {what}; give {bounds}. Re-export the drafter, or fix {key}.")
             values[f.name] = list(value) if isinstance(value, (list, tuple)) else value
         return cls(**values)
 

@@ -15,10 +15,12 @@ import torch
 from models.errors import UserError
 from models.export import load_export, save_export
 from models.export_config import ExportConfig
+from models.dflash import DFlashConfig, DFlashSpeculators, DFlashTargets
+from models.families import FAMILIES
 from models.medusa import MedusaConfig, MedusaHeads
 from models.verifier import build_tiny
 
-CLASSES = [MedusaConfig]
+CLASSES = [MedusaConfig, DFlashConfig, DFlashTargets, DFlashSpeculators]
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +28,28 @@ def tiny4(cache_dir):
     return build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", num_layers=4)
 
 
-def _exports(verifier, root: Path) -> dict[str, Path]:
-    """family -> a small export of it."""
+def _nets(verifier) -> dict[str, torch.nn.Module]:
+    """family -> a small network of it."""
+    from models.dflash import build_dflash
+
     torch.manual_seed(0)
-    return {"medusa": save_export(MedusaHeads(verifier.config.hidden_size, verifier.vocab_size, num_heads=2),
-                                  verifier, root / "medusa")}
+    return {"medusa": MedusaHeads(verifier.config.hidden_size, verifier.vocab_size, num_heads=2),
+            "dflash": build_dflash(verifier, 16, block_size=4, aux_layer_ids=[0, 1])}
 
 
 @pytest.fixture(scope="module")
-def exports(tiny4, tmp_path_factory):
-    return _exports(tiny4, tmp_path_factory.mktemp("exports"))
+def nets(tiny4):
+    return _nets(tiny4)
+
+
+@pytest.fixture(scope="module")
+def exports(tiny4, nets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("exports")
+    return {name: save_export(net, tiny4, root / name) for name, net in nets.items()}
+
+
+def _layer(key: str, value):
+    return lambda c: c["transformer_layer_config"].__setitem__(key, value)
 
 
 def _edited(export: Path, tmp: Path, edit) -> Path:
@@ -64,6 +78,14 @@ BAD = [
     ("medusa", lambda c: c.pop("hidden_size"), "hidden_size is missing", "whole number"),
     ("medusa", _set("original_lm_head", "yes"), "original_lm_head='yes'", "true or false"),
     ("medusa", _set("medusa_fc_bias", False), "medusa_fc_bias=False", "one of [True]"),
+    ("dflash", _set("mask_token_id", -1), "mask_token_id=-1", ">= 0"),
+    ("dflash", _set("mask_token_id", 1.5), "mask_token_id=1.5", "whole number"),
+    ("dflash", _set("aux_hidden_state_layer_ids", ["1", 2]), "aux_hidden_state_layer_ids=['1', 2]",
+     "list of whole numbers"),
+    ("dflash", _set("aux_hidden_state_layer_ids", [-2, 1]), "aux_hidden_state_layer_ids=[-2, 1] holds -2", ">= 0"),
+    ("dflash", _layer("num_hidden_layers", 0), "num_hidden_layers=0", ">= 1"),
+    ("dflash", _layer("num_hidden_layers", "1"), "num_hidden_layers='1'", "whole number"),
+    ("dflash", _set("block_size", "4"), "block_size='4'", "whole number"),
 ]
 
 
@@ -76,13 +98,13 @@ def test_a_bad_field_is_refused_naming_the_file_the_key_and_the_value(exports, t
     assert str(bad / "config.json") in str(info.value) and fix in str(info.value)
 
 
-def test_the_written_config_is_the_class_round_trip(exports, tiny4):
-    """What a family writes is its class's `to_config`, and reading it back gives the same keys and values."""
-    for family, cls in (("medusa", MedusaConfig),):
-        written = json.loads((exports[family] / "config.json").read_text())
-        read = cls.from_config(written, exports[family] / "config.json")
-        assert read.to_config() == {k: written[k] for k in read.to_config()}, family
-        load_export(exports[family], tiny4)  # and the export loads
+@pytest.mark.parametrize("family,cls", [("medusa", MedusaConfig), ("dflash", DFlashConfig)])
+def test_the_written_config_is_the_class_round_trip(nets, exports, tiny4, family, cls):
+    """What a family's layout writes holds its class's `to_config`, and reading it back gives the same values."""
+    layout, _ = FAMILIES[family].export.write(nets[family], tiny4)
+    read = cls.from_config(layout, "config.json")
+    assert read.to_config() == {k: layout[k] for k in read.to_config()}, family
+    assert type(load_export(exports[family], tiny4).net) is FAMILIES[family].network  # and the export loads
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
@@ -112,9 +134,9 @@ def test_the_checks_themselves():
     assert Demo.from_config(good, "f.json").to_config() == {"count": 3, "rate": 1, "inner": {"ids": [0, 2]},
                                                            "note": None}
     for config, message in [({"inner": {"ids": []}}, "count is missing"),
-                            ({"count": 9, "inner": {"ids": []}}, "count=9, but it is a count: give >= 1 and <= 8"),
+                            ({"count": 9, "inner": {"ids": []}}, "count=9: a count; give >= 1 and <= 8"),
                             ({"count": 2, "rate": "x", "inner": {"ids": []}}, "rate='x'"),
-                            ({"count": 2, "inner": {"ids": [0, -1]}}, "inner.ids holds -1"),
+                            ({"count": 2, "inner": {"ids": [0, -1]}}, "inner.ids=[0, -1] holds -1"),
                             ({"count": 2, "inner": [0]}, "inner=[0]"),
                             ({"count": 2, "inner": {"ids": ["0"]}}, "inner.ids=['0']")]:
         with pytest.raises(UserError, match=re.escape(message)):
