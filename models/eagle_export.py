@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import Tensor
 from models import format_parts as parts
 from models.eagle import Eagle1Net, Eagle3Net, EagleNet, check_aux_layers, layer_config
 from models.errors import UserError
+from models.export_config import ExportConfig
 from models.io import load_state
 
 SERVING_DTYPES = ("bfloat16", "float16")
@@ -102,27 +104,76 @@ def check_draft_layer(config: dict[str, Any], verifier: Any, where: str | Path, 
                    "with no head_dim an engine takes hidden_size // num_attention_heads; set head_dim")
 
 
-def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The config keys and tensors of an EAGLE-1 or EAGLE-3 export (`architectures` comes from the registry)."""
+@dataclass(frozen=True, kw_only=True)
+class EagleConfig(ExportConfig):
+    """An EAGLE-1 export's own config.json keys (its draft layer's shape beside them is the verifier's:
+    draft_layer_config, checked by check_draft_layer)."""
+
+    eagle_kind: str | None = field(default=None, metadata={"help": "the family the export holds"})
+    verifier_num_hidden_layers: int | None = field(default=None, metadata={"help": "the verifier's layer count",
+                                                                           "min": 1})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangAuxLayers(ExportConfig):
+    """EAGLE-3's `eagle_config` object, which SGLang reads."""
+
+    eagle_aux_hidden_state_layer_ids: list[int] | None = field(default=None, metadata={
+        "help": "the verifier layers the drafter reads, in SGLang's convention (id k = output of layer k)",
+        "min": -1})
+    use_aux_hidden_state: bool = field(default=True, metadata={"help": "whether the drafter reads them (it does)"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eagle3Config(EagleConfig):
+    """An EAGLE-3 export's own config.json keys: EAGLE-1's and its feature layers, draft vocabulary and options."""
+
+    draft_vocab_size: int | None = field(default=None, metadata={
+        "help": "the tokens the drafter's head scores (null: the verifier's vocabulary)", "min": 1})
+    eagle_aux_hidden_state_layer_ids: list[int] | None = field(default=None, metadata={
+        "help": "the verifier layers the drafter reads, in vLLM's convention (id k = input of layer k)", "min": 0})
+    eagle_config: SGLangAuxLayers | None = field(default=None, metadata={"help": "the same layers, for SGLang"})
+    fc_norm: bool = field(default=False, metadata={"help": "EAGLE-3.1's option: a norm on each feature before fc"})
+    norm_output: bool = field(default=False, metadata={"help": "EAGLE-3.1's option: the final norm's output fed "
+                                                               "back as the next step's feature"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class PEagleConfig(Eagle3Config):
+    """A P-EAGLE export's own config.json keys: EAGLE-3's, its mask token and K."""
+
+    mask_token_id: int = field(metadata={"help": "the token each parallel draft slot is embedded as", "min": 0})
+    parallel_tokens: int = field(default=4, metadata={"help": "K, the drafts one forward makes", "min": 1})
+
+
+def _eagle3_keys(net: Eagle3Net, verifier: Any) -> dict[str, Any]:
+    """Eagle3Config's fields of `net` (and PEagleConfig's, for a P-EAGLE network)."""
     lc = layer_config(verifier)
-    config = draft_layer_config(verifier, "llama", 1) | {"eagle_kind": net.kind,
-                                                         "verifier_num_hidden_layers": lc["num_verifier_layers"]}
+    ids = list(net.aux_layer_ids)
+    check_aux_layers(ids, lc["num_verifier_layers"])
+    # vLLM (both model runners) reads the top-level key, as the input of layer k (this project's convention);
+    # SGLang reads only the nested one, as the output of layer k (it adds 1): the same layers, written twice.
+    return dict(eagle_kind=net.kind, verifier_num_hidden_layers=lc["num_verifier_layers"],
+                draft_vocab_size=net.draft_vocab_size, eagle_aux_hidden_state_layer_ids=ids,
+                eagle_config=SGLangAuxLayers(eagle_aux_hidden_state_layer_ids=[k - 1 for k in ids]),
+                fc_norm=net.fc_norm is not None, norm_output=net.norm_output)
+
+
+def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The config keys (the draft layer's, then EagleConfig's or Eagle3Config's; `architectures` comes from the
+    registry) and tensors of an EAGLE-1 or EAGLE-3 export."""
+    lc = layer_config(verifier)
     tensors = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
     if isinstance(net, Eagle3Net):
-        ids = list(net.aux_layer_ids)
-        check_aux_layers(ids, lc["num_verifier_layers"])
-        config["draft_vocab_size"] = net.draft_vocab_size
-        # vLLM (both model runners) reads the top-level key, as the input of layer k (this project's convention);
-        # SGLang reads only the nested one, as the output of layer k (it adds 1): the same layers, written twice.
-        config["eagle_aux_hidden_state_layer_ids"] = ids
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}
-        config |= {"fc_norm": net.fc_norm is not None, "norm_output": net.norm_output}  # EAGLE-3.1's options
-    elif "fc.bias" not in tensors:
-        # SGLang and the EAGLE repository build fc with a bias and would leave a missing one random; vLLM drops an
-        # unexpected `.bias` (harmless: it is zero). Not `"bias": true` in the config: engines read that as
-        # "attention has biases".
-        tensors["fc.bias"] = torch.zeros(net.hidden_size, dtype=net.fc.weight.dtype)
-    return config, tensors
+        own: EagleConfig = Eagle3Config(**_eagle3_keys(net, verifier))
+    else:
+        own = EagleConfig(eagle_kind=net.kind, verifier_num_hidden_layers=lc["num_verifier_layers"])
+        if "fc.bias" not in tensors:
+            # SGLang and the EAGLE repository build fc with a bias and would leave a missing one random; vLLM drops
+            # an unexpected `.bias` (harmless: it is zero). Not `"bias": true` in the config: engines read that as
+            # "attention has biases".
+            tensors["fc.bias"] = torch.zeros(net.hidden_size, dtype=net.fc.weight.dtype)
+    return draft_layer_config(verifier, "llama", 1) | own.to_config(), tensors
 
 
 def aux_layer_ids(config: dict[str, Any], num_layers: int, file: str | Path = "config.json",
@@ -179,17 +230,12 @@ def _draft_vocab(tensors: dict[str, Tensor], draft: int, vocab: int, file: Path)
     tensors |= {"d2t": d2t.long(), "t2d": t2d.bool()}
 
 
-def _flag(config: dict[str, Any], key: str, file: Path) -> bool:
-    value = config.get(key, False)
-    if not isinstance(value, bool):
-        raise UserError(f"{file.parent / 'config.json'}: {key}={value!r}: give true or false (EAGLE-3.1's option).")
-    return value
-
-
 def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Path,
                       reference: bool) -> tuple[EagleNet, None]:
     """The EAGLE-1 (`kind` "eagle") or EAGLE-3 ("eagle3") network an export holds, shaped like `verifier`'s layers."""
     lc = layer_config(verifier)
+    if kind != "eagle3":
+        EagleConfig.from_config(config, file.parent / "config.json")
     fc = tensors.get("fc.weight")
     if fc is None:
         raise UserError(f"{file}: no fc.weight tensor; this is not an EAGLE export. Re-export the checkpoint.")
@@ -201,11 +247,12 @@ def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tens
                         f"hidden_size is {lc['hidden_size']}. Pass the verifier the drafter was trained on.")
     check_draft_layer(config, verifier, file.parent / "config.json", required=not reference)
     if kind == "eagle3":
+        own = Eagle3Config.from_config(config, file.parent / "config.json")
         aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json", required=not reference)
-        draft = min(int(config.get("draft_vocab_size") or lc["vocab_size"]), lc["vocab_size"])
+        draft = min(own.draft_vocab_size or lc["vocab_size"], lc["vocab_size"])
         _draft_vocab(tensors, draft, lc["vocab_size"], file)
-        net: EagleNet = Eagle3Net(draft_vocab_size=draft, aux_layer_ids=aux, fc_norm=_flag(config, "fc_norm", file),
-                                  norm_output=_flag(config, "norm_output", file), **lc)
+        net: EagleNet = Eagle3Net(draft_vocab_size=draft, aux_layer_ids=aux, fc_norm=own.fc_norm,
+                                  norm_output=own.norm_output, **lc)
     else:
         bias = tensors.get("fc.bias")
         if bias is not None and not bool(bias.any()):
@@ -218,9 +265,9 @@ def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tens
 def peagle_layout(net: Any, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """P-EAGLE's export (vLLM's `peagle` speculators type): EAGLE-3's layout, `mask_hidden` (the mask slots' feature
     before fc, n_aux * H) and `mask_token_id`; `parallel_tokens` is K, the drafts one forward makes."""
-    config, tensors = eagle_layout(net, verifier)
-    config |= {"mask_token_id": net.mask_token_id, "parallel_tokens": net.parallel}
-    return config, tensors
+    _, tensors = eagle_layout(net, verifier)
+    own = PEagleConfig(**_eagle3_keys(net, verifier), mask_token_id=net.mask_token_id, parallel_tokens=net.parallel)
+    return draft_layer_config(verifier, "llama", 1) | own.to_config(), tensors
 
 
 def peagle_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Path,
@@ -232,11 +279,13 @@ def peagle_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
     if "mask_hidden" not in tensors:
         raise UserError(f"{file}: no mask_hidden tensor, so this is not a P-EAGLE export (an EAGLE-3 one, maybe: load it "
                         f"as drafter=eagle3).")
-    mask = check_mask_token(config.get("mask_token_id"), lc["vocab_size"], f"{file.parent / 'config.json'}: mask_token_id")
-    parallel = check_parallel(config.get("parallel_tokens", 4), f"{file.parent / 'config.json'}: parallel_tokens")
-    check_draft_layer(config, verifier, file.parent / "config.json", required=not reference)
-    aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json", required=not reference)
-    draft = min(int(config.get("draft_vocab_size") or lc["vocab_size"]), lc["vocab_size"])
+    where = file.parent / "config.json"
+    own = PEagleConfig.from_config(config, where)
+    mask = check_mask_token(own.mask_token_id, lc["vocab_size"], f"{where}: mask_token_id")
+    parallel = check_parallel(own.parallel_tokens, f"{where}: parallel_tokens")
+    check_draft_layer(config, verifier, where, required=not reference)
+    aux = aux_layer_ids(config, lc["num_verifier_layers"], where, required=not reference)
+    draft = min(own.draft_vocab_size or lc["vocab_size"], lc["vocab_size"])
     _draft_vocab(tensors, draft, lc["vocab_size"], file)
     hidden = tensors["mask_hidden"].reshape(-1)
     if hidden.numel() != len(aux) * lc["hidden_size"]:
@@ -244,7 +293,7 @@ def peagle_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
                         f"{lc['hidden_size']} = {len(aux) * lc['hidden_size']} expected. Re-export the drafter.")
     tensors["mask_hidden"] = hidden
     net = PEagleNet(mask_token_id=mask, parallel=parallel, draft_vocab_size=draft, aux_layer_ids=aux,
-                    fc_norm=_flag(config, "fc_norm", file), **lc)
+                    fc_norm=own.fc_norm, **lc)
     load_state(net, tensors, file)
     return net, None
 
@@ -287,12 +336,10 @@ def eagle3_to_speculators(flat: dict[str, Any], algorithm: str, verifier_name_or
 
 
 def _from_speculators(config: dict[str, Any], file: str, name: str, architecture: str,
-                      options_in_layer: bool) -> dict[str, Any]:
+                      options_in_layer: bool, own: type[Eagle3Config]) -> dict[str, Any]:
     layer, section = parts.check_sections(config, file)
     tokens, verifier = parts.check_proposal(config, section, file)
-    for flag in OPTION_FLAGS:
-        if not isinstance(config.get(flag, False), bool):
-            raise UserError(f"{file}: {flag}={config[flag]!r}: give true or false (EAGLE-3.1's option).")
+    own.from_config(config, file)  # the family's keys, at the top level as the flat config has them
     for flag, ours in ((f, EAGLE3_FLAGS[f]) for f in EAGLE3_FLAGS):
         if flag in OPTION_FLAGS:
             continue
@@ -320,13 +367,13 @@ def _from_speculators(config: dict[str, Any], file: str, name: str, architecture
 
 def eagle3_from_speculators(config: dict[str, Any], file: str, name: str, architecture: str) -> dict[str, Any]:
     """vLLM's `eagle3` speculators config as the flat EAGLE-3 config (`name`'s, written as `architecture`)."""
-    return _from_speculators(config, file, name, architecture, options_in_layer=False)
+    return _from_speculators(config, file, name, architecture, options_in_layer=False, own=Eagle3Config)
 
 
 def peagle_from_speculators(config: dict[str, Any], file: str, name: str, architecture: str) -> dict[str, Any]:
     """vLLM's `peagle` speculators config as the flat P-EAGLE config: EAGLE-3's, with EAGLE-3.1's options read from
     the layer config (where vLLM's peagle reads them, and only there)."""
-    return _from_speculators(config, file, name, architecture, options_in_layer=True)
+    return _from_speculators(config, file, name, architecture, options_in_layer=True, own=PEagleConfig)
 
 
 # -- the reference layouts (models/reference_formats.py): the EAGLE repository's EAGLE-1, SpecForge's EAGLE-3 --------

@@ -9,8 +9,8 @@ models/dflash.py); the keys every export shares (the verifier's, the draft layer
 
 Field metadata: `help` (what the key is, for messages and readers), `min` / `max` (inclusive bounds of a number or of
 each item of a list), `choices` (the values allowed). A field with a default may be missing or null in a config.json
-(the default is used); one without is required. Types: int (a bool is refused), float (an int is taken), bool, str, dict,
-`list[int]`, `X | None`, and a nested ExportConfig (a JSON object).
+(the default is used); one without is required. Types: int (a bool is refused), float (an int is taken), bool, str,
+dict, `list[int]`, `X | None`, and a nested ExportConfig (a JSON object).
 """
 
 from __future__ import annotations
@@ -99,12 +99,12 @@ class ExportConfig:
                 continue
             if isinstance(kind, type) and issubclass(kind, ExportConfig):
                 if not isinstance(value, dict):
-                    raise UserError(f"{file}: {key}={value!r}: {what}; give {_describe(kind)}. Re-export the "
+                    raise UserError(f"{file}: {key}={value!r}: give {_describe(kind)} ({what}). Re-export the "
                                     f"drafter, or fix {key}.")
                 values[f.name] = kind.from_config(value, file, f"{key}.")
                 continue
             if not _is(value, kind):
-                raise UserError(f"{file}: {key}={value!r}: {what}; give {_describe(kind)}. Re-export the drafter, "
+                raise UserError(f"{file}: {key}={value!r}: give {_describe(kind)} ({what}). Re-export the drafter, "
                                 f"or fix {key}.")
             items = value if isinstance(value, (list, tuple)) else [value]
             low, high, choices = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("choices")
@@ -115,7 +115,7 @@ class ExportConfig:
                           " and ".join(s for s in (f">= {low}" if low is not None else "",
                                                     f"<= {high}" if high is not None else "") if s))
                 which = f"{key}={value!r} holds {bad!r}" if isinstance(value, (list, tuple)) else f"{key}={value!r}"
-                raise UserError(f"{file}: {which}: {what}; give {bounds}. Re-export the drafter, or fix {key}.")
+                raise UserError(f"{file}: {which}: give {bounds} ({what}). Re-export the drafter, or fix {key}.")
             values[f.name] = list(value) if isinstance(value, (list, tuple)) else value
         return cls(**values)
 

@@ -21,7 +21,6 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from torch import Tensor, nn
 
@@ -152,15 +151,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-# -- checks shared by every family's export reader (models/families.py) ----------------------------------------------
-
-def require_ints(config: dict[str, Any], keys: tuple[str, ...], file: Path) -> None:
-    """Refuse a config.json (`file`) that lacks one of `keys` as a whole number."""
-    missing = [k for k in keys if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
-    if missing:
-        raise UserError(f"{file} lacks the whole-number key(s) {missing} a {config.get('model_type')} export needs; "
-                        f"re-export the checkpoint.")
-
+# -- shared by every family's export reader (models/families.py; its config keys: models/export_config.py) ---------
 
 def load_state(net: nn.Module, tensors: dict[str, Tensor], file: Path) -> None:
     """`net.load_state_dict(tensors, strict=True)`, a mismatch refused naming the weights `file`."""

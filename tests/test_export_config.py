@@ -12,15 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.dflash import DFlashConfig, DFlashSpeculators, DFlashTargets
+from models.eagle_export import Eagle3Config, EagleConfig, PEagleConfig, SGLangAuxLayers
 from models.errors import UserError
 from models.export import load_export, save_export
 from models.export_config import ExportConfig
-from models.dflash import DFlashConfig, DFlashSpeculators, DFlashTargets
 from models.families import FAMILIES
 from models.medusa import MedusaConfig, MedusaHeads
 from models.verifier import build_tiny
 
-CLASSES = [MedusaConfig, DFlashConfig, DFlashTargets, DFlashSpeculators]
+CLASSES = [MedusaConfig, EagleConfig, Eagle3Config, SGLangAuxLayers, PEagleConfig, DFlashConfig, DFlashTargets,
+           DFlashSpeculators]
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +33,14 @@ def tiny4(cache_dir):
 def _nets(verifier) -> dict[str, torch.nn.Module]:
     """family -> a small network of it."""
     from models.dflash import build_dflash
+    from models.eagle import build_eagle
+    from models.peagle import build_peagle
 
     torch.manual_seed(0)
     return {"medusa": MedusaHeads(verifier.config.hidden_size, verifier.vocab_size, num_heads=2),
+            "eagle": build_eagle("eagle", verifier),
+            "eagle3": build_eagle("eagle3", verifier, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]),
+            "peagle": build_peagle(verifier, 16, 3, draft_vocab_size=64, aux_layer_ids=[0, 1]),
             "dflash": build_dflash(verifier, 16, block_size=4, aux_layer_ids=[0, 1])}
 
 
@@ -78,6 +85,20 @@ BAD = [
     ("medusa", lambda c: c.pop("hidden_size"), "hidden_size is missing", "whole number"),
     ("medusa", _set("original_lm_head", "yes"), "original_lm_head='yes'", "true or false"),
     ("medusa", _set("medusa_fc_bias", False), "medusa_fc_bias=False", "one of [True]"),
+    ("eagle", _set("verifier_num_hidden_layers", 0), "verifier_num_hidden_layers=0", ">= 1"),
+    ("eagle", _set("eagle_kind", 3), "eagle_kind=3", "a string"),
+    ("eagle3", _set("draft_vocab_size", -5), "draft_vocab_size=-5", ">= 1"),
+    ("eagle3", _set("draft_vocab_size", "64"), "draft_vocab_size='64'", "whole number"),
+    ("eagle3", _set("eagle_aux_hidden_state_layer_ids", ["1", 2]), "eagle_aux_hidden_state_layer_ids=['1', 2]",
+     "list of whole numbers"),
+    ("eagle3", _set("eagle_aux_hidden_state_layer_ids", [-1, 2]), "eagle_aux_hidden_state_layer_ids=[-1, 2] holds -1",
+     ">= 0"),
+    ("eagle3", _set("fc_norm", "yes"), "fc_norm='yes'", "true or false"),
+    ("eagle3", _set("verifier_num_hidden_layers", -4), "verifier_num_hidden_layers=-4", ">= 1"),
+    ("peagle", _set("mask_token_id", -1), "mask_token_id=-1", ">= 0"),
+    ("peagle", lambda c: c.pop("mask_token_id"), "mask_token_id is missing", "whole number"),
+    ("peagle", _set("parallel_tokens", 0), "parallel_tokens=0", ">= 1"),
+    ("peagle", _set("parallel_tokens", 2.5), "parallel_tokens=2.5", "whole number"),
     ("dflash", _set("mask_token_id", -1), "mask_token_id=-1", ">= 0"),
     ("dflash", _set("mask_token_id", 1.5), "mask_token_id=1.5", "whole number"),
     ("dflash", _set("aux_hidden_state_layer_ids", ["1", 2]), "aux_hidden_state_layer_ids=['1', 2]",
@@ -98,7 +119,8 @@ def test_a_bad_field_is_refused_naming_the_file_the_key_and_the_value(exports, t
     assert str(bad / "config.json") in str(info.value) and fix in str(info.value)
 
 
-@pytest.mark.parametrize("family,cls", [("medusa", MedusaConfig), ("dflash", DFlashConfig)])
+@pytest.mark.parametrize("family,cls", [("medusa", MedusaConfig), ("eagle", EagleConfig), ("eagle3", Eagle3Config),
+                                        ("peagle", PEagleConfig), ("dflash", DFlashConfig)])
 def test_the_written_config_is_the_class_round_trip(nets, exports, tiny4, family, cls):
     """What a family's layout writes holds its class's `to_config`, and reading it back gives the same values."""
     layout, _ = FAMILIES[family].export.write(nets[family], tiny4)
@@ -134,7 +156,7 @@ def test_the_checks_themselves():
     assert Demo.from_config(good, "f.json").to_config() == {"count": 3, "rate": 1, "inner": {"ids": [0, 2]},
                                                            "note": None}
     for config, message in [({"inner": {"ids": []}}, "count is missing"),
-                            ({"count": 9, "inner": {"ids": []}}, "count=9: a count; give >= 1 and <= 8"),
+                            ({"count": 9, "inner": {"ids": []}}, "count=9: give >= 1 and <= 8 (a count)"),
                             ({"count": 2, "rate": "x", "inner": {"ids": []}}, "rate='x'"),
                             ({"count": 2, "inner": {"ids": [0, -1]}}, "inner.ids=[0, -1] holds -1"),
                             ({"count": 2, "inner": [0]}, "inner=[0]"),
