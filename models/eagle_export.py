@@ -337,6 +337,8 @@ def eagle3_to_speculators(flat: dict[str, Any], algorithm: str, verifier_name_or
 
 def _from_speculators(config: dict[str, Any], file: str, name: str, architecture: str,
                       options_in_layer: bool, own: type[Eagle3Config]) -> dict[str, Any]:
+    """The flat config of an EAGLE-3-style speculators config: the format's parts and the family's keys (`own`)
+    checked, the layer config moved to the top level, the fixed flags dropped."""
     layer, section = parts.check_sections(config, file)
     tokens, verifier = parts.check_proposal(config, section, file)
     own.from_config(config, file)  # the family's keys, at the top level as the flat config has them
@@ -358,7 +360,7 @@ def _from_speculators(config: dict[str, Any], file: str, name: str, architecture
     flat["architectures"] = [architecture]
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:  # the older flat layout's SGLang key (output of layer k - 1): what to_reference writes
-        flat["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids], "use_aux_hidden_state": True}
+        flat["eagle_config"] = SGLangAuxLayers(eagle_aux_hidden_state_layer_ids=[k - 1 for k in ids]).to_config()
     flat["eagle_kind"] = name
     flat["speculative_tokens"] = tokens
     flat["speculators_verifier"] = dict(verifier)
