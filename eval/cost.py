@@ -317,59 +317,35 @@ def predict(export: ExportInfo, drafter: FixedTreeDrafter | BudgetDrafter, curve
     return plan(curve.sizes, curve.ms, expected_tokens(table, size), size, draft)
 
 
-def for_run(cfg: Any, source: Any, verifier: Verifier, family: str, export: ExportInfo | None, policy: Any,
-            prefix_ids: Any, build: Callable[[Any], Any], curve: Curve | None = None
-            ) -> tuple[Any, list[Curve], Plan | None, list[float] | None]:
-    """`python -m eval`'s curves and its drafter. With profile=true or tree.size=auto: the run's dtype and threads
-    first (the curve tree.size=auto and the prediction use) and the drafter's draft curve with the same threads, then
-    with profile=true every other `profile_dtypes` x `profile_threads`. `build(policy)` makes the drafter; for
-    tree.size=auto a probe drafter with the largest budget is timed first, then the drafter is built with the budget
-    chosen. `curve`: the verifier's curve at the run's dtype and threads, measured once already (method=all plans
-    every family on one curve). Returns the drafter, the curves, the plan tree.size=auto chose (or None) and the
-    draft curve (or None)."""
+PROBE_SIZE = max(SIZES) - 1  # tree.size=auto times a probe drafter of this budget, the largest the curve reaches
+
+
+def budget_policy(policy: Any, family: str, export: ExportInfo | None) -> tuple[Any, bool]:
+    """The tree policy a run drafts under and whether its budget is to be planned (tree.size=auto). tree.size=auto is
+    the default, so it must not fail where the budget cannot be planned: families that do not draft under `tree`
+    (prompt lookup, lookahead, a draft model) ignore it, and an EAGLE export (or a hybrid on one) older than its
+    acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto at all: its drafter says so)."""
     from eval.tree import AutoTree
-    from models.verifier import load_verifier
 
     auto = isinstance(policy, AutoTree) and policy.size == "auto"
     if auto and (export is None or export.acceptance is None or FAMILIES[family].tree == "own"):
-        # tree.size=auto is the default, so it must not fail where the budget cannot be planned: families that do
-        # not draft under `tree` (prompt lookup, lookahead, a draft model) ignore it, an EAGLE export (or a hybrid
-        # on one) older than its acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto
-        # at all: its drafter says so).
         if export is not None and FAMILIES[family].tree in ("dynamic", "primary"):
             print(f"[eval] tree.size=auto: this export records no acceptance estimates (medusa_topk_accuracy, or "
                   f"eagle_topk_accuracy / val_step_top1: re-export it with a current train.py), so it drafts "
                   f"{FALLBACK_SIZE} nodes. Give tree.size=N to choose.")
-        policy, auto = AutoTree(size=FALLBACK_SIZE), False
-    if not (cfg.get("profile") or auto):
-        return build(policy), [], None, None
-    prefix = torch.tensor([prefix_ids()], device=verifier.device)
-    engine, threads, dtype = str(cfg.get("engine", "auto")), int(cfg.threads), str(cfg.dtype)
-    curves = [curve if curve is not None else measure(verifier, prefix, threads, engine)]
+        return AutoTree(size=FALLBACK_SIZE), False
+    return policy, auto
 
-    def drafting(drafter: Any) -> list[float] | None:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return draft_curve(verifier, drafter, prefix, curves[0].sizes, engine)
-        finally:
-            torch.set_num_threads(before)
 
-    planned, draft = None, None
-    if auto:
-        draft = drafting(build(AutoTree(size=max(SIZES) - 1)))
-        planned = auto_size(family, export, curves[0], draft)
-        policy = AutoTree(size=planned.size)
-    drafter = build(policy)
-    if draft is None:
-        draft = drafting(drafter)
-    if cfg.get("profile"):
-        for other_dtype in cfg.get("profile_dtypes") or [dtype]:
-            other = verifier if other_dtype == dtype else load_verifier(source, str(other_dtype), str(cfg.device),
-                                                                        cfg.get("cache_dir"))
-            curves += [measure(other, prefix, int(t), engine) for t in cfg.get("profile_threads") or [threads]
-                       if (other_dtype, int(t)) != (dtype, threads)]
-    return drafter, curves, planned, draft
+def timed_draft_curve(verifier: Verifier, drafter: Any, prefix: Tensor, sizes: Sequence[int], engine: str,
+                      threads: int) -> list[float] | None:
+    """`draft_curve` of a drafter the caller built, measured with `threads` threads (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return draft_curve(verifier, drafter, prefix, sizes, engine)
+    finally:
+        torch.set_num_threads(before)
 
 
 # -- the evaluation dtype: bf16 where the machine computes it natively ----------------------------------------------

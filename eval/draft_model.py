@@ -26,9 +26,17 @@ from eval.protocol import Draft
 from eval.tree import Chain, TreePolicy, chain
 from models.draft_model import read_draft_info, truncate
 from models.errors import UserError
-from models.verifier import Verifier, check_fingerprint
+from models.verifier import Verifier, check_fingerprint, from_file, verifier_source
 
 DEFAULT_DEPTH = 4
+
+
+def stored_verifier(drafter_cfg: Any) -> Any:
+    """The verifier a distilled draft model's export names (`drafter.path=`), as a description read from a file: loaded
+    from this machine only, without running code (models.verifier.from_file); None where it names none."""
+    path = drafter_cfg.get("path")
+    described = (read_draft_info(path) or {}).get("verifier") if path else None
+    return from_file(verifier_source(described), f"drafter.path={str(path)!r}'s `verifier`") if described else None
 
 
 def truncated_copy(verifier: Verifier, layers: int) -> nn.Module:

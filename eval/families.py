@@ -110,15 +110,16 @@ def check_proposals(cfg: DictConfig, name: str) -> None:
                         f"not to drafter={name}; drop sampled_drafts.")
 
 
-def build_drafter(cfg: DictConfig, drafter_cfg: DictConfig, verifier: Verifier, export: ExportInfo | None,
-                  policy: TreePolicy) -> Drafter:
-    """Instantiate one family's factory (conf/drafter/*.yaml) and call it with the verifier, the tree policy and the
-    export; with `sampled_drafts`, the families that draft from an export also get the warped sampling settings for
-    their proposals."""
+def build_drafter(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifier: Verifier,
+                  export: ExportInfo | None, policy: TreePolicy) -> Drafter:
+    """The one place a drafter is built from a config: instantiate `family`'s factory (conf/drafter/<family>.yaml,
+    or the command line's `drafter` group) and call it with the verifier, the tree policy and the export; with
+    `sampled_drafts`, the families that draft from an export also get the warped sampling settings for their
+    proposals."""
     factory = instantiate(drafter_cfg, _convert_="all")
     proposals = {}
     if bool(cfg.get("sampled_drafts", False)):
-        check_proposals(cfg, family_of(drafter_cfg))
+        check_proposals(cfg, family)
         proposals = {"sampling": sampling_config(cfg),
                      "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
     try:

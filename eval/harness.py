@@ -39,11 +39,10 @@ from eval.report import SPECULATIVE, write_outputs
 from eval.runner import (Runner, assistant_of, check_length, run_prompts, sampling_config,  # noqa: F401
                          sampling_record, user_turns)
 from eval.tree import AutoTree
-from models.draft_model import read_draft_info
 from models.errors import UserError
 from models.export import ExportInfo, read_info
-from models.families import FAMILIES, title
-from models.verifier import Verifier, from_file, load_verifier, verifier_source
+from models.families import FAMILIES, resolve, title
+from models.verifier import Verifier, load_verifier
 
 EVAL_DTYPES = ("float32", "bfloat16")
 
@@ -86,18 +85,16 @@ def read_exports(cfg: DictConfig, family: str, method_all: bool) -> list[ExportI
     return [read_info(Path(str(p)).expanduser()) for p in (value if OmegaConf.is_list(value) else [value])]
 
 
-def verifier_source_of(cfg: DictConfig, export: ExportInfo | None) -> Any:
-    """verifier_path when given, else the verifier the export names (or a distilled drafter.path), else the default
-    verifier (smollm2)."""
+def verifier_source_of(cfg: DictConfig, family: str, export: ExportInfo | None) -> Any:
+    """verifier_path when given, else the verifier the export names (or the one the drafter's own files name: a
+    distilled draft model's, through its registry entry's `stored_verifier`), else the default verifier (smollm2)."""
     source = cfg.verifier_path
     if not source and export is not None:
         source = export.verifier
         if not source:
             raise UserError(f"checkpoint={str(export.path)!r} names no verifier; pass verifier_path=<the verifier>.")
-    path = cfg.drafter.get("path") if not source and family_of(cfg.drafter) == "draft_model" else None
-    if path and (read_draft_info(path) or {}).get("verifier"):  # named by the draft model's file: local, no code
-        source = from_file(verifier_source(read_draft_info(path)["verifier"]),
-                           f"drafter.path={str(path)!r}'s `verifier`")
+    if not source and FAMILIES[family].stored_verifier:  # named by the drafter's file: local, no code
+        source = resolve(FAMILIES[family].stored_verifier)(cfg.drafter)
     if OmegaConf.is_config(source):  # verifier_path={loader: tiny, seed: 1} on the command line
         source = OmegaConf.to_container(source, resolve=True)
     return source or "smollm2"
@@ -115,8 +112,8 @@ def check_before_loading(cfg: DictConfig, family: str, export: ExportInfo | None
         check_proposals(cfg, family)
 
 
-def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo], prefix: Callable[[], list[int]]
-                  ) -> tuple[dict[str, Drafter], dict[str, cost.Plan]]:
+def _every_family(cfg: DictConfig, chosen: str, verifier: Verifier, exports: list[ExportInfo],
+                  prefix: Callable[[], list[int]]) -> tuple[dict[str, Drafter], dict[str, cost.Plan]]:
     """method=all: every family available, by method label (e.g. `medusa/auto-16`): each export's own family, then
     every family that needs no export, then those that build on one (the hybrid) on the first export. The family
     named by `drafter=` keeps its command-line options; the others take conf/drafter/<name>.yaml as it is.
@@ -125,7 +122,6 @@ def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo]
     single run would, on one verifier cost curve, the export's own acceptance estimates and the family's own draft
     curve (a parallel drafter's one forward buys it a deeper tree than a sequential one's); a family that cannot be
     planned drafts FALLBACK_SIZE nodes. Returns the drafters and the plans by method label."""
-    chosen = family_of(cfg.drafter)
     families: list[tuple[str, Any, ExportInfo | None]] = [
         (e.kind, OmegaConf.create({"_target_": FAMILIES[e.kind].drafter, "_partial_": True, "kind": e.kind}), e)
         for e in exports]
@@ -141,15 +137,13 @@ def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo]
         ids = torch.tensor([prefix()], device=verifier.device)
         curve = cost.measure(verifier, ids, int(cfg.threads), str(cfg.get("engine", "auto")))
     drafters, plans = {}, {}
-    plain_cfg = OmegaConf.merge(cfg, {"profile": False})  # one curve for all; profile=true's extra curves are not drawn
     for name, drafter_cfg, export in families:
-        def build(p: Any, d: Any = drafter_cfg, e: ExportInfo | None = export) -> Drafter:
-            return build_drafter(cfg, d, verifier, e, p)
-
         if curve is None:
-            drafter, planned = build(AutoTree(size=cost.FALLBACK_SIZE) if auto else policy), None
-        else:
-            drafter, _, planned, _ = cost.for_run(plain_cfg, None, verifier, name, export, policy, prefix, build, curve)
+            drafter, planned = build_drafter(cfg, name, drafter_cfg, verifier, export,
+                                             AutoTree(size=cost.FALLBACK_SIZE) if auto else policy), None
+        else:  # profile=true's extra curves are not drawn here: one curve plans every family
+            built = plan_and_build(cfg, name, drafter_cfg, verifier, export, prefix, curve, profile=False)
+            drafter, planned = built.drafter, built.planned
         label = method_name(name, drafter)
         if export is not None and sum(e.kind == export.kind for e in exports) > 1:
             label = f"{label}@{export_tag(export)}"  # two exports of one family: each keeps its own row
@@ -161,6 +155,60 @@ def _every_family(cfg: DictConfig, verifier: Verifier, exports: list[ExportInfo]
             plans[label] = planned
             print(f"[eval] tree.size=auto: {label} plans {planned.size} nodes (predicted {planned.predicted_speedup:.2f}x)")
     return drafters, plans
+
+
+@dataclass
+class Built:
+    """One family's drafter as built for the run, with what the planner measured and chose on the way."""
+
+    drafter: Drafter
+    curve: cost.Curve | None = None  # the verifier's cost curve at the run's dtype and threads
+    planned: cost.Plan | None = None  # the budget tree.size=auto chose
+    draft: list[float] | None = None  # ms of one round's drafting at the curve's sizes
+
+
+def plan_and_build(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifier: Verifier,
+                   export: ExportInfo | None, prefix: Callable[[], list[int]], curve: cost.Curve | None = None,
+                   profile: bool | None = None) -> Built:
+    """Build `family`'s drafter under cfg.tree. tree.size=auto: a probe drafter with the largest budget is built and
+    its drafting timed, eval.cost chooses the budget on the verifier's cost curve (`curve`, else measured now on a
+    real prefix), then the drafter is built with it. profile=true: the drafter's draft curve beside the curve."""
+    policy, auto = cost.budget_policy(instantiate(cfg.tree, _convert_="all"), family, export)
+    profile = bool(cfg.get("profile")) if profile is None else profile
+
+    def build(p: Any) -> Drafter:
+        return build_drafter(cfg, family, drafter_cfg, verifier, export, p)
+
+    if not (profile or auto):
+        return Built(build(policy))
+    ids = torch.tensor([prefix()], device=verifier.device)
+    engine, threads = str(cfg.get("engine", "auto")), int(cfg.threads)
+    curve = curve if curve is not None else cost.measure(verifier, ids, threads, engine)
+    planned, draft = None, None
+    if auto:
+        draft = cost.timed_draft_curve(verifier, build(AutoTree(size=cost.PROBE_SIZE)), ids, curve.sizes, engine,
+                                       threads)
+        planned = cost.auto_size(family, export, curve, draft)
+        policy = AutoTree(size=planned.size)
+    drafter = build(policy)
+    if draft is None:
+        draft = cost.timed_draft_curve(verifier, drafter, ids, curve.sizes, engine, threads)
+    return Built(drafter, curve, planned, draft)
+
+
+def profile_curves(cfg: DictConfig, source: Any, verifier: Verifier, prefix: Callable[[], list[int]]
+                   ) -> list[cost.Curve]:
+    """profile=true: the verifier's cost curve at every other `profile_dtypes` x `profile_threads` (each other dtype's
+    verifier loaded for it)."""
+    ids = torch.tensor([prefix()], device=verifier.device)
+    engine, threads, dtype = str(cfg.get("engine", "auto")), int(cfg.threads), str(cfg.dtype)
+    curves = []
+    for other_dtype in cfg.get("profile_dtypes") or [dtype]:
+        other = verifier if other_dtype == dtype else load_verifier(source, str(other_dtype), str(cfg.device),
+                                                                    cfg.get("cache_dir"))
+        curves += [cost.measure(other, ids, int(t), engine) for t in cfg.get("profile_threads") or [threads]
+                   if (other_dtype, int(t)) != (dtype, threads)]
+    return curves
 
 
 def export_tag(export: ExportInfo) -> str:
@@ -194,14 +242,13 @@ def setup(cfg: DictConfig) -> Setup:
     export's, `verifier_path`, else the default), then build the drafter(s) with their tree policy (an export made
     for another verifier, or a tree a drafter cannot draft, is refused there)."""
     method_all = str(cfg.get("method", "single")) == "all"
-    family = family_of(cfg.drafter)
-    exports = read_exports(cfg, family, method_all)
+    named = family_of(cfg.drafter)  # the family, resolved once for the run: "export" takes the export's own
+    exports = read_exports(cfg, named, method_all)
     export = exports[0] if exports else None
-    if family == "export" and export is not None:
-        family = export.kind
+    family = export.kind if named == "export" and export is not None else named
     check_before_loading(cfg, family, export, method_all)
     convs = load_prompt_sets(cfg.prompts, cfg.num_prompts)
-    source = verifier_source_of(cfg, export)
+    source = verifier_source_of(cfg, family, export)
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
 
     def prefix() -> list[int]:  # a real prefix for the cost curve, checked before anything runs on it
@@ -210,18 +257,19 @@ def setup(cfg: DictConfig) -> Setup:
         return ids
 
     if method_all:
-        drafters, plans = _every_family(cfg, verifier, exports, prefix)
+        drafters, plans = _every_family(cfg, family, verifier, exports, prefix)
         return Setup(verifier, drafters, "all", exports, convs, source, plans=plans)
 
-    policy = instantiate(cfg.tree, _convert_="all")
-    drafter, curves, planned, draft = cost.for_run(cfg, source, verifier, family, export, policy, prefix,
-                                                   lambda p: build_drafter(cfg, cfg.drafter, verifier, export, p))
+    built = plan_and_build(cfg, family, cfg.drafter, verifier, export, prefix)
+    curves = [built.curve] if built.curve is not None else []
+    if cfg.get("profile"):
+        curves += profile_curves(cfg, source, verifier, prefix)
     if curves and export is not None and FAMILIES[family].has_export:
-        predicted = cost.predict(export, drafter, curves[0], draft)
+        predicted = cost.predict(export, built.drafter, curves[0], built.draft)
     else:  # the hybrid under tree.size=auto: its primary's plan (what the grafted lookup adds is not in it)
-        predicted = planned
-    return Setup(verifier, {SPECULATIVE: drafter}, method_name(family, drafter), exports, convs, source, curves,
-                 predicted, planned is not None, draft)
+        predicted = built.planned
+    return Setup(verifier, {SPECULATIVE: built.drafter}, method_name(family, built.drafter), exports, convs, source,
+                 curves, predicted, built.planned is not None, built.draft)
 
 
 def run_peers(cfg: DictConfig, run: Setup, samples: list[Any]) -> dict[str, Any]:

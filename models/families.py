@@ -90,6 +90,9 @@ class Family:
         as eagle3 with parallel drafting).
     teacher_forced: for a family with an export, the function eval/offline.py scores its network with, teacher-
         forced: `(net, verifier, batch, depth, keep) -> (ranks, valid, top-1 probability)`, each (D, B, T).
+    stored_verifier: for a family whose drafter's own files name a verifier (a distilled draft model), the function
+        `(drafter config) -> verifier description or None` that `python -m eval` loads when neither verifier_path
+        nor an export names one.
     """
 
     name: str
@@ -106,6 +109,7 @@ class Family:
     serve: str | None = None
     serve_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys vLLM needs for it
     teacher_forced: str | None = None
+    stored_verifier: str | None = None
 
     @property
     def has_export(self) -> bool:
@@ -158,7 +162,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash",
                                to_speculators=dflash_to_speculators, from_speculators=dflash_from_speculators)),
     Family("draft_model", "draft model", drafter="eval.families.draft_model",
-           training="train.draft_model.DraftModelModule"),
+           training="train.draft_model.DraftModelModule", stored_verifier="eval.draft_model.stored_verifier"),
     Family("prompt_lookup", "prompt lookup", drafter="eval.families.prompt_lookup"),
     Family("lookahead", "lookahead", drafter="eval.families.lookahead"),
     Family("hybrid", "hybrid", drafter="eval.families.hybrid", needs_export=True, tree="primary", min_drafts=1),

@@ -85,7 +85,7 @@ def test_every_family_trains_exports_reads_and_decodes_exactly(name, trained, va
     drafter_cfg = family_config(name)
     if name == "draft_model":
         drafter_cfg.path = str(export)  # the distilled draft model train.py wrote
-    drafter = build_drafter(OmegaConf.create({"seed": 0}), drafter_cfg, varied, info, AutoTree(size=6))
+    drafter = build_drafter(OmegaConf.create({"seed": 0}), name, drafter_cfg, varied, info, AutoTree(size=6))
     ids = torch.tensor([varied.tokenizer(PROMPT)["input_ids"]])
     plain = greedy_decode(varied, ids, 16, [])
     spec = speculative_decode(varied, drafter, ids, 16, [])

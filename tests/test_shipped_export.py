@@ -49,8 +49,8 @@ def _decode_exactly(verifier, export) -> None:
     from models.export import read_info
 
     info = read_info(export)
-    drafter = build_drafter(__import__("omegaconf").OmegaConf.create({"seed": 0}), family_config(info.kind), verifier,
-                            info, AutoTree(size=6))
+    drafter = build_drafter(__import__("omegaconf").OmegaConf.create({"seed": 0}), info.kind,
+                            family_config(info.kind), verifier, info, AutoTree(size=6))
     ids = torch.tensor([verifier.tokenizer(PROMPT)["input_ids"]])
     plain = greedy_decode(verifier, ids, 16, [])
     spec = speculative_decode(verifier, drafter, ids, 16, [])
