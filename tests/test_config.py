@@ -23,6 +23,8 @@ def group_options(eval_groups: bool = False) -> list[str]:
     out = []
     for path in sorted((ROOT / "conf").rglob("*.yaml")):
         rel = path.relative_to(ROOT / "conf")
+        if rel.parts[:2] == ("model", "optim"):
+            continue  # a building block every model file composes at its own level, not a choice of its own
         if len(rel.parts) > 1 and (rel.parts[0] in EVAL_GROUPS) == eval_groups:
             out.append(f"{'/'.join(rel.parts[:-1])}={rel.stem}")
     return out
