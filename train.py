@@ -22,15 +22,21 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from models.cpu_memory import keep_freed_memory
-from models.errors import UserError, exit_on_user_error
 from models.export import load_export
-from models.distributed import is_primary
+from runtime.cpu_memory import keep_freed_memory
+from runtime.distributed import is_primary
+from runtime.errors import UserError, exit_on_user_error
 from train.distributed import RanksAgree
 from train.memory import plan_memory
 from train.preflight import check_reused_name, check_settings, record_run_config
-from train.safety import (LAST_GOOD, AtomicCheckpointIO, CheckpointOnMaxSteps, RestoreLoaderPosition, RunLock,
-                          check_writable)
+from train.safety import (
+    LAST_GOOD,
+    AtomicCheckpointIO,
+    CheckpointOnMaxSteps,
+    RestoreLoaderPosition,
+    RunLock,
+    check_writable,
+)
 
 
 def resolve_ckpt(cfg: DictConfig) -> str | None:

@@ -25,7 +25,7 @@ import re
 
 from transformers import PreTrainedTokenizerBase
 
-from models.errors import UserError
+from runtime.errors import UserError
 
 
 def control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:

@@ -14,16 +14,16 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data.chat import REASONING, TAGS, mask_reasoning
-from data.hidden_cache import build_argmax_cache, build_hidden_cache, cache_layers, load_argmax, load_hidden
 from data.filters import EvalGuard, apply_filters
+from data.hidden_cache import build_argmax_cache, build_hidden_cache, cache_layers, load_argmax, load_hidden
 from data.prompts import Conversation, eval_prompt_texts, load_conversations, select_prompts
-from data.selfgen import selfgen_conversations
 from data.sampler import EpochSampler
-from data.shipped import load_shipped
 from data.selfdistill import GENERATORS, build_selfdistill, build_sharegpt, check_has_targets
-from models.errors import UserError
+from data.selfgen import selfgen_conversations
+from data.shipped import load_shipped
 from models.verifier import Verifier
-from models.distributed import world
+from runtime.distributed import world
+from runtime.errors import UserError
 
 MODES = ("selfdistill", "sharegpt", "shipped")
 
@@ -241,7 +241,7 @@ class DistillDataModule(L.LightningDataModule):
 
     def split(self, ds: datasets.Dataset) -> tuple[datasets.Dataset, datasets.Dataset]:
         """(train, held-out): `val_fraction` of the rows (at least one), drawn with `seed`. The same settings give
-        the same split, so scripts/heldout_accuracy.py scores exactly the rows a run held out."""
+        the same split, so scripts/tools/heldout_accuracy.py scores exactly the rows a run held out."""
         n_val = max(1, round(len(ds) * self.val_fraction))
         split = ds.train_test_split(test_size=n_val, seed=self.seed)
         return split["train"], split["test"]

@@ -27,11 +27,11 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from models.errors import UserError
 from models.io import atomic_dir
 from models.packed import Linear
 from models.verifier import Verifier
-from models.distributed import barrier
+from runtime.distributed import barrier
+from runtime.errors import UserError
 
 DTYPE = torch.bfloat16
 

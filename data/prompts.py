@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from data.chat import ROLES
-from models.errors import UserError
+from runtime.errors import UserError
 
 BUILTIN_PATH = Path(__file__).parent / "prompts" / "builtin.jsonl"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

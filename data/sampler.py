@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from models.errors import UserError
+from runtime.errors import UserError
 
 
 class EpochSampler(DistributedSampler):

@@ -21,9 +21,9 @@ from transformers import GenerationConfig
 from data.chat import encode_turns, prompt_ids
 from data.generate import generate_refill
 from data.prompts import Conversation
-from models.errors import UserError
 from models.io import atomic_dir
 from models.verifier import Verifier
+from runtime.errors import UserError
 
 FEATURES = datasets.Features(
     {
@@ -59,7 +59,7 @@ def generate_answers(
     seed: int,
     desc: str = "self-distillation",
 ) -> list[list[int]]:
-    """Answer each prompt (token ids) with `model.generate` in fixed batches (the baseline `scripts/bench_train.py`
+    """Answer each prompt (token ids) with `model.generate` in fixed batches (the baseline `scripts/bench/train.py`
     compares `generate_refill` against); returns the answer ids, ending with EOS when it stopped."""
     tok = verifier.tokenizer
     eos = tok.eos_token_id
@@ -148,7 +148,7 @@ def build_selfdistill(
     into `<cache>/selfdistill/<key>`; the shards stay (token ids only: ~4 MB per 1M tokens) for later builds.
 
     `generator`: `hf` (this process, `generate_refill`) or `vllm` (the real vLLM's offline batched generation, one
-    vLLM process per shard, models/vllm_engine.py: what users run at scale on GPU nodes). The generator is in the
+    vLLM process per shard, serve/vllm_engine.py: what users run at scale on GPU nodes). The generator is in the
     cache key: the two write separate datasets.
     """
     if shard_size < 1:
@@ -234,7 +234,7 @@ def build_selfdistill(
     for k in [k for k, n in left.items() if n == 0]:  # shards whose every prompt was too long
         save(k)
     if generator == "vllm":  # one vLLM process per shard: a killed build resumes from the shards it saved
-        from models import vllm_engine
+        from serve import vllm_engine
 
         if not verifier.checkpoint:
             raise UserError(f"data.generator=vllm: the verifier {verifier.name} was built in memory and vLLM loads "

@@ -24,8 +24,8 @@ from transformers import PreTrainedTokenizerBase
 from data.filters import QualityFilter, apply_filters
 from data.generate import generate_refill
 from data.prompts import Conversation
-from models.errors import UserError
 from models.verifier import Verifier
+from runtime.errors import UserError
 
 SENTINEL = "@@SPECDRAFT_USER_TURN@@"
 TOPICS = ["cooking", "travel", "personal finance", "health and fitness", "history", "physics", "biology", "chemistry",

@@ -10,7 +10,7 @@ A shipped set is a folder (`shipped/data/<name>/`):
 
 `python train.py data=shipped` trains from it with no generation (`load_shipped`); a copy whose files do not match
 their sha256, or that was made for another verifier or chat template, is refused with a message. `pack` writes
-one from a self-distilled `datasets.Dataset` (scripts/ship_data.py builds the default verifier's and packs it).
+one from a self-distilled `datasets.Dataset` (scripts/tools/ship_data.py builds the default verifier's and packs it).
 Any tool reads the parts: `datasets.load_dataset("parquet", data_files=...)`, pandas, DuckDB.
 """
 
@@ -26,9 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data.selfdistill import FEATURES
-from models.errors import UserError
 from models.io import atomic_dir
 from models.verifier import Verifier, check_fingerprint
+from runtime.errors import UserError
 
 FORMAT = "specdraft-shipped-data"
 VERSION = 1
@@ -64,7 +64,7 @@ def resolve(where: str | Path) -> Path:
     names = sorted(p.parent.name for p in ROOT.glob(f"*/{MANIFEST}")) if ROOT.is_dir() else []
     raise UserError(f"data.shipped={str(where)!r}: no shipped set there (no {MANIFEST} in {path} or in "
                     f"{ROOT / str(where)}). Sets in this checkout: {names or 'none'}. Give one of them or the "
-                    f"folder of a set written by scripts/ship_data.py.")
+                    f"folder of a set written by scripts/tools/ship_data.py.")
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         manifest = json.loads((folder / MANIFEST).read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{folder / MANIFEST} is not valid JSON ({e}): the shipped set is damaged. Restore it "
-                        f"(git checkout -- {folder}) or rebuild it with scripts/ship_data.py.") from e
+                        f"(git checkout -- {folder}) or rebuild it with scripts/tools/ship_data.py.") from e
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise UserError(f"{folder / MANIFEST}: format {manifest.get('format')!r} version {manifest.get('version')!r}; "
                         f"this toolkit reads {FORMAT!r} version {VERSION}.")
@@ -86,13 +86,13 @@ def verify(folder: Path, manifest: dict[str, Any]) -> None:
         f = folder / entry["path"]
         if not f.is_file():
             raise UserError(f"shipped set {folder}: {entry['path']} is missing. Restore the folder (git checkout -- "
-                            f"{folder}, or git lfs pull) or rebuild it with scripts/ship_data.py.")
+                            f"{folder}, or git lfs pull) or rebuild it with scripts/tools/ship_data.py.")
         digest = file_sha256(f)
         if f.stat().st_size != entry["bytes"] or digest != entry["sha256"]:
             raise UserError(f"shipped set {folder}: {entry['path']} is damaged (sha256 {digest[:16]}..., "
                             f"{f.stat().st_size} bytes; the manifest says {entry['sha256'][:16]}..., "
                             f"{entry['bytes']} bytes). Restore it (git checkout -- {folder}) or rebuild the set "
-                            f"with scripts/ship_data.py.")
+                            f"with scripts/tools/ship_data.py.")
 
 
 def load_shipped(where: str | Path, verifier: Verifier) -> datasets.Dataset:
@@ -107,7 +107,7 @@ def load_shipped(where: str | Path, verifier: Verifier) -> datasets.Dataset:
         raise UserError(f"shipped set {folder} was rendered with another chat template (sha256 "
                         f"{manifest['chat_template_sha256'][:16]}...) than the verifier's tokenizer has "
                         f"({template[:16]}...): its loss masks would not match the turns. Use the tokenizer it was "
-                        f"built with, or rebuild the set for this one (scripts/ship_data.py).")
+                        f"built with, or rebuild the set for this one (scripts/tools/ship_data.py).")
     table = pa.concat_tables([pq.read_table(folder / e["path"]) for e in manifest["files"]])
     features = datasets.Features({**FEATURES, "source": datasets.Value("string")})
     # A fingerprint from the files' digests: the same set gives the same hidden-state cache key on every run.
@@ -117,7 +117,7 @@ def load_shipped(where: str | Path, verifier: Verifier) -> datasets.Dataset:
     counts = manifest["counts"]
     if len(ds) != counts["conversations"]:
         raise UserError(f"shipped set {folder}: {len(ds)} rows, the manifest says {counts['conversations']}; the set "
-                        f"is damaged. Restore it or rebuild it with scripts/ship_data.py.")
+                        f"is damaged. Restore it or rebuild it with scripts/tools/ship_data.py.")
     return ds
 
 

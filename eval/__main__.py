@@ -9,12 +9,11 @@ Writes <output_dir>/report.json, profile.json and PNG plots, prints a table, log
 
 from __future__ import annotations
 
-
 import hydra
 from omegaconf import DictConfig
 
 from eval.harness import evaluate
-from models.errors import exit_on_user_error
+from runtime.errors import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")

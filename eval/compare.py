@@ -19,8 +19,8 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from eval.accept import mean_accept_length, per_position_acceptance
-from eval.protocol import Drafter
+from eval.engine.accept import mean_accept_length, per_position_acceptance
+from eval.engine.protocol import Drafter
 from eval.report import LENGTH_EDGES, Sample, length_group, num_or_dash, prompt_set_of, write_samples
 from models.export import ExportInfo
 from models.verifier import Verifier

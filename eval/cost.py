@@ -2,12 +2,12 @@
 
 A speculative round costs one verifier forward over the tree's N nodes; it pays when the drafts it accepts outweigh
 how much more that forward costs than a one-token step. `forward_curve` measures that forward for N = 1..64 tokens
-after a real prefix, through the path the decode loops use (eval.decode: eval.engine or HF), and `machine` measures
+after a real prefix, through the path the decode loops use (eval.engine.decode: eval.engine.forward or HF), and `machine` measures
 what this machine allows: a step must read every weight once (weight bytes / read bandwidth) and do 2 FLOPs per
 weight and token (FLOPs / matmul peak), so the bound is the larger of the two.
 
 With a drafter's acceptance estimates, E[tokens per round](s) for a tree of s drafts is 1 + the sum of its nodes'
-path-acceptance probabilities: eval.tree.auto_tree's node values from the export's top-k table (Medusa: per head;
+path-acceptance probabilities: eval.engine.tree.auto_tree's node values from the export's top-k table (Medusa: per head;
 EAGLE: per unrolled step, `eagle_topk_accuracy`; an older EAGLE export's `val_step_top1` is a chain, which says
 nothing about siblings, so it never asks for more nodes than its depth). A round also pays the drafter: `draft_curve`
 measures d(s), the ms one round's drafting takes for s drafts on the same prefix (EAGLE: feeding the round's new
@@ -21,7 +21,6 @@ not in it; the report measures every part apart.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,35 +29,17 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from eval.protocol import BudgetDrafter, CostProbe, FixedTreeDrafter
-from eval.tree import Tree, auto_tree, rank_probs, tree_buffers
-from models.errors import UserError
+from eval.engine.protocol import BudgetDrafter, CostProbe, FixedTreeDrafter
+from eval.engine.timing import interleaved, timed
+from eval.engine.tree import Tree, auto_tree, rank_probs, tree_buffers
 from models.export import ExportInfo
 from models.families import FAMILIES
 from models.verifier import Verifier
+from runtime.errors import UserError
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)  # measured; the rest interpolated
 FALLBACK_SIZE = 16  # tree.size=auto's budget where it cannot be planned (no acceptance estimates; method=all)
 SHAPE_TABLE = [[0.6, 0.75, 0.8, 0.85]] * 4  # the shape of the measured trees: bushy, 4 deep, like a Medusa tree
-
-
-def timed(fn, reps: int) -> float:
-    return interleaved([fn], reps)[0]
-
-
-def interleaved(fns: Sequence[Callable[[], Any]], reps: int) -> list[float]:
-    """ms of each of `fns`: all warmed once, then timed in `reps` rounds, each round calling every fn once, and the
-    least of the rounds kept (what the machine does when nothing else runs). Interleaving makes the sizes of a curve
-    comparable on a shared machine: a burst of load lands on every size alike instead of on a few."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return [b * 1e3 for b in best]
 
 
 def machine(dtypes: Sequence[str] = ("float32", "bfloat16"), reps: int = 3) -> dict[str, Any]:
@@ -101,8 +82,8 @@ def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] =
                   reps: int = 3) -> list[float]:
     """Least ms (of `reps` interleaved rounds) of one verifier forward over n tokens (a one-token step for n = 1, a
     tree of n nodes otherwise) after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops'
-    path (eval.decode)."""
-    from eval.decode import _Verify  # eval.decode imports nothing from here
+    path (eval.engine.decode)."""
+    from eval.engine.decode import _Verify  # eval.engine.decode imports nothing from here
 
     if max(sizes) > 64 or min(sizes) < 1:
         raise UserError(f"profile sizes must lie in 1..64; got {list(sizes)}.")
@@ -127,19 +108,11 @@ def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] =
     return interleaved([step(n) for n in sizes], reps)
 
 
-def prefix_cache(verifier: Verifier, prefix_ids: Tensor, engine: str = "auto") -> Any:
-    """An empty verifier cache through the decode loops' path (eval.decode), room for the prefix `prefix_ids` (1, P)
-    and one more token: what a drafter's `draft_cost` feeds the prefix through to get M_q's features."""
-    from eval.decode import _Verify  # eval.decode imports nothing from here
-
-    return _Verify(verifier, engine, prefix_ids.shape[1] + 1, 1, 1)
-
-
 def draft_curve(verifier: Verifier, drafter: CostProbe, prefix_ids: Tensor, sizes: Sequence[int] = SIZES,
                 engine: str = "auto", reps: int = 3) -> list[float] | None:
     """Least ms (of `reps` interleaved rounds) of one round's drafting with s = n - 1 drafts, for each n in `sizes`,
     after the prefix `prefix_ids` (1, P) in steady state (the previous round accepted nothing, so one new position
-    comes in): the drafter's own `draft_cost` (eval.protocol.CostProbe). EAGLE: its `trial` (its layer over the new
+    comes in): the drafter's own `draft_cost` (eval.engine.protocol.CostProbe). EAGLE: its `trial` (its layer over the new
     features, then growing s nodes, each depth a drafter forward and a head over the frontier); P-EAGLE and DFlash:
     their `trial`, one forward over the depth of the tree s drafts buy; Medusa: one `propose`, the same for every s
     (its heads run once a round whatever the tree; the tree only indexes their top-k); the hybrid: its primary's
@@ -161,7 +134,7 @@ def interpolate(sizes: Sequence[int], ms: Sequence[float], n: int) -> float:
 # -- acceptance estimates --------------------------------------------------------------------------------------------
 
 def tree_values(tree: Tree, topk_accuracy: Sequence[Sequence[float]]) -> list[float]:
-    """Each draft node's path-acceptance probability from a Medusa top-k table (eval.tree.auto_tree's node value);
+    """Each draft node's path-acceptance probability from a Medusa top-k table (eval.engine.tree.auto_tree's node value);
     a rank the table lacks counts as never right."""
     probs = rank_probs(topk_accuracy)
     values = []
@@ -244,7 +217,7 @@ class Curve:
 def measure(verifier: Verifier, prefix_ids: Tensor, threads: int, engine: str = "auto",
             sizes: Sequence[int] = SIZES, reps: int = 3) -> Curve:
     """One curve with `threads` threads (restored after), beside this machine's bound."""
-    from eval.decode import use_engine
+    from eval.engine.decode import use_engine
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -325,7 +298,7 @@ def budget_policy(policy: Any, family: str, export: ExportInfo | None) -> tuple[
     the default, so it must not fail where the budget cannot be planned: families that do not draft under `tree`
     (prompt lookup, lookahead, a draft model) ignore it, and an EAGLE export (or a hybrid on one) older than its
     acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto at all: its drafter says so)."""
-    from eval.tree import AutoTree
+    from eval.engine.tree import AutoTree
 
     auto = isinstance(policy, AutoTree) and policy.size == "auto"
     if auto and (export is None or export.acceptance is None or FAMILIES[family].tree == "own"):
@@ -367,7 +340,7 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
 def auto_dtype(device: str, flags: set[str] | None = None) -> tuple[str, str]:
     """`dtype: auto`: bfloat16 where this machine has bf16 matmul units (a GPU that supports it; a CPU with AMX or
     AVX512-BF16), float32 elsewhere; returns (dtype, the reason, for the report). bf16 speculative decoding is exact
-    through eval.engine (tests/test_exact_bf16.py), so this only changes speed."""
+    through eval.engine.forward (tests/test_exact_bf16.py), so this only changes speed."""
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if cuda:
         if torch.cuda.is_bf16_supported():

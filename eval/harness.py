@@ -6,7 +6,7 @@ the machine's state:
 - `baseline`: our plain greedy decoding (plain sampling when temperature > 0), one verifier forward per token,
   through the same cache code;
 - `speculative` (or, with method=all, one label per family): speculative decoding with the drafter over its chain
-  or tree, greedy or sampled (eval.sampling: exact rejection sampling, or Medusa's lossy typical acceptance when
+  or tree, greedy or sampled (eval.engine.sampling: exact rejection sampling, or Medusa's lossy typical acceptance when
   typical=true);
 - `hf_generate`: Hugging Face `model.generate`, greedy or sampled alike, as an outside reference;
 - `hf_prompt_lookup`: the same with `prompt_lookup_num_tokens`, HF's own drafter-free speculation;
@@ -31,18 +31,18 @@ from omegaconf import DictConfig, OmegaConf
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
 from eval import compare, cost
-from eval.decode import ENGINES, engine_of, use_engine
-from eval.families import build_drafter, check_proposals, family_config, family_of, method_name
+from eval.drafters.build import build_drafter, check_proposals, family_config, family_of, method_name
+from eval.engine.decode import ENGINES, engine_of, use_engine
+from eval.engine.protocol import Drafter
+from eval.engine.sampling import sampling_config
+from eval.engine.tree import AutoTree
 from eval.peers import check_peers, vllm_peer
-from eval.protocol import Drafter
 from eval.report import SPECULATIVE, write_outputs
-from eval.runner import (Runner, assistant_of, check_length, run_prompts, sampling_config,  # noqa: F401
-                         sampling_record, user_turns)
-from eval.tree import AutoTree
-from models.errors import UserError
+from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
 from models.export import ExportInfo, read_info
 from models.families import FAMILIES, resolve, title
 from models.verifier import Verifier, load_verifier
+from runtime.errors import UserError
 
 EVAL_DTYPES = ("float32", "bfloat16")
 
@@ -301,10 +301,10 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         print(f"dtype: {dtype} ({dtype_reason})")
     if str(cfg.dtype) not in EVAL_DTYPES:
         raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use auto, float32 or bfloat16 (bf16 is "
-                        f"exact through eval.engine, faster on CPUs with AMX or AVX512-BF16). float16 would also "
+                        f"exact through eval.engine.forward, faster on CPUs with AMX or AVX512-BF16). float16 would also "
                         f"change the verifier's fingerprint, which is taken in bfloat16.")
     if str(cfg.get("engine", "auto")) not in ENGINES:
-        raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine where it is "
+        raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine.forward where it is "
                         f"exact and faster, hf: Hugging Face's forward).")
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k fail before anything loads
     peers = check_peers(cfg.get("engine_peers") or [], bool(cfg.multi_turn), str(cfg.get("method", "single")))

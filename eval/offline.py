@@ -20,9 +20,9 @@ from torch import Tensor
 
 from data.datamodule import collate
 from data.hidden_cache import gather_layers
-from models.errors import UserError
 from models.families import FAMILIES, family, resolve
 from models.verifier import Verifier
+from runtime.errors import UserError
 
 TOPK = (1, 2, 4, 8, 16)
 
@@ -31,7 +31,7 @@ def chain_rounds(lead: Tensor, first: int, last: int) -> tuple[int, int]:
     """Simulate chain decoding over one answer. lead[t]: drafts a chain rooted after position t would get accepted;
     the first round's features end at `first` (the last prompt position; the prefill already gave x_{first+1});
     `last` is the answer's final position. A round at t emits x_{t+2}.. Returns (tokens emitted, rounds); their ratio
-    is tau as `eval.decode.DecodeResult.tau` counts it."""
+    is tau as `eval.engine.decode.DecodeResult.tau` counts it."""
     tokens = rounds = 0
     t = first
     while t + 1 < last:
@@ -74,26 +74,8 @@ def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tupl
 
 
 # -- ranks of the verifier's tokens under each drafter (teacher-forced), the input of acceptance_tables -------------
-# Each family's own function computes them (its registry entry's `teacher_forced`: eval.medusa.medusa_ranks,
-# eval.eagle.eagle_ranks), with these two helpers.
-
-def rank_rows(logits: Tensor, targets: Tensor, valid: Tensor, vocab: int, rank_of) -> tuple[Tensor, Tensor]:
-    """(B, T) ranks of `targets` where `valid` (vocab elsewhere), and the draft's top-1 probability there."""
-    rank = torch.full(valid.shape, vocab, dtype=torch.long)
-    rank[valid] = rank_of(logits, targets)
-    conf = torch.zeros(valid.shape)
-    conf[valid] = logits.softmax(-1).amax(-1)
-    return rank, conf
-
-
-def keep_only(logits: Tensor, keep: Tensor | None) -> Tensor:
-    """Logits over the full vocabulary with every token outside `keep` impossible (None: unchanged): what a drafter
-    trained with train_vocab drafts over, so a target outside them ranks V (a miss)."""
-    if keep is None:
-        return logits
-    outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill(0, keep, False)
-    return logits.masked_fill(outside, float("-inf"))
-
+# Each family's own function computes them (its registry entry's `teacher_forced`: eval.drafters.medusa.medusa_ranks,
+# eval.drafters.eagle.eagle_ranks), with these two helpers.
 
 def score_export(kind: str, net: Any, verifier: Verifier, rows: list[dict[str, Any]], depth: int,
                  bf16: bool = False, batch_size: int = 8, keep: Tensor | None = None) -> dict[str, Any]:

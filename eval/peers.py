@@ -2,7 +2,7 @@
 plain and with the export drafting, beside our own decoder's figures in the same run. The question it answers is
 "what will this drafter do in my server": tokens/s, per-position acceptance, tau and speedup as vLLM measures them.
 
-vLLM runs in its own virtualenv (models/vllm_engine.py), one process per configuration, batch 1, timed from its
+vLLM runs in its own virtualenv (serve/vllm_engine.py), one process per configuration, batch 1, timed from its
 first request after a warm-up request (model load excluded), with Intel OpenMP preloaded as its CPU guide asks.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from models.errors import UserError
 from models.verifier import Verifier
+from runtime.errors import UserError
 
 PEERS = ("vllm",)
 DEFAULT_TOKENS = 3
@@ -38,7 +38,7 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts
               top_p: float, seed: int, tokens: int | None = None) -> dict[str, Any]:
     """vLLM plain and (for a family vLLM serves) with the export drafting `tokens` per step, on `prompts`.
     `ours`: our plain decoding's outputs on the same prompts, for the greedy agreement."""
-    from models import vllm_engine
+    from serve import vllm_engine
 
     if not verifier.checkpoint:
         raise UserError(f"engine_peers=[vllm]: the verifier {verifier.name} was built in memory and vLLM loads "

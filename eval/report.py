@@ -2,7 +2,7 @@
 the time goes, per-prompt rows), a terminal table, PNG plots and a W&B run (offline unless an account is set up).
 
 Rates are ratios of sums (all tokens over all seconds), not means of per-prompt rates, so long answers weigh as much
-as they cost. tau and alpha_k pool every speculative round of every prompt (see eval.accept).
+as they cost. tau and alpha_k pool every speculative round of every prompt (see eval.engine.accept).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
-from eval.accept import mean_accept_length, per_position_acceptance
-from models.wandb_mode import wandb_mode
+from eval.engine.accept import mean_accept_length, per_position_acceptance
+from runtime.wandb_mode import wandb_mode
 
 SPECULATIVE = "speculative"  # the method label of a single-family run's drafter
 METHODS = ("baseline", SPECULATIVE, "hf_generate", "hf_prompt_lookup")

@@ -17,12 +17,12 @@ from transformers import GenerationConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation
-from eval.decode import DecodeResult, sample_decode, speculative_decode
-from eval.protocol import Assistant, Drafter
+from eval.engine.decode import DecodeResult, sample_decode, speculative_decode
+from eval.engine.protocol import Assistant, Drafter
+from eval.engine.sampling import SamplingConfig, sampling_config
 from eval.report import SPECULATIVE, Sample
-from eval.sampling import SamplingConfig
-from models.errors import UserError
 from models.verifier import Verifier
+from runtime.errors import UserError
 
 
 def check_length(verifier: Verifier, ids: list[int], max_new_tokens: int, where: str) -> None:
@@ -41,7 +41,7 @@ def check_length(verifier: Verifier, ids: list[int], max_new_tokens: int, where:
 
 def assistant_of(drafter: Drafter) -> tuple[Any | None, int]:
     """The model HF assisted generation can use as `assistant_model` and its drafts per round, for a drafter that
-    offers one (eval.protocol.Assistant: a draft model), or (None, 0)."""
+    offers one (eval.engine.protocol.Assistant: a draft model), or (None, 0)."""
     return drafter.hf_assistant() if isinstance(drafter, Assistant) else (None, 0)
 
 
@@ -174,17 +174,6 @@ def _interleave(history: list[dict[str, str]], answers: list[dict[str, str]]) ->
             out.append(answers[i])
             i += 1
     return out
-
-
-def sampling_config(cfg: DictConfig) -> SamplingConfig:
-    """temperature / top_p / top_k / typical from the config, checked (SamplingConfig raises one UserError each)."""
-    values = {k: cfg.get(k, d) for k, d in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0))}
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"{key}={value!r} must be a number.")
-    return SamplingConfig(float(values["temperature"]), float(values["top_p"]), values["top_k"],
-                          bool(cfg.get("typical", False)), float(cfg.get("posterior_threshold", 0.09)),
-                          float(cfg.get("posterior_alpha", 0.3)))
 
 
 def sampling_record(cfg: DictConfig) -> dict[str, Any]:

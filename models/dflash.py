@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from models import format_parts as parts
 from models.eagle import UnrolledStep, check_aux_layers, default_aux_layers, layer_config, step_inputs
 from models.eagle_layers import DraftMLP, RMSNorm, apply_rope, rope
-from models.errors import UserError
 from models.export_config import ExportConfig
 from models.peagle import check_mask_token
+from runtime.errors import UserError
 
 
 def check_block_size(block_size: Any, window: int | None = None, where: str = "model.block_size") -> int:

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.errors import UserError
 from models.io import atomic_dir
+from runtime.errors import UserError
 
 INFO = "specdraft_draft_model.json"
 

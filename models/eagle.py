@@ -11,7 +11,7 @@ EAGLE-3 (`kind="eagle3"`): the feature is fc(cat(low, mid, high)) over three M_q
 Both reuse M_q's token embedding (and, for EAGLE-1, its lm_head) by reference: frozen and never stored here.
 Tensor names follow the layouts vLLM and SGLang load (`fc.weight`, `layers.0.*` / `midlayer.*`, `norm.weight`,
 `lm_head.weight`, `d2t`, `t2d`); models/export.py writes and reads them. `unroll` is the training-time unroll,
-shared by training (train/eagle.py) and offline scoring (scripts/drafter_accuracy.py).
+shared by training (train/eagle.py) and offline scoring (scripts/tools/drafter_accuracy.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.eagle_layers import DraftDecoderLayer, RMSNorm, UnrollMask
-from models.errors import UserError
 from models.verifier import Verifier
+from runtime.errors import UserError
+
 
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low / middle / high feature layers: the inputs of layers 2, L//2 and L-3 (the engines' own default,

@@ -18,9 +18,9 @@ from torch import Tensor
 
 from models import format_parts as parts
 from models.eagle import Eagle1Net, Eagle3Net, EagleNet, check_aux_layers, layer_config
-from models.errors import UserError
 from models.export_config import ExportConfig
 from models.io import load_state
+from runtime.errors import UserError
 
 SERVING_DTYPES = ("bfloat16", "float16")
 
@@ -70,7 +70,7 @@ def check_draft_layer(config: dict[str, Any], verifier: Any, where: str | Path, 
     One message each, naming the field, the value seen, the value expected and the fix. A reference-layout checkpoint
     (`required` False: it names no verifier, and its layer is rebuilt from the one given) is warned about instead."""
     lc = layer_config(verifier)
-    fix = ("Re-export the drafter (python -m scripts.convert from-reference <this folder> <new folder>), or pass the "
+    fix = ("Re-export the drafter (python -m scripts.tools.convert from-reference <this folder> <new folder>), or pass the "
            "verifier it was trained on")
     missing = [k for k in ENGINE_LAYER_KEYS if config.get(k) is None]
     if required and missing:

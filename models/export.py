@@ -23,20 +23,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from models import reference_formats as ref
 from models import speculators_format as spec
-from models.errors import UserError
-from models.families import FAMILIES, family_of_config, family_of_net, title
-from models.io import atomic_dir
 from models.export_folder import check_replaceable
 from models.export_folder import is_project_export as _is_project_export
+from models.families import FAMILIES, family_of_config, family_of_net, title
+from models.io import atomic_dir
 from models.shipped_export import check_manifest, expand
 from models.verifier import Verifier, check_fingerprint, from_file, verifier_source
+from runtime.errors import UserError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -116,7 +115,7 @@ def _read_reference(path: Path, config: dict[str, Any]) -> tuple[dict[str, Any],
         raise UserError(f"{weights}: unknown layout: not a specdraft export ({path / CONFIG_NAME} has no "
                         f"verifier_fingerprint; architectures={config.get('architectures')}) and its tensors {names} "
                         f"are none of the reference layouts (EAGLE-3: midlayer.*; EAGLE-1: fc.weight + layers.0.*; "
-                        f"Medusa: medusa_lm_head.* with {{h}}.{{l}}.linear.*). Convert it with `python -m scripts.convert` or "
+                        f"Medusa: medusa_lm_head.* with {{h}}.{{l}}.linear.*). Convert it with `python -m scripts.tools.convert` or "
                         f"pass an export train.py wrote.")
     return FAMILIES[kind].export.from_reference(config, tensors, weights)
 
@@ -232,13 +231,13 @@ def load_export(path: str | Path | ExportInfo, verifier: Verifier, kind: str | N
         if not isinstance(config.get("verifier_fingerprint"), dict) or not config["verifier_fingerprint"]:
             raise UserError(f"{path / CONFIG_NAME} has no verifier_fingerprint, so it cannot be checked against the "
                             f"verifier it is used with. Re-export it with this toolkit (train.py), or convert a "
-                            f"reference-format checkpoint with `python -m scripts.convert`.")
+                            f"reference-format checkpoint with `python -m scripts.tools.convert`.")
         check_fingerprint(config["verifier_fingerprint"], verifier, f"{title(found)} export {str(path)!r}")
         if [f for f in stray_weight_files(path) if f.name != COUNTS_NAME]:
             check_engine_ready(path)  # a stray weight file: refused with its name and the fix
         if (path / COUNTS_NAME).is_file():  # written before the side data moved: loads here, vLLM refuses it
             warnings.warn(f"{path / COUNTS_NAME}: this export was written before side data moved to {SIDE_DIR}/; it "
-                          f"loads here, but vLLM refuses the folder. Rewrite it: python -m scripts.convert "
+                          f"loads here, but vLLM refuses the folder. Rewrite it: python -m scripts.tools.convert "
                           f"from-reference {path} <new dir>.", stacklevel=2)
     tensors = _read_reference(path, _raw_config(path))[1] if reference else _project_weights(path)
     if not reference:  # a compact (shipped) export: the verifier's own tensors put back, dtypes restored
@@ -341,7 +340,7 @@ def check_engine_ready(path: str | Path) -> None:
     for f in sorted(stray_weight_files(path), key=lambda f: f.name == COUNTS_NAME):  # a foreign file named first
         legacy = f.name == COUNTS_NAME
         fix = (f"an export written before the side data moved to {SIDE_DIR}/: rewrite it with `python -m "
-               f"scripts.convert from-reference {path} <new dir>` (or move the file to {path / SIDE_DIR / f.name})"
+               f"scripts.tools.convert from-reference {path} <new dir>` (or move the file to {path / SIDE_DIR / f.name})"
                if legacy else f"move it out of the folder (this toolkit keeps side data in {SIDE_DIR}/)")
         raise UserError(f"{f}: a weight file beside {WEIGHTS_NAME}. vLLM loads every *.safetensors in an export "
                         f"folder and refuses tensors its drafter has no parameter for, so it would not serve "

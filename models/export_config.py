@@ -22,7 +22,7 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
-from models.errors import UserError
+from runtime.errors import UserError
 
 C = TypeVar("C", bound="ExportConfig")
 

@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from models import reference_formats as ref
 from models import speculators_format as spec
-from models.errors import UserError
 from models.families import FAMILIES, family_of_config, title
+from runtime.errors import UserError
 
 CONFIG_NAME, WEIGHTS_NAME, SIDE_DIR = "config.json", "model.safetensors", "specdraft"
 COUNTS_NAME = "target_counts.safetensors"  # older exports kept it beside the weights
@@ -70,7 +70,7 @@ def check_replaceable(out_dir: str | Path, kind: str, layout: str, force: bool =
     if force or not out.exists() and not out.is_symlink():
         return
     fix = (f"Write to a new or empty folder, move what {out} holds elsewhere first, or pass --force "
-           f"(python -m scripts.convert) to replace it")
+           f"(python -m scripts.tools.convert) to replace it")
     if not out.is_dir():
         raise UserError(f"{out} is not a folder, and writing {_a(title(kind))} {LAYOUTS[layout]} there would "
                         f"delete it. {fix}.")

@@ -1,5 +1,5 @@
 """The drafter families, in one place: what each is made of, for training (train.py), export I/O (models/export.py),
-decoding (eval/) and serving (models/vllm_engine.py). Every other module reads this registry instead of naming
+decoding (eval/) and serving (serve/vllm_engine.py). Every other module reads this registry instead of naming
 families; adding one is its modules plus one entry in FAMILIES (tests/test_families_registry.py runs every entry
 through train -> export -> read -> decode).
 
@@ -20,12 +20,18 @@ from typing import Any
 from torch import Tensor, nn
 
 from models import eagle_export as eagle_io
-from models.eagle import Eagle1Net, Eagle3Net
-from models.errors import UserError
-from models.medusa import (MedusaHeads, is_medusa_reference, medusa_from_layout, medusa_from_reference, medusa_layout,
-                           medusa_to_reference)
 from models.dflash import DFlashNet, dflash_from_layout, dflash_from_speculators, dflash_layout, dflash_to_speculators
+from models.eagle import Eagle1Net, Eagle3Net
+from models.medusa import (
+    MedusaHeads,
+    is_medusa_reference,
+    medusa_from_layout,
+    medusa_from_reference,
+    medusa_layout,
+    medusa_to_reference,
+)
 from models.peagle import PEagleNet
+from runtime.errors import UserError
 
 # (net, verifier) -> (the family's config keys, tensors to write)
 Writer = Callable[[nn.Module, Any], tuple[dict[str, Any], dict[str, Tensor]]]
@@ -85,7 +91,7 @@ class Family:
         budget), "own" (the family's own options: a chain length, a window).
     acceptance: the export config keys holding its acceptance estimates, best first (tree.size=auto plans on them).
     min_drafts: the fewest drafts tree.size=auto may plan (the hybrid's grafted lookup chain needs a node).
-    serve: vLLM's speculative method for its export (models/vllm_engine.py), or None.
+    serve: vLLM's speculative method for its export (serve/vllm_engine.py), or None.
     serve_options: further --speculative-config keys that method needs for this family (P-EAGLE: vLLM serves it
         as eagle3 with parallel drafting).
     teacher_forced: for a family with an export, the function eval/offline.py scores its network with, teacher-
@@ -121,25 +127,25 @@ class Family:
 _EAGLE_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("medusa", "Medusa", drafter="eval.families.export", decoder="eval.medusa.medusa_drafter",
+    Family("medusa", "Medusa", drafter="eval.drafters.build.export", decoder="eval.drafters.medusa.medusa_drafter",
            training="train.medusa.MedusaModule", network=MedusaHeads, needs_export=True, tree="fixed",
-           acceptance=("medusa_topk_accuracy",), serve="medusa", teacher_forced="eval.medusa.medusa_ranks",
+           acceptance=("medusa_topk_accuracy",), serve="medusa", teacher_forced="eval.drafters.medusa.medusa_ranks",
            export=ExportFormat(("MedusaModel",), medusa_layout, medusa_from_layout, model_type="medusa",
                                reference_weights=("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
                                is_reference=is_medusa_reference, to_reference=medusa_to_reference,
                                from_reference=medusa_from_reference)),
-    Family("eagle", "EAGLE-1", drafter="eval.families.export", decoder="eval.eagle.eagle_drafter",
+    Family("eagle", "EAGLE-1", drafter="eval.drafters.build.export", decoder="eval.drafters.eagle.eagle_drafter",
            training="train.eagle.EagleModule", network=Eagle1Net, needs_export=True, tree="dynamic",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle",
-           teacher_forced="eval.eagle.eagle_ranks",
+           teacher_forced="eval.drafters.eagle.eagle_ranks",
            export=ExportFormat(_EAGLE_ARCHS, eagle_io.eagle_layout, partial(eagle_io.eagle_from_layout, "eagle"),
                                reference_weights=("pytorch_model.bin", "model.safetensors"),
                                is_reference=eagle_io.is_eagle1_reference, to_reference=eagle_io.eagle1_to_reference,
                                from_reference=eagle_io.eagle1_from_reference)),
-    Family("eagle3", "EAGLE-3", drafter="eval.families.export", decoder="eval.eagle.eagle_drafter",
+    Family("eagle3", "EAGLE-3", drafter="eval.drafters.build.export", decoder="eval.drafters.eagle.eagle_drafter",
            training="train.eagle.EagleModule", network=Eagle3Net, needs_export=True, tree="dynamic",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
-           teacher_forced="eval.eagle.eagle_ranks",
+           teacher_forced="eval.drafters.eagle.eagle_ranks",
            export=ExportFormat(("LlamaForCausalLMEagle3",), eagle_io.eagle_layout,
                                partial(eagle_io.eagle_from_layout, "eagle3"), reads=("Eagle3LlamaForCausalLM",),
                                reference_weights=("model.safetensors", "pytorch_model.bin"),
@@ -147,25 +153,25 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                                from_reference=eagle_io.eagle3_from_reference,
                                speculators_type="eagle3", to_speculators=eagle_io.eagle3_to_speculators,
                                from_speculators=eagle_io.eagle3_from_speculators)),
-    Family("peagle", "P-EAGLE", drafter="eval.families.export", decoder="eval.peagle.peagle_drafter",
+    Family("peagle", "P-EAGLE", drafter="eval.drafters.build.export", decoder="eval.drafters.peagle.peagle_drafter",
            training="train.peagle.PEagleModule", network=PEagleNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
-           teacher_forced="eval.eagle.eagle_ranks",
+           teacher_forced="eval.drafters.eagle.eagle_ranks",
            serve_options=(("parallel_drafting", True),),
            export=ExportFormat(("PeagleLlamaForCausalLM",), eagle_io.peagle_layout, eagle_io.peagle_from_layout,
                                speculators_type="peagle", to_speculators=eagle_io.eagle3_to_speculators,
                                from_speculators=eagle_io.peagle_from_speculators)),
-    Family("dflash", "DFlash", drafter="eval.families.export", decoder="eval.dflash.dflash_drafter",
+    Family("dflash", "DFlash", drafter="eval.drafters.build.export", decoder="eval.drafters.dflash.dflash_drafter",
            training="train.dflash.DFlashModule", network=DFlashNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="dflash",
-           teacher_forced="eval.eagle.eagle_ranks",
+           teacher_forced="eval.drafters.eagle.eagle_ranks",
            export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash",
                                to_speculators=dflash_to_speculators, from_speculators=dflash_from_speculators)),
-    Family("draft_model", "draft model", drafter="eval.families.draft_model",
-           training="train.draft_model.DraftModelModule", stored_verifier="eval.draft_model.stored_verifier"),
-    Family("prompt_lookup", "prompt lookup", drafter="eval.families.prompt_lookup"),
-    Family("lookahead", "lookahead", drafter="eval.families.lookahead"),
-    Family("hybrid", "hybrid", drafter="eval.families.hybrid", needs_export=True, tree="primary", min_drafts=1),
+    Family("draft_model", "draft model", drafter="eval.drafters.build.draft_model",
+           training="train.draft_model.DraftModelModule", stored_verifier="eval.drafters.draft_model.stored_verifier"),
+    Family("prompt_lookup", "prompt lookup", drafter="eval.drafters.build.prompt_lookup"),
+    Family("lookahead", "lookahead", drafter="eval.drafters.build.lookahead"),
+    Family("hybrid", "hybrid", drafter="eval.drafters.build.hybrid", needs_export=True, tree="primary", min_drafts=1),
 )}
 EXPORT_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.has_export)  # the families an export directory holds
 
@@ -207,6 +213,6 @@ def family_of_net(net: nn.Module) -> str:
 
 
 def resolve(path: str) -> Any:
-    """The object a dotted path names (`eval.medusa.medusa_drafter`), imported on first use."""
+    """The object a dotted path names (`eval.drafters.medusa.medusa_drafter`), imported on first use."""
     module, _, attr = path.rpartition(".")
     return getattr(importlib.import_module(module), attr)

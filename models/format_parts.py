@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.errors import UserError
+from runtime.errors import UserError
 
 LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "num_hidden_layers", "rms_norm_eps", "rope_theta", "attention_bias", "hidden_act",

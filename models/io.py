@@ -24,7 +24,7 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from models.errors import UserError
+from runtime.errors import UserError
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

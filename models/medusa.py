@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.errors import UserError
 from models.export_config import ExportConfig
 from models.io import load_state
+from runtime.errors import UserError
 
 
 class ResidualBlock(nn.Module):

@@ -2,7 +2,7 @@
 prepacked kernel (what inductor's freezing pass does). `F.linear` on a bf16 CPU tensor reorders the whole weight on
 each call, so a step that reads each weight once pays for it twice.
 
-Users: eval.engine (the verifier's decode path, and the vocabulary head drafters share) and data.generate (batched
+Users: eval.engine.forward (the verifier's decode path, and the vocabulary head drafters share) and data.generate (batched
 self-distillation, through `packed_linears`). Same results as F.linear, bitwise, on the shapes tested
 (tests/test_engine.py, tests/test_data_scale.py).
 """
@@ -35,7 +35,7 @@ class Linear:
 
     `min_rows` / `max_rows`: kernels pick their path by row count (on an AMX CPU, oneDNN's bf16 kernels take one
     path up to 32 rows and another above), so a weight gets the row counts [min_rows, max_rows] over which its kernel
-    gives every row the same bits (eval.engine probes them per shape, `with_rows`). A call over fewer than
+    gives every row the same bits (eval.engine.forward probes them per shape, `with_rows`). A call over fewer than
     `min_rows` rows is padded by repeating its last row; one over more than `max_rows` (None: no limit) is split into
     calls of at most `max_rows` rows (the last one padded if short); only the call's own rows come back."""
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from models.eagle import Eagle3Net, UnrolledStep, step_inputs
 from models.eagle_layers import UnrollMask
-from models.errors import UserError
+from runtime.errors import UserError
 
 
 def check_mask_token(mask_token_id: Any, vocab_size: int, where: str = "model.mask_token_id") -> int:

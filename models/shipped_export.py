@@ -7,7 +7,7 @@ differences, recorded in config.json under `specdraft_compact`:
   where they come from (`verifier.lm_head`); the verifier's fingerprint, checked on load, guarantees the same bits;
 - floating-point tensors are stored in bfloat16, their original dtypes recorded.
 `load_export` reads it as it is (`expand` puts the left-out tensors back and restores the dtypes), so
-`python -m eval checkpoint=pretrained/<name>` works; `python -m scripts.convert engine-ready pretrained/<name> OUT`
+`python -m eval checkpoint=pretrained/<name>` works; `python -m scripts.tools.convert engine-ready pretrained/<name> OUT`
 writes the folder an engine loads (vLLM refuses the compact one: a tensor is missing).
 
 Beside the side data, a shipped export carries what made it: `specdraft/recipe.yaml` (the run's config),
@@ -25,11 +25,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from models.errors import UserError
 from models.export_folder import COMPACT_KEY, check_replaceable
 from models.families import family_of_config
 from models.io import atomic_dir
 from models.verifier import check_fingerprint
+from runtime.errors import UserError
 
 CONFIG_NAME, WEIGHTS_NAME, SIDE_DIR = "config.json", "model.safetensors", "specdraft"
 # Where a left-out tensor comes from: a name, and how to take it from the verifier.
@@ -134,7 +134,7 @@ def check_manifest(folder: str | Path) -> None:
     if not file.is_file():
         return
     fix = (f"Restore it (git checkout -- {folder}, for a drafter that ships in the repository) or ship it again "
-           f"(python -m scripts.convert ship <the export it was shipped from> {folder})")
+           f"(python -m scripts.tools.convert ship <the export it was shipped from> {folder})")
     try:
         listed = json.loads(file.read_text(encoding="utf-8"))
         items = [(str(name), int(rec["bytes"]), str(rec["sha256"])) for name, rec in listed.items()]

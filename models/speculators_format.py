@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.errors import UserError
 from models.families import FAMILIES
+from runtime.errors import UserError
 
 DEFAULT_SPECULATIVE_TOKENS = 3
 
@@ -69,5 +69,5 @@ def flatten(config: dict[str, Any], file: str = "config.json") -> dict[str, Any]
     if fmt is None:
         raise UserError(f"{file}: speculators_model_type={algo!r}: this toolkit reads the speculators format for "
                         f"{sorted(_families())}. Export the drafter with this toolkit, or convert it "
-                        f"with `python -m scripts.convert`.")
+                        f"with `python -m scripts.tools.convert`.")
     return fmt.from_speculators(config, file, name, fmt.architectures[0])

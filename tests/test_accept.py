@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eval.drafters.build import Draft, Drafter
+from eval.engine.accept import greedy_accept, mean_accept_length, per_position_acceptance
+from eval.engine.decode import greedy_decode, speculative_decode
+from eval.engine.tree import Tree, chain, from_medusa_choices, tree_buffers
 from helpers import varied_llama
-from eval.accept import greedy_accept, mean_accept_length, per_position_acceptance
-from eval.decode import greedy_decode, speculative_decode
-from eval.drafters import Draft, Drafter
-from eval.tree import Tree, chain, from_medusa_choices, tree_buffers
 from models.verifier import Verifier
 
 V = 16  # a small vocabulary is enough: the rule only compares token ids

@@ -14,9 +14,17 @@ import pytest
 import torch
 
 from helpers import ROOT
-from models.errors import UserError, VerifierMismatchError
-from models.verifier import (MANIFEST, SMOLLM2_CACHE_NAME, build_tiny, check_fingerprint, ensure_smollm2_checkpoint,
-                             fingerprint, load_smollm2, write_manifest)
+from models.verifier import (
+    MANIFEST,
+    SMOLLM2_CACHE_NAME,
+    build_tiny,
+    check_fingerprint,
+    ensure_smollm2_checkpoint,
+    fingerprint,
+    load_smollm2,
+    write_manifest,
+)
+from runtime.errors import UserError, VerifierMismatchError
 
 
 @pytest.fixture(scope="module")

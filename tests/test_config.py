@@ -59,7 +59,7 @@ def test_compose_every_eval_option(override):
     group, option = override.split("=")
     if group == "tree":
         assert resolved["tree"]["_target_"].rsplit(".", 1)[1] == policy[option]
-    else:  # every drafter is a factory partial in eval.families; medusa/eagle/eagle3 name the export kind
+    else:  # every drafter is a factory partial in eval.drafters.build; medusa/eagle/eagle3 name the export kind
         assert resolved["drafter"]["_target_"].rsplit(".", 1)[1] in {option, "export"}
         assert resolved["drafter"]["_partial_"] is True
     assert {"checkpoint", "prompts", "num_prompts", "max_new_tokens", "dtype", "threads"} <= set(resolved)

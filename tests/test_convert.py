@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.errors import UserError
 from models.export import from_reference, load_export, read_config, read_weights, save_export, to_reference
 from models.medusa import MedusaHeads
+from runtime.errors import UserError
 
 H, NH, HD, KV, INTER = 64, 4, 16, 2, 256  # build_tiny's shapes
 
@@ -187,7 +187,7 @@ def test_eval_reads_a_reference_checkpoint(tiny, tmp_path):
 
 
 def test_convert_cli(tiny, tmp_path, capsys):
-    from scripts.convert import main
+    from scripts.tools.convert import main
 
     ref, sd = medusa_reference(tmp_path / "ref", tiny.vocab_size, heads=2)
     save_export(load_export(ref, tiny).net, tiny, tmp_path / "ours")
@@ -203,7 +203,7 @@ def test_convert_keeps_a_folder_that_is_not_the_same_kind_of_export(tiny, tmp_pa
     refused (exit 2, naming it and --force); the same kind of export is still replaced (a re-run, a re-export)."""
     import shutil
 
-    from scripts.convert import main
+    from scripts.tools.convert import main
 
     ref, _ = medusa_reference(tmp_path / "ref", tiny.vocab_size, heads=2)
     net = load_export(ref, tiny).net
@@ -248,7 +248,7 @@ def test_convert_engine_ready_refuses_before_loading_the_verifier(tmp_path, caps
     """The issue's own command: `convert engine-ready pretrained/medusa-smollm2 served` with another export and notes
     in served/ stops at once (the default verifier is never loaded), deleting nothing."""
     from helpers import ROOT
-    from scripts.convert import main
+    from scripts.tools.convert import main
 
     served = tmp_path / "served"
     served.mkdir()

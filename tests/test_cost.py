@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
 from eval import cost
-from eval.tree import AutoTree, auto_tree, chain
-from models.errors import UserError
+from eval.engine.tree import AutoTree, auto_tree, chain
+from helpers import ROOT
 from models.export import ExportInfo, save_export
 from models.medusa import MedusaHeads
+from runtime.errors import UserError
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
 SIZES = [1, 2, 4, 8, 16, 32, 64]

@@ -1,4 +1,4 @@
-"""models.cpu_memory: with freed memory kept, a large tensor comes from glibc's heap (not a fresh mmap, which is
+"""runtime.cpu_memory: with freed memory kept, a large tensor comes from glibc's heap (not a fresh mmap, which is
 page-faulted in afresh every time) and stays in the heap once freed, for the next step to reuse. Read through glibc's
 own accounting (mallinfo2), in a fresh process each, since the setting is process-wide."""
 
@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import ctypes, json, sys, torch
-from models.cpu_memory import keep_freed_memory
+from runtime.cpu_memory import keep_freed_memory
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",

@@ -10,7 +10,7 @@ import pytest
 from data.chat import encode_conversation, prompt_ids
 from data.prompts import load_conversations
 from data.selfdistill import build_selfdistill, check_has_targets
-from models.errors import UserError
+from runtime.errors import UserError
 
 
 def test_builtin_split_is_fixed_and_disjoint():

@@ -277,7 +277,7 @@ def test_registry_licences_and_chat_prompts(tmp_path):
     """The evals wheel's LICENSE.md marks non-commercial data folders; those are left out by default."""
     import zipfile
 
-    from scripts.registry_prompts import evals_prompts
+    from scripts.tools.registry_prompts import evals_prompts
 
     licence = ("MIT License\n\n### Dataset Licenses\n\n#### Free\n- **Location**: evals/registry/data/free\n"
                "    - **License**: MIT License\n\n#### Tom\n- **Location**: evals/registry/data/tom\n"
@@ -456,7 +456,7 @@ def test_hidden_cache_shards_split_over_processes_and_a_missing_share_is_resumed
     import json
 
     from data.hidden_cache import build_hidden_cache, load_hidden
-    from models.errors import UserError
+    from runtime.errors import UserError
 
     ds = _small_set(tiny, tmp_path)
     with pytest.raises(UserError, match=r"lacks 2 of 4 shards \(e\.g\. \[0, 2\]\).*Run again"):
@@ -480,7 +480,7 @@ def test_a_hidden_cache_shard_of_another_layer_set_or_verifier_is_refused(tiny, 
     import shutil
 
     from data.hidden_cache import build_hidden_cache
-    from models.errors import UserError
+    from runtime.errors import UserError
 
     ds = _small_set(tiny, tmp_path)
     with pytest.raises(UserError):
@@ -501,7 +501,7 @@ def test_a_hidden_cache_that_cannot_fit_the_free_disk_is_refused_before_any_work
     import shutil
 
     import data.hidden_cache as hc
-    from models.errors import UserError
+    from runtime.errors import UserError
 
     ds = _small_set(tiny, tmp_path)
     usage = shutil.disk_usage(tmp_path)

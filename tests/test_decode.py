@@ -17,16 +17,17 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from eval.drafters.build import Draft, Drafter, make_drafter
+from eval.drafters.medusa import MedusaDrafter
+from eval.engine import decode
+from eval.engine import hf_forward as kv
+from eval.engine.decode import greedy_decode, speculative_decode
+from eval.engine.tree import AutoTree, Tree, TreeBuffers, auto_tree, chain, from_medusa_choices
 from helpers import varied_llama
-from eval import decode, kv
-from eval.decode import greedy_decode, speculative_decode
-from eval.drafters import Draft, Drafter, make_drafter
-from eval.medusa import MedusaDrafter
-from eval.tree import AutoTree, Tree, TreeBuffers, auto_tree, chain, from_medusa_choices
-from models.errors import UserError
 from models.export import save_export
 from models.medusa import MedusaHeads
 from models.verifier import Verifier, build_tiny, fingerprint, freeze
+from runtime.errors import UserError
 
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]
 MAX_NEW = 40

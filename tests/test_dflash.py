@@ -1,4 +1,4 @@
-"""DFlash (models/dflash.py, train/dflash.py, eval/dflash.py): the training blocks compute what decoding computes, a
+"""DFlash (models/dflash.py, train/dflash.py, eval/drafters/dflash.py): the training blocks compute what decoding computes, a
 round is one block forward, and bad input is refused with a message."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from helpers import varied_llama
 from models.dflash import DFlashNet, block_rows, build_dflash
-from models.errors import UserError
+from runtime.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,8 @@ def _hidden(verifier, ids):
 def test_training_blocks_are_what_decoding_computes(varied):
     """Slot k of the block whose context ends at t (training: block_rows, every anchor) = the drafter's depth-k logits
     after a prefill of positions 0..t with root x_{t+1} (eval: DFlashDrafter)."""
-    from eval.dflash import DFlashDrafter
-    from eval.tree import chain
+    from eval.drafters.dflash import DFlashDrafter
+    from eval.engine.tree import chain
 
     net = _net(varied)
     embed = varied.model.get_input_embeddings()
@@ -62,8 +62,8 @@ def test_training_blocks_are_what_decoding_computes(varied):
 
 @torch.no_grad()
 def test_a_round_is_one_block_forward(varied, monkeypatch):
-    from eval.dflash import DFlashDrafter
-    from eval.tree import chain
+    from eval.drafters.dflash import DFlashDrafter
+    from eval.engine.tree import chain
 
     net = _net(varied, block_size=6)
     calls = []
@@ -79,8 +79,8 @@ def test_a_round_is_one_block_forward(varied, monkeypatch):
 def test_the_planner_times_the_block_the_budget_buys(varied, monkeypatch):
     """eval.cost.draft_curve times `trial(s)`: one block over the depth of the tree tree.size=auto builds for s drafts
     from the export's table, not the block of the probe drafter's largest tree."""
-    from eval.dflash import DFlashDrafter
-    from eval.tree import auto_tree
+    from eval.drafters.dflash import DFlashDrafter
+    from eval.engine.tree import auto_tree
 
     net = _net(varied, block_size=6)
     table = [[0.6, 0.7, 0.75], [0.5, 0.6, 0.65], [0.45, 0.55, 0.6], [0.4, 0.5, 0.55], [0.3, 0.4, 0.45]]
@@ -113,9 +113,9 @@ def test_bad_input_is_refused_with_a_message(varied):
 def test_an_export_trained_over_frequent_rows_drafts_over_them_exactly(varied, tmp_path):
     """An export trained with `model.train_vocab=N` (the N most frequent targets' rows of the verifier's head) drafts
     over those rows, as training scored them, and decoding stays exact; without it, other tokens get drafted."""
-    from eval.decode import greedy_decode, speculative_decode
-    from eval.drafters import make_drafter
-    from eval.tree import Chain
+    from eval.drafters.build import make_drafter
+    from eval.engine.decode import greedy_decode, speculative_decode
+    from eval.engine.tree import Chain
     from models.export import save_export
 
     net, vocab = _net(varied), varied.vocab_size

@@ -242,10 +242,10 @@ def test_the_gpu_recipe_composes_into_the_objects_it_names(cache_dir):
 
 
 def test_gpu_check_says_there_is_no_gpu():
-    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "scripts.tools.gpu_check"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     if torch.cuda.is_available():
-        pytest.skip("a GPU is here: run python -m scripts.gpu_check itself")
+        pytest.skip("a GPU is here: run python -m scripts.tools.gpu_check itself")
     assert proc.returncode == 2 and "no CUDA device here" in proc.stderr and "nothing was run" in proc.stderr
 
 

@@ -13,11 +13,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from data.chat import prompt_ids
-from eval.decode import greedy_decode
-from eval.draft_model import load_draft_model
+from eval.drafters.draft_model import load_draft_model
+from eval.engine.decode import greedy_decode
 from helpers import ROOT, compose_train, varied_llama
 from models.draft_model import read_draft_info
-from models.errors import VerifierMismatchError
+from runtime.errors import VerifierMismatchError
 from train.draft_model import DraftModelModule, next_token_positions
 
 VARIED = ["verifier=tiny", "+verifier.layer_std=0.3", "verifier.seed=1", "data.limit=12", "data.max_new_tokens=12",

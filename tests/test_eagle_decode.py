@@ -15,16 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eval.drafters.build import Drafter, make_drafter
+from eval.drafters.eagle import EagleDrafter
+from eval.engine import hf_forward as kv
+from eval.engine.decode import greedy_decode, speculative_decode
+from eval.engine.tree import Chain, DynamicTree
 from helpers import varied_llama
-from eval import kv
-from eval.decode import greedy_decode, speculative_decode
-from eval.drafters import Drafter, make_drafter
-from eval.eagle import EagleDrafter
-from eval.tree import Chain, DynamicTree
 from models.eagle import EagleNet, build_eagle, unroll_mask
-from models.errors import UserError
 from models.export import save_export
 from models.verifier import Verifier, build_tiny
+from runtime.errors import UserError
 
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]
 MAX_NEW = 40
@@ -292,7 +292,7 @@ def test_tree_auto_grows_and_prices_the_depth_its_table_buys(varied, monkeypatch
     5-deep chain from 5 drafts without the table, 3 deep with it (auto_tree of this table). And `trial` (what
     eval.cost.draft_curve times) feeds every depth of that tree at its widest whatever the scores: the same drafter
     rows on any prefix, and never fewer than a real round feeds."""
-    from eval.tree import AutoTree, auto_tree
+    from eval.engine.tree import AutoTree, auto_tree
 
     net = random_net("eagle3", varied, seed=3)
     original_logits = net.logits
@@ -370,7 +370,7 @@ def test_draft_vocab_drafts_the_full_heads_best_within_the_subset(varied, refere
 
 @torch.no_grad()
 def test_medusa_draft_vocab_takes_the_subsets_ranks(varied, references, tmp_path):
-    from eval.tree import auto_tree
+    from eval.engine.tree import auto_tree
     from models.medusa import MedusaHeads
 
     heads = MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3)

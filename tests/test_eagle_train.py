@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from helpers import compose_train
 from models.eagle import build_eagle, step_inputs, unroll_mask
 from models.export import load_export, read_config, save_export
-from models.errors import UserError
+from runtime.errors import UserError
 from train.eagle import draft_vocab_from_counts, validation_summary, validation_tallies
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
@@ -233,7 +233,7 @@ def test_eagle3_targets_once_per_batch_match_each_step(tiny, cached_argmax):
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_validation_ranks_agree_with_top1_hits(tiny, kind):
-    """The ranks and confidences validation returns (read by scripts/drafter_accuracy.py): rank 0 exactly where the
+    """The ranks and confidences validation returns (read by scripts/tools/drafter_accuracy.py): rank 0 exactly where the
     draft's top-1 is M_q's argmax, the vocabulary size where there is no target, a probability in (0, 1]."""
     from train.eagle import EagleModule
 

@@ -1,4 +1,4 @@
-"""eval.engine: the same logits as Hugging Face in fp32, and batch-invariant bits: a forward over n tokens, a tree
+"""eval.engine.forward: the same logits as Hugging Face in fp32, and batch-invariant bits: a forward over n tokens, a tree
 forward and its commit give exactly what n one-token forwards give, in bf16 and fp32."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval import engine, kv
-from eval.tree import chain, from_medusa_choices, tree_buffers
-from models.errors import UserError
+from eval.engine import forward as engine
+from eval.engine import hf_forward as kv
+from eval.engine.tree import chain, from_medusa_choices, tree_buffers
+from runtime.errors import UserError
 from tests.conftest import varied_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

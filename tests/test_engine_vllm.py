@@ -39,8 +39,8 @@ MODEL = {"eagle3.1": "eagle3"}
 
 @pytest.fixture(scope="session")
 def vllm():
-    from models import vllm_engine
-    from models.errors import UserError
+    from runtime.errors import UserError
+    from serve import vllm_engine
 
     try:
         vllm_engine.vllm_python()
@@ -86,9 +86,9 @@ def prompts(smollm2):
 
 def _ours(verifier, kind: str, export: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[float], int]:
     """Our decoder's outputs, alpha_1..TOKENS and rounds, drafting chains of TOKENS from the export."""
-    from eval.decode import speculative_decode
-    from eval.drafters import make_drafter
-    from eval.tree import Chain
+    from eval.drafters.build import make_drafter
+    from eval.engine.decode import speculative_decode
+    from eval.engine.tree import Chain
 
     drafter = make_drafter(kind, verifier, Chain(TOKENS), checkpoint=export)
     outs, lengths = [], []
@@ -181,9 +181,9 @@ def test_vllm_serves_the_dflash_export_as_the_model_itself(vllm, exports, prompt
 def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, exports, smollm2, tmp_path):
     """The failure users met: an EAGLE export with the target counts beside its weights (as exports were written
     before side data moved to specdraft/). vLLM refuses it; our loader names the file and the fix; the rewrite
-    that message proposes (python -m scripts.convert from-reference) is served."""
-    from models.errors import UserError
+    that message proposes (python -m scripts.tools.convert from-reference) is served."""
     from models.export import check_engine_ready, from_reference, load_export
+    from runtime.errors import UserError
 
     old = tmp_path / "old"
     shutil.copytree(exports["eagle"], old)
@@ -191,7 +191,7 @@ def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, expor
     with pytest.raises(vllm.EngineError, match="counts"):
         vllm.serve(smollm2.checkpoint, [[1, 2, 3]], 4, dtype="float32", spec=vllm.speculative_config("eagle", old, 2))
     with pytest.raises(UserError, match=r"target_counts.safetensors: a weight file beside model.safetensors.*"
-                                        r"scripts.convert from-reference"):
+                                        r"scripts.tools.convert from-reference"):
         check_engine_ready(old)
     with pytest.warns(UserWarning, match="vLLM refuses the folder"):
         assert load_export(old, smollm2).target_counts is not None  # still loads in python -m eval

@@ -1,5 +1,5 @@
 """bf16 speculative decoding is token for token bf16 plain greedy decoding (issue 10): the decode loops verify
-through eval.engine, whose forward over n tokens gives the bits of n one-token forwards, so a tree's root row and a
+through eval.engine.forward, whose forward over n tokens gives the bits of n one-token forwards, so a tree's root row and a
 plain step agree. Medusa, EAGLE-1 and EAGLE-3 drafters, chain / sparse / auto / dynamic trees, on the tiny varied
 verifier in bf16, and (slow) on the default verifier in bf16, where Hugging Face's forward (engine=hf) flips
 near-ties (the issue measured 25% of outputs matching).
@@ -17,14 +17,14 @@ import random
 import pytest
 import torch
 
+from eval.drafters.build import Draft, make_drafter
+from eval.engine.decode import greedy_decode, speculative_decode, use_engine
+from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, auto_tree, chain, from_medusa_choices
 from helpers import varied_llama
-from eval.decode import greedy_decode, speculative_decode, use_engine
-from eval.drafters import Draft, make_drafter
-from eval.tree import AutoTree, Chain, DynamicTree, Tree, auto_tree, chain, from_medusa_choices
 from models.eagle import build_eagle
-from models.errors import UserError
 from models.medusa import MedusaHeads
 from models.verifier import Verifier, build_tiny
+from runtime.errors import UserError
 
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]
 MAX_NEW = 40

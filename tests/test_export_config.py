@@ -14,12 +14,12 @@ import torch
 
 from models.dflash import DFlashConfig, DFlashSpeculators, DFlashTargets
 from models.eagle_export import Eagle3Config, EagleConfig, PEagleConfig, SGLangAuxLayers
-from models.errors import UserError
 from models.export import load_export, save_export
 from models.export_config import ExportConfig
 from models.families import FAMILIES
 from models.medusa import MedusaConfig, MedusaHeads
 from models.verifier import build_tiny
+from runtime.errors import UserError
 
 CLASSES = [MedusaConfig, EagleConfig, Eagle3Config, SGLangAuxLayers, PEagleConfig, DFlashConfig, DFlashTargets,
            DFlashSpeculators]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import ROOT, compose_train
-from models.errors import UserError, user_error
+from runtime.errors import UserError, user_error
 from train.safety import DIVERGED, LAST_GOOD, AtomicCheckpointIO, DivergenceError
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
@@ -163,7 +163,7 @@ def test_a_second_run_with_the_same_name_is_refused_naming_the_first(train_scrip
 
 def test_a_refused_second_run_leaves_the_running_runs_recipe(tmp_path):
     """Hydra wrote .hydra/config.yaml and overrides.yaml at start-up, before the lock refused the second run: the
-    running run's recipe (what `scripts.convert ship --recipe` ships) was replaced by the refused run's."""
+    running run's recipe (what `scripts.tools.convert ship --recipe` ships) was replaced by the refused run's."""
     recipe = tmp_path / ".hydra"
     recipe.mkdir()
     first = {name: f"# the running run's {name}\nseed: 0\n".encode() for name in ("config.yaml", "overrides.yaml",

@@ -17,23 +17,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_eagle_decode import random_net
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eval.drafters.build import Draft, make_drafter
+from eval.drafters.draft_model import DraftModelDrafter, load_draft_model, make_draft_model_drafter
+from eval.drafters.hybrid import HybridDrafter, graft
+from eval.drafters.lookahead import LookaheadDrafter
+from eval.drafters.lookup import PromptLookupDrafter, lookup
+from eval.engine.accept import greedy_accept
+from eval.engine.decode import greedy_decode, speculative_decode
+from eval.engine.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices, tree_buffers
 from helpers import ROOT, varied_llama
-from eval.accept import greedy_accept
-from eval.decode import greedy_decode, speculative_decode
-from eval.draft_model import DraftModelDrafter, load_draft_model, make_draft_model_drafter
-from eval.drafters import Draft, make_drafter
-from eval.hybrid import HybridDrafter, graft
-from eval.lookahead import LookaheadDrafter
-from eval.lookup import PromptLookupDrafter, lookup
-from eval.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices, tree_buffers
-from models.errors import UserError
 from models.export import save_export
 from models.families import FAMILIES
 from models.medusa import MedusaHeads
 from models.verifier import build_tiny
-from test_eagle_decode import random_net
+from runtime.errors import UserError
 
 TEXT = ["The quick brown fox jumps over the lazy dog.", "Write a short poem about rivers and the sea, please."]
 
@@ -191,8 +191,9 @@ def test_hybrid_is_at_least_as_good_as_each_part(tiny, shallow, case, one_thread
 def test_hybrid_grafts_chains_as_long_as_prompt_lookup_within_its_budget(varied, tmp_path):
     """conf/drafter/hybrid.yaml's default grafts prompt-lookup chains as long as drafter=prompt_lookup's own (a
     shorter chain cost the hybrid tau on translation, where the answer copies the prompt), capped by the budget."""
-    from eval import families
     from omegaconf import OmegaConf
+
+    from eval.drafters import build as families
 
     export = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3), varied, tmp_path / "m",
                          {"medusa_topk_accuracy": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4]]})

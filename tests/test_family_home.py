@@ -1,6 +1,6 @@
 """A family has one home (docs: /work/shared/GUIDE.md, "A family's home"): what differs between drafter families
 lives in the family's own modules and is reached through its registry entry (models/families.py) or a method a
-contract declares (eval/protocol.py, train/base.py). Shared code never branches on which family it holds.
+contract declares (eval/engine/protocol.py, train/base.py). Shared code never branches on which family it holds.
 
 This walks the source of the shared modules and fails on
   (a) a comparison (==, !=, is, in, not in, or a match-case pattern) with a string literal that names a registered
@@ -16,22 +16,22 @@ import importlib
 import inspect
 
 from helpers import ROOT
-
 from models.families import FAMILIES, resolve
 
 FAMILY_NAMES = frozenset(FAMILIES) | {"eagle1"}
 
-# Each family's own modules: they may name their family and their classes. Every other module of eval/, train/,
-# models/ and data/ is shared and checked, and train.py; models/families.py is the registry, where families are named.
+# Each family's own modules: they may name their family and their classes. Every other module of eval/ (its
+# subpackages too), train/, models/, data/, runtime/ and serve/ is shared and checked, and train.py;
+# models/families.py is the registry, where families are named.
 FAMILY_MODULES = {
-    "eval": ("medusa", "eagle", "peagle", "dflash", "draft_model", "lookup", "lookahead", "hybrid"),
+    "eval/drafters": ("medusa", "eagle", "peagle", "dflash", "draft_model", "lookup", "lookahead", "hybrid"),
     "train": ("medusa", "eagle", "peagle", "dflash", "draft_model"),
     "models": ("medusa", "eagle", "eagle_export", "eagle_layers", "peagle", "dflash", "draft_model"),
 }
 REGISTRY = ROOT / "models" / "families.py"
 SHARED = sorted(
-    {p for folder in ("eval", "train", "models", "data") for p in (ROOT / folder).glob("*.py")
-     if p.stem not in FAMILY_MODULES.get(folder, ()) and p != REGISTRY}
+    {p for folder in ("eval", "train", "models", "data", "runtime", "serve") for p in (ROOT / folder).rglob("*.py")
+     if p.stem not in FAMILY_MODULES.get(p.parent.relative_to(ROOT).as_posix(), ()) and p != REGISTRY}
     | {ROOT / "train.py"}
 )
 
@@ -145,7 +145,7 @@ def test_shared_code_never_branches_on_a_family():
     news = {f: hits for f, hits in found.items() if len(hits) > PENDING.get(f, 0)}
     assert not news, ("Shared code branches on a drafter family; move the decision into the family's own module and "
                       "reach it through its registry entry (models/families.py) or a declared method "
-                      "(eval/protocol.py, train/base.py):\n"
+                      "(eval/engine/protocol.py, train/base.py):\n"
                       + "\n".join(f"  {f}:{line}: {what}" for f, hits in news.items() for line, what in hits))
     stale = {f: (n, len(found.get(f, []))) for f, n in PENDING.items() if len(found.get(f, [])) < n}
     assert not stale, ("PENDING allows more branches than these files still hold; lower the counts (delete an entry "
@@ -161,7 +161,7 @@ def test_the_walk_sees_every_kind_of_branch():
         'ok = kind not in {"dflash"}',
         'match kind:\n    case "peagle": pass',
         "ok = isinstance(net, MedusaHeads)",
-        "ok = isinstance(d, (eval.eagle.EagleDrafter, int))",
+        "ok = isinstance(d, (eval.drafters.eagle.EagleDrafter, int))",
         "ok = issubclass(cls, MedusaModule)",
         "ok = type(net) is Eagle3Net",
         'ok = module.__class__.__name__.startswith("Medusa")',
@@ -182,7 +182,8 @@ def test_the_walk_sees_every_kind_of_branch():
 
 def test_the_walk_covers_the_shared_modules():
     names = {str(p.relative_to(ROOT)) for p in SHARED}
-    assert {"eval/cost.py", "eval/offline.py", "train/base.py", "train/memory.py", "train/export.py",
+    assert {"eval/cost.py", "eval/offline.py", "eval/harness.py", "eval/drafters/build.py", "eval/engine/decode.py",
+            "train/base.py", "train/memory.py", "train/export.py",
             "models/export.py", "models/speculators_format.py", "data/chat.py", "train.py"} <= names
     assert set(PENDING) <= names
     family_files = {f"{folder}/{stem}.py" for folder, stems in FAMILY_MODULES.items() for stem in stems}
@@ -192,9 +193,9 @@ def test_the_walk_covers_the_shared_modules():
 def test_every_family_keeps_the_declared_contracts():
     """What shared code calls instead of branching: every training module implements DrafterModule's abstract
     members (train.py, train/export.py, train/memory.py), every drafter class of a family's eval/ module answers the
-    planner (eval.protocol.CostProbe: eval.cost.draft_cost), and every export family names its teacher-forced
+    planner (eval.engine.protocol.CostProbe: eval.cost.draft_cost), and every export family names its teacher-forced
     scoring (eval/offline.py)."""
-    from eval.protocol import CostProbe
+    from eval.engine.protocol import CostProbe
 
     for name, fam in FAMILIES.items():
         if fam.training is not None:
@@ -202,10 +203,10 @@ def test_every_family_keeps_the_declared_contracts():
             assert not inspect.isabstract(module), (name, sorted(module.__abstractmethods__))
         if fam.has_export:
             assert fam.teacher_forced is not None and callable(resolve(fam.teacher_forced)), name
-    for stem in FAMILY_MODULES["eval"]:
-        mod = importlib.import_module(f"eval.{stem}")
+    for stem in FAMILY_MODULES["eval/drafters"]:
+        mod = importlib.import_module(f"eval.drafters.{stem}")
         drafters = [c for _, c in inspect.getmembers(mod, inspect.isclass)
                     if c.__module__ == mod.__name__ and callable(getattr(c, "propose", None))]
         assert drafters, stem
         for cls in drafters:
-            assert issubclass(cls, CostProbe), f"{cls.__qualname__} declares no draft_cost (eval.protocol.CostProbe)"
+            assert issubclass(cls, CostProbe), f"{cls.__qualname__} declares no draft_cost (eval.engine.protocol.CostProbe)"

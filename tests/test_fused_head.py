@@ -115,8 +115,8 @@ def test_eagle1_training_step_losses_equal_the_unfused_ones():
 def test_medusa_train_vocab_is_the_full_heads_loss_over_the_kept_rows():
     """model.train_vocab: training and validation score each head over the kept rows of the shared head only; a
     target outside them leaves the loss and counts as a miss. Checked against the full head's logits cut to the rows."""
-    from helpers import varied_llama
     from data.hidden_cache import gather_layers
+    from helpers import varied_llama
     from models.medusa import medusa_targets
     from train.medusa import MedusaModule
 
@@ -155,8 +155,8 @@ def test_eagle1_train_vocab_scores_the_kept_rows_against_the_full_argmax():
     """EAGLE-1 with model.train_vocab: the loss is the feature regression plus the cross-entropy to q renormalised
     over the kept rows, in training (fused) and in validation; validation's hits and ranks compare the draft over
     those rows with M_q's full-vocabulary argmax, so an argmax outside them is a miss (rank V)."""
-    from helpers import varied_llama
     from data.hidden_cache import gather_layers
+    from helpers import varied_llama
     from models.eagle import unroll
     from train.eagle import EagleModule
 
@@ -209,8 +209,8 @@ def test_eagle3_step_losses_and_hits_equal_a_plain_reference(train):
     """EAGLE-3's per-step loss (fused, q's rows read by index) against one written out with autograd ops: at step j
     and position t, -sum q log p with q = softmax of M_q's logits at t+j+1 over the draft vocabulary, averaged over
     the targets whose M_q argmax lies in it; and the same top-1 hits."""
-    from helpers import varied_llama
     from data.hidden_cache import gather_layers
+    from helpers import varied_llama
     from models.eagle import unroll
     from train.eagle import EagleModule
 

@@ -19,14 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, varied_llama
-from data.prompts import Conversation, load_conversations
-from data.prompts import select_prompts
-from eval import decode, kv
-from eval.drafters import Draft, Drafter, make_drafter
-from eval.harness import Runner, evaluate, run_prompts
+from data.prompts import Conversation, load_conversations, select_prompts
+from eval.drafters.build import Draft, Drafter, make_drafter
+from eval.engine import decode
+from eval.engine import hf_forward as kv
+from eval.engine.tree import Tree, auto_tree, from_medusa_choices
+from eval.harness import evaluate
 from eval.report import REPORT_KEYS, write_outputs
-from eval.tree import Tree, auto_tree, from_medusa_choices
+from eval.runner import Runner, run_prompts
+from helpers import ROOT, varied_llama
 from models.export import save_export
 from models.medusa import MedusaHeads
 from models.verifier import Verifier
@@ -365,8 +366,8 @@ def test_smoke_export_on_the_default_verifier_end_to_end(tmp_path):
 def test_draft_model_run_measures_hf_assisted_generation(varied, tmp_path):
     """drafter=draft_model: HF assisted generation with the same draft model (constant num_assistant_tokens = its
     depth) joins the references in report.json; other drafters leave those keys null."""
-    from eval.draft_model import make_draft_model_drafter
-    from eval.tree import Chain
+    from eval.drafters.draft_model import make_draft_model_drafter
+    from eval.engine.tree import Chain
 
     tiny_varied = "verifier_path={loader: tiny, seed: 1, layer_std: 0.3}"
     report, profile = run_eval(["drafter=draft_model", "drafter.layers=1", "drafter.depth=3", tiny_varied,

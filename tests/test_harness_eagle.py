@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle_decode import random_net
+from test_harness import FAST, off_by_one, run_eval, run_objects
 
-from eval import cost, decode
-from eval.drafters import make_drafter
-from eval.tree import Chain, DynamicTree
+from eval import cost
+from eval.drafters.build import make_drafter
+from eval.engine import decode
+from eval.engine.tree import Chain, DynamicTree
+from helpers import varied_llama
 from models.eagle import build_eagle
 from models.export import save_export
-from models.errors import UserError
-from test_eagle_decode import random_net
-from helpers import varied_llama
-from test_harness import FAST, off_by_one, run_eval, run_objects
+from runtime.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,10 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from eval import kv
-from eval.tree import chain, from_medusa_choices, tree_buffers
-from models.errors import UserError
+from eval.engine import hf_forward as kv
+from eval.engine.tree import chain, from_medusa_choices, tree_buffers
 from models.verifier import build_tiny
-
+from runtime.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""scripts/learning_curve.py end to end on tiny exports: tau per node budget, exactness, chain accuracy, outputs."""
+"""scripts/studies/learning_curve.py end to end on tiny exports: tau per node budget, exactness, chain accuracy, outputs."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled"}
 
     def run(export: str, out, *extra: str) -> None:
-        proc = subprocess.run([sys.executable, "-m", "scripts.learning_curve", str(tmp_path / export),
+        proc = subprocess.run([sys.executable, "-m", "scripts.studies.learning_curve", str(tmp_path / export),
                                "--tree-sizes", "3", "6", "--num-prompts", "3", "--max-new-tokens", "12", "--depth", "3",
                                "--cache-dir", str(tmp_path / "cache"), "--out", str(out), *extra],
                               cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -56,7 +56,7 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines() if line.startswith("|"))
     assert f"(T=1): {rows[0]['verifier_top1']:.3f}" in table
     merged = tmp_path / "merged"  # no exports: only merge curves run apart (e.g. one per machine core)
-    proc = subprocess.run([sys.executable, "-m", "scripts.learning_curve", "--tree-sizes", "3", "6", "--depth", "3",
+    proc = subprocess.run([sys.executable, "-m", "scripts.studies.learning_curve", "--tree-sizes", "3", "6", "--depth", "3",
                            "--out", str(merged), "--include", str(tmp_path / "first" / "learning_curve.json"),
                            str(out / "learning_curve.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=env)
@@ -69,7 +69,7 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
 def test_the_fitted_limit_recovers_a_known_law():
     """tau = 2.8 - 0.6 (N / 2.6M)^-0.35 at four token counts (with +-0.01 wiggle): the fit finds its limit; three
     points are too few for three parameters."""
-    from scripts.learning_curve import fit_limit
+    from scripts.studies.learning_curve import fit_limit
 
     law = lambda n: 2.8 - 0.6 * (n / 2.6e6) ** -0.35  # noqa: E731
     pts = [(n, law(n) + d) for n, d in zip((1.6e5, 3.3e5, 6.5e5, 2.6e6), (0.01, -0.01, 0.01, -0.01))]

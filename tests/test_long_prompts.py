@@ -1,4 +1,4 @@
-"""Long prompts: the prefill runs at matmul speed (eval.engine._prefill: one kernel call per weight, SDPA), is
+"""Long prompts: the prefill runs at matmul speed (eval.engine.forward._prefill: one kernel call per weight, SDPA), is
 deterministic, and leaves the cache every later forward reads, so speculative decoding stays token for token plain
 greedy decoding on prompts up to the verifier's window, in bf16 and fp32, every family and tree. The tiny varied
 verifier has a 2,048-token window; the longest prompt here fills it but for the answer and the tree."""
@@ -10,13 +10,13 @@ import os
 
 import pytest
 import torch
-
-from eval import engine
-from eval.decode import greedy_decode, speculative_decode
-from eval.lookup import PromptLookupDrafter
-from eval.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices
-from models.verifier import Verifier, build_tiny
 from test_exact_bf16 import SPARSE, Oracle, random_eagle, random_medusa
+
+from eval.drafters.lookup import PromptLookupDrafter
+from eval.engine import forward as engine
+from eval.engine.decode import greedy_decode, speculative_decode
+from eval.engine.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices
+from models.verifier import Verifier, build_tiny
 
 MAX_NEW = 24
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,7 +45,7 @@ def long_prompt(verifier: Verifier, tokens: int) -> torch.Tensor:
 
 
 def near_window(verifier: Verifier) -> int:
-    """The longest prompt the window leaves room for: the answer and a tree of 64 nodes (eval.decode's room)."""
+    """The longest prompt the window leaves room for: the answer and a tree of 64 nodes (eval.engine.decode's room)."""
     return verifier.config.max_position_embeddings - MAX_NEW - 64
 
 
@@ -111,14 +111,14 @@ def test_accepted_paths_through_every_branch_after_a_long_prefill(bf16):
 @pytest.mark.slow
 def test_the_builtin_set_has_a_long_context_category(smollm2):
     """At least 20 eval prompts of 700+ tokens after the default verifier's chat template, none matching a training
-    prompt, each naming its source; rebuilt the same from Python's own text by scripts/long_prompts.py."""
+    prompt, each naming its source; rebuilt the same from Python's own text by scripts/tools/long_prompts.py."""
     import json
     import sys
 
     from data.chat import prompt_ids
     from data.filters import EvalGuard
     from data.prompts import BUILTIN_PATH, load_conversations
-    from scripts.long_prompts import CATEGORY, build
+    from scripts.tools.long_prompts import CATEGORY, build
 
     long = [c for c in load_conversations("builtin", split="eval") if c.category == CATEGORY]
     assert len(long) >= 20

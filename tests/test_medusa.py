@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.errors import UserError, VerifierMismatchError
 from models.export import load_export, save_export
 from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import build_tiny
+from runtime.errors import UserError, VerifierMismatchError
 
 
 def _load(path, verifier):

@@ -108,8 +108,8 @@ def test_verifier_top1_is_the_mean_top1_probability_where_the_answer_is_predicte
 def test_ranks_over_the_training_rows_of_a_train_vocab_export():
     """Offline scoring of a drafter trained with train_vocab ranks over the rows it drafts over: a target inside them
     gets its rank among them, one outside is a miss (rank V)."""
+    from eval.drafters.medusa import medusa_ranks
     from helpers import varied_llama
-    from eval.medusa import medusa_ranks
     from models.medusa import MedusaHeads, medusa_targets
 
     v = varied_llama()
@@ -137,7 +137,7 @@ def test_ranks_over_the_training_rows_of_a_train_vocab_export():
             assert torch.equal(sub[k][ok], want)
             torch.testing.assert_close(conf[k][ok], logits.softmax(-1).amax(-1))
     # EAGLE-1 the same way: M_q's argmax outside the kept rows is a miss, inside it ranks among them.
-    from eval.eagle import eagle_ranks
+    from eval.drafters.eagle import eagle_ranks
     from models.eagle import build_eagle
 
     torch.manual_seed(0)
@@ -190,7 +190,7 @@ def test_heldout_accuracy_scores_the_runs_held_out_rows_by_source(train_script, 
                  "logger=csv"]
     export = train_script.run(compose_train([*overrides, "+trainer.fast_dev_run=true"], tmp_path / "run"))
 
-    spec = importlib.util.spec_from_file_location("heldout_accuracy", ROOT / "scripts" / "heldout_accuracy.py")
+    spec = importlib.util.spec_from_file_location("heldout_accuracy", ROOT / "scripts" / "tools" / "heldout_accuracy.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     cfg = compose_train(overrides, tmp_path / "run")

@@ -1,4 +1,4 @@
-"""P-EAGLE (models/peagle.py, train/peagle.py, eval/peagle.py): the training forward computes what decoding computes,
+"""P-EAGLE (models/peagle.py, train/peagle.py, eval/drafters/peagle.py): the training forward computes what decoding computes,
 COD sampling keeps nested chains in the shares it promises, one forward drafts every depth, and bad input is refused
 with a message."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import varied_llama
-from models.errors import UserError
 from models.peagle import PEagleNet, build_peagle, check_mask_token, cod_anchors, parallel_rows
+from runtime.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,8 @@ def test_cod_keeps_nested_chains_in_the_promised_shares():
 def test_one_forward_drafts_every_depth(varied, monkeypatch):
     """A round of the drafter runs its layer twice: once over the newly committed positions, once over the mask
     slots, whatever the depth of its tree."""
-    from eval.peagle import PEagleDrafter
-    from eval.tree import chain
+    from eval.drafters.peagle import PEagleDrafter
+    from eval.engine.tree import chain
 
     net = _net(varied, parallel=5)
     calls = []
@@ -114,9 +114,9 @@ def test_the_planner_times_one_forward_over_the_depth_the_budget_buys(varied, mo
     probe drafter's own tree; EAGLE-3's grows a forward per depth. With the flatter draft curve that gives,
     tree.size=auto plans a tree at least as large as with a growing one on the same verifier curve and table."""
     from eval.cost import best_size
-    from eval.eagle import EagleDrafter
-    from eval.peagle import PEagleDrafter
-    from eval.tree import DynamicTree, auto_tree
+    from eval.drafters.eagle import EagleDrafter
+    from eval.drafters.peagle import PEagleDrafter
+    from eval.engine.tree import DynamicTree, auto_tree
     from models.eagle import build_eagle
 
     ids = torch.randint(20, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
@@ -153,8 +153,9 @@ def test_the_planner_times_one_forward_over_the_depth_the_budget_buys(varied, mo
 @pytest.mark.parametrize("model", ["peagle", "dflash"])
 def test_a_mask_token_the_data_holds_is_refused(model, varied, monkeypatch, tmp_path):
     """Training refuses a mask token that is a training target (a mask slot would read as that token)."""
-    from helpers import compose_train
     from hydra.utils import instantiate
+
+    from helpers import compose_train
 
     cfg = compose_train(["verifier=tiny", f"model={model}", "model.aux_layer_ids=[0,1]"], tmp_path)
     module = instantiate(cfg.model, verifier=varied)

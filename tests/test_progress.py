@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT
-from models.errors import UserError
+from runtime.errors import UserError
 from train.progress import LogProgress
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from data.sampler import EpochSampler
-from models.errors import UserError
+from runtime.errors import UserError
 
 
 def test_each_epoch_is_a_permutation_drawn_from_seed_plus_epoch():

@@ -1,4 +1,4 @@
-"""Proof that sampled speculative decoding keeps the warped verifier distribution (eval.sampling).
+"""Proof that sampled speculative decoding keeps the warped verifier distribution (eval.engine.sampling).
 
 1. Exact: for one round on a small vocabulary, every draft outcome is enumerated (weighted by the probability the
    drafter draws it) and the rule's exact outcome law (`outcome_distribution` over `rejection_plan`, the same plan
@@ -17,10 +17,10 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-import eval.sampling as sampling
-from eval.sampling import RejectionPlan, SamplingConfig, outcome_distribution, rejection_plan, warp
-from eval.tree import from_medusa_choices
-from models.errors import UserError
+import eval.engine.sampling as sampling
+from eval.engine.sampling import RejectionPlan, SamplingConfig, outcome_distribution, rejection_plan, warp
+from eval.engine.tree import from_medusa_choices
+from runtime.errors import UserError
 
 V = 6
 TOL = 1e-6
@@ -196,8 +196,8 @@ def real_verifier():
 
 
 def _drafter(kind: str, verifier, cfg: SamplingConfig):
-    from eval.drafters import make_drafter
-    from eval.tree import Chain, DynamicTree
+    from eval.drafters.build import make_drafter
+    from eval.engine.tree import Chain, DynamicTree
     from models.eagle import build_eagle
     from models.medusa import MedusaHeads
 
@@ -235,7 +235,7 @@ def _drafter(kind: str, verifier, cfg: SamplingConfig):
 def _real_round(verifier, drafter, cfg: SamplingConfig, gen: torch.Generator):
     """Everything one round needs, from the real models: the draft's tree, a sampler of B drafts (tokens, p) and
     the warped verifier q at any path of depth <= 2 after prompt + root."""
-    from eval import kv
+    from eval.engine import hf_forward as kv
 
     tok = verifier.tokenizer
     ids = torch.tensor([tok("The capital of France is")["input_ids"]])
@@ -296,7 +296,7 @@ def _compress(*tensors: torch.Tensor) -> torch.Tensor:
 
 def _speculative_pairs(verifier, kind: str, cfg: SamplingConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(first two tokens after one sampled round, the same drawn from the verifier directly), (SAMPLES, 2) each."""
-    from eval.tree import tree_buffers
+    from eval.engine.tree import tree_buffers
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -371,7 +371,7 @@ def test_sampled_rounds_negative_control_accept_all_fails(real_verifier, monkeyp
 @pytest.mark.parametrize("kind", ["medusa-tree-sampled", "eagle-chain-sampled", "eagle3-chain-sampled", "peagle-tree-sampled",
                                   "eagle-tree-topk", "eagle-tree-sampled", "eagle3-tree-sampled"])
 def test_sampled_speculative_decode_runs_with_every_drafter(real_verifier, kind):
-    from eval.decode import sample_decode, speculative_decode
+    from eval.engine.decode import sample_decode, speculative_decode
 
     cfg = REAL["t1-top_p0.9-top_k6"]
     drafter = _drafter(kind, real_verifier, cfg)
@@ -393,7 +393,7 @@ def test_sampled_speculative_decode_runs_with_every_drafter(real_verifier, kind)
 
 
 def test_temperature_zero_is_the_greedy_path(real_verifier):
-    from eval.decode import greedy_decode, sample_decode, speculative_decode
+    from eval.engine.decode import greedy_decode, sample_decode, speculative_decode
 
     ids = torch.tensor([real_verifier.tokenizer("Hello, my name is")["input_ids"]])
     greedy = greedy_decode(real_verifier, ids, 12).tokens
@@ -407,7 +407,7 @@ def test_temperature_zero_is_the_greedy_path(real_verifier):
 def test_harness_refuses_bad_sampling_options(override):
     from omegaconf import OmegaConf
 
-    from eval.harness import sampling_config
+    from eval.engine.sampling import sampling_config
 
     key, value = override.split("=")
     cfg = OmegaConf.create({key: OmegaConf.create({"v": value}).v if value == "hot" else float(value)})
@@ -439,10 +439,10 @@ DYNAMIC = {"t1": SamplingConfig(1.0, 1.0, 4), "t0.7-top_p0.9": SamplingConfig(0.
 
 def _scripted_rounds(verifier, cfg: SamplingConfig, monkeypatch) -> tuple[list, list[float], torch.Tensor]:
     """Every draft the sampled dynamic tree can propose after a fixed root: (drafts, their probabilities, seq)."""
-    import eval.eagle as eagle
-    from eval import kv
-    from eval.drafters import make_drafter
-    from eval.tree import DynamicTree
+    import eval.drafters.eagle as eagle
+    from eval.drafters.build import make_drafter
+    from eval.engine import hf_forward as kv
+    from eval.engine.tree import DynamicTree
     from models.eagle import build_eagle
 
     gen = torch.Generator().manual_seed(7)
@@ -493,7 +493,7 @@ def _scripted_rounds(verifier, cfg: SamplingConfig, monkeypatch) -> tuple[list, 
 
 def _exact_dynamic_law(verifier, cfg: SamplingConfig, monkeypatch, control: str | None = None) -> tuple:
     """(law of the first two tokens (U+1, U+1), the verifier's own, number of outcomes) on a compressed vocabulary."""
-    import eval.eagle as eagle
+    import eval.drafters.eagle as eagle
 
     if control == "iid_siblings":  # every sibling handed the undepleted p: the rule's i.i.d. assumption
         monkeypatch.setattr(eagle, "sibling_proposals", lambda p, kids: p.expand(len(kids), -1))
@@ -558,8 +558,8 @@ def test_eagle_dynamic_tree_sampled_negative_controls_fail(real_verifier, monkey
 def _dynamic_world_pairs(setting: tuple[float, float, int], seed: int, iid: bool = False):
     """20k rounds on the World: the root draws 3 children without replacement from p1 (Gumbel-top-k), the one with
     the highest p1 draws 2 from p2; each sibling handed `sibling_proposals` (or, with `iid`, the undepleted p)."""
-    from eval.sampling import sibling_proposals, without_replacement
-    from eval.tree import Tree, tree_buffers
+    from eval.engine.sampling import sibling_proposals, without_replacement
+    from eval.engine.tree import Tree, tree_buffers
 
     world = World(seed, setting)
     gen = torch.Generator().manual_seed(seed)

@@ -12,9 +12,10 @@ import pytest
 
 from data.prompts import Conversation, load_conversations
 from data.selfdistill import build_sharegpt
-from data.shipped import MANIFEST, ROOT as SHIPPED, load_shipped, pack, read_manifest, verify
+from data.shipped import MANIFEST, load_shipped, pack, read_manifest, verify
+from data.shipped import ROOT as SHIPPED
 from helpers import ROOT, varied_llama
-from models.errors import UserError, VerifierMismatchError
+from runtime.errors import UserError, VerifierMismatchError
 
 DEFAULT_SET = "smollm2-selfdistill-v1"
 

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import ROOT, compose_train
-from models.errors import UserError, VerifierMismatchError
 from models.families import EXPORT_FAMILIES
 from models.shipped_export import COMPACT_KEY, MANIFEST, check_manifest, engine_ready, file_manifest, ship
+from runtime.errors import UserError, VerifierMismatchError
 
 VARIED = ["verifier=tiny", "verifier.seed=1", "+verifier.layer_std=0.3"]
 TRAIN = [*VARIED, "data.limit=8", "data.max_new_tokens=12", "data.gen_batch_size=8", "data.batch_size=4",
@@ -43,9 +43,9 @@ def exports(train_script, tmp_path_factory):
 
 
 def _decode_exactly(verifier, export) -> None:
-    from eval.decode import greedy_decode, speculative_decode
-    from eval.families import build_drafter, family_config
-    from eval.tree import AutoTree
+    from eval.drafters.build import build_drafter, family_config
+    from eval.engine.decode import greedy_decode, speculative_decode
+    from eval.engine.tree import AutoTree
     from models.export import read_info
 
     info = read_info(export)

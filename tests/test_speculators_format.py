@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from models.eagle import build_eagle
-from models.errors import UserError
 from models.export import COUNTS_NAME, SIDE_DIR, load_export, read_config, save_export
 from models.verifier import build_tiny, save_checkpoint
+from runtime.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_a_stray_weight_file_is_refused_and_an_old_export_still_loads(eagle3_exp
 
 
 def test_a_missing_or_wrong_vllm_interpreter_is_named_with_the_fix(tmp_path, monkeypatch):
-    from models import vllm_engine
+    from serve import vllm_engine
 
     monkeypatch.setenv("SPECDRAFT_VLLM_VENV", str(tmp_path / "none"))
     with pytest.raises(UserError, match=r"no vLLM interpreter at .*none/bin/python: run `bash scripts/setup_vllm.sh`"):

@@ -1,5 +1,5 @@
 """Hydra multirun: `python train.py -m` gives one run directory per job under outputs/<name>-sweep/, and
-scripts/sweep_table.py tabulates the grid from the jobs' overrides and exports."""
+scripts/tools/sweep_table.py tabulates the grid from the jobs' overrides and exports."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_multirun_grid_one_directory_per_job_and_the_table(tmp_path):
     (sweep / "2" / ".hydra").mkdir(parents=True)  # a job that never exported is listed, not dropped
     same = (sweep / "0" / ".hydra" / "overrides.yaml").read_text().replace("lr=0.001", "lr=1.0")
     (sweep / "2" / ".hydra" / "overrides.yaml").write_text(same)
-    out = subprocess.run([sys.executable, "-m", "scripts.sweep_table", str(sweep)], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "scripts.tools.sweep_table", str(sweep)], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = json.loads((sweep / "sweep.json").read_text())
@@ -40,7 +40,7 @@ def test_multirun_grid_one_directory_per_job_and_the_table(tmp_path):
     assert md.index("| 1 | 0.03 |") < md.index("| 0 | 0.001 |")  # best depth-1 accuracy first (lr 0.001: 3 steps)
     empty = tmp_path / "empty"
     empty.mkdir()
-    bad = subprocess.run([sys.executable, "-m", "scripts.sweep_table", str(empty)], cwd=ROOT, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "scripts.tools.sweep_table", str(empty)], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode != 0 and "no Hydra jobs" in bad.stderr
 

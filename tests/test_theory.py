@@ -1,7 +1,7 @@
 """The closed forms of eval/theory.py against exact enumeration through the real rule, and against measured runs.
 
 1. Exact (1e-9): alpha = sum min(p, q) and E[tau] = (1 - alpha^(N+1)) / (1 - alpha) equal the rule's own
-   probabilities (eval.sampling.rejection_plan / outcome_distribution) summed over every draft outcome.
+   probabilities (eval.engine.sampling.rejection_plan / outcome_distribution) summed over every draft outcome.
 2. Statistical (fixed seeds): alpha measured by running sample_accept is within 3 sd of the closed form, for random
    small pairs and for q from the tiny verifier perturbed into drafts of graded quality (alpha falling as KL grows);
    tau measured over rounds of N drafts is within 3 sd of the closed form. Negative control: a rule accepting with
@@ -13,10 +13,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.sampling import warp
-from eval.theory import (acceptance_rate, best_draft_length, enumerated_acceptance, enumerated_tokens,
-                         expected_tokens, kl_divergence, measure_acceptance, measure_tokens_per_call, mix_uniform,
-                         perturb, speedup, swapped_rule, tokens_variance, two_point_pair)
+from eval.engine.sampling import warp
+from eval.theory import (
+    acceptance_rate,
+    best_draft_length,
+    enumerated_acceptance,
+    enumerated_tokens,
+    expected_tokens,
+    kl_divergence,
+    measure_acceptance,
+    measure_tokens_per_call,
+    mix_uniform,
+    perturb,
+    speedup,
+    swapped_rule,
+    tokens_variance,
+    two_point_pair,
+)
 
 EXACT = 1e-9
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from helpers import ROOT, batch_recorder_overrides, compose_train
-from models.errors import NonFiniteLossError, UserError
 from models.export import load_export
+from runtime.errors import NonFiniteLossError, UserError
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
         "data.val_fraction=0.25"]
@@ -120,7 +120,7 @@ def test_validate_only_rewrites_the_export_from_the_checkpoint(train_script, tmp
 
 
 def test_resume_without_a_checkpoint_is_refused(train_script, tmp_path):
-    from models.errors import UserError
+    from runtime.errors import UserError
 
     with pytest.raises(UserError, match="ckpt_path=last: no checkpoint"):
         train_script.run(compose_train([*TINY, "ckpt_path=last"], tmp_path))
@@ -146,8 +146,8 @@ def test_throughput_logs_count_step_and_wall_time(tiny, monkeypatch):
     (the time between steps counts there), on a fake clock."""
     from hydra.utils import instantiate
 
-    from data.datamodule import collate
     import train.base as base
+    from data.datamodule import collate
 
     module = instantiate(compose_train(["verifier=tiny"]).model, verifier=tiny)
     logged: dict[str, list[float]] = {}
@@ -273,9 +273,8 @@ def test_train_vocab_is_exported_and_the_decoder_drafts_over_it(train_script, tm
     the decoder drafts over those rows unless drafter.draft_vocab says otherwise."""
     from safetensors.torch import load_file
 
-    from eval.drafters import make_drafter
-    from eval.tree import Chain
-
+    from eval.drafters.build import make_drafter
+    from eval.engine.tree import Chain
     from helpers import varied_llama
 
     varied = ["verifier.seed=1", "+verifier.layer_std=0.3"]  # varied_llama(): its answers are not one token repeated

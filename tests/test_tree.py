@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.tree import Tree, auto_tree, chain, from_medusa_choices, tree_buffers, truncate
-from models.errors import UserError
+from eval.engine.tree import Tree, auto_tree, chain, from_medusa_choices, tree_buffers, truncate
+from runtime.errors import UserError
 
 
 def test_medusa_choices_give_exact_buffers():

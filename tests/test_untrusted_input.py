@@ -17,14 +17,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from helpers import ROOT
 from data.chat import encode_turns, prompt_ids, render
 from data.multiturn import continuation_ids
 from eval.harness import evaluate
-from models.errors import UserError
+from helpers import ROOT
 from models.export import export_verifier, read_config, save_export
 from models.medusa import MedusaHeads
 from models.verifier import ensure_smollm2_checkpoint, load_verifier, local_tokenizer
+from runtime.errors import UserError
 
 EVIL = '''import pathlib
 pathlib.Path({marker!r}).write_text("the checkpoint's code ran")
@@ -92,7 +92,7 @@ def test_a_verifier_an_export_names_never_runs_its_code(export, code_checkpoint,
     assert "config.json `verifier`" in message and "auto_map" in message and f"verifier_path={folder}" in message
     assert not marker.exists()
 
-    from scripts.convert import main as convert  # the other command that loads an export's verifier
+    from scripts.tools.convert import main as convert  # the other command that loads an export's verifier
     assert convert(["from-reference", str(export), str(tmp_path / "converted")]) == 2
     assert "auto_map" in capsys.readouterr().err and not (tmp_path / "converted").exists()
     assert not marker.exists()

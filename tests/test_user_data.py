@@ -15,7 +15,7 @@ import pytest
 from data.chat import encode_turns, mask_reasoning, render, rewrites_earlier_turns
 from data.prompts import load_conversations
 from data.selfdistill import build_sharegpt
-from models.errors import UserError
+from runtime.errors import UserError
 
 # A Qwen3-style template (ChatML plus reasoning): an assistant turn's reasoning (`reasoning_content`, or a
 # <think>...</think> block at the start of its content) is rendered only for turns after the last user turn.

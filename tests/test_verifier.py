@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from data.chat import prompt_ids
-from models.errors import UserError
 from models.verifier import build_tiny, load_hf, load_smollm2
+from runtime.errors import UserError
 
 
 def test_default_verifier_answers_a_chat_prompt(smollm2):

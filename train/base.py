@@ -15,10 +15,10 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from models.errors import UserError
 from models.export import Export, frequent_ids
 from models.families import title
-from models.distributed import token_share, world
+from runtime.distributed import token_share, world
+from runtime.errors import UserError
 
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 
@@ -218,7 +218,7 @@ class DrafterModule(L.LightningModule, ABC):
         return self._rows
 
     def train_vocab_record(self) -> dict[str, int]:
-        """What exports record, so the decoder drafts over the same rows (eval.drafters: draft_vocab)."""
+        """What exports record, so the decoder drafts over the same rows (eval.drafters.build: draft_vocab)."""
         return {} if self.head_ids is None else {"train_vocab": int(self.head_ids.numel())}
 
     def count_depth1(self, hits: Tensor, positions: Tensor) -> None:

@@ -1,5 +1,5 @@
 """Several processes in a Lightning run (trainer=ddp, trainer=fsdp): the callbacks that check every rank trains on the
-same config and data, and that shard the frozen verifier. The torch.distributed helpers are models/distributed.py.
+same config and data, and that shard the frozen verifier. The torch.distributed helpers are runtime/distributed.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from models.distributed import check_ranks_agree, digest
+from runtime.distributed import check_ranks_agree, digest
 
 
 class RanksAgree(Callback):

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from data.hidden_cache import gather_layers
 from models.draft_model import save_draft_model, truncate
-from models.errors import NonFiniteLossError
 from models.verifier import Verifier
+from runtime.errors import NonFiniteLossError
 from train.base import DrafterModule
 from train.export import data_record
 from train.memory import layer_activations

@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.families import title
 from models.eagle import Eagle1Net, Eagle3Net, build_eagle, target_rank, unroll
-from models.errors import NonFiniteLossError, UserError
 from models.export import check_vocab_size, save_export
+from models.families import title
 from models.verifier import Verifier
-from train.fused_head import frozen_head_ce, soft_target_ce
+from runtime.errors import NonFiniteLossError, UserError
 from train.base import TOPK, DrafterModule
 from train.export import data_record
+from train.fused_head import frozen_head_ce, soft_target_ce
 from train.memory import layer_activations
 from train.safety import last_good_advice
 

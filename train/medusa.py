@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.errors import NonFiniteLossError, UserError
 from models.export import check_vocab_size, save_export
 from models.medusa import MedusaHeads, medusa_targets
 from models.verifier import Verifier
+from runtime.errors import NonFiniteLossError, UserError
 from train.base import TOPK, DrafterModule
 from train.export import data_record
 from train.fused_head import frozen_head_ce
@@ -40,7 +40,7 @@ class MedusaModule(DrafterModule):
         train_vocab: with the shared head, train (and validate) over the N tokens most often a training target
             only: the heads' logits are those N rows of the verifier's lm_head, a target outside them is dropped from
             the loss and counts as a miss in the accuracies. The export records it and the decoder drafts over the
-            same rows (eval.drafters' draft_vocab). A training step then reads N x D head weights per head instead of
+            same rows (eval.drafters.build' draft_vocab). A training step then reads N x D head weights per head instead of
             V x D. null: the full vocabulary.
     """
 

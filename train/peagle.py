@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.errors import UserError
 from models.peagle import build_peagle, parallel_rows
 from models.verifier import Verifier
+from runtime.errors import UserError
 from train.eagle import EagleModule
 
 

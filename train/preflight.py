@@ -3,7 +3,7 @@ loaded), then, holding the run directory's lock, refuse to start a new run over 
 and record the run's config in `<run>/.hydra/`.
 
 Hydra would write `.hydra/config.yaml`, `hydra.yaml` and `overrides.yaml` at start-up, before train.py runs, so a
-second run with a running run's `name` replaced its recipe (what `scripts.convert ship --recipe` ships) before the
+second run with a running run's `name` replaced its recipe (what `scripts.tools.convert ship --recipe` ships) before the
 lock refused it. conf/train.yaml sets `hydra.output_subdir: null`, and `record_run_config` writes the same files
 once the lock is held.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from models.errors import UserError
+from runtime.errors import UserError
 
 RUN_CONFIG = ".hydra"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning as L
 
-from models.errors import UserError
+from runtime.errors import UserError
 
 WHEN = ("auto", "always", "never")
 

@@ -5,7 +5,7 @@ assistant tokens (the tokens with targets) it trained on, assistant tokens per w
 every scalar the module logged (training loss and accuracy, the held-out figures of the epoch's validation). A resumed run reads the file and
 appends, so the epochs before a kill keep their figures; an epoch resumed in the middle is marked `resumed` (its wall
 time covers only the part after the restart). A fresh run (no checkpoint resumed) starts a record of its own: an
-earlier run's epochs in the file are never merged into it. `scripts.convert ship --training` puts the file beside a
+earlier run's epochs in the file are never merged into it. `scripts.tools.convert ship --training` puts the file beside a
 shipped export.
 """
 

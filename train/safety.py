@@ -25,7 +25,7 @@ from hydra.experimental.callback import Callback as HydraCallback
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from models.errors import NonFiniteLossError, UserError, exit_on_user_error
+from runtime.errors import NonFiniteLossError, UserError, exit_on_user_error
 
 LAST_GOOD = "last-good.ckpt"
 CANDIDATE = ".candidate.ckpt"
@@ -272,7 +272,7 @@ class RunLock:
         self.fd: int | None = None
 
     def __enter__(self) -> "RunLock":
-        from models.distributed import is_primary
+        from runtime.distributed import is_primary
 
         if not is_primary():  # a rank started by the primary process (DDP), which holds the lock for the run
             return self

@@ -127,7 +127,7 @@ def _json(d: Path) -> dict:
 
 
 def to_reference_layout(kind: str, export_dir: Path, out_dir: Path) -> Path:
-    """This project's export -> the reference layout: what `scripts/convert.py to-reference` runs."""
+    """This project's export -> the reference layout: what `scripts/tools/convert.py to-reference` runs."""
     from models.export import to_reference
 
     return to_reference(kind, export_dir, out_dir)
@@ -173,8 +173,8 @@ def test_medusa_reference_layout(exported, tmp_path):
 def test_checks_catch_broken_files(exported, tmp_path):
     import json
 
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     e1 = Export.read(exported("eagle-tiny").path)
     no_bias = Export(e1.path, {**e1.config, "bias": False}, {k: v for k, v in e1.shapes.items() if k != "fc.bias"},

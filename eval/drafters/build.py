@@ -1,0 +1,180 @@
+"""Building a drafter: `make_drafter` from an export or a network (through the family's decoder in the registry,
+models/families.py), and one factory per `conf/drafter/<name>.yaml`, which `build_drafter` instantiates.
+
+Each factory is instantiated by Hydra as a partial (`_target_` + `_partial_: true`, its own options filled in) and
+called with what only the harness knows: `factory(verifier, tree, export)`, `export` the ExportInfo read once by the
+harness (or None). `tree` (conf/tree) is the tree policy of the export-based families (Medusa, EAGLE, and the
+hybrid's primary); the chain families set their shape in their own options (draft_model.depth,
+prompt_lookup.num_tokens, lookahead.window / ngram / guesses).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from eval.engine.protocol import Draft, Drafter  # noqa: F401  (the protocol, importable from here as before)
+from eval.engine.sampling import SamplingConfig, sampling_config
+from eval.engine.tree import Chain, TreePolicy
+from models.export import Export, ExportInfo, frequent_ids, load_export
+from models.families import EXPORT_FAMILIES, FAMILIES, family_of_net, resolve, title
+from models.verifier import Verifier
+from runtime.errors import UserError, VerifierMismatchError
+
+
+def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy,
+                 checkpoint: str | Path | Export | None = None,
+                 net: nn.Module | None = None, sampling: SamplingConfig | None = None,
+                 generator: torch.Generator | None = None, draft_vocab: int | None = None) -> Drafter:
+    """A drafter for `verifier` proposing trees under the policy `tree`, from an export (checkpoint=<dir>; `kind`
+    None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it). With `sampling`
+    (temperature > 0) it samples its proposals from its warped distribution instead of taking the top-k.
+    `draft_vocab` (EAGLE-1, shared-head Medusa): draft over the export's `draft_vocab` most frequent training targets
+    only, through those rows of the verifier's lm_head. None: the export's `train_vocab` (a drafter trained over that
+    many rows: train/base.py), else the full vocabulary."""
+    if (checkpoint is None) == (net is None):
+        raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
+    if kind is not None and kind not in EXPORT_FAMILIES:
+        raise UserError(f"drafter={kind!r} is no family with an export; choose one of {sorted(EXPORT_FAMILIES)}.")
+    config: dict[str, Any] = {}
+    counts, export = None, None
+    if checkpoint is not None:
+        export = checkpoint if isinstance(checkpoint, Export) else load_export(checkpoint, verifier, kind)
+        if kind is not None and export.kind != kind:
+            raise UserError(f"the export is {title(export.kind)} but was given as {title(kind)}; use "
+                            f"drafter={export.kind}.")
+        kind, net, config, counts = export.kind, export.net, export.config, export.target_counts
+    elif kind is None or family_of_net(net) != kind:
+        found = family_of_net(net)
+        raise UserError(f"net is a {title(found)} drafter but was given as {title(kind)}; use "
+                        f"make_drafter({found!r}, ...).")
+    net = net.to(verifier.device)
+    if draft_vocab is None and config.get("train_vocab"):
+        draft_vocab = config["train_vocab"]  # trained over those rows: draft over them
+    head_ids = None
+    if draft_vocab is not None:
+        if not net.shares_verifier_head:
+            raise UserError(f"drafter.draft_vocab={draft_vocab} cuts the verifier's lm_head that EAGLE-1 and "
+                            f"shared-head Medusa draft through; this {title(kind)} drafter has its own head. "
+                            f"Leave drafter.draft_vocab=null.")
+        if counts is None:
+            raise UserError(f"drafter.draft_vocab={draft_vocab} needs the export's training-target counts "
+                            f"(target_counts.safetensors), and {export.path if export else 'the network given'} has none. Re-export it with a current "
+                            f"train.py (python train.py <the run's overrides> ckpt_path=last validate_only=true), or "
+                            f"leave drafter.draft_vocab=null.")
+        head_ids = frequent_ids(counts, int(draft_vocab)).to(verifier.device)
+    build = resolve(FAMILIES[kind].decoder)  # e.g. eval.drafters.medusa.medusa_drafter, eval.drafters.eagle.eagle_drafter
+    return build(net, config, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids)
+
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "drafter"
+
+
+def _export(checkpoint: ExportInfo | str | Path | None, family: str) -> ExportInfo | Path:
+    if checkpoint is None:
+        no_export = [n for n, f in FAMILIES.items() if not f.needs_export]
+        raise UserError(f"drafter={family} needs checkpoint=<export dir>: the `export/` directory train.py printed, "
+                        f"e.g. python -m eval drafter={family} checkpoint=outputs/medusa-smollm2/export. "
+                        f"{', '.join(f'drafter={n}' for n in no_export)} need no export.")
+    return checkpoint if isinstance(checkpoint, ExportInfo) else Path(str(checkpoint)).expanduser()
+
+
+def export(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None,
+           kind: str | None = None, **proposals: Any) -> Drafter:
+    """The drafter of a family with an export (Medusa, EAGLE-1, EAGLE-3: models/families.py); `kind` None takes the
+    export's own, else refuses another kind. `proposals`: sampling= and generator= for sampled drafts, draft_vocab=
+    (eval.drafters.build.make_drafter)."""
+    return make_drafter(kind, verifier, tree, checkpoint=_export(checkpoint, kind or "export"), **proposals)
+
+
+def draft_model(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, depth: int = 4,
+                path: str | None = None, layers: int | None = None) -> Drafter:
+    """A chain of `depth` drafts from `path` (a small model with the verifier's tokenizer), else from the verifier's
+    first `layers` layers (null: half of them)."""
+    from eval.drafters.draft_model import make_draft_model_drafter
+
+    if layers is None:
+        layers = max(verifier.num_layers // 2, 1)
+    return make_draft_model_drafter(verifier, Chain(depth), path=path, layers=layers)
+
+
+LOOKUP_TOKENS = 10  # prompt lookup's chain length (conf/drafter/prompt_lookup.yaml), and the hybrid's by default
+
+
+def prompt_lookup(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, num_tokens: int = LOOKUP_TOKENS,
+                  max_ngram_size: int = 3, min_ngram_size: int = 1) -> Drafter:
+    from eval.drafters.lookup import PromptLookupDrafter
+
+    return PromptLookupDrafter(Chain(num_tokens), num_tokens, max_ngram_size, min_ngram_size)
+
+
+def lookahead(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, window: int = 5, ngram: int = 4,
+              guesses: int = 5, pool_from_prompt: bool = False) -> Drafter:
+    from eval.drafters.lookahead import LookaheadDrafter
+
+    return LookaheadDrafter(window, ngram, guesses, pool_from_prompt)
+
+
+def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None, num_tokens: int | None = None,
+           max_ngram_size: int = 3, min_ngram_size: int = 1, budget: int | None = None, **proposals: Any) -> Drafter:
+    """The export's drafter (Medusa / EAGLE, under `tree`) with prompt-lookup chains of up to `num_tokens` grafted
+    in, within `budget` nodes (null: the export drafter's own node count). num_tokens null: as long as prompt
+    lookup's own chain (LOOKUP_TOKENS), or what the budget holds beside the root when that is less."""
+    from eval.drafters.hybrid import HybridDrafter
+    from eval.drafters.lookup import PromptLookupDrafter
+
+    primary = make_drafter(None, verifier, tree, checkpoint=_export(checkpoint, "hybrid"), **proposals)
+    if num_tokens is None:
+        num_tokens = max(min(LOOKUP_TOKENS, (primary.max_nodes if budget is None else budget) - 1), 1)
+    return HybridDrafter(primary, PromptLookupDrafter(Chain(num_tokens), num_tokens, max_ngram_size, min_ngram_size),
+                         budget)
+
+
+def family_config(name: str) -> Any:
+    """conf/drafter/<name>.yaml, for runs that build several families (method=all)."""
+    file = CONF / f"{name}.yaml"
+    if name not in FAMILIES or not file.is_file():
+        raise UserError(f"drafter={name!r} is not known; choose one of {sorted(FAMILIES)} (conf/drafter/).")
+    return OmegaConf.load(file)
+
+
+def family_of(drafter_cfg: DictConfig) -> str:
+    """The family a drafter config builds: its factory's name, or for `export` the kind it names ("export": any)."""
+    name = str(drafter_cfg._target_).rsplit(".", 1)[-1]
+    return str(drafter_cfg.get("kind") or "export") if name == "export" else name
+
+
+def check_proposals(cfg: DictConfig, name: str) -> None:
+    """Refuse sampled_drafts=true for family `name` when it drafts from no export (nothing to sample proposals from)."""
+    if bool(cfg.get("sampled_drafts", False)) and name != "export" and not FAMILIES[name].needs_export:
+        raise UserError(f"sampled_drafts=true applies to the drafters of an export (Medusa, EAGLE, the hybrid), "
+                        f"not to drafter={name}; drop sampled_drafts.")
+
+
+def build_drafter(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifier: Verifier,
+                  export: ExportInfo | None, policy: TreePolicy) -> Drafter:
+    """The one place a drafter is built from a config: instantiate `family`'s factory (conf/drafter/<family>.yaml,
+    or the command line's `drafter` group) and call it with the verifier, the tree policy and the export; with
+    `sampled_drafts`, the families that draft from an export also get the warped sampling settings for their
+    proposals."""
+    factory = instantiate(drafter_cfg, _convert_="all")
+    proposals = {}
+    if bool(cfg.get("sampled_drafts", False)):
+        check_proposals(cfg, family)
+        proposals = {"sampling": sampling_config(cfg),
+                     "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
+    try:
+        return factory(verifier, policy, export, **proposals)
+    except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
+        raise VerifierMismatchError(str(e).replace("verifier.path=", "verifier_path=")) from None
+
+
+def method_name(family: str, drafter: Drafter) -> str:
+    """The method label report.json records, e.g. `medusa/auto-16`, `prompt_lookup/chain-10`."""
+    policy = drafter.describe().get("policy", "tree")
+    return f"{family}/{policy}-{drafter.max_nodes - 1}"

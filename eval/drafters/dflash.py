@@ -1,0 +1,70 @@
+"""DFlash at decode time (models/dflash.py): one drafter forward drafts a block.
+
+The drafter keeps every layer's context keys and values for the positions the verifier has committed (made from the
+verifier's features at those positions; nothing drafted ever enters them, so an accepted prefix needs no rollback:
+the next round brings its features). Each round it adds the newly committed positions, then runs one block, the
+root and K mask tokens, attending the whole context and each other; slot k's output through the verifier's head is
+the distribution of the depth-k draft. The tree is fixed, as for P-EAGLE and Medusa (eval/drafters/peagle.py fills it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eval.drafters.medusa import medusa_tree
+from eval.drafters.peagle import PEagleDrafter
+from eval.engine.sampling import SamplingConfig
+from eval.engine.tree import TreePolicy
+from models.dflash import DFlashNet
+from models.verifier import Verifier
+
+
+class DFlashDrafter(PEagleDrafter):
+    """DFlash for the drafter protocol: a per-layer context cache, one block forward per round, a fixed tree."""
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self._k is None else self._k.shape[3]  # (L, B, H_kv, P, hd)
+
+    def _extend(self, input_ids: Tensor, hidden: Tensor) -> None:
+        """Add the context keys and values of the S newly committed positions (features `hidden`)."""
+        bsz, s = hidden.shape[:2]
+        start, n, layers = self._new_positions(input_ids, hidden)
+        ctx = self.net.features(layers)
+        pos = torch.arange(start, n, device=input_ids.device)[None].expand(bsz, s)
+        k, v = self.net.context_kv(ctx, pos)
+        self._k = k if self._k is None else torch.cat([self._k, k], dim=3)
+        self._v = v if self._v is None else torch.cat([self._v, v], dim=3)
+        self._root = input_ids[:, -1:]
+
+    def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
+        """One block, [root, K masks] at positions n..n+K over the whole context (K: `depth`, the tree's max_depth
+        by default): slot k's logits are depth k's."""
+        k = self.max_depth if depth is None else depth
+        root = self._root
+        n = self.cache_length
+        tokens = torch.cat([root, torch.full((1, k), self.net.mask_token_id, device=root.device)], dim=1)
+        pos = (n + torch.arange(k + 1, device=root.device))[None]
+        mask = torch.ones(1, 1, k + 1, n + k + 1, dtype=torch.bool, device=root.device)
+        out = self.net.block(self.embed(tokens), pos, mask, self._k, self._v)  # (1, K+1, D)
+        return self.net.logits(out[:, 1:], self.lm_head).float()[0]  # (K, V)
+
+
+def dflash_drafter(net: DFlashNet, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,
+                   sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                   head_ids: Tensor | None = None) -> DFlashDrafter:
+    """The DFlash drafter for a loaded network (models/families.py names it the family's decoder): a fixed tree under
+    `tree` (tree=auto from the export's eagle_topk_accuracy), at most K = block_size - 1 deep. `head_ids`: draft
+    over those rows of the verifier's head only (`drafter.draft_vocab`, or the rows an export trained on with
+    `model.train_vocab`)."""
+
+    class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
+        num_heads = net.parallel
+
+    table = config.get("eagle_topk_accuracy")
+    shape, name = medusa_tree(tree, _Depths, table)
+    return DFlashDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, head_ids=head_ids,
+                         table=table)

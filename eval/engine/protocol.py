@@ -1,0 +1,110 @@
+"""The drafter protocol: what every drafter implements, and the Draft it returns. The decode loop never asks which
+drafter it holds (eval.drafters.build builds one from an export, eval.drafters.build from a config).
+
+Each round the loop hands a drafter M_p what the verifier M_q just produced: all tokens so far, whose last one is
+the root of the next tree (chosen by the acceptance rule, not yet in M_q's cache), and M_q's hidden states at the
+positions it just committed (the prompt after prefill, the accepted path after a round), of the layers the drafter
+declared in `feature_layers`. The drafter owns the shape of what it proposes (its tree policy, eval.engine.tree) and fills
+that tree with tokens. After verification it is told how many drafts were accepted, and on which nodes, so that a
+drafter with its own KV cache (EAGLE, a draft model) can roll it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from eval.engine.tree import Tree
+
+if TYPE_CHECKING:
+    from models.verifier import Verifier
+
+
+@dataclass
+class Draft:
+    """One round's proposal: the tree it fills (fixed, or grown this round) and a token per node, (B, N);
+    node 0 is the root. p: (B, N, V) the warped distribution each node's token was drawn from (row 0 unused), when
+    the drafter sampled its proposals; None for deterministic (top-k) drafts, which the sampling rule treats as
+    one-hot p (eval.engine.sampling)."""
+
+    tree: Tree
+    tokens: Tensor
+    p: Tensor | None = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What every drafter implements (Medusa, EAGLE, a draft model, prompt lookup, ...).
+
+    feature_layers: the M_q hidden states it reads, as indices into HF's `hidden_states` (-1: the final-normed last
+        layer, the lm_head input); the loop hands them concatenated on the last dimension, from the same forward.
+    max_nodes / max_depth: the most nodes (root included) and levels a round's tree can have; the loop sizes the
+        verifier's cache and the acceptance statistics on them.
+    """
+
+    feature_layers: tuple[int, ...]
+    max_nodes: int
+    max_depth: int
+
+    def describe(self) -> dict[str, Any]:
+        """The tree policy as report.json records it (what was really drafted)."""
+        ...
+
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        """Fill this round's tree.
+
+        input_ids: (B, T) every token so far; input_ids[:, -1] is the root.
+        hidden: (B, S, len(feature_layers) * D) M_q's hidden states at the S positions it just committed;
+            hidden[:, -1] is at the token before the root.
+        """
+        ...
+
+    def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
+        """Told after verification: `num_accepted` (B,) drafts were accepted, on tree nodes `nodes` (B, 1+A)
+        counted from the root, in the draft just verified."""
+        ...
+
+
+# -- what the planner (eval.cost: tree.size=auto, the predicted speedup) calls on a drafter ------------------------
+
+@runtime_checkable
+class CostProbe(Protocol):
+    """A drafter that says what one round's drafting costs: every drafter of this project (eval.cost.draft_curve
+    calls nothing else, so no family is planned as free unless its own module says so)."""
+
+    def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
+                   reps: int = 3) -> list[float] | None:
+        """ms of one round's drafting with s = n - 1 drafts for each n in `sizes`, the least of `reps` interleaved
+        rounds (eval.engine.timing.interleaved), after the prefix `prefix_ids` (1, P) in steady state: the previous round
+        accepted nothing, so one new position comes in. The verifier's features come through `engine`'s path
+        (eval.engine.timing.prefix_cache). Leaves the drafter as a fresh one of its kind would be after that prefix.
+        None: drafting is not timed, and the plan counts it as free; a drafter returning None says why in its
+        docstring."""
+        ...
+
+
+class FixedTreeDrafter(Protocol):
+    """A drafter whose family drafts one tree every round (its registry entry's `tree` is "fixed": Medusa,
+    P-EAGLE, DFlash); eval.cost.predict scores that tree under the export's acceptance table."""
+
+    tree: Tree  # the tree every round fills
+
+
+class BudgetDrafter(Protocol):
+    """A drafter whose family grows its tree each round within a node budget (registry `tree` "dynamic": EAGLE);
+    eval.cost.predict scores the best tree of that budget under the export's acceptance table."""
+
+    size: int  # the drafts a round may grow (its node budget, root excluded)
+
+
+@runtime_checkable
+class Assistant(Protocol):
+    """A drafter that Hugging Face assisted generation can run as well (a draft model): the harness adds HF's
+    `generate(assistant_model=...)` as a reference beside it (eval.runner.assistant_of)."""
+
+    def hf_assistant(self) -> tuple[nn.Module, int]:
+        """The model to pass as `assistant_model` and the drafts per round it proposes (`num_assistant_tokens`)."""
+        ...

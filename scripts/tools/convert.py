@@ -1,0 +1,103 @@
+"""Convert between this project's exports and the public reference layouts (models/reference_formats.py).
+
+    # export -> reference (Medusa repository: medusa_lm_head.safetensors|.pt; EAGLE-1: pytorch_model.bin;
+    # EAGLE-3: SpecForge's model.safetensors with d2t/t2d)
+    python -m scripts.tools.convert to-reference outputs/<run>/export ref/ [--weights medusa_lm_head.pt]
+    # reference (or an older export) -> export, for the verifier it was trained on
+    python -m scripts.tools.convert from-reference ref/ outputs/<run>/export [--verifier smollm2|<hub id or dir>]
+    # an EAGLE-3 export served where the verifier lives elsewhere, or drafting another number of tokens in vLLM
+    python -m scripts.tools.convert from-reference outputs/<run>/export served/ --served-verifier /models/my-llama \
+        --speculative-tokens 5
+
+`python -m eval checkpoint=<reference dir> verifier_path=<verifier>` reads the reference layouts directly too.
+Each command replaces its output folder whole: one that holds anything but an export of the same family and layout
+(another family's export, other files) is refused unless `--force` is given.
+
+    # an export -> the compact form that ships in pretrained/ (bf16, the verifier's own head left out), with the
+    # recipe, training figures and eval report that go with it
+    python -m scripts.tools.convert ship outputs/<run>/export pretrained/<name> --recipe outputs/<run>/.hydra/config.yaml \
+        --training outputs/<run>/training.json --eval-report outputs/<eval run>/report.json
+    # a shipped export -> the folder an engine (vLLM) loads as it is
+    python -m scripts.tools.convert engine-ready pretrained/<name> served/<name>
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from models.export import check_replaceable, export_kind, export_verifier, from_reference, read_config, to_reference
+from models.shipped_export import engine_ready, ship
+from models.verifier import load_verifier
+from runtime.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    to = sub.add_parser("to-reference", help="this project's export -> the reference layout of its kind")
+    to.add_argument("export_dir")
+    to.add_argument("out_dir")
+    to.add_argument("--weights", default=None, help="weights file name (e.g. medusa_lm_head.pt, model.safetensors)")
+    fr = sub.add_parser("from-reference", help="a reference checkpoint -> this project's export")
+    fr.add_argument("ref_dir")
+    fr.add_argument("out_dir")
+    fr.add_argument("--verifier", default=None, help="smollm2, a Hub id or a local HF directory (default: the one the "
+                                                     "file names in base_model_name_or_path / verifier_path)")
+    fr.add_argument("--cache-dir", default=None)
+    fr.add_argument("--served-verifier", default=None,
+                    help="EAGLE-3: the verifier path or Hub id vLLM loads when it serves the export as it is "
+                         "(speculators_config.verifier.name_or_path; default: where this machine has the verifier)")
+    fr.add_argument("--speculative-tokens", type=int, default=None,
+                    help="EAGLE-3: tokens vLLM drafts per step when it serves the export as it is (default: the "
+                         "export's own, else 3)")
+    sh = sub.add_parser("ship", help="an export -> its compact form for pretrained/ (models/shipped_export.py)")
+    sh.add_argument("export_dir")
+    sh.add_argument("out_dir")
+    sh.add_argument("--recipe", default=None, help="the run's config (its .hydra/config.yaml)")
+    sh.add_argument("--training", default=None, help="the run's training figures (JSON)")
+    sh.add_argument("--eval-report", default=None, help="python -m eval's report.json for this export")
+    sh.add_argument("--cache-dir", default=None)
+    er = sub.add_parser("engine-ready", help="a shipped (compact) export -> the folder an engine loads as it is")
+    er.add_argument("shipped_dir")
+    er.add_argument("out_dir")
+    er.add_argument("--cache-dir", default=None)
+    for command in (to, fr, sh, er):
+        command.add_argument("--force", action="store_true",
+                             help="replace the output folder even when it holds something other than an export of "
+                                  "the same family and layout (all of it is deleted)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command in ("ship", "engine-ready"):
+            src = args.export_dir if args.command == "ship" else args.shipped_dir
+            config = read_config(src)
+            source = export_verifier(config)
+            if not source:
+                raise UserError(f"{src} names no verifier; only exports written by train.py can be shipped.")
+            # before the verifier loads (ship and engine_ready check it again)
+            check_replaceable(args.out_dir, export_kind(config), "compact" if args.command == "ship" else "export",
+                              args.force)
+            verifier = load_verifier(source, "float32", "cpu", args.cache_dir)
+            if args.command == "ship":
+                out = ship(src, args.out_dir, verifier, {"recipe.yaml": args.recipe, "training.json": args.training,
+                                                         "eval_report.json": args.eval_report}, force=args.force)
+            else:
+                out = engine_ready(src, args.out_dir, verifier, force=args.force)
+        elif args.command == "to-reference":
+            out = to_reference(None, args.export_dir, args.out_dir, args.weights, force=args.force)
+        else:
+            source = args.verifier or export_verifier(read_config(args.ref_dir))
+            if not source:
+                raise UserError(f"{args.ref_dir} names no verifier; pass --verifier <the verifier it was trained on>.")
+            out = from_reference(args.ref_dir, args.out_dir, load_verifier(source, "float32", "cpu", args.cache_dir),
+                                 served=args.served_verifier, speculative_tokens=args.speculative_tokens,
+                                 force=args.force)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
