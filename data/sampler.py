@@ -8,7 +8,8 @@ from `seed + epoch` and skips what the killed run had already trained on, withou
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -27,7 +27,7 @@ controls. KL(q || p) = sum_x q(x) log(q(x)/p(x)) is the x-axis of the graded-dra
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

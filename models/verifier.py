@@ -87,7 +87,7 @@ class Verifier:
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
-    def to(self, device: torch.device | str) -> "Verifier":
+    def to(self, device: torch.device | str) -> Verifier:
         self.model.to(device)
         return self
 

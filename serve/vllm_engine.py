@@ -13,9 +13,10 @@ import json
 import os
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from models.families import FAMILIES
 from runtime.errors import UserError

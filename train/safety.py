@@ -271,7 +271,7 @@ class RunLock:
         self.path = Path(directory).expanduser() / ".lock"
         self.fd: int | None = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         from runtime.distributed import is_primary
 
         if not is_primary():  # a rank started by the primary process (DDP), which holds the lock for the run

@@ -33,7 +33,7 @@ class Export:
     dtypes: dict[str, str]
 
     @classmethod
-    def read(cls, path: str | Path, weights: str = "model.safetensors") -> "Export":
+    def read(cls, path: str | Path, weights: str = "model.safetensors") -> Export:
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
         if is_speculators(config):
