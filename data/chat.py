@@ -198,7 +198,8 @@ class NotPrefixes(UserError):
 def encode_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int, where: str = "conversation"
 ) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) for a full conversation; loss_mask is 1 on assistant tokens only. Truncated to max_length."""
+    """(input_ids, loss_mask) for a full conversation; loss_mask is 1 on assistant tokens only. Truncated to
+    max_length."""
     ids: list[int] = []
     mask: list[int] = []
     for i, msg in enumerate(messages):

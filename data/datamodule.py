@@ -68,7 +68,8 @@ class DistillDataModule(L.LightningDataModule):
         mode: `selfdistill` (the verifier answers the prompts), `sharegpt` (train on the conversations as given) or
             `shipped` (a set that ships with the toolkit, `shipped`: its name under shipped/data/ or its folder;
             data.shipped's files, verifier and chat template are checked, nothing is generated).
-        source: one source or a list of them (concatenated): `builtin` (its train split), a prompt/conversation file, a saved `datasets` directory, a Hub dataset
+        source: one source or a list of them (concatenated): `builtin` (its train split), a prompt/conversation file, a
+        saved `datasets` directory, a Hub dataset
             id (`datasets.load_dataset`, split `hub_split`), or `selfgen` (the verifier writes the prompts,
             settings in `selfgen`: see data.selfgen.selfgen_conversations).
         shard_size: self-distillation writes a shard every `shard_size` prompts; a killed build resumes.

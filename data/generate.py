@@ -32,7 +32,8 @@ KV cache: a `DynamicCache` grows by concatenation, so every decode step copied t
 (decoder layers called as HF calls them: embed_tokens, rotary_emb, layers, norm) the decode steps run on `_Slots`
 instead: one preallocated buffer per layer, row r's keys at columns [0, length_r), each step writing one column per
 row in place (attending over a contiguous block: see `_Slots`); a finished row's slot is refilled by moving the last
-row into it, so the running rows stay contiguous and a step computes only them. The prefill of a group stays HF's forward (SDPA), its cache copied into the slots.
+row into it, so the running rows stay contiguous and a step computes only them. The prefill of a group stays HF's
+forward (SDPA), its cache copied into the slots.
 """
 
 from __future__ import annotations

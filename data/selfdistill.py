@@ -1,9 +1,9 @@
 """Self-distillation: the verifier answers the prompts, and its own tokens become the training targets.
 
 Drafters are trained to predict what the verifier will say, so the best data is the verifier's own output. Answers are
-generated with refill batching (`data.generate`: a row that stops leaves, a queued prompt takes its place), kept as the verifier's token ids (no detokenise /
-retokenise round trip), and cached as a `datasets` Arrow dataset keyed by everything that changes them: the verifier
-fingerprint, the prompts, the chat template and the generation settings.
+generated with refill batching (`data.generate`: a row that stops leaves, a queued prompt takes its place), kept as the
+verifier's token ids (no detokenise / retokenise round trip), and cached as a `datasets` Arrow dataset keyed by
+everything that changes them: the verifier fingerprint, the prompts, the chat template and the generation settings.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def build_selfdistill(
     order: list[int] = []  # indices into convs, in queue order
     left: dict[int, int] = {}  # shard (index into pending) -> answers still to come
     shard_of: dict[int, int] = {}
-    for k, (start, end, folder) in enumerate(pending):
+    for k, (start, end, _folder) in enumerate(pending):
         keep = sorted((i for i in range(start, end) if not too_long[i]), key=lambda i: len(prompts[i]))
         bar.update(end - start - len(keep))
         order += keep

@@ -31,9 +31,10 @@ REFERENCES = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 def rows(samples: Sequence[Sample], methods: Sequence[str],
          depths: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Per method: tau and per-position acceptance (families only; `depths`: each drafter's deepest draft, so
-    positions never accepted show as 0), drafter and verifier milliseconds per speculative round, tokens/s (all tokens over all seconds), speedup over our plain decoding, the
-    fraction of prompts whose output equals our plain decoding's token for token (greedy runs: exactness), and for
-    our own loops the prefill apart: its seconds and the tokens/s of the decoding after it."""
+    positions never accepted show as 0), drafter and verifier milliseconds per speculative round, tokens/s (all tokens
+    over all seconds), speedup over our plain decoding, the fraction of prompts whose output equals our plain decoding's
+    token for token (greedy runs: exactness), and for our own loops the prefill apart: its seconds and the tokens/s of
+    the decoding after it."""
     def rate(m: str) -> float:
         secs = sum(s.seconds[m] for s in samples)
         return sum(len(s.outputs[m]) for s in samples) / secs if secs > 0 else 0.0

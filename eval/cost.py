@@ -2,9 +2,9 @@
 
 A speculative round costs one verifier forward over the tree's N nodes; it pays when the drafts it accepts outweigh
 how much more that forward costs than a one-token step. `forward_curve` measures that forward for N = 1..64 tokens
-after a real prefix, through the path the decode loops use (eval.engine.decode: eval.engine.forward or HF), and `machine` measures
-what this machine allows: a step must read every weight once (weight bytes / read bandwidth) and do 2 FLOPs per
-weight and token (FLOPs / matmul peak), so the bound is the larger of the two.
+after a real prefix, through the path the decode loops use (eval.engine.decode: eval.engine.forward or HF), and
+`machine` measures what this machine allows: a step must read every weight once (weight bytes / read bandwidth) and do 2
+FLOPs per weight and token (FLOPs / matmul peak), so the bound is the larger of the two.
 
 With a drafter's acceptance estimates, E[tokens per round](s) for a tree of s drafts is 1 + the sum of its nodes'
 path-acceptance probabilities: eval.engine.tree.auto_tree's node values from the export's top-k table (Medusa: per head;
@@ -46,7 +46,8 @@ def machine(dtypes: Sequence[str] = ("float32", "bfloat16"), reps: int = 3) -> d
     """Read bandwidth (GB/s, a 256 MiB sum) and matmul peak per dtype (GFLOP/s, 1024x2048 @ 2048x2048), measured with
     the current thread count."""
     big = torch.ones(64 * 2**20)
-    read_ms = min(timed(lambda: big.sum(), reps) for _ in range(2))
+    read = big.sum  # bound here: `big` is deleted below, so the generator must not look it up by name
+    read_ms = min(timed(read, reps) for _ in range(2))
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "read_gbs": big.numel() * 4 / read_ms / 1e6,
                            "peak_gflops": {}}
     del big
@@ -112,8 +113,8 @@ def draft_curve(verifier: Verifier, drafter: CostProbe, prefix_ids: Tensor, size
                 engine: str = "auto", reps: int = 3) -> list[float] | None:
     """Least ms (of `reps` interleaved rounds) of one round's drafting with s = n - 1 drafts, for each n in `sizes`,
     after the prefix `prefix_ids` (1, P) in steady state (the previous round accepted nothing, so one new position
-    comes in): the drafter's own `draft_cost` (eval.engine.protocol.CostProbe). EAGLE: its `trial` (its layer over the new
-    features, then growing s nodes, each depth a drafter forward and a head over the frontier); P-EAGLE and DFlash:
+    comes in): the drafter's own `draft_cost` (eval.engine.protocol.CostProbe). EAGLE: its `trial` (its layer over the
+    new features, then growing s nodes, each depth a drafter forward and a head over the frontier); P-EAGLE and DFlash:
     their `trial`, one forward over the depth of the tree s drafts buy; Medusa: one `propose`, the same for every s
     (its heads run once a round whatever the tree; the tree only indexes their top-k); the hybrid: its primary's
     (the grafted prompt lookup's string search is left out). None where the drafter says its drafting is not timed
@@ -134,8 +135,8 @@ def interpolate(sizes: Sequence[int], ms: Sequence[float], n: int) -> float:
 # -- acceptance estimates --------------------------------------------------------------------------------------------
 
 def tree_values(tree: Tree, topk_accuracy: Sequence[Sequence[float]]) -> list[float]:
-    """Each draft node's path-acceptance probability from a Medusa top-k table (eval.engine.tree.auto_tree's node value);
-    a rank the table lacks counts as never right."""
+    """Each draft node's path-acceptance probability from a Medusa top-k table (eval.engine.tree.auto_tree's node
+    value); a rank the table lacks counts as never right."""
     probs = rank_probs(topk_accuracy)
     values = []
     for path in tree.paths[1:]:

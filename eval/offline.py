@@ -79,8 +79,8 @@ def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tupl
 
 def score_export(kind: str, net: Any, verifier: Verifier, rows: list[dict[str, Any]], depth: int,
                  bf16: bool = False, batch_size: int = 8, keep: Tensor | None = None) -> dict[str, Any]:
-    """acceptance_tables for one drafter (Medusa heads or an EAGLE net; `kind` names its family) over tokenised answers `rows`
-    (input_ids + loss_mask, e.g. the verifier's own answers to held-out prompts), teacher-forced `depth` deep.
+    """acceptance_tables for one drafter (Medusa heads or an EAGLE net; `kind` names its family) over tokenised answers
+    `rows` (input_ids + loss_mask, e.g. the verifier's own answers to held-out prompts), teacher-forced `depth` deep.
     `bf16`: under bf16 autocast, as training's bf16-mixed runs it. `keep`: the tokens the drafter drafts over
     (an export's `train_ids`; EAGLE-1 and shared-head Medusa), None for all. The ranks come from the family's own
     function (its registry entry's `teacher_forced`)."""

@@ -356,7 +356,8 @@ def log_wandb(
 
 
 def write_samples(samples: Sequence[Sample], out_dir: Path) -> Path:
-    """outputs.jsonl: one line per decoded prompt, each method's output token ids (what every figure was measured on)."""
+    """outputs.jsonl: one line per decoded prompt, each method's output token ids (what every figure was measured
+    on)."""
     path = out_dir / "outputs.jsonl"
     with open(path, "w") as f:
         for s in samples:

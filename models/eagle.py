@@ -176,7 +176,8 @@ class Eagle3Net(_EagleNet):
         self.norm = RMSNorm(self.hidden_size, self._layer_args["eps"])
         self.lm_head = nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
         # Identity mapping until set_draft_vocab is called with the training data's most frequent tokens. A
-        # full-vocabulary draft's mapping is always the identity: not stored (vLLM refuses a d2t then), so absent = identity.
+        # full-vocabulary draft's mapping is always the identity: not stored (vLLM refuses a d2t then), so absent
+        # = identity.
         persistent = self.draft_vocab_size < self.vocab_size
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long), persistent=persistent)
         t2d = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -211,7 +212,8 @@ class Eagle3Net(_EagleNet):
         return self.fuse(torch.cat([hidden_states[i] for i in self.aux_layer_ids], dim=-1))
 
     def fuse(self, concatenated: Tensor) -> Tensor:
-        """fc over the concatenated verifier features (each normalised first with `fc_norm`). (..., n_aux D) -> (..., D)"""
+        """fc over the concatenated verifier features (each normalised first with `fc_norm`).
+        (..., n_aux D) -> (..., D)"""
         x = concatenated.to(self.fc.weight.dtype)
         if self.fc_norm is not None:
             x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.split(self.hidden_size, dim=-1))], dim=-1)

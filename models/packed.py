@@ -2,8 +2,8 @@
 prepacked kernel (what inductor's freezing pass does). `F.linear` on a bf16 CPU tensor reorders the whole weight on
 each call, so a step that reads each weight once pays for it twice.
 
-Users: eval.engine.forward (the verifier's decode path, and the vocabulary head drafters share) and data.generate (batched
-self-distillation, through `packed_linears`). Same results as F.linear, bitwise, on the shapes tested
+Users: eval.engine.forward (the verifier's decode path, and the vocabulary head drafters share) and data.generate
+(batched self-distillation, through `packed_linears`). Same results as F.linear, bitwise, on the shapes tested
 (tests/test_engine.py, tests/test_data_scale.py).
 """
 

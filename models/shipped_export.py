@@ -7,8 +7,8 @@ differences, recorded in config.json under `specdraft_compact`:
   where they come from (`verifier.lm_head`); the verifier's fingerprint, checked on load, guarantees the same bits;
 - floating-point tensors are stored in bfloat16, their original dtypes recorded.
 `load_export` reads it as it is (`expand` puts the left-out tensors back and restores the dtypes), so
-`python -m eval checkpoint=pretrained/<name>` works; `python -m scripts.tools.convert engine-ready pretrained/<name> OUT`
-writes the folder an engine loads (vLLM refuses the compact one: a tensor is missing).
+`python -m eval checkpoint=pretrained/<name>` works; `python -m scripts.tools.convert engine-ready pretrained/<name>
+OUT` writes the folder an engine loads (vLLM refuses the compact one: a tensor is missing).
 
 Beside the side data, a shipped export carries what made it: `specdraft/recipe.yaml` (the run's config),
 `specdraft/training.json` (its training figures) and `specdraft/eval_report.json` (its eval report), where given.

@@ -1,4 +1,5 @@
-"""Shared fixtures: a cache directory for the dequantised default verifier, the tiny verifier, and config composition."""
+"""Shared fixtures: a cache directory for the dequantised default verifier, the tiny verifier, and config
+composition."""
 
 from __future__ import annotations
 

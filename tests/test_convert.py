@@ -100,7 +100,7 @@ def _same(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
             assert torch.equal(a[k], b[k]), k
 
 
-# -- reading the reference layouts, and round trips ---------------------------------------------------------------------
+# -- reading the reference layouts, and round trips --------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["medusa_lm_head.safetensors", "medusa_lm_head.pt"])
 def test_medusa_reference_round_trip(tiny, tmp_path, name):
@@ -265,7 +265,7 @@ def test_convert_engine_ready_refuses_before_loading_the_verifier(tmp_path, caps
     assert sorted(p.name for p in served.iterdir()) == ["config.json", "notes.txt"]
 
 
-# -- bad input: one message each, naming the file and the key -------------------------------------------------------------
+# -- bad input: one message each, naming the file and the key ----------------------------------------------------------
 
 def test_unknown_layout_is_refused(tiny, tmp_path):
     d = _write(tmp_path / "odd", {"architectures": ["GPT2LMHeadModel"]}, {"wte.weight": torch.zeros(2, 2)},

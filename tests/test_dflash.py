@@ -1,5 +1,5 @@
-"""DFlash (models/dflash.py, train/dflash.py, eval/drafters/dflash.py): the training blocks compute what decoding computes, a
-round is one block forward, and bad input is refused with a message."""
+"""DFlash (models/dflash.py, train/dflash.py, eval/drafters/dflash.py): the training blocks compute what decoding
+computes, a round is one block forward, and bad input is refused with a message."""
 
 from __future__ import annotations
 

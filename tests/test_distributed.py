@@ -186,7 +186,7 @@ def test_fsdp_shards_the_verifier_and_trains_exactly_as_ddp(tmp_path):
     for rank in (0, 1):
         assert [r["weights"] for r in _records(tmp_path / "fsdp-rec", rank)] == \
             [r["weights"] for r in _records(tmp_path / "ddp-rec", rank)]
-    row = lambda out: next(l for l in out.splitlines() if "verifier (frozen)" in l)
+    row = lambda out: next(line for line in out.splitlines() if "verifier (frozen)" in line)
     assert "decoder layers / 2 ranks (FSDP2)" in row(fsdp.stdout) and "parameters in float32" in row(ddp.stdout)
     assert float(row(fsdp.stdout).split()[3]) < float(row(ddp.stdout).split()[3])
 

@@ -117,9 +117,9 @@ def test_random_eagle_drafts_give_exact_greedy_output(varied, references, kind, 
 
 def unrolled_logp(net: EagleNet, verifier: Verifier, ids: torch.Tensor, t: int, steps: int,
                   shift: int = 0) -> torch.Tensor:
-    """The training-time unroll (models.eagle.unroll, written out) over `ids` (1, L): draft log-probabilities at position t for steps
-    0..steps-1, i.e. for x_{t+2} .. x_{t+steps+1}. `shift` pairs x_{t+1} with F_{t-shift} (a negative control).
-    Returns (steps, V_draft)."""
+    """The training-time unroll (models.eagle.unroll, written out) over `ids` (1, L): draft log-probabilities at
+    position t for steps 0..steps-1, i.e. for x_{t+2} .. x_{t+steps+1}. `shift` pairs x_{t+1} with F_{t-shift} (a
+    negative control). Returns (steps, V_draft)."""
     hs = verifier.model(ids, output_hidden_states=True).hidden_states
     n = ids.shape[1] - 1
     feats = F.pad(net.features(hs), (0, 0, shift, 0))[:, :n]  # (1, n, D): F_{t-shift} at position t

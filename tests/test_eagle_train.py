@@ -1,4 +1,5 @@
-"""EAGLE-1 / EAGLE-3 training: input/target shifts, the training-time-test mask, the draft vocabulary, export layouts."""
+"""EAGLE-1 / EAGLE-3 training: input/target shifts, the training-time-test mask, the draft vocabulary, export
+layouts."""
 
 from __future__ import annotations
 
@@ -233,8 +234,8 @@ def test_eagle3_targets_once_per_batch_match_each_step(tiny, cached_argmax):
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_validation_ranks_agree_with_top1_hits(tiny, kind):
-    """The ranks and confidences validation returns (read by scripts/tools/drafter_accuracy.py): rank 0 exactly where the
-    draft's top-1 is M_q's argmax, the vocabulary size where there is no target, a probability in (0, 1]."""
+    """The ranks and confidences validation returns (read by scripts/tools/drafter_accuracy.py): rank 0 exactly where
+    the draft's top-1 is M_q's argmax, the vocabulary size where there is no target, a probability in (0, 1]."""
     from train.eagle import EagleModule
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""eval.engine.forward: the same logits as Hugging Face in fp32, and batch-invariant bits: a forward over n tokens, a tree
-forward and its commit give exactly what n one-token forwards give, in bf16 and fp32."""
+"""eval.engine.forward: the same logits as Hugging Face in fp32, and batch-invariant bits: a forward over n tokens, a
+tree forward and its commit give exactly what n one-token forwards give, in bf16 and fp32."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """bf16 speculative decoding is token for token bf16 plain greedy decoding (issue 10): the decode loops verify
-through eval.engine.forward, whose forward over n tokens gives the bits of n one-token forwards, so a tree's root row and a
-plain step agree. Medusa, EAGLE-1 and EAGLE-3 drafters, chain / sparse / auto / dynamic trees, on the tiny varied
+through eval.engine.forward, whose forward over n tokens gives the bits of n one-token forwards, so a tree's root row
+and a plain step agree. Medusa, EAGLE-1 and EAGLE-3 drafters, chain / sparse / auto / dynamic trees, on the tiny varied
 verifier in bf16, and (slow) on the default verifier in bf16, where Hugging Face's forward (engine=hf) flips
 near-ties (the issue measured 25% of outputs matching).
 

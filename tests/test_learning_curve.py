@@ -1,4 +1,5 @@
-"""scripts/studies/learning_curve.py end to end on tiny exports: tau per node budget, exactness, chain accuracy, outputs."""
+"""scripts/studies/learning_curve.py end to end on tiny exports: tau per node budget, exactness, chain accuracy,
+outputs."""
 
 from __future__ import annotations
 

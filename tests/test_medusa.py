@@ -77,7 +77,7 @@ def test_export_layout_is_vllms(tiny, tmp_path):
     assert cfg["medusa_fc_bias"] is True and cfg["original_lm_head"] is True
     assert cfg["verifier_fingerprint"] == tiny.fingerprint
     names = set(load_file(str(tmp_path / "shared" / "model.safetensors")))
-    assert names == {f"blocks.{h}.layers.{l}.{p}" for h in range(2) for l in range(2) for p in ("weight", "bias")} | {
+    assert names == {f"blocks.{h}.layers.{j}.{p}" for h in range(2) for j in range(2) for p in ("weight", "bias")} | {
         "lm_head.weight"}
     own = MedusaHeads(tiny.hidden_size, tiny.vocab_size, num_heads=2, num_layers=1, share_lm_head=False)
     save_export(own, tiny, tmp_path / "own")

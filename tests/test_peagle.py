@@ -1,6 +1,6 @@
-"""P-EAGLE (models/peagle.py, train/peagle.py, eval/drafters/peagle.py): the training forward computes what decoding computes,
-COD sampling keeps nested chains in the shares it promises, one forward drafts every depth, and bad input is refused
-with a message."""
+"""P-EAGLE (models/peagle.py, train/peagle.py, eval/drafters/peagle.py): the training forward computes what decoding
+computes, COD sampling keeps nested chains in the shares it promises, one forward drafts every depth, and bad input is
+refused with a message."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ LINE = re.compile(r"^step (\d+)/(\d+)  loss (\d+\.\d{3})  assistant tok/s (\d+) 
 
 def _train(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "train.py", *TINY, *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

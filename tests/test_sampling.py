@@ -429,10 +429,11 @@ def test_harness_sampling_record_marks_typical_lossy():
 
 # -- 4. EAGLE dynamic trees with sampled drafts: siblings drawn without replacement ---------------------------------
 # Exact: the real EagleDrafter (a random EAGLE-3 net with a 4-token draft vocabulary on the varied tiny verifier, q
-# warped to top-k 4, so that every draft can be enumerated) proposes once per outcome of its draws, each draw scripted in turn (every ordered
-# choice without replacement, weighted by the sequential law the Gumbel-top-k sampler has); the rule's exact law of
-# the first two tokens must be warped q. Statistical: the Gumbel sampler itself drives a dynamic tree on the small
-# World (the best-scoring first child is expanded), 20k rounds through `sample_accept`, chi-square against q.
+# warped to top-k 4, so that every draft can be enumerated) proposes once per outcome of its draws, each draw scripted
+# in turn (every ordered choice without replacement, weighted by the sequential law the Gumbel-top-k sampler has); the
+# rule's exact law of the first two tokens must be warped q. Statistical: the Gumbel sampler itself drives a dynamic
+# tree on the small World (the best-scoring first child is expanded), 20k rounds through `sample_accept`, chi-square
+# against q.
 
 DYNAMIC = {"t1": SamplingConfig(1.0, 1.0, 4), "t0.7-top_p0.9": SamplingConfig(0.7, 0.9, 4)}
 

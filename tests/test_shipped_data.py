@@ -175,7 +175,7 @@ def test_the_shipped_set_is_the_default_verifiers_and_holds_what_its_manifest_sa
             j = b
         assert len(spans) == (2 if row_id.endswith("+turn2") else 1), row_id
         assert spans[-1][1] == len(ids)  # the last answer runs to the end of the row
-        for a, b in spans:
+        for a, _b in spans:
             assert ids[a - len(header):a] == header
         if len(spans) == 2:
             two_turn += 1

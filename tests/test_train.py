@@ -206,7 +206,7 @@ def test_smoke_experiment_on_the_default_verifier(tmp_path, smollm2):
     heads, _, config = loaded.net, loaded.lm_head, loaded.config
     assert config["trained_steps"] == 8 and heads.hidden_size == 576
     losses = _series(_metrics(tmp_path), "train/loss")
-    assert len(losses) == 8 and all(l == l for l in losses)
+    assert len(losses) == 8 and all(x == x for x in losses)
 
 
 def test_killed_training_resumes_with_ckpt_path_last(tmp_path):

@@ -176,7 +176,7 @@ class DrafterModule(L.LightningModule, ABC):
                             f"model.train_vocab unset, the export's rows are kept.")
         self.hparams["train_vocab"] = size
         if size and export.target_counts is None:
-            export.train_ids  # raises its error: the export does not record which rows
+            _ = export.train_ids  # raises its error: the export does not record which rows
         with torch.no_grad():
             self.drafter_net.load_state_dict(theirs)
         self.warm = export

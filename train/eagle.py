@@ -272,7 +272,7 @@ class EagleModule(DrafterModule):
 
     def _loss(self, losses: list[Tensor]) -> Tensor:
         steps = self.hparams.ttt_steps
-        return sum(self.hparams.step_decay**j * l for j, l in enumerate(losses[:steps]))
+        return sum(self.hparams.step_decay**j * loss for j, loss in enumerate(losses[:steps]))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         res = self.model_step(batch, self.hparams.ttt_steps, train=True)
@@ -283,8 +283,8 @@ class EagleModule(DrafterModule):
                 f"{last_good_advice(self._trainer)}")
         bsz = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=bsz)
-        for j, l in enumerate(res["losses"]):
-            self.log(f"train/step{j}_loss", l, batch_size=bsz)
+        for j, step_loss in enumerate(res["losses"]):
+            self.log(f"train/step{j}_loss", step_loss, batch_size=bsz)
         c, v = res["correct"], res["valid"]
         self.log("train/step0_top1", c[0].sum() / v[0].sum().clamp(min=1), batch_size=bsz)
         self.count_depth1(c[0].sum(), v[0].sum())

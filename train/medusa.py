@@ -40,8 +40,8 @@ class MedusaModule(DrafterModule):
         train_vocab: with the shared head, train (and validate) over the N tokens most often a training target
             only: the heads' logits are those N rows of the verifier's lm_head, a target outside them is dropped from
             the loss and counts as a miss in the accuracies. The export records it and the decoder drafts over the
-            same rows (eval.drafters.build' draft_vocab). A training step then reads N x D head weights per head instead of
-            V x D. null: the full vocabulary.
+            same rows (eval.drafters.build' draft_vocab). A training step then reads N x D head weights per head instead
+            of V x D. null: the full vocabulary.
     """
 
     def __init__(

@@ -76,7 +76,9 @@ def plan_memory(verifier: Verifier, module: DrafterModule, batch_size: int, max_
     n = sum(p.numel() for p in trainable)
     weights = _bytes(trainable)
     cfg = verifier.config
-    H, I, Lv = verifier.hidden_size, int(getattr(cfg, "intermediate_size", 4 * verifier.hidden_size)), len(layers)
+    H, Lv = verifier.hidden_size, len(layers)
+    # I: the intermediate size, named as in the formulas above
+    I = int(getattr(cfg, "intermediate_size", 4 * H))  # noqa: E741
     b = 2 if "bf16" in str(precision) or "16" in str(precision) else 4
     tokens = batch_size * max_length
     verifier_act = 0.0 if offline else tokens * H * b * (Lv + 1) + 2 * tokens * I * b

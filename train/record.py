@@ -1,12 +1,12 @@
 """The run's training figures as a file: `<run>/training.json`, rewritten (atomically, by rank 0) after every epoch.
 
 Per epoch: its wall seconds (first batch to the end of its validation, data loading included), the optimizer steps and
-assistant tokens (the tokens with targets) it trained on, assistant tokens per wall second, the mean training loss over its steps, and the last value of
-every scalar the module logged (training loss and accuracy, the held-out figures of the epoch's validation). A resumed run reads the file and
-appends, so the epochs before a kill keep their figures; an epoch resumed in the middle is marked `resumed` (its wall
-time covers only the part after the restart). A fresh run (no checkpoint resumed) starts a record of its own: an
-earlier run's epochs in the file are never merged into it. `scripts.tools.convert ship --training` puts the file beside a
-shipped export.
+assistant tokens (the tokens with targets) it trained on, assistant tokens per wall second, the mean training loss over
+its steps, and the last value of every scalar the module logged (training loss and accuracy, the held-out figures of the
+epoch's validation). A resumed run reads the file and appends, so the epochs before a kill keep their figures; an epoch
+resumed in the middle is marked `resumed` (its wall time covers only the part after the restart). A fresh run (no
+checkpoint resumed) starts a record of its own: an earlier run's epochs in the file are never merged into it.
+`scripts.tools.convert ship --training` puts the file beside a shipped export.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Trees: one growth procedure for every policy. From the root, expand the `topk` c
 nodes by cumulative log-probability, one batched drafter forward per depth, then keep the `size` best of all drafted
 nodes (a child never beats its parent, so the kept set is a tree). A chain is topk 1; `AutoTree(size)` is a dynamic
 tree with the default topk (docs/results/families.md says how those were measured), as deep as the default or, with
-the export's acceptance table, as deep as the tree that table buys for `size` drafts (eval.engine.tree.auto_tree): the depth
-tree.size=auto priced when it chose `size` (`trial`). Sampled drafts
+the export's acceptance table, as deep as the tree that table buys for `size` drafts (eval.engine.tree.auto_tree): the
+depth tree.size=auto priced when it chose `size` (`trial`). Sampled drafts
 (sampled_drafts=true) grow the same frontier, but draw children without replacement and keep every one drawn, the
 budget spent layer by layer (`EagleDrafter._sample_tree` says why that keeps the sampling rule exact).
 """
@@ -220,9 +220,9 @@ class EagleDrafter:
 
         Each expanded node u draws its m_u children one after another without replacement from its warped p_u
         (eval.engine.sampling.without_replacement), and child i carries p_u with its earlier siblings removed
-        (eval.engine.sampling.sibling_proposals): what recursive rejection sampling needs to stay exact. Every sampled child
-        is kept: pruning a child by its own token (as the top-k growth's rerank does) would bias the kept ones away
-        from p_u. The shape depends on the drafts in one way only: m_u = min(topk, p_u's support, budget left) is
+        (eval.engine.sampling.sibling_proposals): what recursive rejection sampling needs to stay exact. Every sampled
+        child is kept: pruning a child by its own token (as the top-k growth's rerank does) would bias the kept ones
+        away from p_u. The shape depends on the drafts in one way only: m_u = min(topk, p_u's support, budget left) is
         fixed before u's children are drawn (sufficient; whether child i exists may depend on its earlier siblings,
         never on itself or later ones), from the drafts of u's layer and above (the frontier is the topk best
         nodes of a layer by cumulative log p, any deterministic function of them would do; the node budget is spent

@@ -3,8 +3,8 @@ Decoding"): no draft model. Jacobi iterations on a window of W guessed future to
 forward; the trajectories they leave form an n-gram pool; pool n-grams that start with the current token are verified
 as drafts in the same forward.
 
-What one round does here (a drafter in eval.drafters.build' protocol, with the optional `observe` hook eval.engine.decode calls
-with the verifier's logits at every node it just verified):
+What one round does here (a drafter in eval.drafters.build' protocol, with the optional `observe` hook
+eval.engine.decode calls with the verifier's logits at every node it just verified):
 1. Verification branch: up to G pool n-grams keyed by the root (the token M_q chose last), each N-1 drafts, merged
    into a trie under the root.
 2. Lookahead branch: the window's W guesses for the positions after the root, as one more chain under the root.

@@ -26,8 +26,8 @@ class MedusaDrafter:
     The tree is fixed: the same shape every round.
 
     sampling: with a SamplingConfig of temperature > 0, proposals are sampled instead of top-k: every node at depth
-    d is an independent draw from head d-1's warped softmax, which `Draft.p` carries (eval.engine.sampling's tree rule is
-    exact for such i.i.d. siblings)."""
+    d is an independent draw from head d-1's warped softmax, which `Draft.p` carries (eval.engine.sampling's tree rule
+    is exact for such i.i.d. siblings)."""
 
     feature_layers = (-1,)
 
@@ -105,8 +105,8 @@ class MedusaDrafter:
 
     def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
                    reps: int = 3) -> list[float]:
-        """eval.engine.protocol.CostProbe: one `propose`, the same ms for every size (the heads run once a round whatever
-        the tree; the tree only indexes their top-k)."""
+        """eval.engine.protocol.CostProbe: one `propose`, the same ms for every size (the heads run once a round
+        whatever the tree; the tree only indexes their top-k)."""
         from eval.engine.timing import prefix_cache, timed
 
         hidden = prefix_cache(verifier, prefix_ids, engine).forward(prefix_ids, layers=self.feature_layers).hidden

@@ -1,10 +1,10 @@
 """P-EAGLE at decode time (models/peagle.py): one drafter forward drafts every depth.
 
 Each round the drafter first extends its cache with the step-0 keys of the positions the verifier just committed,
-as EAGLE does (eval/drafters/eagle.py `EagleDrafter._extend`; its output at the last one gives depth 1), then runs its mask
-slots 1..K-1 in one forward (`PEagleNet.mask_slots`): depth d+1's distribution is slot d's. No depth reads the drafts
-before it, so the tree is Medusa's kind, fixed every round (`tree=auto` from the export's per-depth top-k table, a
-chain, or `medusa_choices`), and a node at depth d with rank r takes depth d's rank-r token. Sampled drafts
+as EAGLE does (eval/drafters/eagle.py `EagleDrafter._extend`; its output at the last one gives depth 1), then runs its
+mask slots 1..K-1 in one forward (`PEagleNet.mask_slots`): depth d+1's distribution is slot d's. No depth reads the
+drafts before it, so the tree is Medusa's kind, fixed every round (`tree=auto` from the export's per-depth top-k table,
+a chain, or `medusa_choices`), and a node at depth d with rank r takes depth d's rank-r token. Sampled drafts
 (`sampled_drafts=true`) are independent draws from their depth's warped distribution, which `Draft.p` carries, as
 for Medusa (eval.engine.sampling's tree rule is exact for such i.i.d. siblings).
 """
@@ -27,8 +27,8 @@ from runtime.errors import UserError
 
 
 class PEagleDrafter(EagleDrafter):
-    """P-EAGLE for the drafter protocol (eval.engine.protocol.Drafter): its own KV cache of committed step-0 keys, a fixed
-    tree of depth <= K filled from one forward's K distributions."""
+    """P-EAGLE for the drafter protocol (eval.engine.protocol.Drafter): its own KV cache of committed step-0 keys, a
+    fixed tree of depth <= K filled from one forward's K distributions."""
 
     def __init__(self, net: PEagleNet, verifier: Verifier, tree: Tree, policy: str = "tree",
                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,

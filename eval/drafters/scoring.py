@@ -1,5 +1,6 @@
-"""Teacher-forced scoring helpers every family's `teacher_forced` function shares (the registry names it; eval/offline.py
-calls it): the rank of each target under the draft, and a draft limited to the tokens it was trained over."""
+"""Teacher-forced scoring helpers every family's `teacher_forced` function shares (the registry names it;
+eval/offline.py calls it): the rank of each target under the draft, and a draft limited to the tokens it was trained
+over."""
 
 from __future__ import annotations
 

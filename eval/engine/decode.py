@@ -106,9 +106,10 @@ TREE_ROOM = 64  # cache slots past prompt + max_new_tokens: both loops size the 
 
 
 def use_engine(verifier: Verifier, engine: str = "auto") -> bool:
-    """Whether the decode loops run eval.engine.forward (True) or HF's forward via eval.engine.hf_forward (False). `engine`: "engine"
-    (refuses verifiers it does not run), "hf", or "auto": the engine for the model types it runs, except in float32 on
-    a CPU, where HF's forward is already batch-invariant and was measured faster (docs/results/engine-bf16.md)."""
+    """Whether the decode loops run eval.engine.forward (True) or HF's forward via eval.engine.hf_forward (False).
+    `engine`: "engine" (refuses verifiers it does not run), "hf", or "auto": the engine for the model types it runs,
+    except in float32 on a CPU, where HF's forward is already batch-invariant and was measured faster
+    (docs/results/engine-bf16.md)."""
     if engine not in ENGINES:
         raise UserError(f"engine={engine!r} is not one of {', '.join(ENGINES)}.")
     if engine != "auto":
@@ -121,7 +122,8 @@ def use_engine(verifier: Verifier, engine: str = "auto") -> bool:
 
 
 class _Verify:
-    """The verifier's forward and KV cache for one decode, through eval.engine.forward or eval.engine.hf_forward (same calls)."""
+    """The verifier's forward and KV cache for one decode, through eval.engine.forward or eval.engine.hf_forward (same
+    calls)."""
 
     def __init__(self, verifier: Verifier, engine: str, max_length: int, tree_nodes: int, tree_depth: int) -> None:
         self.model, self.fast = verifier.model, use_engine(verifier, engine)

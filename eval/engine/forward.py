@@ -23,8 +23,8 @@ cache. Here every forward runs the same numerics whatever the number of tokens:
   tree node off the first branch sums exactly the terms, in the same lanes, that a chain would. Attention math is
   fp32 (q, k, v, the cache, softmax), cast back to the model dtype before o_proj.
 
-Interface (close to eval.engine.hf_forward): `new_cache(model, max_length)`, `forward(cache, tokens, positions, tree_mask,
-hidden_layers) -> ForwardOutput`, `commit(cache, prefix_len, nodes)`, `cache_length(cache)`.
+Interface (close to eval.engine.hf_forward): `new_cache(model, max_length)`, `forward(cache, tokens, positions,
+tree_mask, hidden_layers) -> ForwardOutput`, `commit(cache, prefix_len, nodes)`, `cache_length(cache)`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ drafter it holds (eval.drafters.build builds one from an export, eval.drafters.b
 Each round the loop hands a drafter M_p what the verifier M_q just produced: all tokens so far, whose last one is
 the root of the next tree (chosen by the acceptance rule, not yet in M_q's cache), and M_q's hidden states at the
 positions it just committed (the prompt after prefill, the accepted path after a round), of the layers the drafter
-declared in `feature_layers`. The drafter owns the shape of what it proposes (its tree policy, eval.engine.tree) and fills
-that tree with tokens. After verification it is told how many drafts were accepted, and on which nodes, so that a
+declared in `feature_layers`. The drafter owns the shape of what it proposes (its tree policy, eval.engine.tree) and
+fills that tree with tokens. After verification it is told how many drafts were accepted, and on which nodes, so that a
 drafter with its own KV cache (EAGLE, a draft model) can roll it back.
 """
 
@@ -78,8 +78,8 @@ class CostProbe(Protocol):
     def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
                    reps: int = 3) -> list[float] | None:
         """ms of one round's drafting with s = n - 1 drafts for each n in `sizes`, the least of `reps` interleaved
-        rounds (eval.engine.timing.interleaved), after the prefix `prefix_ids` (1, P) in steady state: the previous round
-        accepted nothing, so one new position comes in. The verifier's features come through `engine`'s path
+        rounds (eval.engine.timing.interleaved), after the prefix `prefix_ids` (1, P) in steady state: the previous
+        round accepted nothing, so one new position comes in. The verifier's features come through `engine`'s path
         (eval.engine.timing.prefix_cache). Leaves the drafter as a fresh one of its kind would be after that prefix.
         None: drafting is not timed, and the plan counts it as free; a drafter returning None says why in its
         docstring."""

@@ -250,7 +250,8 @@ def check_draft_p(p: Tensor | None, tokens: Tensor, vocab_size: int) -> None:
 
 
 def sampling_config(cfg: Any) -> SamplingConfig:
-    """temperature / top_p / top_k / typical from a run's config (any mapping with `.get`), checked (SamplingConfig raises one UserError each)."""
+    """temperature / top_p / top_k / typical from a run's config (any mapping with `.get`), checked (SamplingConfig
+    raises one UserError each)."""
     values = {k: cfg.get(k, d) for k, d in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0))}
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -1,4 +1,5 @@
-"""Verify cost, Hugging Face (eval.engine.hf_forward) against eval.engine.forward, side by side in one process, with the machine's bound.
+"""Verify cost, Hugging Face (eval.engine.hf_forward) against eval.engine.forward, side by side in one process, with the
+machine's bound.
 
     python -m scripts.bench.verify [--dtype float32 bfloat16] [--threads 1 2] [--rounds 7] [--compile]
 
@@ -6,8 +7,9 @@ For each dtype and thread count: a plain one-token step and a 17-node tree verif
 both paths, interleaved in rounds, the engine reading its whole cache (trim=False) beside it, where its weight calls
 are split (AMX bf16: at 32 rows) the engine with every call padded past the split instead (the layout before), and in
 bf16 the engine without prepacked weights (F.linear) (the
-machine is shared: the ratio of medians is the figure to read, the spread says how noisy it was); HF `generate` greedy per token beside our engine's greedy loop. Then the bound: weight bytes
-over measured read bandwidth, and bf16 / fp32 matmul peaks.
+machine is shared: the ratio of medians is the figure to read, the spread says how noisy it was); HF `generate` greedy
+per token beside our engine's greedy loop. Then the bound: weight bytes over measured read bandwidth, and bf16 / fp32
+matmul peaks.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def timed(fn, reps: int) -> float:
 
 def machine_bound(weight_bytes: int) -> str:
     big = torch.ones(256 * 2**20)  # 1 GiB fp32
-    read = min(timed(lambda: big.sum(), 3) for _ in range(3)) / 1e3
+    read_sum = big.sum  # bound here: `big` is deleted below, so the generator must not look it up by name
+    read = min(timed(read_sum, 3) for _ in range(3)) / 1e3
     gbs = big.numel() * 4 / read / 1e9
     peaks = {}
     for dt in (torch.bfloat16, torch.float32):

@@ -2,10 +2,11 @@
 
     python -m scripts.studies.batch_invariance [--dtype bfloat16 float32] [--threads 1] [--tokens 16]
 
-For each dtype: (1) one forward over n tokens against n one-token forwards, through Hugging Face (eval.engine.hf_forward) and
-through eval.engine.forward, with the largest logit difference; (2) HF hooked module by module: the first module whose
-output differs between the two, and whether its input already did; (3) the ops alone: F.linear over 1..130 rows
-(which row counts give the same bits for a row), SDPA over key lengths / masks / query counts, RMSNorm, rotary.
+For each dtype: (1) one forward over n tokens against n one-token forwards, through Hugging Face
+(eval.engine.hf_forward) and through eval.engine.forward, with the largest logit difference; (2) HF hooked module by
+module: the first module whose output differs between the two, and whether its input already did; (3) the ops alone:
+F.linear over 1..130 rows (which row counts give the same bits for a row), SDPA over key lengths / masks / query counts,
+RMSNorm, rotary.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def first_difference(model, ids, prefix: int) -> str:
 
 def row_paths(fn, x: torch.Tensor) -> str:
     """For M = 1..20, 33, 64, 130: is every row of fn(x[:M]) bitwise the row computed alone, i.e. fn of that row
-    repeated p times (p = 1: a one-token step; p = 2, 4: the padding eval.engine.forward applies)? Lists the M that fail."""
+    repeated p times (p = 1: a one-token step; p = 2, 4: the padding eval.engine.forward applies)? Lists the M that
+    fail."""
     sizes = list(range(1, 21)) + [33, 64, 130]
     out = []
     for p in (1, 2, 4):

@@ -7,12 +7,13 @@ Every export is decoded greedily on the same built-in eval prompts (never traine
 once per node budget (`tree=auto` of that size: the same budget for every drafter), and its output is checked
 against plain greedy decoding token for token. tau is pooled over all rounds of all prompts (tokens per verifier
 forward). Chain accuracy per depth is teacher-forced on the verifier's own answers to the same prompts
-(eval/offline.py's tables, as scripts/tools/drafter_accuracy.py prints them: P(depth d right | depths 1..d-1 right)). The training-token count of each
-export is its config's `train_tokens` (assistant tokens in its training split), or `--tokens`. Beside them, the
-verifier's mean top-1 probability on its own answers (eval.offline.verifier_top1): a ceiling indicator; and the
-export's `train_depth1_top1` (its last epoch's depth-1 accuracy on training batches): next to acc d1, the gap.
-From the run's training.json (train/record.py): its epochs and wall seconds per epoch on the machine that trained it.
-Where a curve has 4+ points, the limit it points to: tau = limit - a N^-b fitted (scipy), drawn dashed out to 10x.
+(eval/offline.py's tables, as scripts/tools/drafter_accuracy.py prints them: P(depth d right | depths 1..d-1 right)).
+The training-token count of each export is its config's `train_tokens` (assistant tokens in its training split), or
+`--tokens`. Beside them, the verifier's mean top-1 probability on its own answers (eval.offline.verifier_top1): a
+ceiling indicator; and the export's `train_depth1_top1` (its last epoch's depth-1 accuracy on training batches): next to
+acc d1, the gap. From the run's training.json (train/record.py): its epochs and wall seconds per epoch on the machine
+that trained it. Where a curve has 4+ points, the limit it points to: tau = limit - a N^-b fitted (scipy), drawn dashed
+out to 10x.
 
 Writes learning_curve.json, learning_curve.md (the table) and learning_curve.png (tau against training tokens, one
 line per drafter family and budget), and logs the table and plot to W&B (offline unless an account is configured).

@@ -1,1 +1,2 @@
-"""User tools: converting and shipping exports, building and shipping data, offline scoring: `python -m scripts.tools.<name>`."""
+"""User tools: converting and shipping exports, building and shipping data, offline scoring:
+`python -m scripts.tools.<name>`."""

@@ -18,9 +18,9 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[2]
-
 from eval.harness import evaluate
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str]) -> None:

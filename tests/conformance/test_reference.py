@@ -156,7 +156,8 @@ def test_eagle3_default_verifier(exported):
 
 
 def test_eagle3_explicit_layers_not_supported(exported):
-    """Non-default layer ids cannot be served by the EAGLE repository (README, Export formats: not supported); the check sees it."""
+    """Non-default layer ids cannot be served by the EAGLE repository (README, Export formats: not supported); the check
+    sees it."""
     w = exported("eagle3-tiny4")
     assert aux_layers_read(w.verifier_layers) != list(w.aux_layer_ids)
 
