@@ -173,7 +173,30 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("lookahead", "lookahead", drafter="eval.drafters.build.lookahead"),
     Family("hybrid", "hybrid", drafter="eval.drafters.build.hybrid", needs_export=True, tree="primary", min_drafts=1),
 )}
-EXPORT_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.has_export)  # the families an export directory holds
+BUILT_IN = frozenset(FAMILIES)  # the families this package defines
+EXPORT_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.has_export)  # the built-in families an export holds
+
+
+def export_families() -> tuple[str, ...]:
+    """The families an export directory can hold, registered ones included (`register`)."""
+    return tuple(n for n, f in FAMILIES.items() if f.has_export)
+
+
+def register(entry: Family) -> Family:
+    """Add a drafter family to the registry: a family defined outside this package (a plugin, or one a test defines)
+    is its modules, its two YAMLs (conf/model/<name>.yaml, conf/drafter/<name>.yaml, found through Hydra's
+    `hydra.searchpath`) and this one call; no shared module changes. Its name must be new."""
+    if entry.name in FAMILIES:
+        raise UserError(f"a drafter family named {entry.name!r} is registered already; give the new one another name.")
+    FAMILIES[entry.name] = entry
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Remove a family `register` added (a test cleaning up after itself); the built-in ones stay."""
+    if name in BUILT_IN:
+        raise UserError(f"{name!r} is a built-in family; only a registered one can be removed.")
+    FAMILIES.pop(name, None)
 
 
 def family(name: str, setting: str = "drafter") -> Family:
@@ -191,16 +214,16 @@ def title(name: str | None) -> str:
 def family_of_config(config: dict[str, Any]) -> str | None:
     """The family an export's config.json (flattened: models/speculators_format.py) holds, or None: its model_type,
     else an architecture one family writes or reads, else the project's `eagle_kind` key."""
-    for name in EXPORT_FAMILIES:
+    for name in export_families():
         if FAMILIES[name].export.model_type and config.get("model_type") == FAMILIES[name].export.model_type:
             return name
     for arch in config.get("architectures") or []:
-        for name in EXPORT_FAMILIES:
+        for name in export_families():
             fmt = FAMILIES[name].export
             if arch in fmt.architectures or arch in fmt.reads:
                 return name
     kind = config.get("eagle_kind")
-    return kind if kind in EXPORT_FAMILIES else None
+    return kind if kind in export_families() else None
 
 
 def family_of_net(net: nn.Module) -> str:

@@ -22,7 +22,7 @@ from eval.engine.protocol import Draft, Drafter  # noqa: F401  (the protocol, im
 from eval.engine.sampling import SamplingConfig, sampling_config
 from eval.engine.tree import Chain, TreePolicy
 from models.export import Export, ExportInfo, frequent_ids, load_export
-from models.families import EXPORT_FAMILIES, FAMILIES, family_of_net, resolve, title
+from models.families import FAMILIES, export_families, family_of_net, resolve, title
 from models.verifier import Verifier
 from runtime.errors import UserError, VerifierMismatchError
 
@@ -39,8 +39,8 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy,
     many rows: train/base.py), else the full vocabulary."""
     if (checkpoint is None) == (net is None):
         raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
-    if kind is not None and kind not in EXPORT_FAMILIES:
-        raise UserError(f"drafter={kind!r} is no family with an export; choose one of {sorted(EXPORT_FAMILIES)}.")
+    if kind is not None and kind not in export_families():
+        raise UserError(f"drafter={kind!r} is no family with an export; choose one of {sorted(export_families())}.")
     config: dict[str, Any] = {}
     counts, export = None, None
     if checkpoint is not None:
