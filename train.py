@@ -114,7 +114,8 @@ def _run(cfg: DictConfig) -> Path:
                           offline=bool(cfg.data.get("cache_hidden_states")),
                           precision=str(cfg.trainer.get("precision"))).table())
     if logger:
-        logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "verifier_fingerprint": verifier.fingerprint})
+        logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True),
+                                "verifier_fingerprint": verifier.fingerprint})
     # Resuming loads tensors and plain values only (resolve_ckpt has already read the file so, for older Lightning).
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
     if cfg.get("validate_only"):

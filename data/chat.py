@@ -67,7 +67,8 @@ def content_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
     a sentinel for each content must give `text` back once the sentinels are replaced. A template that changes
     content (trims it, drops reasoning) does not: a content holding a control token is then refused, naming it."""
     contents = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
-    marked = [dict(m, content=SENTINEL.format(j)) if c is not None else m for j, (m, c) in enumerate(zip(messages, contents))]
+    marked = [dict(m, content=SENTINEL.format(j)) if c is not None else m
+              for j, (m, c) in enumerate(zip(messages, contents))]
     probe = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
     found = sorted((probe.find(SENTINEL.format(j)), j) for j, c in enumerate(contents) if c is not None)
     spans, out, pos, shift = [], [], 0, 0
@@ -210,8 +211,9 @@ def encode_conversation(
         if after[: len(before)] != before or before[: len(ids)] != ids:
             raise NotPrefixes(
                 f"the chat template of {tokenizer.name_or_path!r} does not render conversation prefixes as prefixes, "
-                f"so assistant tokens cannot be located in one row. Use data=selfdistill, or a model with a ChatML-like "
-                f"template (data.chat.encode_turns splits such conversations into one row per assistant turn)."
+                f"so assistant tokens cannot be located in one row. Use data=selfdistill, or a model with a "
+                f"ChatML-like template (data.chat.encode_turns splits such conversations into one row per "
+                f"assistant turn)."
             )
         mask += [0] * (len(before) - len(ids)) + [1] * (len(after) - len(before))
         ids = after

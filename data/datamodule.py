@@ -124,8 +124,9 @@ class DistillDataModule(L.LightningDataModule):
         if mode not in MODES:
             raise UserError(f"data.mode={mode!r} is not one of {MODES}.")
         if source == "humaneval" or (not isinstance(source, str) and "humaneval" in list(source)):
-            raise UserError("data.source=humaneval: HumanEval is kept for evaluation (python -m eval prompts=humaneval) "
-                            "and is not a training source. Use builtin, a question.jsonl or a ShareGPT file.")
+            raise UserError("data.source=humaneval: HumanEval is kept for evaluation (python -m eval "
+                            "prompts=humaneval) and is not a training source. Use builtin, a question.jsonl or a "
+                            "ShareGPT file.")
         self.verifier = verifier
         self.cache_dir = Path(cache_dir).expanduser()
         self.mode, self.source, self.limit = mode, source, limit

@@ -249,7 +249,8 @@ def load_argmax(path: Path, row: int) -> Tensor:
     return _argmax_group(_argmax_file(path, row))[str(row)]
 
 
-def gather_layers(batch: dict[str, Tensor], layers: list[int], verifier: Verifier, wanted: list[int]) -> dict[int, Tensor]:
+def gather_layers(batch: dict[str, Tensor], layers: list[int], verifier: Verifier,
+                  wanted: list[int]) -> dict[int, Tensor]:
     """The hidden states `wanted` (layer ids), from the batch's cache when it has them, else one verifier forward.
 
     Returns {layer id: (B, T, D)}; -1 is the final-normed hidden state (the lm_head input).

@@ -34,7 +34,8 @@ SENT_A, SENT_U = "@@SPECDRAFT_ANSWER@@", "@@SPECDRAFT_USER_TURN@@"
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, user: str) -> tuple[str, int, int]:
-    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENT_A}, {"role": "user", "content": user}]
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENT_A},
+            {"role": "user", "content": user}]
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     eot = tokenizer.decode([tokenizer.eos_token_id])
     start = text.find(SENT_A + eot)

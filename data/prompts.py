@@ -61,7 +61,8 @@ def _read_json_records(path: Path) -> list[dict[str, Any]]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise UserError(f"prompt file {str(path)!r}, line {lineno}: not valid JSON ({e}). Fix or remove that line.") from e
+            raise UserError(f"prompt file {str(path)!r}, line {lineno}: not valid JSON ({e}). "
+                            f"Fix or remove that line.") from e
     return records
 
 

@@ -178,7 +178,8 @@ def build_selfdistill(
                         f"data.max_length.")
     if any(too_long):
         print(f"[data] self-distillation: {sum(too_long)} of {len(convs)} prompts have max_length={max_length} tokens "
-              f"or more (longest {max(map(len, prompts))}): not answered, left out. Raise data.max_length to keep them.")
+              f"or more (longest {max(map(len, prompts))}): not answered, left out. "
+              f"Raise data.max_length to keep them.")
     plan: list[tuple[int, int, Path]] = []  # (start, end, shard folder)
     offset = 0
     for size in groups:

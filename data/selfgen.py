@@ -73,7 +73,8 @@ def generate_prompts(verifier: Verifier, num: int, temperature: float = 1.0, top
     for a in answers:
         ended = bool(a) and a[-1] in stops
         # an unfinished turn (hit max_new_tokens) is marked so it can be dropped
-        texts.append(tok.decode(a[:-1] if ended else a, skip_special_tokens=True).strip() + ("" if ended else " \u2026"))
+        text = tok.decode(a[:-1] if ended else a, skip_special_tokens=True).strip()
+        texts.append(text + ("" if ended else " \u2026"))
     return [{"prompt": t, "category": f"selfgen/{a or 'any'}"} for t, a in zip(texts, assignment)]
 
 

@@ -139,7 +139,8 @@ def pack(ds: datasets.Dataset, out: str | Path, verifier: Verifier, info: dict[s
         for part, start in enumerate(range(0, len(ds), rows_per_part)):
             rows = ds.select(range(start, min(start + rows_per_part, len(ds))))
             table = pa.table({"id": rows["id"], "category": rows["category"], "source": rows["source"],
-                              "input_ids": rows["input_ids"], "loss_mask": [[bool(m) for m in r] for r in rows["loss_mask"]]},
+                              "input_ids": rows["input_ids"],
+                              "loss_mask": [[bool(m) for m in r] for r in rows["loss_mask"]]},
                              schema=schema)
             name = f"part-{part:05d}.parquet"
             pq.write_table(table, tmp / name, compression="zstd", compression_level=19, use_dictionary=["category",

@@ -61,7 +61,8 @@ def rows(samples: Sequence[Sample], methods: Sequence[str],
             pre = sum(s.times[m].get("prefill_s", 0.0) for s in samples)
             rest = sum(s.seconds[m] for s in samples) - pre
             out[m]["prefill_s"] = round(pre, 4)
-            out[m]["decode_tokens_per_s"] = round(sum(len(s.outputs[m]) for s in samples) / rest, 2) if rest > 0 else None
+            out[m]["decode_tokens_per_s"] = (round(sum(len(s.outputs[m]) for s in samples) / rest, 2)
+                                             if rest > 0 else None)
     return out
 
 
@@ -148,7 +149,8 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
             head = col.split("/")[0] + col[col.find("@"):] * ("@" in col) if "/" in col else col  # family[@run]
             grid.add_column(head, justify="left" if col == "group" else "right")
         for g, r in by.items():
-            n = sum(1 for s in samples if (s.category if by is report["by_category"] else length_group(s.prompt_tokens)) == g)
+            n = sum(1 for s in samples
+                    if (s.category if by is report["by_category"] else length_group(s.prompt_tokens)) == g)
             grid.add_row(g, str(n), *[f"{r[m]['tokens_per_s']:.1f}" for m in report["methods"]],
                          f"{r['baseline']['prefill_s']:.2f}")
         console.print(grid)

@@ -153,7 +153,8 @@ def _every_family(cfg: DictConfig, chosen: str, verifier: Verifier, exports: lis
         drafters[label] = drafter
         if planned is not None:
             plans[label] = planned
-            print(f"[eval] tree.size=auto: {label} plans {planned.size} nodes (predicted {planned.predicted_speedup:.2f}x)")
+            print(f"[eval] tree.size=auto: {label} plans {planned.size} nodes (predicted "
+                  f"{planned.predicted_speedup:.2f}x)")
     return drafters, plans
 
 
@@ -301,11 +302,11 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         print(f"dtype: {dtype} ({dtype_reason})")
     if str(cfg.dtype) not in EVAL_DTYPES:
         raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use auto, float32 or bfloat16 (bf16 is "
-                        f"exact through eval.engine.forward, faster on CPUs with AMX or AVX512-BF16). float16 would also "
-                        f"change the verifier's fingerprint, which is taken in bfloat16.")
+                        f"exact through eval.engine.forward, faster on CPUs with AMX or AVX512-BF16). float16 would "
+                        f"also change the verifier's fingerprint, which is taken in bfloat16.")
     if str(cfg.get("engine", "auto")) not in ENGINES:
-        raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine.forward where it is "
-                        f"exact and faster, hf: Hugging Face's forward).")
+        raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine.forward where it "
+                        f"is exact and faster, hf: Hugging Face's forward).")
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k fail before anything loads
     peers = check_peers(cfg.get("engine_peers") or [], bool(cfg.multi_turn), str(cfg.get("method", "single")))
     threads = torch.get_num_threads()
@@ -349,6 +350,6 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     if run.predicted is not None:
         p = run.predicted
         print(f"speedup: predicted {p.predicted_speedup:.2f}x from the cost curve ({p.size} drafts, E[tokens/round] "
-              f"{p.expected_tokens:.2f}, verify {p.verify_ms:.1f} ms + draft {p.draft_ms:.1f} ms vs step {p.step_ms:.1f} ms)"
-              f"{' [tree.size=auto]' if run.auto_size else ''}; measured {report['speedup']:.2f}x")
+              f"{p.expected_tokens:.2f}, verify {p.verify_ms:.1f} ms + draft {p.draft_ms:.1f} ms vs step "
+              f"{p.step_ms:.1f} ms){' [tree.size=auto]' if run.auto_size else ''}; measured {report['speedup']:.2f}x")
     return report

@@ -42,7 +42,8 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts
 
     if not verifier.checkpoint:
         raise UserError(f"engine_peers=[vllm]: the verifier {verifier.name} was built in memory and vLLM loads "
-                        f"from a directory; save it with models.verifier.save_checkpoint, or use a checkpoint verifier.")
+                        f"from a directory; save it with models.verifier.save_checkpoint, or use a "
+                        f"checkpoint verifier.")
     tokens = int(tokens or DEFAULT_TOKENS)
     common = dict(dtype=dtype, threads=threads, temperature=temperature, top_p=top_p, seed=seed,
                   max_model_len=max(len(p) for p in prompts) + max_new_tokens + tokens + 8)

@@ -227,10 +227,12 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
         if spec:
             a = ", ".join(f"{x:.2f}" for x in spec["accept_rate_per_position"])
             console.print(f"{name} {peer['version']} with this drafter ({spec['speculative_tokens']} tokens): tau "
-                          f"{spec['tau'] or 0:.3f}, alpha_k [{a}], speedup {spec['speedup'] or 0:.2f}x over {name} plain")
+                          f"{spec['tau'] or 0:.3f}, alpha_k [{a}], speedup {spec['speedup'] or 0:.2f}x "
+                          f"over {name} plain")
         else:
             console.print(f"{name} {peer['version']}: {peer.get('note', 'plain only')}")
-    for title, groups in (("per prompt set", report.get("by_prompt_set") or {}), ("per category", report["by_category"]),
+    for title, groups in (("per prompt set", report.get("by_prompt_set") or {}),
+                          ("per category", report["by_category"]),
                           ("per prompt length", report["by_prompt_length"])):
         if not groups:
             continue
@@ -242,7 +244,8 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
             a1 = m["accept_rate_per_position"][0] if m["accept_rate_per_position"] else 0.0
             pre = m["prefill"]
             cats.add_row(c, str(m["num_prompts"]), str(m["prompt_tokens"] // max(m["num_prompts"], 1)),
-                         f"{m['tau']:.2f}", f"{a1:.2f}", f"{m['tokens_per_s']:.1f}", f"{m['baseline_tokens_per_s']:.1f}",
+                         f"{m['tau']:.2f}", f"{a1:.2f}", f"{m['tokens_per_s']:.1f}",
+                         f"{m['baseline_tokens_per_s']:.1f}",
                          f"{m['hf_generate_tokens_per_s']:.1f}", f"{m['hf_prompt_lookup_tokens_per_s']:.1f}",
                          f"{m['speedup']:.2f}x", f"{m['speedup_vs_hf_generate']:.2f}x",
                          num_or_dash(pre["baseline"]["prompt_tokens_per_s"]),

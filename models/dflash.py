@@ -54,7 +54,8 @@ class DFlashLayer(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rope_theta: float, eps: float) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = num_heads, num_kv_heads, head_dim, rope_theta
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.rope_theta = head_dim, rope_theta
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.self_attn = nn.Module()
@@ -104,8 +105,8 @@ class DFlashNet(nn.Module):
                  aux_layer_ids: Sequence[int] | None = None, attention_bias: bool = False) -> None:
         super().__init__()
         if attention_bias:
-            raise UserError("DFlash's layers have no attention biases (vLLM's qwen3_dflash); this verifier's family has "
-                            "them, and a DFlash drafter for it is not supported.")
+            raise UserError("DFlash's layers have no attention biases (vLLM's qwen3_dflash); this verifier's family "
+                            "has them, and a DFlash drafter for it is not supported.")
         self.hidden_size, self.vocab_size, self.num_verifier_layers = hidden_size, vocab_size, num_verifier_layers
         self.draft_vocab_size = vocab_size
         self.mask_token_id = check_mask_token(mask_token_id, vocab_size)

@@ -70,8 +70,8 @@ def check_draft_layer(config: dict[str, Any], verifier: Any, where: str | Path, 
     One message each, naming the field, the value seen, the value expected and the fix. A reference-layout checkpoint
     (`required` False: it names no verifier, and its layer is rebuilt from the one given) is warned about instead."""
     lc = layer_config(verifier)
-    fix = ("Re-export the drafter (python -m scripts.tools.convert from-reference <this folder> <new folder>), or pass the "
-           "verifier it was trained on")
+    fix = ("Re-export the drafter (python -m scripts.tools.convert from-reference <this folder> <new folder>), or pass "
+           "the verifier it was trained on")
     missing = [k for k in ENGINE_LAYER_KEYS if config.get(k) is None]
     if required and missing:
         raise UserError(f"{where}: {missing[0]} is missing (expected {lc[missing[0]]!r}, the verifier's): an engine "
@@ -243,8 +243,8 @@ def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tens
         raise UserError(f"{file}: config.json hidden_size={config['hidden_size']} but fc.weight is {tuple(fc.shape)} "
                         f"(hidden size {fc.shape[0]}). Re-export the checkpoint, or fix hidden_size.")
     if int(fc.shape[0]) != lc["hidden_size"]:
-        raise UserError(f"{file}: fc.weight {tuple(fc.shape)} is for a hidden size of {fc.shape[0]}, but the verifier's "
-                        f"hidden_size is {lc['hidden_size']}. Pass the verifier the drafter was trained on.")
+        raise UserError(f"{file}: fc.weight {tuple(fc.shape)} is for a hidden size of {fc.shape[0]}, but the "
+                        f"verifier's hidden_size is {lc['hidden_size']}. Pass the verifier the drafter was trained on.")
     check_draft_layer(config, verifier, file.parent / "config.json", required=not reference)
     if kind == "eagle3":
         own = Eagle3Config.from_config(config, file.parent / "config.json")
@@ -277,8 +277,8 @@ def peagle_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
 
     lc = layer_config(verifier)
     if "mask_hidden" not in tensors:
-        raise UserError(f"{file}: no mask_hidden tensor, so this is not a P-EAGLE export (an EAGLE-3 one, maybe: load it "
-                        f"as drafter=eagle3).")
+        raise UserError(f"{file}: no mask_hidden tensor, so this is not a P-EAGLE export (an EAGLE-3 one, maybe: load "
+                        f"it as drafter=eagle3).")
     where = file.parent / "config.json"
     own = PEagleConfig.from_config(config, where)
     mask = check_mask_token(own.mask_token_id, lc["vocab_size"], f"{where}: mask_token_id")

@@ -165,7 +165,8 @@ class DraftAttention(nn.Module):
     def __init__(self, in_dim: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rope_theta: float, bias: bool = False) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = num_heads, num_kv_heads, head_dim, rope_theta
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.rope_theta = head_dim, rope_theta
         self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)

@@ -74,8 +74,8 @@ class Export:
 def _raw_config(path: Path) -> dict[str, Any]:
     cfg_file = path / CONFIG_NAME
     if not cfg_file.is_file():
-        raise UserError(f"checkpoint={str(path)!r}: no {CONFIG_NAME} there. Pass the `export/` directory train.py printed "
-                        f"(or a Medusa / EAGLE reference checkpoint directory).")
+        raise UserError(f"checkpoint={str(path)!r}: no {CONFIG_NAME} there. Pass the `export/` directory train.py "
+                        f"printed (or a Medusa / EAGLE reference checkpoint directory).")
     try:
         config = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -92,7 +92,8 @@ def _load_tensors(file: Path) -> dict[str, Tensor]:
             return load_file(str(file))
         state = torch.load(file, map_location="cpu", weights_only=True)
     except (SafetensorError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise UserError(f"{file} is corrupt, truncated or not a plain tensor file ({e}); re-export the checkpoint.") from e
+        raise UserError(f"{file} is corrupt, truncated or not a plain tensor file ({e}); "
+                        f"re-export the checkpoint.") from e
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise UserError(f"{file} is not a state dict of tensors; expected the reference layout's {file.name}.")
     return state
@@ -115,8 +116,8 @@ def _read_reference(path: Path, config: dict[str, Any]) -> tuple[dict[str, Any],
         raise UserError(f"{weights}: unknown layout: not a specdraft export ({path / CONFIG_NAME} has no "
                         f"verifier_fingerprint; architectures={config.get('architectures')}) and its tensors {names} "
                         f"are none of the reference layouts (EAGLE-3: midlayer.*; EAGLE-1: fc.weight + layers.0.*; "
-                        f"Medusa: medusa_lm_head.* with {{h}}.{{l}}.linear.*). Convert it with `python -m scripts.tools.convert` or "
-                        f"pass an export train.py wrote.")
+                        f"Medusa: medusa_lm_head.* with {{h}}.{{l}}.linear.*). Convert it with `python -m "
+                        f"scripts.tools.convert` or pass an export train.py wrote.")
     return FAMILIES[kind].export.from_reference(config, tensors, weights)
 
 
@@ -195,7 +196,8 @@ def read_weights(path: str | Path) -> dict[str, Tensor]:
 def _project_weights(path: Path) -> dict[str, Tensor]:
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
-        raise UserError(f"checkpoint={str(path)!r}: {WEIGHTS_NAME} is missing. Re-export it (train.py writes it on fit end).")
+        raise UserError(f"checkpoint={str(path)!r}: {WEIGHTS_NAME} is missing. Re-export it "
+                        f"(train.py writes it on fit end).")
     return _load_tensors(weights)
 
 
@@ -340,7 +342,8 @@ def check_engine_ready(path: str | Path) -> None:
     for f in sorted(stray_weight_files(path), key=lambda f: f.name == COUNTS_NAME):  # a foreign file named first
         legacy = f.name == COUNTS_NAME
         fix = (f"an export written before the side data moved to {SIDE_DIR}/: rewrite it with `python -m "
-               f"scripts.tools.convert from-reference {path} <new dir>` (or move the file to {path / SIDE_DIR / f.name})"
+               f"scripts.tools.convert from-reference {path} <new dir>` (or move the file to "
+               f"{path / SIDE_DIR / f.name})"
                if legacy else f"move it out of the folder (this toolkit keeps side data in {SIDE_DIR}/)")
         raise UserError(f"{f}: a weight file beside {WEIGHTS_NAME}. vLLM loads every *.safetensors in an export "
                         f"folder and refuses tensors its drafter has no parameter for, so it would not serve "

@@ -53,7 +53,8 @@ class Verifier:
         self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, source: dict[str, Any], name: str,
         fingerprint: dict[str, Any], checkpoint: str | None = None,
     ) -> None:
-        self.model, self.tokenizer, self.source, self.name, self.fingerprint = model, tokenizer, source, name, fingerprint
+        self.model, self.tokenizer, self.source = model, tokenizer, source
+        self.name, self.fingerprint = name, fingerprint
         self.checkpoint = checkpoint
 
     def __repr__(self) -> str:
@@ -247,7 +248,8 @@ def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: 
                             f"is never loaded with code. {yourself}; it then loads without that code "
                             f"(trust_remote_code=False), or use the default verifier_path=smollm2.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=False, local_files_only=named_by is not None)
+        tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=False,
+                                                  local_files_only=named_by is not None)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=_resolve_dtype(dtype), trust_remote_code=False,
                                                      local_files_only=named_by is not None)
     except (OSError, ValueError) as e:
@@ -259,8 +261,8 @@ def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: 
             f"verifier.path={path!r} could not be loaded as a causal LM ({reason}). "
             f"Give a local checkpoint directory or a Hub id this machine can reach; the default is verifier=smollm2."
         ) from e
-    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "hf", "path": path}, name or Path(path).name,
-                   str(local.resolve()) if looks_local else path)
+    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "hf", "path": path},
+                   name or Path(path).name, str(local.resolve()) if looks_local else path)
 
 
 def smollm2_gguf_path() -> Path:
@@ -357,7 +359,8 @@ def _from_cache(ckpt: Path, load: Any) -> Any:
     try:
         return load(ckpt)
     except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
-        raise _damaged(ckpt, f"it does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        raise _damaged(ckpt, f"it does not load ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from e
 
 
 def load_smollm2(

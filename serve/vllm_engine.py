@@ -114,7 +114,8 @@ def serve(model: str | Path, prompts: Sequence[Sequence[int]], max_tokens: int, 
     is), optionally drafting with `spec` (a --speculative-config dict), each prompt alone (batch 1), or all at once
     with `batch` (vLLM's offline batched generation: data building)."""
     python = vllm_python()
-    request = {"model": str(model), "dtype": dtype, "speculative_config": spec, "prompts": [list(map(int, p)) for p in prompts],
+    request = {"model": str(model), "dtype": dtype, "speculative_config": spec,
+               "prompts": [list(map(int, p)) for p in prompts],
                "max_tokens": int(max_tokens), "temperature": float(temperature), "top_p": float(top_p),
                "seed": int(seed), "max_model_len": int(max_model_len), "warmup": warmup, "batch": batch}
     with tempfile.TemporaryDirectory(prefix="specdraft-vllm-") as tmp:

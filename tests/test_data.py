@@ -88,7 +88,8 @@ def test_selfdistill_answers_with_the_verifiers_tokens_and_caches(tiny, tmp_path
     assert len(ds) == 6 and set(ds.column_names) == {"id", "category", "input_ids", "loss_mask"}
     for row, conv in zip(ds, convs):
         p = prompt_ids(tiny.tokenizer, conv.messages)
-        assert row["input_ids"][: len(p)] == p and row["loss_mask"] == [0] * len(p) + [1] * (len(row["input_ids"]) - len(p))
+        assert row["input_ids"][: len(p)] == p
+        assert row["loss_mask"] == [0] * len(p) + [1] * (len(row["input_ids"]) - len(p))
         assert 1 <= sum(row["loss_mask"]) <= 6
     # The answers are the verifier's greedy continuation, token for token.
     import torch

@@ -43,7 +43,8 @@ def _data(tmp_path_factory, monkeypatch):
 
 
 def _cmd(args: list[str], run_dir: Path, record: Path | None = None) -> list[str]:
-    extra = [] if record is None else ["+callbacks.record._target_=helpers.RankRecorder", f"+callbacks.record.path={record}"]
+    extra = [] if record is None else ["+callbacks.record._target_=helpers.RankRecorder",
+                                       f"+callbacks.record.path={record}"]
     return [sys.executable, "train.py", *TINY, *args, *extra, f"hydra.run.dir={run_dir}"]
 
 
@@ -51,7 +52,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def _train(args: list[str], run_dir: Path, record: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def _train(args: list[str], run_dir: Path, record: Path | None = None,
+           timeout: int = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run(_cmd(args, run_dir, record), cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -77,7 +79,8 @@ def _compare(model: list[str], tmp_path: Path, steps: int = 3,
     proc = _train([*model, *DDP, f"trainer.max_steps={steps}"], two, tmp_path / "two-rec")
     r0, r1 = _records(tmp_path / "two-rec", 0), _records(tmp_path / "two-rec", 1)
     single = _records(tmp_path / "one-rec", 0)
-    assert [r["step"] for r in r0] == [r["step"] for r in r1] == [r["step"] for r in single] == list(range(1, steps + 1))
+    assert ([r["step"] for r in r0] == [r["step"] for r in r1] == [r["step"] for r in single]
+            == list(range(1, steps + 1)))
     # Every rank holds the same weights after each step.
     assert [r["weights"] for r in r0] == [r["weights"] for r in r1]
     # The export is written once, by rank 0, and said once.
@@ -133,7 +136,8 @@ def test_a_run_whose_rank_was_killed_resumes_to_the_same_final_step(tmp_path):
     last = tmp_path / "checkpoints" / "last.ckpt"
     deadline = time.time() + 300
     try:
-        while time.time() < deadline and not (last.is_file() and torch.load(last, weights_only=False)["global_step"] >= 4):
+        while time.time() < deadline and not (
+                last.is_file() and torch.load(last, weights_only=False)["global_step"] >= 4):
             time.sleep(0.5)
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train.py" in " ".join(p.cmdline())]
         assert len(ranks) == 1, "expected rank 1 as the one child of the launching process"
@@ -154,7 +158,8 @@ def test_a_run_whose_rank_was_killed_resumes_to_the_same_final_step(tmp_path):
 def test_ranks_that_disagree_on_the_config_are_refused(tmp_path):
     """Rank 1 composes another seed (read from LOCAL_RANK, which only the launched rank has set when the config is
     resolved): one message on every rank, before any step."""
-    proc = subprocess.run(_cmd([*DDP, "model=medusa", "trainer.max_steps=2", "seed='${oc.decode:${oc.env:LOCAL_RANK,0}}'"], tmp_path),
+    seed = "seed='${oc.decode:${oc.env:LOCAL_RANK,0}}'"
+    proc = subprocess.run(_cmd([*DDP, "model=medusa", "trainer.max_steps=2", seed], tmp_path),
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert "the ranks disagree on the run's config" in proc.stderr

@@ -73,7 +73,8 @@ def identity_net(kind: str, verifier: Verifier, vocab: list[int]) -> EagleNet:
     last = verifier.num_layers  # hidden_states[L]: after the final norm
     net = build_eagle(kind, verifier, draft_vocab_size=256 if kind == "eagle3" else None,
                       aux_layer_ids=[last - 1] if kind == "eagle3" else None)
-    if kind == "eagle3":  # test-only: HF's normed hidden_states[L], which no engine can feed (so build_eagle refuses it)
+    # test-only: HF's normed hidden_states[L], which no engine can feed (so build_eagle refuses it)
+    if kind == "eagle3":
         net.aux_layer_ids = [last]
     d = verifier.hidden_size
     with torch.no_grad():

@@ -100,7 +100,8 @@ def test_export_round_trip_and_layout(tiny, tmp_path, kind):
         assert tensors["d2t"].shape == (64,) and tensors["t2d"].shape == (tiny.vocab_size,)
         assert tensors["t2d"].dtype == torch.bool
         prefix = "midlayer."
-    assert tensors[prefix + "self_attn.k_proj.weight"].shape == (kvh * hd, tensors[prefix + "self_attn.k_proj.weight"].shape[1])
+    k_proj = tensors[prefix + "self_attn.k_proj.weight"]
+    assert k_proj.shape == (kvh * hd, k_proj.shape[1])
     assert tensors[prefix + "mlp.gate_proj.weight"].shape == (inter, h)
     assert cfg["verifier_fingerprint"] == tiny.fingerprint and cfg["torch_dtype"] == "bfloat16"
     loaded = load_export(tmp_path / kind, tiny, kind)
@@ -153,8 +154,8 @@ def test_fast_dev_run(train_script, tmp_path, tiny, model):
 
 def test_eagle3_learns_and_logs_step_accuracies(train_script, tmp_path):
     # A tiny verifier with peaked next-token distributions, so there is something to learn beyond q's entropy.
-    cfg = compose_train([*TINY, "+verifier.initializer_range=0.3", "model=eagle3", "model.aux_layer_ids=[0,1]", "logger=csv",
-                         "trainer.max_epochs=8", "trainer.log_every_n_steps=1",
+    cfg = compose_train([*TINY, "+verifier.initializer_range=0.3", "model=eagle3", "model.aux_layer_ids=[0,1]",
+                         "logger=csv", "trainer.max_epochs=8", "trainer.log_every_n_steps=1",
                          "model.optimizer.lr=1e-2", "model.ttt_steps=3", "model.val_steps=4"], tmp_path)
     export = train_script.run(cfg)
     config = json.loads((export / "config.json").read_text())
@@ -177,7 +178,8 @@ def test_eagle3_learns_and_logs_step_accuracies(train_script, tmp_path):
 def test_offline_hidden_state_cache_matches_online(tiny, tmp_path, capsys):
     from hydra.utils import instantiate
 
-    cfg = compose_train([*TINY, "model=eagle3", "model.aux_layer_ids=[0,1]", "data.cache_hidden_states=true", f"cache_dir={tmp_path}"], tmp_path)
+    cfg = compose_train([*TINY, "model=eagle3", "model.aux_layer_ids=[0,1]", "data.cache_hidden_states=true",
+                         f"cache_dir={tmp_path}"], tmp_path)
     module = instantiate(cfg.model, verifier=tiny)
     dm = instantiate(cfg.data, verifier=tiny)
     dm.hidden_layers = module.hidden_layers
@@ -193,7 +195,8 @@ def test_offline_hidden_state_cache_matches_online(tiny, tmp_path, capsys):
     real = batch["attention_mask"].bool()
     final = batch["hidden"][:, module.hidden_layers.index(-1)].float()
     expect = torch.stack([tiny.lm_head(f).argmax(-1) for f in final])
-    assert torch.equal(batch["verifier_argmax"][real], expect[real]) and bool((batch["verifier_argmax"][~real] == -1).all())
+    assert torch.equal(batch["verifier_argmax"][real], expect[real])
+    assert bool((batch["verifier_argmax"][~real] == -1).all())
     torch.manual_seed(0)
     cached = module.model_step(batch, 3, train=False)["losses"]
     online = {k: v for k, v in batch.items() if k not in ("hidden", "verifier_argmax")}
@@ -239,7 +242,8 @@ def test_validation_ranks_agree_with_top1_hits(tiny, kind):
     from train.eagle import EagleModule
 
     torch.manual_seed(0)
-    module = EagleModule(tiny, optimizer=torch.optim.AdamW, kind=kind, draft_vocab_size=64 if kind == "eagle3" else None,
+    module = EagleModule(tiny, optimizer=torch.optim.AdamW, kind=kind,
+                         draft_vocab_size=64 if kind == "eagle3" else None,
                          aux_layer_ids=[0, 1] if kind == "eagle3" else None)
     if kind == "eagle3":
         module.net.set_draft_vocab(torch.arange(64))  # the ids the batch uses, so some targets are in it

@@ -295,7 +295,8 @@ def test_bf16_prepacked_weights_compute_the_same_layer_with_biases():
         assert e.pack is pack and e.layers[0]["qkv"].packed is pack and e.lm_head.packed is pack
         cache = engine.new_cache(e, 32)
         assert (e.dtype, 64, 128, True) in {k[:4] for k in engine._LINEAR_ROWS} or not pack  # probed on it
-        out[pack] = torch.cat([engine.forward(cache, ids[:, :20]).logits, engine.forward(cache, ids[:, 20:21]).logits], 1)
+        out[pack] = torch.cat([engine.forward(cache, ids[:, :20]).logits,
+                               engine.forward(cache, ids[:, 20:21]).logits], 1)
     with torch.no_grad():
         ref = model.float()(ids[:, :21]).logits
     err_packed = (out[True].float() - ref).abs().max()

@@ -131,7 +131,8 @@ def _match(verifier, drafter_of, references, max_new, engine="auto") -> float:
 
 def test_auto_picks_the_engine_in_bf16_and_hf_elsewhere(bf16, varied_llama_fp32):
     assert use_engine(bf16) and not use_engine(bf16, "hf") and use_engine(varied_llama_fp32, "engine")
-    assert not use_engine(varied_llama_fp32)  # fp32 on a CPU: HF's forward, already exact and faster (docs/results/engine-bf16.md)
+    # fp32 on a CPU: HF's forward, already exact and faster (docs/results/engine-bf16.md)
+    assert not use_engine(varied_llama_fp32)
     with pytest.raises(UserError, match="engine='fast'"):
         use_engine(bf16, "fast")
 

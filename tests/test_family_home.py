@@ -209,4 +209,5 @@ def test_every_family_keeps_the_declared_contracts():
                     if c.__module__ == mod.__name__ and callable(getattr(c, "propose", None))]
         assert drafters, stem
         for cls in drafters:
-            assert issubclass(cls, CostProbe), f"{cls.__qualname__} declares no draft_cost (eval.engine.protocol.CostProbe)"
+            assert issubclass(cls, CostProbe), (f"{cls.__qualname__} declares no draft_cost "
+                                                f"(eval.engine.protocol.CostProbe)")

@@ -62,7 +62,8 @@ def test_soft_target_ce_equals_autograd_with_gathered_rows(chunk, dtype):
         (got * w).sum().backward()
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         assert b.grad.dtype == dtype
-        torch.testing.assert_close(b.grad.float(), a.grad.float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+        torch.testing.assert_close(b.grad.float(), a.grad.float(), atol=1e-5,
+                                   rtol=1e-5 if dtype == torch.float32 else 1e-2)
         assert torch.equal(arg, logits.argmax(-1)) and int(arg[2]) == 5
         assert torch.equal(b.detach(), logits)
     with torch.no_grad():  # validation: no gradient buffer, same loss

@@ -89,7 +89,8 @@ def test_the_default_budget_is_16_for_an_export_without_acceptance_estimates(eag
 def test_the_hybrid_on_an_eagle_export_plans_with_its_drafters_table_and_draft_curve(tiny, tmp_path):
     # tree.size=auto (the default) plans the hybrid's budget from its primary (an EAGLE export with its per-depth
     # top-k table) and times the EAGLE drafter's growth per budget; the decode stays exact.
-    export = save_export(random_net("eagle", tiny, seed=1), tiny, tmp_path / "e", {"eagle_topk_accuracy": [[0.6, 0.8], [0.5, 0.7], [0.4, 0.6]]})
+    export = save_export(random_net("eagle", tiny, seed=1), tiny, tmp_path / "e",
+                         {"eagle_topk_accuracy": [[0.6, 0.8], [0.5, 0.7], [0.4, 0.6]]})
     report, profile = run_eval(["drafter=hybrid", f"checkpoint={export}", "num_prompts=1"], tmp_path / "out")
     model = profile["cost_model"]
     assert model["tree_size_auto"] and model["size"] >= 1 and report["method"] == f"hybrid/hybrid-{model['size']}"

@@ -27,7 +27,8 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     (tmp_path / "training.json").write_text(json.dumps({"epochs": [
         {"epoch": 0, "wall_s": 10.0, "resumed": True}, {"epoch": 1, "wall_s": 20.0}, {"epoch": 2, "wall_s": 30.0}]}))
     (tmp_path / "medusa" / "specdraft").mkdir(exist_ok=True)
-    (tmp_path / "medusa" / "specdraft" / "training.json").write_text(json.dumps({"epochs": [{"epoch": 0, "wall_s": 7.0}]}))
+    (tmp_path / "medusa" / "specdraft" / "training.json").write_text(
+        json.dumps({"epochs": [{"epoch": 0, "wall_s": 7.0}]}))
     env = {**os.environ, "WANDB_MODE": "disabled"}
 
     def run(export: str, out, *extra: str) -> None:
@@ -54,11 +55,13 @@ def test_learning_curve_script_writes_table_plot_and_exact_taus(tmp_path):
     assert (out / "learning_curve.png").stat().st_size > 0
     table = (out / "learning_curve.md").read_text()
     assert "| EAGLE-1 | 1,000 |" in table and "| Medusa | 4,000 |" in table and "| 3 | 25 |" in table
-    assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines() if line.startswith("|"))
+    assert all(line.count("|") == table.splitlines()[0].count("|")
+               for line in table.splitlines() if line.startswith("|"))
     assert f"(T=1): {rows[0]['verifier_top1']:.3f}" in table
     merged = tmp_path / "merged"  # no exports: only merge curves run apart (e.g. one per machine core)
-    proc = subprocess.run([sys.executable, "-m", "scripts.studies.learning_curve", "--tree-sizes", "3", "6", "--depth", "3",
-                           "--out", str(merged), "--include", str(tmp_path / "first" / "learning_curve.json"),
+    proc = subprocess.run([sys.executable, "-m", "scripts.studies.learning_curve", "--tree-sizes", "3", "6",
+                           "--depth", "3", "--out", str(merged),
+                           "--include", str(tmp_path / "first" / "learning_curve.json"),
                            str(out / "learning_curve.json")], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -43,7 +43,8 @@ def test_target_rank_full_and_draft_vocabulary():
     tied = torch.tensor([[2.0, 5.0, 5.0, 5.0]] * 3)
     assert target_rank(tied, torch.tensor([1, 2, 3])).tolist() == [0, 1, 2]
     assert int(tied[0].argmax()) == 1
-    assert target_rank(p3[:1].repeat(2, 1).index_fill(1, torch.tensor([2]), 3.0), torch.tensor([2, 3]), t2d).tolist() == [0, 1]
+    boosted = p3[:1].repeat(2, 1).index_fill(1, torch.tensor([2]), 3.0)
+    assert target_rank(boosted, torch.tensor([2, 3]), t2d).tolist() == [0, 1]
 
 
 def test_acceptance_tables_hand_built():
@@ -190,7 +191,8 @@ def test_heldout_accuracy_scores_the_runs_held_out_rows_by_source(train_script, 
                  "logger=csv"]
     export = train_script.run(compose_train([*overrides, "+trainer.fast_dev_run=true"], tmp_path / "run"))
 
-    spec = importlib.util.spec_from_file_location("heldout_accuracy", ROOT / "scripts" / "tools" / "heldout_accuracy.py")
+    spec = importlib.util.spec_from_file_location("heldout_accuracy",
+                                                  ROOT / "scripts" / "tools" / "heldout_accuracy.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     cfg = compose_train(overrides, tmp_path / "run")

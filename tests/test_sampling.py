@@ -224,7 +224,8 @@ def _drafter(kind: str, verifier, cfg: SamplingConfig):
         for p in net.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-        if name in ("eagle3", "peagle"):  # a draft vocabulary that holds the verifier's likely tokens, and random others
+        # a draft vocabulary that holds the verifier's likely tokens, and random others
+        if name in ("eagle3", "peagle"):
             net.set_draft_vocab(torch.randperm(verifier.vocab_size, generator=gen)[:4096])
         if name == "peagle":  # its one random vector too: the same drafter whichever tests ran before (global RNG)
             net.mask_hidden.copy_(torch.randn(net.mask_hidden.shape, generator=gen) * 0.02)
@@ -368,8 +369,9 @@ def test_sampled_rounds_negative_control_accept_all_fails(real_verifier, monkeyp
 # -- 3. the decode loop and the harness --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["medusa-tree-sampled", "eagle-chain-sampled", "eagle3-chain-sampled", "peagle-tree-sampled",
-                                  "eagle-tree-topk", "eagle-tree-sampled", "eagle3-tree-sampled"])
+@pytest.mark.parametrize("kind", ["medusa-tree-sampled", "eagle-chain-sampled", "eagle3-chain-sampled",
+                                  "peagle-tree-sampled", "eagle-tree-topk", "eagle-tree-sampled",
+                                  "eagle3-tree-sampled"])
 def test_sampled_speculative_decode_runs_with_every_drafter(real_verifier, kind):
     from eval.engine.decode import sample_decode, speculative_decode
 
@@ -571,7 +573,8 @@ def _dynamic_world_pairs(setting: tuple[float, float, int], seed: int, iid: bool
         second = without_replacement(world.p2[first[best]], 2, gen)
         parents = (-1,) + (0,) * len(first) + (1 + best,) * len(second)  # fewer where top-p leaves fewer tokens
         sib = lambda p, kids: p.expand(len(kids), -1) if iid else sibling_proposals(p, kids)  # noqa: E731
-        p = torch.cat([torch.zeros(1, V, dtype=torch.float64), sib(world.p1, first), sib(world.p2[first[best]], second)])
+        p = torch.cat([torch.zeros(1, V, dtype=torch.float64), sib(world.p1, first),
+                       sib(world.p2[first[best]], second)])
         by_shape.setdefault(parents, []).append((torch.cat([torch.zeros(1, dtype=torch.long), first, second]), p))
     spec = []
     for parents, rows in by_shape.items():

@@ -85,7 +85,8 @@ def test_training_record_per_epoch_survives_a_resume(train_script, tmp_path):
         assert e["assistant_tokens_per_wall_s"] == pytest.approx(tokens / e["wall_s"], rel=0.05)
         assert "train/loss" in e["metrics"] and any(k.startswith("val/") for k in e["metrics"])
         assert 0 < e["train_loss_mean"] < 100
-    assert first["global_step"] == 6 and first["wall_s_total"] == pytest.approx(sum(e["wall_s"] for e in first["epochs"]))
+    assert first["global_step"] == 6
+    assert first["wall_s_total"] == pytest.approx(sum(e["wall_s"] for e in first["epochs"]))
     train_script.run(compose_train([*common, "trainer.max_epochs=3", "ckpt_path=last"], tmp_path))
     second = json.loads((tmp_path / "training.json").read_text())
     assert second["epochs"][:2] == first["epochs"] and second["epochs"][2]["epoch"] == 2
@@ -215,7 +216,8 @@ def test_killed_training_resumes_with_ckpt_path_last(tmp_path):
     import time
 
     args = [*TINY, "logger=csv", "trainer.max_epochs=1000", "callbacks.checkpoint.every_n_train_steps=3"]
-    proc = subprocess.Popen([sys.executable, "train.py", *args, "trainer.max_steps=100000", f"hydra.run.dir={tmp_path}"],
+    proc = subprocess.Popen([sys.executable, "train.py", *args, "trainer.max_steps=100000",
+                             f"hydra.run.dir={tmp_path}"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = tmp_path / "checkpoints" / "last.ckpt"
     deadline = time.time() + 240
@@ -320,10 +322,11 @@ def test_init_from_starts_from_the_exports_weights_and_keeps_its_vocabulary(trai
     assert not all(torch.equal(weights["cold"][k], weights["first"][k]) for k in weights["first"])
 
     tiny = varied_llama()
+    runs = (("first", first), ("warm", warm), ("cold", cold))
     if model == "eagle3":
-        rows = {name: load_export(path, tiny).net.t2d for name, path in (("first", first), ("warm", warm), ("cold", cold))}
+        rows = {name: load_export(path, tiny).net.t2d for name, path in runs}
     else:
-        rows = {name: load_export(path, tiny).train_ids for name, path in (("first", first), ("warm", warm), ("cold", cold))}
+        rows = {name: load_export(path, tiny).train_ids for name, path in runs}
         assert json.loads((warm / "config.json").read_text())["train_vocab"] == 64
     assert not torch.equal(rows["cold"], rows["first"])  # the new data alone would choose other tokens
     assert torch.equal(rows["warm"], rows["first"])
@@ -350,7 +353,8 @@ def test_resumed_runs_train_on_the_batches_of_an_unbroken_run(train_script, tmp_
               "callbacks.checkpoint.every_n_train_steps=2"]
 
     def batches(path: Path) -> list[tuple[int, int, int, list[str]]]:
-        return [(r["step"], r["epoch"], r["batch_idx"], r["rows"]) for r in map(json.loads, path.read_text().splitlines())]
+        return [(r["step"], r["epoch"], r["batch_idx"], r["rows"])
+                for r in map(json.loads, path.read_text().splitlines())]
 
     unbroken = tmp_path / "unbroken"
     train_script.run(compose_train([*common, "trainer.max_steps=10", *batch_recorder_overrides(unbroken / "b.jsonl")],

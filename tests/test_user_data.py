@@ -42,7 +42,7 @@ REASONING_TEMPLATE = """\
 {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""  # noqa: E501 (the template verbatim)
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},

@@ -145,7 +145,8 @@ class DrafterModule(L.LightningModule, ABC):
     # -- warm start from an export (init_from=<export>) ------------------------------------------------------------
     warm: Export | None = None  # the export training started from, if any
 
-    drafter_kind: str | None = None  # `medusa`, `eagle` or `eagle3`: the export kind a module writes, if it can start from one
+    # `medusa`, `eagle` or `eagle3`: the export kind a module writes, if it can start from one
+    drafter_kind: str | None = None
     drafter_net: torch.nn.Module  # the network an export holds (its state dict is the export's weights)
 
     def warm_start(self, export: Export, source: str) -> None:

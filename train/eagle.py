@@ -312,7 +312,7 @@ class EagleModule(DrafterModule):
 
     # -- export ----------------------------------------------------------------------------------------------------
     def export(self, path: str | Path) -> Path:
-        extra = {**self.val_summary, **self.train_summary, "trained_steps": self.trained_steps, "drafter": title(self.net.kind),
-                 "draft_vocab_coverage": self.draft_vocab_coverage, **self.train_vocab_record(),
-                 **data_record(self._trainer)}
+        extra = {**self.val_summary, **self.train_summary, "trained_steps": self.trained_steps,
+                 "drafter": title(self.net.kind), "draft_vocab_coverage": self.draft_vocab_coverage,
+                 **self.train_vocab_record(), **data_record(self._trainer)}
         return save_export(self.net, self.verifier, path, extra, target_counts=self.target_counts)

@@ -112,7 +112,8 @@ class _SoftTargetCE(torch.autograd.Function):
         return grad * grad_losses.to(grad.dtype)[:, None], None, None, None
 
 
-def soft_target_ce(logits: Tensor, q: Tensor, index: Tensor | None = None, chunk: int = SOFT_CHUNK) -> tuple[Tensor, Tensor]:
+def soft_target_ce(logits: Tensor, q: Tensor, index: Tensor | None = None,
+                   chunk: int = SOFT_CHUNK) -> tuple[Tensor, Tensor]:
     """Per-row cross-entropy -sum_x q(x) log softmax(logits)(x) of `logits` (N, V) against the distributions `q`:
     q (N, V) row by row, or, with `index` (N,), row index[i] of q (M, V) for logits row i (the rows are gathered one
     chunk at a time, never as an (N, V) copy). Each row of q must sum to 1. Gradients flow to `logits` only.

@@ -10,7 +10,8 @@ from lightning.pytorch.loggers import WandbLogger
 from runtime.wandb_mode import wandb_mode
 
 
-def wandb_logger(save_dir: str, project: str, name: str | None = None, mode: str | None = None, **kwargs: Any) -> WandbLogger:
+def wandb_logger(save_dir: str, project: str, name: str | None = None, mode: str | None = None,
+                 **kwargs: Any) -> WandbLogger:
     """A WandbLogger whose run directory is `<save_dir>/wandb/`, in the mode `runtime.wandb_mode.wandb_mode` picks."""
     mode = wandb_mode(mode)
     Path(save_dir).mkdir(parents=True, exist_ok=True)

@@ -106,8 +106,8 @@ class EagleDrafter:
 
     def describe(self) -> dict[str, Any]:
         policy = {Chain: "chain", AutoTree: "auto", DynamicTree: "dynamic"}[type(self.policy)]
-        return {"policy": policy, "proposals": "sampled" if self.sampling else "topk", "dynamic": self.topk > 1, "size": self.size, "depth": self.max_depth,
-                "topk": self.topk, "max_nodes": self.max_nodes}
+        return {"policy": policy, "proposals": "sampled" if self.sampling else "topk", "dynamic": self.topk > 1,
+                "size": self.size, "depth": self.max_depth, "topk": self.topk, "max_nodes": self.max_nodes}
 
     @property
     def cache_length(self) -> int:

@@ -113,8 +113,8 @@ def peagle_drafter(net: PEagleNet, config: dict[str, Any], verifier: Verifier, t
     """The P-EAGLE drafter for a loaded network (models/families.py names it the family's decoder): a fixed tree
     under `tree` (tree=auto from the export's eagle_topk_accuracy), at most K deep."""
     if head_ids is not None:
-        raise UserError("drafter.draft_vocab cuts a drafting head shared with the verifier; P-EAGLE drafts over its own "
-                        "trained draft vocabulary. Leave drafter.draft_vocab=null.")
+        raise UserError("drafter.draft_vocab cuts a drafting head shared with the verifier; P-EAGLE drafts over its "
+                        "own trained draft vocabulary. Leave drafter.draft_vocab=null.")
 
     class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
         num_heads = net.parallel

@@ -98,7 +98,8 @@ _CALL_ROWS = (*range(1, 41), 48, 63, 64, 65, 96, 128)  # the call sizes `linear_
 MIN_CHUNK = 16  # calls split smaller than this would read the weights too often to pay
 
 
-def linear_rows(dtype: torch.dtype, in_features: int, out_features: int, packed: bool = False) -> tuple[int, int | None]:
+def linear_rows(dtype: torch.dtype, in_features: int, out_features: int,
+                packed: bool = False) -> tuple[int, int | None]:
     """The row counts (lo, hi) between which a weight product's kernel gives every row the same bits on this machine,
     whatever the call: `Linear` pads a call over fewer than lo rows (repeating its last row) and splits one over more
     than hi (None: no limit) into calls of at most hi rows. Kernels choose their path by row count: oneDNN's bf16
@@ -175,8 +176,9 @@ class Engine:
         decoder = model.get_decoder()
         if getattr(cfg, "model_type", None) not in SUPPORTED:
             raise UserError(
-                f"eval.engine.forward runs Llama-family verifiers ({', '.join(SUPPORTED)}: q/k/v/o, gate/up/down, RMSNorm, "
-                f"rotary); got model_type={getattr(cfg, 'model_type', None)!r}. Use the Hugging Face path (eval.engine.hf_forward)."
+                f"eval.engine.forward runs Llama-family verifiers ({', '.join(SUPPORTED)}: q/k/v/o, gate/up/down, "
+                f"RMSNorm, rotary); got model_type={getattr(cfg, 'model_type', None)!r}. Use the Hugging Face path "
+                f"(eval.engine.hf_forward)."
             )
         self.model = model
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -315,7 +317,8 @@ def new_cache(model: nn.Module | Engine, max_length: int, batch_size: int = 1, t
     length = -(-max(max_length, 1) // KEY_BLOCK) * KEY_BLOCK
     min_rows = engine.min_rows(length)
     return StaticCache(engine, *_cache_tensors(engine, length, batch_size), min_rows=min_rows,
-                       pad_rows=engine.pad_rows(min_rows), trim_keys=trim and trimmed_keys_invariant(engine, length, min_rows))
+                       pad_rows=engine.pad_rows(min_rows),
+                       trim_keys=trim and trimmed_keys_invariant(engine, length, min_rows))
 
 
 def _cache_tensors(engine: Engine, length: int, batch_size: int = 1) -> tuple[Tensor, Tensor, Tensor]:

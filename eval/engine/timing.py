@@ -34,5 +34,6 @@ def interleaved(fns: Sequence[Callable[[], Any]], reps: int) -> list[float]:
 
 def prefix_cache(verifier: Verifier, prefix_ids: Tensor, engine: str = "auto") -> Any:
     """An empty verifier cache through the decode loops' path (eval.engine.decode), room for the prefix
-    `prefix_ids` (1, P) and one more token: what a drafter's `draft_cost` feeds the prefix through to get M_q's features."""
+    `prefix_ids` (1, P) and one more token: what a drafter's `draft_cost` feeds the prefix through to get M_q's
+    features."""
     return _Verify(verifier, engine, prefix_ids.shape[1] + 1, 1, 1)

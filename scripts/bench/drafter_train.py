@@ -106,8 +106,9 @@ def main() -> None:
     with torch.no_grad():
         out = verifier.model.get_decoder()(input_ids=ids, output_hidden_states=True, use_cache=False)
     assistant = int(loss_mask.sum())
-    print(f"verifier={args.verifier} batch={bsz}x{seq} ({assistant} assistant tokens) threads={torch.get_num_threads()} "
-          f"torch={torch.__version__} load={os.getloadavg()[0]:.1f} freed memory kept={kept}")
+    print(f"verifier={args.verifier} batch={bsz}x{seq} ({assistant} assistant tokens) "
+          f"threads={torch.get_num_threads()} torch={torch.__version__} load={os.getloadavg()[0]:.1f} "
+          f"freed memory kept={kept}")
     print(f"{'drafter':<10}{'s/step':>8}{'tok/s':>9}{'asst tok/s':>12}{'MFLOP/tok':>11}{'GFLOP/s':>9}{'peak':>7}"
           f"{'of peak':>9}")
     for kind in args.drafters:

@@ -2,7 +2,8 @@
 
     python -m scripts.bench.train                      # default verifier, 16 prompts, 64 new tokens
     python -m scripts.bench.train --prompts 32 --new-tokens 128 --steps 8
-    python -m scripts.bench.train --generation-only --dtype bfloat16 --threads 2 --prompts 400 --new-tokens 256 --batch-size 128
+    python -m scripts.bench.train --generation-only --dtype bfloat16 --threads 2 --prompts 400 --new-tokens 256 \
+        --batch-size 128
 
 1. Self-distillation (answer tokens/s, greedy, same prompts): refill batching on the slot cache
    (`data.generate.generate_refill`, what data building uses), on HF's DynamicCache, and one prompt at a time
@@ -141,7 +142,8 @@ def main() -> None:
         rows.append((f"self-distillation, verifier {dtype}", gen["slots"]["tok_s"], gen["single"]["tok_s"]))
         if dtype == "float32":
             answers = generate_answers(verifier, prompts, args.new_tokens, 0.0, args.batch_size, 0, desc="data")
-            examples = [{"input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a)} for p, a in zip(prompts, answers)]
+            examples = [{"input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a)}
+                        for p, a in zip(prompts, answers)]
             pad = verifier.tokenizer.pad_token_id
             batches = [collate(examples[i : i + 8], pad) for i in range(0, len(examples), 8)]
             fp32 = bench_training(verifier, batches, args.steps, bf16=False)

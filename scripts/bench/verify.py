@@ -48,9 +48,9 @@ def machine_bound(weight_bytes: int) -> str:
         peaks[dt] = 2 * 1024 * 2048 * 2048 / sec / 1e9
     del big
     return (
-        f"read bandwidth {gbs:.1f} GB/s ({torch.get_num_threads()} thread(s)); matmul peak bf16 {peaks[torch.bfloat16]:.0f}"
-        f" GFLOP/s, fp32 {peaks[torch.float32]:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB -> bound "
-        f"{weight_bytes / gbs / 1e6:.1f} ms a step"
+        f"read bandwidth {gbs:.1f} GB/s ({torch.get_num_threads()} thread(s)); matmul peak bf16 "
+        f"{peaks[torch.bfloat16]:.0f} GFLOP/s, fp32 {peaks[torch.float32]:.0f} GFLOP/s; weights "
+        f"{weight_bytes / 1e6:.0f} MB -> bound {weight_bytes / gbs / 1e6:.1f} ms a step"
     )
 
 
@@ -61,7 +61,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cache-length", type=int, default=PREFIX + 64 + NODES,
                     help="the engine's preallocated cache (prompt + max_new_tokens + tree in a decode run); forwards "
-                         "read its far keys only up to the last 64-key block they reach, the whole-cache rows all of it")
+                         "read its far keys only up to the last 64-key block they reach, the whole-cache rows "
+                         "all of it")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compile", action="store_true",
                     help="also time torch.compile(engine.forward) over F.linear (inductor cannot lower the prepacked "
@@ -168,12 +169,13 @@ def main() -> None:
             for k, x in times.items():
                 print(f"  {k:14s} {med[k]:7.1f} [{min(x):.1f}-{max(x):.1f}]")
             print(f"  tree/step: hf {med['hf tree'] / med['hf step']:.2f}x, engine "
-                  f"{med['engine tree'] / med['engine step']:.2f}x; engine/hf: step {med['engine step'] / med['hf step']:.2f}x, "
-                  f"tree {med['engine tree'] / med['hf tree']:.2f}x")
+                  f"{med['engine tree'] / med['engine step']:.2f}x; engine/hf: step "
+                  f"{med['engine step'] / med['hf step']:.2f}x, tree {med['engine tree'] / med['hf tree']:.2f}x")
             if split:
                 print(f"  weight calls split at {packed.weight_rows['qkv'][1]} rows, against padded past it: step "
-                      f"{med['padded step'] / med['engine step']:.2f}x, tree {med['padded tree'] / med['engine tree']:.2f}x "
-                      f"faster (padded tree/step {med['padded tree'] / med['padded step']:.2f}x)")
+                      f"{med['padded step'] / med['engine step']:.2f}x, tree "
+                      f"{med['padded tree'] / med['engine tree']:.2f}x faster (padded tree/step "
+                      f"{med['padded tree'] / med['padded step']:.2f}x)")
             if packed.pack:
                 print(f"  prepacked weights: step {med['unpacked step'] / med['engine step']:.2f}x, tree "
                       f"{med['unpacked tree'] / med['engine tree']:.2f}x faster than F.linear (unpacked tree/step "

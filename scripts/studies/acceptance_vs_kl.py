@@ -1,7 +1,9 @@
 """Acceptance rate against KL(q || p) over drafts of graded quality: the rule measured beside alpha = sum min(p, q).
 
-    python -m scripts.studies.acceptance_vs_kl --out outputs/theory            # SmolLM2, 4 built-in eval prompts
-    python -m scripts.studies.acceptance_vs_kl --verifier tiny --out /tmp/kl   # the random 2-layer test verifier, seconds
+    # SmolLM2, 4 built-in eval prompts
+    python -m scripts.studies.acceptance_vs_kl --out outputs/theory
+    # the random 2-layer test verifier, seconds
+    python -m scripts.studies.acceptance_vs_kl --verifier tiny --out /tmp/kl
 
 The verifier M_q answers a few built-in eval prompts greedily; its next-token distributions q at every answer
 position (temperature 1, the whole vocabulary unless --top-k) are the contexts. Each q is perturbed into drafts p of
@@ -117,7 +119,8 @@ def main() -> None:
         print(f"{r['family']:<6} {r['grade']:>6.2f} {r['kl']:>9.4f} {r['alpha_closed']:>7.4f} "
               f"{r['alpha_measured']:>9.4f} {r['sd']:>7.4f} {z:>6.2f}")
     for family in ("noise", "mix"):
-        print(f"{family}: closed-form alpha strictly decreasing in KL: {monotone([r for r in rows if r['family'] == family])}")
+        print(f"{family}: closed-form alpha strictly decreasing in KL: "
+              f"{monotone([r for r in rows if r['family'] == family])}")
     worst = max(abs(r["alpha_measured"] - r["alpha_closed"]) / r["sd"] for r in rows if r["sd"] > 1e-9)
     print(f"largest |measured - closed| / sd: {worst:.2f}")
 

@@ -82,7 +82,8 @@ def row_paths(fn, x: torch.Tensor) -> str:
     for p in (1, 2, 4):
         alone = torch.cat([fn(x[r : r + 1].expand(p, -1))[:1] for r in range(max(sizes))])
         bad = [m for m in sizes if m >= p and not torch.equal(fn(x[:m]), alone[:m])]
-        out.append(f"alone x{p}: " + ("all M agree" if not bad else f"differs at M={bad[:8]}{'...' if len(bad) > 8 else ''}"))
+        differs = f"differs at M={bad[:8]}{'...' if len(bad) > 8 else ''}"
+        out.append(f"alone x{p}: " + ("all M agree" if not bad else differs))
     return "; ".join(out)
 
 

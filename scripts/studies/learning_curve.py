@@ -87,7 +87,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
                 x = np.geomspace(pts[0][0], 10 * pts[-1][0], 50)
                 ax.plot(x, fit["limit"] - fit["a"] * (x / fit["scale"]) ** (-fit["b"]), linestyle="--",
                         color=line.get_color(), linewidth=0.8)
-    ax.set(xscale="log", xlabel="training tokens (assistant tokens, log scale)", ylabel="tau (tokens per verifier call)",
+    ax.set(xscale="log", xlabel="training tokens (assistant tokens, log scale)",
+           ylabel="tau (tokens per verifier call)",
            title="tau on the built-in eval split, fp32, exact")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -171,7 +172,8 @@ def main() -> None:
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Join the rows of --include files, then write the JSON, the table, the plot and the W&B run."""
     for earlier in args.include:
-        results += [r for r in json.loads(Path(earlier).read_text()) if r["export"] not in {x["export"] for x in results}]
+        have = {x["export"] for x in results}
+        results += [r for r in json.loads(Path(earlier).read_text()) if r["export"] not in have]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning_curve.json").write_text(json.dumps(results, indent=2))

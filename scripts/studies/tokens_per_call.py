@@ -112,7 +112,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     if args.c is None:
-        timing = measure_c(args.draft_layers, args.context, args.reps, args.cache_dir or os.environ.get("SPECDRAFT_CACHE"))
+        timing = measure_c(args.draft_layers, args.context, args.reps,
+                           args.cache_dir or os.environ.get("SPECDRAFT_CACHE"))
         c, note = timing["c"], f"measured, {timing['draft']} vs {timing['verifier']}"
         print(f"c = {c:.4f}: {timing['draft']} step {timing['t_draft_ms']:.2f} ms / {timing['verifier']} forward "
               f"{timing['t_verifier_ms']:.2f} ms (median of {args.reps}, one token after {args.context} cached, "

