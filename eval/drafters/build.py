@@ -64,11 +64,13 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy,
                             f"Leave drafter.draft_vocab=null.")
         if counts is None:
             raise UserError(f"drafter.draft_vocab={draft_vocab} needs the export's training-target counts "
-                            f"(target_counts.safetensors), and {export.path if export else 'the network given'} has none. Re-export it with a current "
-                            f"train.py (python train.py <the run's overrides> ckpt_path=last validate_only=true), or "
+                            f"(target_counts.safetensors), and {export.path if export else 'the network given'} has "
+                            f"none. Re-export it with a current train.py "
+                            f"(python train.py <the run's overrides> ckpt_path=last validate_only=true), or "
                             f"leave drafter.draft_vocab=null.")
         head_ids = frequent_ids(counts, int(draft_vocab)).to(verifier.device)
-    build = resolve(FAMILIES[kind].decoder)  # e.g. eval.drafters.medusa.medusa_drafter, eval.drafters.eagle.eagle_drafter
+    # e.g. eval.drafters.medusa.medusa_drafter, eval.drafters.eagle.eagle_drafter
+    build = resolve(FAMILIES[kind].decoder)
     return build(net, config, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids)
 
 
@@ -120,8 +122,9 @@ def lookahead(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, wind
     return LookaheadDrafter(window, ngram, guesses, pool_from_prompt)
 
 
-def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None, num_tokens: int | None = None,
-           max_ngram_size: int = 3, min_ngram_size: int = 1, budget: int | None = None, **proposals: Any) -> Drafter:
+def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None,
+           num_tokens: int | None = None, max_ngram_size: int = 3, min_ngram_size: int = 1,
+           budget: int | None = None, **proposals: Any) -> Drafter:
     """The export's drafter (Medusa / EAGLE, under `tree`) with prompt-lookup chains of up to `num_tokens` grafted
     in, within `budget` nodes (null: the export drafter's own node count). num_tokens null: as long as prompt
     lookup's own chain (LOOKUP_TOKENS), or what the budget holds beside the root when that is less."""
