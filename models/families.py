@@ -33,8 +33,10 @@ from models.medusa import (
 from models.peagle import PEagleNet
 from runtime.errors import UserError
 
-# (net, verifier) -> (the family's config keys, tensors to write)
-Writer = Callable[[nn.Module, Any], tuple[dict[str, Any], dict[str, Tensor]]]
+# (net, verifier) -> (the family's config keys, tensors to write). Each family's writer takes its own network class
+# (MedusaHeads, Eagle1Net | Eagle3Net, ...), which its entry pairs with it, so the arguments are not typed here: a
+# writer for any nn.Module would have to accept every family's network.
+Writer = Callable[..., tuple[dict[str, Any], dict[str, Tensor]]]
 # (config, tensors, verifier, weights file, reference layout?) -> (network, the export's copy of a shared head or None)
 Reader = Callable[[dict[str, Any], dict[str, Tensor], Any, Path, bool], tuple[nn.Module, Tensor | None]]
 # (flat config, speculators_model_type, verifier name_or_path, verifier architectures, speculative tokens) -> the
@@ -214,12 +216,12 @@ def title(name: str | None) -> str:
 def family_of_config(config: dict[str, Any]) -> str | None:
     """The family an export's config.json (flattened: models/speculators_format.py) holds, or None: its model_type,
     else an architecture one family writes or reads, else the project's `eagle_kind` key."""
-    for name in export_families():
-        if FAMILIES[name].export.model_type and config.get("model_type") == FAMILIES[name].export.model_type:
+    formats = [(name, fam.export) for name, fam in FAMILIES.items() if fam.export is not None]  # export_families()
+    for name, fmt in formats:
+        if fmt.model_type and config.get("model_type") == fmt.model_type:
             return name
     for arch in config.get("architectures") or []:
-        for name in export_families():
-            fmt = FAMILIES[name].export
+        for name, fmt in formats:
             if arch in fmt.architectures or arch in fmt.reads:
                 return name
     kind = config.get("eagle_kind")

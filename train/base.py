@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from torch import Tensor
 
 from models.export import Export, frequent_ids
 from models.families import title
 from runtime.distributed import token_share, world
 from runtime.errors import UserError
+
+if TYPE_CHECKING:
+    from models.verifier import Verifier
 
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 
@@ -48,13 +53,19 @@ class DrafterModule(L.LightningModule, ABC):
         verifier of `hidden` / `intermediate` sizes in `width`-byte values: (bytes, how they were counted, as
         train/memory.py prints it). An estimate, stated by its formula."""
 
+    # Set by every subclass's __init__ (declared here so the shared code below is typed: nn.Module's attribute lookup
+    # would otherwise type them as a Tensor or a Module).
+    verifier: Verifier  # the frozen verifier, a plain attribute (never a submodule)
+    optimizer_factory: Callable[..., torch.optim.Optimizer]  # params= -> the optimizer
+    scheduler_factory: Callable[..., Any] | None  # (optimizer, num_warmup_steps=, num_training_steps=) -> a schedule
+
     # True: the module's targets read M_q's full-vocabulary argmax, which offline mode then caches beside the hidden
     # states (train.py sets the data module's `verifier_argmax` from it).
     uses_verifier_argmax: bool = False
 
     _tick = 0.0
     _epoch_start: float | None = None  # when this epoch's first training batch started
-    _epoch_assistant = 0  # assistant tokens of this epoch's training batches so far
+    _epoch_assistant: float = 0  # assistant tokens of this epoch's training batches so far
     _train_d1: Tensor | None = None  # (hits, positions) of depth-1 top-1 over this epoch's training batches
     train_summary: dict[str, float] = {}
     target_counts: Tensor | None = None  # (V,) how often each token is a training target, exported beside the weights
@@ -65,7 +76,8 @@ class DrafterModule(L.LightningModule, ABC):
         if self.scheduler_factory is None:
             return opt
         total = int(self.trainer.estimated_stepping_batches)
-        sched = self.scheduler_factory(opt, num_warmup_steps=int(self.hparams.warmup_ratio * total),
+        hparams = cast(AttributeDict, self.hparams)  # save_hyperparameters stores an AttributeDict
+        sched = self.scheduler_factory(opt, num_warmup_steps=int(hparams.warmup_ratio * total),
                                        num_training_steps=max(total, 1))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -117,6 +129,7 @@ class DrafterModule(L.LightningModule, ABC):
         assistant = batch["loss_mask"].sum().item()
         self._epoch_assistant += assistant
         self.log("train/assistant_tokens_per_s", assistant / (now - self._tick), batch_size=1)
+        assert self._epoch_start is not None  # on_train_batch_start set it for this epoch
         self.log("train/wall_assistant_tokens_per_s", self._epoch_assistant / (now - self._epoch_start), batch_size=1)
 
     def count_targets(self, vocab_size: int) -> Tensor | None:
@@ -207,11 +220,14 @@ class DrafterModule(L.LightningModule, ABC):
         self.set_train_vocab(frequent_ids(counts, size, "model.train_vocab"))
         if self.warm is not None:  # the export's rows: say how much of this run's data they cover
             counts = self.data_target_counts
+        assert counts is not None and self.head_ids is not None  # count_targets counted them; set_train_vocab set it
         covered = float(counts[self.head_ids.cpu()].sum() / counts.sum().clamp(min=1))
         print(f"[train_vocab] {size} tokens cover {100 * covered:.1f}% of the training targets")
 
     def head_rows(self, weight: Tensor) -> Tensor:
         """The kept rows of the frozen lm_head `weight` (V, D): (len(head_ids), D)."""
+        if self._local is None or self.head_ids is None:
+            raise RuntimeError("head_rows reads the kept rows: call set_train_vocab first (model.train_vocab set)")
         if self._local.device != weight.device:
             self.set_train_vocab(self.head_ids.to(weight.device))
         if self._rows is None or self._rows.device != weight.device or self._rows.dtype != weight.dtype:
