@@ -327,14 +327,14 @@ def test_a_bad_learning_rate_on_the_command_line_stops_before_any_work(tmp_path)
     proc = _cli([*TINY, "model.optimizer.lr=-1", f"cache_dir={tmp_path / 'cache'}"], tmp_path / "run", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        "error: model.optimizer.lr=-1: give a learning rate above 0, e.g. model.optimizer.lr=1e-3."]
+        "error: model.optimizer.lr=-1: give a learning rate of 0 or more, e.g. model.optimizer.lr=1e-3."]
     assert not (tmp_path / "cache").exists()  # no verifier cache, no data built
     assert not {".hydra", ".lock", "checkpoints"} & {p.name for p in (tmp_path / "run").iterdir()}
 
 
 @pytest.mark.parametrize("override,match", [
     ("data.batch_size=0", "data.batch_size=0: give a whole number of sequences >= 1, e.g. data.batch_size=8."),
-    ("model.optimizer.lr=abc", "model.optimizer.lr='abc': give a learning rate above 0"),
+    ("model.optimizer.lr=abc", "model.optimizer.lr='abc': give a learning rate of 0 or more"),
     ("model.optimizer.weight_decay=-0.1", "model.optimizer.weight_decay=-0.1: give a weight decay of 0 or more"),
     ("model.warmup_ratio=1.5", "model.warmup_ratio=1.5: give a fraction of the steps in \\[0, 1\\]"),
     ("data.val_fraction=1.0", "data.val_fraction=1.0: give a fraction in \\[0, 1\\)"),

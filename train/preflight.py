@@ -33,7 +33,8 @@ def _num(v: Any) -> bool:
 
 # key, valid when, what to give, an example value. A key the config does not have is skipped.
 RULES: list[tuple[str, Callable[[Any], bool], str, str]] = [
-    ("model.optimizer.lr", lambda v: _num(v) and v > 0, "a learning rate above 0", "1e-3"),
+    # 0 is allowed: the weights stay as they start (a warm start re-validated on new data, as tests do)
+    ("model.optimizer.lr", lambda v: _num(v) and v >= 0, "a learning rate of 0 or more", "1e-3"),
     ("model.optimizer.weight_decay", lambda v: _num(v) and v >= 0, "a weight decay of 0 or more", "0.0"),
     ("model.warmup_ratio", lambda v: _num(v) and 0 <= v <= 1, "a fraction of the steps in [0, 1]", "0.05"),
     ("data.batch_size", lambda v: _int(v) and v >= 1, "a whole number of sequences >= 1", "8"),
