@@ -1,12 +1,13 @@
 """Export I/O for every drafter family with an export: write atomically, read the config and the weights, detect the
-family, check the verifier, rebuild the network. What is each family's own (its config keys, tensor names, reference
-layout) comes from its entry in models/families.py.
+family, check the verifier, rebuild the network. What is each family's own (its config keys and their typed class,
+tensor names, reference layout, speculators hooks) comes from its entry in models/families.py; nothing here names a
+family.
 
 An export is a directory an engine loads as it is: `config.json` and `model.safetensors`, and nothing else an
-engine globs (vLLM loads every `*.safetensors` at the top of the folder):
-- Medusa: vLLM's Medusa layout (models/medusa.py);
-- EAGLE-3: the `speculators` format (models/speculators_format.py), which `vllm serve EXPORT_DIR` serves as it is;
-- EAGLE-1: the Llama-drafter layout vLLM and SGLang load (models/eagle_export.py).
+engine globs (vLLM loads every `*.safetensors` at the top of the folder). Its layout is the family's `ExportFormat`:
+vLLM's own layout for a family it serves (Medusa's, EAGLE-1's Llama drafter), or, for a family with a
+`speculators_type` (EAGLE-3, P-EAGLE, DFlash), the `speculators` format (models/speculators_format.py), which
+`vllm serve EXPORT_DIR` serves as it is.
 Every config also carries this project's keys: `verifier` (the description `models.verifier.load_verifier` takes),
 `verifier_path` (a display name, and what older exports stored), `verifier_fingerprint`, and what training adds
 (accuracy tables, trained steps). Side data that is not the drafter's weights lives in the `specdraft/` subfolder
