@@ -17,8 +17,10 @@ class _Strategy:
 
 
 def _trainer(step: int, epoch: int = 0) -> SimpleNamespace:
+    """A trainer at `step`: past step 0 it resumed from a checkpoint (its `ckpt_path`), as Lightning's does."""
     return SimpleNamespace(global_step=step, current_epoch=epoch, max_epochs=2, world_size=1, is_global_zero=True,
-                           strategy=_Strategy(), callback_metrics={"val/loss": torch.tensor(1.5)})
+                           strategy=_Strategy(), callback_metrics={"val/loss": torch.tensor(1.5)},
+                           ckpt_path="checkpoints/last.ckpt" if step else None)
 
 
 def test_an_epoch_resumed_in_the_middle_counts_only_what_ran_after_the_restart(tmp_path):
