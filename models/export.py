@@ -171,10 +171,11 @@ def acceptance_table(config: dict[str, Any], kind: str) -> list[list[float]] | N
 
 def read_info(path: str | Path | ExportInfo) -> ExportInfo:
     """The export at `path` (config.json read once; a reference layout's converted), refusing a directory that holds
-    no family's export."""
+    no family's export, or a shipped one whose files differ from its manifest (before any verifier loads)."""
     if isinstance(path, ExportInfo):
         return path
     path = Path(path).expanduser()
+    check_manifest(path)
     config = read_config(path)
     kind = export_kind(config)
     if kind is None:

@@ -121,7 +121,7 @@ def test_a_damaged_or_foreign_compact_export_is_refused(exports, varied, tiny, t
 def test_a_shipped_file_that_differs_from_its_manifest_is_refused(exports, varied, tmp_path):
     """Issue 54: one flipped byte in a shipped model.safetensors loaded silently with a changed weight. Now the
     manifest (size and sha256 per file) is checked on load and by engine_ready."""
-    from models.export import load_export
+    from models.export import load_export, read_info
 
     compact = ship(exports["eagle3"], tmp_path / "compact", varied)
     good = load_export(compact, varied).net.state_dict()
@@ -129,7 +129,9 @@ def test_a_shipped_file_that_differs_from_its_manifest_is_refused(exports, varie
     data = bytearray(weights.read_bytes())
     data[-2] ^= 0x40  # inside the last tensor's bytes: still a valid file
     weights.write_bytes(bytes(data))
-    for read in (lambda: load_export(compact, varied), lambda: engine_ready(compact, tmp_path / "served", varied)):
+    # read_info: python -m eval's first read of an export, before the verifier loads
+    for read in (lambda: read_info(compact), lambda: load_export(compact, varied),
+                 lambda: engine_ready(compact, tmp_path / "served", varied)):
         with pytest.raises(UserError, match=r"compact/model.safetensors: sha256 .* but .*manifest.json records .*"
                                             r"git checkout -- .*compact.*ship"):
             read()
