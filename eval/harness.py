@@ -40,7 +40,7 @@ from eval.peers import check_peers, vllm_peer
 from eval.report import SPECULATIVE, write_outputs
 from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
 from models.export import ExportInfo, read_info
-from models.families import FAMILIES, resolve, title
+from models.families import FAMILIES, a_title, resolve
 from models.verifier import Verifier, load_verifier
 from runtime.errors import UserError
 
@@ -105,9 +105,9 @@ def check_before_loading(cfg: DictConfig, family: str, export: ExportInfo | None
     curve is measured (minutes): `drafter=<family>` of another family than the export holds, and sampled_drafts for a
     family that drafts from no export."""
     if not method_all and export is not None and FAMILIES[family].has_export and family != export.kind:
-        raise UserError(f"checkpoint={str(export.path)!r} is an {title(export.kind)} export but drafter={family} asks "
-                        f"for an {title(family)} one. Use drafter={export.kind} (or leave drafter= out: the export's "
-                        f"own family), or pass an {title(family)} export.")
+        raise UserError(f"checkpoint={str(export.path)!r} is {a_title(export.kind)} export but drafter={family} asks "
+                        f"for {a_title(family)} one. Use drafter={export.kind} (or leave drafter= out: the export's "
+                        f"own family), or pass {a_title(family)} export.")
     if not method_all:
         check_proposals(cfg, family)
 

@@ -32,7 +32,7 @@ from models import reference_formats as ref
 from models import speculators_format as spec
 from models.export_folder import check_replaceable
 from models.export_folder import is_project_export as _is_project_export
-from models.families import FAMILIES, family_of_config, family_of_net, title
+from models.families import FAMILIES, a_title, family_of_config, family_of_net, title
 from models.io import atomic_dir
 from models.shipped_export import check_manifest, expand
 from models.verifier import Verifier, check_fingerprint, from_file, verifier_source
@@ -228,8 +228,8 @@ def load_export(path: str | Path | ExportInfo, verifier: Verifier, kind: str | N
     info = read_info(path)
     path, found, config = info.path, info.kind, dict(info.config)
     if kind is not None and found != kind:
-        raise UserError(f"checkpoint={str(path)!r} is an {title(found)} export but was given as {title(kind)}. Use "
-                        f"drafter={found} for it, or pass an {title(kind)} export.")
+        raise UserError(f"checkpoint={str(path)!r} is {a_title(found)} export but was given as {title(kind)}. Use "
+                        f"drafter={found} for it, or pass {a_title(kind)} export.")
     reference = bool(config.get("reference_layout"))  # names no verifier: the one given is trusted
     if not reference:
         if not isinstance(config.get("verifier_fingerprint"), dict) or not config["verifier_fingerprint"]:

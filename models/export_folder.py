@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from models import reference_formats as ref
 from models import speculators_format as spec
-from models.families import FAMILIES, family_of_config, title
+from models.families import FAMILIES, a_title, family_of_config
 from runtime.errors import UserError
 
 CONFIG_NAME, WEIGHTS_NAME, SIDE_DIR = "config.json", "model.safetensors", "specdraft"
@@ -58,10 +58,6 @@ def folder_layout(path: str | Path) -> tuple[str | None, str | None]:
         return None, None
 
 
-def _a(name: str) -> str:
-    return f"{'an' if name[:1] in 'AEIOU' else 'a'} {name}"
-
-
 def check_replaceable(out_dir: str | Path, kind: str, layout: str, force: bool = False) -> None:
     """Refuse to write a `layout` export of family `kind` into `out_dir` (which every writer replaces whole) when the
     folder holds anything else: a file, a non-empty folder that is not an export of the same family and layout, or
@@ -72,20 +68,20 @@ def check_replaceable(out_dir: str | Path, kind: str, layout: str, force: bool =
     fix = (f"Write to a new or empty folder, move what {out} holds elsewhere first, or pass --force "
            f"(python -m scripts.tools.convert) to replace it")
     if not out.is_dir():
-        raise UserError(f"{out} is not a folder, and writing {_a(title(kind))} {LAYOUTS[layout]} there would "
+        raise UserError(f"{out} is not a folder, and writing {a_title(kind)} {LAYOUTS[layout]} there would "
                         f"delete it. {fix}.")
     entries = sorted(out.iterdir())
     if not entries:
         return
     found, found_layout = folder_layout(out)
     if (found, found_layout) != (kind, layout):
-        what = (f"{_a(title(found))} {LAYOUTS[found_layout]}" if found is not None
+        what = (f"{a_title(found)} {LAYOUTS[found_layout]}" if found is not None
                 else f"no export but {', '.join(e.name for e in entries[:4])}"
                      f"{f' and {len(entries) - 4} more' if len(entries) > 4 else ''}")
-        raise UserError(f"{out} holds {what}; writing {_a(title(kind))} {LAYOUTS[layout]} there would replace the "
+        raise UserError(f"{out} holds {what}; writing {a_title(kind)} {LAYOUTS[layout]} there would replace the "
                         f"whole folder and delete it. {fix}.")
     known = {CONFIG_NAME, WEIGHTS_NAME, COUNTS_NAME, SIDE_DIR, *ref.MEDUSA_FILES, *ref.EAGLE_FILES}
     foreign = [e.name for e in entries if e.name not in known]
     if foreign:
-        raise UserError(f"{out} holds {_a(title(kind))} {LAYOUTS[layout]} and also {foreign}, which the new one would "
+        raise UserError(f"{out} holds {a_title(kind)} {LAYOUTS[layout]} and also {foreign}, which the new one would "
                         f"not have: writing there would replace the whole folder and delete them. {fix}.")

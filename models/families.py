@@ -213,6 +213,12 @@ def title(name: str | None) -> str:
     return FAMILIES[name].title if name in FAMILIES else str(name)
 
 
+def a_title(name: str | None) -> str:
+    """A family's name with its article, for messages: `a Medusa`, `an EAGLE-3`."""
+    t = title(name)
+    return f"{'an' if t[:1] in 'AEIOU' else 'a'} {t}"
+
+
 def family_of_config(config: dict[str, Any]) -> str | None:
     """The family an export's config.json (flattened: models/speculators_format.py) holds, or None: its model_type,
     else an architecture one family writes or reads, else the project's `eagle_kind` key."""

@@ -335,7 +335,7 @@ def test_init_from_starts_from_the_exports_weights_and_keeps_its_vocabulary(trai
 def test_init_from_refuses_another_kind_or_shape(train_script, tmp_path):
     varied = ["verifier.seed=1", "+verifier.layer_std=0.3"]
     medusa = train_script.run(compose_train([*TINY, *varied, "logger=csv", "trainer.max_steps=1"], tmp_path / "a"))
-    with pytest.raises(UserError, match="is an Medusa export but this run trains EAGLE-1.*model=medusa"):
+    with pytest.raises(UserError, match="is a Medusa export but this run trains EAGLE-1.*model=medusa"):
         train_script.run(compose_train([*TINY, *varied, "model=eagle", f"init_from={medusa}"], tmp_path / "b"))
     with pytest.raises(UserError, match="does not match this model's shape.*model.num_layers"):
         train_script.run(compose_train([*TINY, *varied, "model.num_layers=2", f"init_from={medusa}"], tmp_path / "c"))

@@ -175,6 +175,6 @@ def test_another_familys_drafter_is_refused_before_the_verifier_loads(export, tm
     out = tmp_path / "eval"
     cfg = _compose([f"checkpoint={export}", "drafter=eagle3", f"verifier_path={tmp_path / 'no-verifier-here'}",
                     f"output_dir={out}"])
-    with pytest.raises(UserError, match=r"is an Medusa export but drafter=eagle3.*Use drafter=medusa"):
+    with pytest.raises(UserError, match=r"is a Medusa export but drafter=eagle3.*Use drafter=medusa"):
         evaluate(cfg, progress=False)
     assert not (out / "cost_curve.json").exists()

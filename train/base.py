@@ -18,7 +18,7 @@ from lightning.fabric.utilities.data import AttributeDict
 from torch import Tensor
 
 from models.export import Export, frequent_ids
-from models.families import title
+from models.families import a_title, title
 from runtime.distributed import token_share, world
 from runtime.errors import UserError
 
@@ -171,9 +171,9 @@ class DrafterModule(L.LightningModule, ABC):
             raise UserError(f"init_from={source!r}: only Medusa and EAGLE runs start from an export (model=medusa, "
                             f"eagle, eagle3). Drop init_from.")
         if export.kind != self.drafter_kind:
-            raise UserError(f"init_from={source!r} is an {title(export.kind)} export but this run trains "
+            raise UserError(f"init_from={source!r} is {a_title(export.kind)} export but this run trains "
                             f"{title(self.drafter_kind)} (model={self.drafter_kind}): pass model={export.kind}, "
-                            f"or an {title(self.drafter_kind)} export.")
+                            f"or {a_title(self.drafter_kind)} export.")
         mine, theirs = self.drafter_net.state_dict(), export.net.state_dict()
         diff = sorted(set(mine) ^ set(theirs)) + sorted(k for k in set(mine) & set(theirs)
                                                         if mine[k].shape != theirs[k].shape)
