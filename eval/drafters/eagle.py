@@ -34,6 +34,7 @@ from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy, auto_tree
 from models.eagle import EagleNet, unroll
+from models.eagle_decode import DecodeStep, DraftKV
 from models.verifier import Verifier
 from runtime.errors import UserError
 
@@ -91,8 +92,12 @@ class EagleDrafter:
         self.depth = self.planned_depth(self.size)
         self.feature_layers = net.feature_layers
         self.max_nodes, self.max_depth = 1 + self.size, min(self.depth, self.size)
-        self._k: Tensor | None = None  # (B, H_kv, P, hd) step-0 keys of the committed positions 0..P-1
+        # (B, H_kv, P, hd) step-0 keys of the committed positions 0..P-1: a prefix view of `_kv`'s buffers, whose
+        # later slots hold the keys of one propose's drafted nodes (never committed: module docstring)
+        self._k: Tensor | None = None
         self._v: Tensor | None = None
+        self._kv = DraftKV()
+        self._step: DecodeStep | None = None  # the layer with its weights fused, made at the first forward
         self._next: int | None = None  # positions the next round must bring (1 + accepted), for a sync check
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.generator, self.vocab_size = generator, int(verifier.vocab_size)
@@ -130,6 +135,13 @@ class EagleDrafter:
         names = self.feature_layers
         return start, n, dict(zip(names, hidden.split(hidden.shape[-1] // len(names), dim=-1)))
 
+    @property
+    def fast(self) -> DecodeStep:
+        """The drafter's layer for decode time (models.eagle_decode: net.step's bits, fewer eager ops)."""
+        if self._step is None:
+            self._step = DecodeStep(self.net)
+        return self._step
+
     def _extend(self, input_ids: Tensor, hidden: Tensor) -> Tensor:
         """Add step-0 keys for the S newly committed positions; return the output at the last one. (B, D)"""
         bsz, s = hidden.shape[:2]
@@ -138,9 +150,9 @@ class EagleDrafter:
         emb = self.embed(input_ids[:, start + 1 : n + 1])  # (B, S, D): x_{t+1}, the last is the root
         pos = torch.arange(start, n, device=input_ids.device)
         mask = (torch.arange(n, device=pos.device)[None, :] <= pos[:, None])[None, None].expand(bsz, 1, s, n)
-        out, k, v = self.net.step(feats, emb, pos[None].expand(bsz, s), mask, self._k, self._v)
-        self._k = k if self._k is None else torch.cat([self._k, k], dim=2)  # (B, H_kv, n, hd)
-        self._v = v if self._v is None else torch.cat([self._v, v], dim=2)
+        self._kv.adopt(self._k, self._v)  # slots 0..start-1 (a view of the buffers unless a caller set them)
+        out = self.fast(feats, emb, pos, mask, self._kv, start)
+        self._k, self._v = self._kv.k[:, :, :n], self._kv.v[:, :, :n]  # (B, H_kv, n, hd)
         return out[:, -1]
 
     # -- 2. drafting -------------------------------------------------------------------------------------------------
@@ -153,7 +165,7 @@ class EagleDrafter:
         min(topk, total - depth) best nodes whatever their scores (no early stop): the most drafting a round of this
         budget and depth can do, the same work on any prefix (what `trial` times)."""
         dev = root_out.device
-        fed = _Fed(self, root_out)
+        fed = self.fed_class(self, root_out)
         self.rows_fed = 1  # drafter (and vocabulary-head) rows this call computes: the root, then each frontier
         logp = self.net.logits(root_out, self.lm_head).float().log_softmax(-1)  # (1, Vd)
         top = logp.topk(topk, dim=-1)  # the root's children
@@ -231,7 +243,7 @@ class EagleDrafter:
         node's group allowed to claim budget before u's, whether that node was expanded (which depends on u's
         children's scores) would decide m_u."""
         dev = root_out.device
-        fed = _Fed(self, root_out)
+        fed = self.fed_class(self, root_out)
         # Candidates in creation order (parents first, siblings together): token (verifier id), parent (-1 = root),
         # the distribution it was drawn from, cumulative log p.
         tokens: list[int] = []
@@ -322,41 +334,39 @@ class EagleDrafter:
 
 
 class _Fed:
-    """The drafted nodes fed to the drafter within one `propose`: their keys, outputs and ancestor masks. Drafted
-    keys never enter the drafter's cache (module docstring)."""
+    """The drafted nodes fed to the drafter within one `propose`: their keys (in the drafter's buffers after the
+    committed slots, overwritten by the next round: they never enter its cache, module docstring), outputs and
+    ancestor masks."""
 
     def __init__(self, drafter: EagleDrafter, root_out: Tensor) -> None:
         self.drafter, dev = drafter, root_out.device
-        # per fed node: what it passes to its children (its output, or the final-normed one: net.carry), key slot
-        self.out_of, self.slot_of = {-1: drafter.net.carry(root_out)[0]}, {}
-        self.k = self.v = None  # (1, H_kv, F, hd)
+        drafter._kv.adopt(drafter._k, drafter._v)
+        # what each fed node passes to its children (its output, or the final-normed one: net.carry): row 0 the
+        # root's, row 1 + slot a fed node's
+        self.carried = drafter.net.carry(root_out)  # (1 + F, D)
+        self.slot_of: dict[int, int] = {}
         self.anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # (F, F) ancestor-or-self among fed nodes
 
     def feed(self, nodes: list[int], ids: Tensor, parents: list[int], depth: int) -> Tensor:
         """One drafter forward over `nodes` (their verifier-vocabulary tokens `ids` (m,), parents -1 = the root), all
         at `depth`: (token, parent's output) at position P-1+depth, each seeing the cache, its fed ancestors and
         itself (the training unroll's step-d mask). Returns their outputs. (m, D)"""
-        d = self.drafter
-        m, f = len(nodes), 0 if self.k is None else self.k.shape[2]
-        mine = torch.zeros(m, f + m, dtype=torch.bool, device=ids.device)
-        for j, (c, parent) in enumerate(zip(nodes, parents)):
-            if parent >= 0:
-                mine[j, :f] = self.anc[self.slot_of[parent]]
-            mine[j, f + j] = True
-            self.slot_of[c] = f + j
+        d, dev = self.drafter, ids.device
+        m, f, p = len(nodes), self.anc.shape[0], d.cache_length
+        slot = torch.tensor([self.slot_of.get(c, -1) for c in parents], device=dev)  # (m,) -1: the root
+        seen = self.anc[slot.clamp(min=0)] & (slot >= 0)[:, None] if f else self.anc.new_zeros(m, 0)  # (m, F)
+        mine = torch.cat([seen, torch.eye(m, dtype=torch.bool, device=dev)], dim=1)  # (m, F+m)
+        self.slot_of.update((c, f + j) for j, c in enumerate(nodes))
         self.anc = torch.cat([torch.cat([self.anc, self.anc.new_zeros(f, m)], dim=1), mine], dim=0)  # (F+m, F+m)
-        mask = torch.cat([mine.new_ones(m, d.cache_length), mine], dim=1)[None, None]  # (1, 1, m, P+F+m)
-        past_k = d._k if self.k is None else torch.cat([d._k, self.k], dim=2)
-        past_v = d._v if self.v is None else torch.cat([d._v, self.v], dim=2)
-        pos = torch.full((1, m), d.cache_length - 1 + depth, device=ids.device)
-        hid = torch.stack([self.out_of[parent] for parent in parents])[None]  # (1, m, D)
-        out, k, v = d.net.step(hid, d.embed(ids[None]), pos, mask, past_k, past_v)  # out (1, m, D)
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        carried = d.net.carry(out)
-        for j, c in enumerate(nodes):
-            self.out_of[c] = carried[0, j]
+        mask = torch.cat([mine.new_ones(m, p), mine], dim=1)[None, None]  # (1, 1, m, P+F+m)
+        pos = torch.full((m,), p - 1 + depth, device=dev)
+        hid = self.carried[slot + 1][None]  # (1, m, D)
+        out = d.fast(hid, d.embed(ids[None]), pos, mask, d._kv, p + f)  # (1, m, D)
+        self.carried = torch.cat([self.carried, d.net.carry(out)[0]])
         return out[0]
+
+
+EagleDrafter.fed_class = _Fed  # what _expand / _sample_tree feed the drafted nodes through
 
 
 def eagle_drafter(net: EagleNet, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,
