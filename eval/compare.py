@@ -1,7 +1,8 @@
 """`python -m eval method=all`: every drafter family available on the same prompts, decoded through the same path
 as a single-family run (eval.runner.Runner, interleaved per prompt so they share the machine's state; eval.harness
-builds the drafters). This module reports them: one table (tau, tokens/s, speedup over our plain decoding, exactness)
-overall and per category, report.json with those rows, and a bar chart (families.png).
+builds the drafters). This module reports them: one table (tau, tokens/s, speedup over our plain decoding and the
+speedup the planner predicted, exactness) overall and per category, report.json with those rows, and a bar chart
+(families.png).
 
 Outside references: Hugging Face `generate`, its prompt lookup, and its assisted generation with the draft model as
 `assistant_model` (a constant `num_assistant_tokens` = the draft model's depth), greedy or sampled like ours.
@@ -21,7 +22,15 @@ from rich.table import Table
 
 from eval.engine.accept import mean_accept_length, per_position_acceptance
 from eval.engine.protocol import Drafter
-from eval.report import LENGTH_EDGES, Sample, length_group, num_or_dash, prompt_set_of, write_samples
+from eval.report import (
+    LENGTH_EDGES,
+    Sample,
+    length_group,
+    num_or_dash,
+    predicted_speedup,
+    prompt_set_of,
+    write_samples,
+)
 from models.export import ExportInfo
 from models.verifier import Verifier
 
@@ -54,6 +63,7 @@ def rows(samples: Sequence[Sample], methods: Sequence[str],
                 verify_ms = round(1000 * sum(s.times[m].get("verify_s", 0.0) for s in samples) / lengths.numel(), 3)
         out[m] = {"tau": tau, "tokens_per_s": round(rate(m), 2),
                   "speedup": round(rate(m) / base, 4) if base else 0.0,
+                  "predicted_speedup": predicted_speedup(samples, m),
                   "greedy_match": round(sum(s.matches(m) for s in samples) / max(len(samples), 1), 4),
                   "accept_rate_per_position": alpha, "draft_ms_per_round": draft_ms,
                   "verify_ms_per_round": verify_ms, "prefill_s": None, "decode_tokens_per_s": None}
@@ -69,14 +79,17 @@ def rows(samples: Sequence[Sample], methods: Sequence[str],
 def _table(title: str, by_method: dict[str, dict[str, Any]], exact: str) -> Table:
     """One row per method: tau, per-position acceptance, drafter and verify ms per round, tokens/s, speedup, match."""
     table = Table(title=title)
-    for col in ("method", "tau", "alpha_1..4", "draft ms/round", "verify ms/round", "tokens/s", "speedup", exact):
+    for col in ("method", "tau", "alpha_1..4", "draft ms/round", "verify ms/round", "tokens/s", "speedup",
+                "predicted", exact):
         table.add_column(col, justify="left" if col == "method" else "right")
     for m, r in by_method.items():
         table.add_row(m, "-" if r["tau"] is None else f"{r['tau']:.2f}",
                       " ".join(f"{a:.2f}" for a in (r["accept_rate_per_position"] or [])[:4]) or "-",
                       num_or_dash(r["draft_ms_per_round"]), num_or_dash(r["verify_ms_per_round"]),
                       f"{r['tokens_per_s']:.1f}",
-                      f"{r['speedup']:.2f}x", f"{r['greedy_match']:.0%}")
+                      f"{r['speedup']:.2f}x",
+                      "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x",
+                      f"{r['greedy_match']:.0%}")
     return table
 
 

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from eval.engine.protocol import BudgetDrafter, CostProbe, FixedTreeDrafter
 from eval.engine.timing import interleaved, timed
-from eval.engine.tree import Tree, auto_tree, rank_probs, tree_buffers
+from eval.engine.tree import Tree, auto_tree, best_first, rank_probs, tree_buffers
 from models.export import ExportInfo
 from models.families import FAMILIES
 from models.verifier import Verifier
@@ -153,6 +153,17 @@ def expected_tokens(table: Sequence[Sequence[float]], size: int) -> float:
     return 1.0 + sum(tree_values(auto_tree(table, size), table)) if size else 1.0
 
 
+def expected_curve(table: Sequence[Sequence[float]], max_drafts: int) -> list[float]:
+    """`expected_tokens(table, s)` for s = 0..max_drafts from one best-first growth (eval.engine.tree.best_first):
+    the s-draft tree is the first s nodes of the largest, so one growth prices every budget (what lets the adaptive
+    planner, eval.adaptive, re-plan between rounds for a fraction of a millisecond's work)."""
+    out, total = [1.0], 1.0
+    for v in best_first(table, max_drafts)[1]:
+        total += v
+        out.append(total)
+    return out + [total] * (max_drafts + 1 - len(out))  # a table that runs out of nodes adds nothing past them
+
+
 @dataclass
 class Plan:
     """What the cost curve predicts for one tree: drafts, E[tokens per round], verify ms, predicted speedup."""
@@ -197,7 +208,8 @@ def best_size(sizes: Sequence[int], ms: Sequence[float], table: Sequence[Sequenc
     """The draft budget s in min_drafts..max_nodes-1 that maximises E[tokens](s) / (t(s + 1) + d(s)) (ties: the
     smaller s); without a draft curve, d = 0."""
     ms, draft = monotone(ms), (None if draft is None else monotone(draft))
-    plans = [_plan(sizes, ms, expected_tokens(table, s), s, draft) for s in range(min_drafts, max_nodes)]
+    expected = expected_curve(table, max_nodes - 1)
+    plans = [_plan(sizes, ms, expected[s], s, draft) for s in range(min_drafts, max_nodes)]
     return max(plans, key=lambda p: (p.predicted_speedup, -p.size))
 
 

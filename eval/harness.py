@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
-from eval import compare, cost
+from eval import adaptive, compare, cost
 from eval.drafters.build import build_drafter, check_proposals, family_config, family_of, method_name
 from eval.engine.decode import ENGINES, engine_of, use_engine
 from eval.engine.protocol import Drafter
@@ -102,14 +102,15 @@ def verifier_source_of(cfg: DictConfig, family: str, export: ExportInfo | None) 
 
 def check_before_loading(cfg: DictConfig, family: str, export: ExportInfo | None, method_all: bool) -> None:
     """Refuse what the config and the export's config.json settle alone, before the verifier loads and any cost
-    curve is measured (minutes): `drafter=<family>` of another family than the export holds, and sampled_drafts for a
-    family that drafts from no export."""
+    curve is measured (minutes): `drafter=<family>` of another family than the export holds, sampled_drafts for a
+    family that drafts from no export, and plan=adaptive where there is nothing to adapt."""
     if not method_all and export is not None and FAMILIES[family].has_export and family != export.kind:
         raise UserError(f"checkpoint={str(export.path)!r} is {a_title(export.kind)} export but drafter={family} asks "
                         f"for {a_title(family)} one. Use drafter={export.kind} (or leave drafter= out: the export's "
                         f"own family), or pass {a_title(family)} export.")
     if not method_all:
         check_proposals(cfg, family)
+    adaptive.plan_mode(cfg.get("plan"), instantiate(cfg.tree, _convert_="all"), family, export, not method_all)
 
 
 def _every_family(cfg: DictConfig, chosen: str, verifier: Verifier, exports: list[ExportInfo],
@@ -174,7 +175,9 @@ def plan_and_build(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifi
     """Build `family`'s drafter under cfg.tree. tree.size=auto: a probe drafter with the largest budget is built and
     its drafting timed, eval.cost chooses the budget on the verifier's cost curve (`curve`, else measured now on a
     real prefix), then the drafter is built with it. profile=true: the drafter's draft curve beside the curve."""
-    policy, auto = cost.budget_policy(instantiate(cfg.tree, _convert_="all"), family, export)
+    tree = instantiate(cfg.tree, _convert_="all")
+    adapt = adaptive.plan_mode(cfg.get("plan"), tree, family, export, str(cfg.get("method", "single")) != "all")
+    policy, auto = cost.budget_policy(tree, family, export)
     profile = bool(cfg.get("profile")) if profile is None else profile
 
     def build(p: Any) -> Drafter:
@@ -187,13 +190,18 @@ def plan_and_build(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifi
     curve = curve if curve is not None else cost.measure(verifier, ids, threads, engine)
     planned, draft = None, None
     if auto:
-        draft = cost.timed_draft_curve(verifier, build(AutoTree(size=cost.PROBE_SIZE)), ids, curve.sizes, engine,
-                                       threads)
+        probe = build(AutoTree(size=cost.PROBE_SIZE))
+        draft = cost.timed_draft_curve(verifier, probe, ids, curve.sizes, engine, threads)
         planned = cost.auto_size(family, export, curve, draft)
-        policy = AutoTree(size=planned.size)
+        assert export is not None and export.acceptance is not None  # auto_size refuses an export without them
+        # adaptive: the probe itself, built at the largest budget (its depth the deepest any plan may reach), then
+        # re-planned round by round; static: the drafter built at the planned budget, predicted round by round.
+        drafter = probe if adapt else build(AutoTree(size=planned.size))
+        drafter = adaptive.plan(drafter, FAMILIES[export.kind].tree, export.acceptance, curve, draft, planned.size,
+                                adapt, FAMILIES[family].min_drafts)
+        return Built(drafter, curve, planned, draft)
     drafter = build(policy)
-    if draft is None:
-        draft = cost.timed_draft_curve(verifier, drafter, ids, curve.sizes, engine, threads)
+    draft = cost.timed_draft_curve(verifier, drafter, ids, curve.sizes, engine, threads)
     return Built(drafter, curve, planned, draft)
 
 
@@ -210,6 +218,12 @@ def profile_curves(cfg: DictConfig, source: Any, verifier: Verifier, prefix: Cal
         curves += [cost.measure(other, ids, int(t), engine) for t in cfg.get("profile_threads") or [threads]
                    if (other_dtype, int(t)) != (dtype, threads)]
     return curves
+
+
+def plan_of(drafter: Drafter) -> str:
+    """`adaptive` or `static`: how a planned drafter's budget followed the run (eval.adaptive)."""
+    described = drafter.describe()
+    return str(described.get("plan") or described.get("primary", {}).get("plan") or "static")
 
 
 def export_tag(export: ExportInfo) -> str:
@@ -265,10 +279,12 @@ def setup(cfg: DictConfig) -> Setup:
     curves = [built.curve] if built.curve is not None else []
     if cfg.get("profile"):
         curves += profile_curves(cfg, source, verifier, prefix)
-    if curves and export is not None and FAMILIES[family].has_export:
-        predicted = cost.predict(export, built.drafter, curves[0], built.draft)
-    else:  # the hybrid under tree.size=auto: its primary's plan (what the grafted lookup adds is not in it)
+    if built.planned is not None:  # tree.size=auto: the plan made before the first round (the hybrid: its primary's)
         predicted = built.planned
+    elif curves and export is not None and FAMILIES[family].has_export:
+        predicted = cost.predict(export, built.drafter, curves[0], built.draft)
+    else:
+        predicted = None
     return Setup(verifier, {SPECULATIVE: built.drafter}, method_name(family, built.drafter), exports, convs, source,
                  curves, predicted, built.planned is not None, built.draft)
 
@@ -349,7 +365,10 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     report = write_outputs(samples, meta, setting, run.drafter.max_depth, out_dir, cfg.wandb, peers=peer_report)
     if run.predicted is not None:
         p = run.predicted
+        rounds = report["predicted_speedup"]
         print(f"speedup: predicted {p.predicted_speedup:.2f}x from the cost curve ({p.size} drafts, E[tokens/round] "
               f"{p.expected_tokens:.2f}, verify {p.verify_ms:.1f} ms + draft {p.draft_ms:.1f} ms vs step "
-              f"{p.step_ms:.1f} ms){' [tree.size=auto]' if run.auto_size else ''}; measured {report['speedup']:.2f}x")
+              f"{p.step_ms:.1f} ms){' [tree.size=auto]' if run.auto_size else ''}"
+              f"{'' if rounds is None else f', {rounds:.2f}x round by round (plan={plan_of(run.drafter)})'}; "
+              f"measured {report['speedup']:.2f}x")
     return report

@@ -27,7 +27,7 @@ ASSISTED = "hf_assisted"  # HF assisted generation with the run's draft model: d
 REPORT_KEYS = (
     "method", "tree", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
-    "speedup", "speedup_vs_hf_generate", "greedy_match",
+    "speedup", "predicted_speedup", "speedup_vs_hf_generate", "greedy_match",
     "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "prompt_tokens", "prefill",
     "sampling", "by_category", "by_prompt_length", "by_prompt_set",
 )
@@ -43,6 +43,8 @@ class Sample:
 
     seconds / outputs: per method. lengths: per drafter, (R,) drafts accepted per speculative round, bonus excluded.
     forwards: verifier forwards of our loops; times: their DecodeResult.times (for the time breakdown).
+    predicted: per planned drafter (tree.size=auto), what the planner predicted for this decode's rounds, each
+        before it ran (eval.adaptive.Prediction: rounds, E[tokens] and ms summed, the plain step's ms).
     """
 
     id: str
@@ -54,6 +56,7 @@ class Sample:
     lengths: dict[str, Tensor]
     forwards: dict[str, int]
     times: dict[str, dict[str, float]] = field(default_factory=dict)
+    predicted: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def accept_lengths(self) -> Tensor:
@@ -101,6 +104,15 @@ def prefill(samples: Sequence[Sample]) -> dict[str, Any]:
     return out
 
 
+def predicted_speedup(samples: Sequence[Sample], method: str = SPECULATIVE) -> float | None:
+    """The speedup the planner predicted for `method` over `samples`, as the measured one is taken (all tokens over
+    all time): its per-round predictions of E[tokens] and ms summed, against the plain step; None when the method
+    was not planned (no tree.size=auto)."""
+    rows = [s.predicted[method] for s in samples if method in s.predicted]
+    ms = sum(r["ms"] for r in rows)
+    return round(sum(r["tokens"] * r["step_ms"] for r in rows) / ms, 4) if rows and ms > 0 else None
+
+
 def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
     """The report's metric keys over `samples` (all of them, or one category's); the hf_assisted ones are null when
     the run had no draft model."""
@@ -117,6 +129,7 @@ def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
         "hf_generate_tokens_per_s": round(rate["hf_generate"], 2),
         "hf_prompt_lookup_tokens_per_s": round(rate["hf_prompt_lookup"], 2),
         "speedup": round(rate["speculative"] / rate["baseline"], 4) if rate["baseline"] else 0.0,
+        "predicted_speedup": predicted_speedup(samples),
         "speedup_vs_hf_generate": round(rate["speculative"] / rate["hf_generate"], 4) if rate["hf_generate"] else 0.0,
         "greedy_match": round(sum(s.matches("speculative") for s in samples) / max(len(samples), 1), 4),
         "hf_assisted_tokens_per_s": round(rate[ASSISTED], 2) if assisted else None,
@@ -178,7 +191,10 @@ def build_profile(samples: Sequence[Sample], setting: Mapping[str, Any]) -> dict
         "per_prompt": [
             {"id": s.id, "category": s.category, "turn": s.turn, "prompt_tokens": s.prompt_tokens,
              "new_tokens": s.new_tokens, "seconds": {m: round(v, 4) for m, v in s.seconds.items()},
-             "tau": round(mean_accept_length(s.accept_lengths), 4), "greedy_match": s.matches("speculative")}
+             "tau": round(mean_accept_length(s.accept_lengths), 4), "greedy_match": s.matches("speculative"),
+             "predicted_speedup": predicted_speedup([s]),
+             "speedup": round(s.seconds["baseline"] / s.seconds["speculative"] * s.new_tokens["speculative"]
+                              / max(s.new_tokens["baseline"], 1), 4) if s.seconds.get("speculative") else None}
             for s in samples
         ],
     }
@@ -238,7 +254,7 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
             continue
         cats = Table(title=f"{title}; prefill apart: ours (plain) prompt tok/s, decode tok/s after it")
         for col in ("group", "n", "prompt", "tau", "alpha_1", "tokens/s", "plain", "HF", "HF lookup", "speedup",
-                    "vs HF", "prefill tok/s", "decode tok/s", "greedy match"):
+                    "predicted", "vs HF", "prefill tok/s", "decode tok/s", "greedy match"):
             cats.add_column(col, justify="left" if col == "group" else "right")
         for c, m in groups.items():
             a1 = m["accept_rate_per_position"][0] if m["accept_rate_per_position"] else 0.0
@@ -247,7 +263,9 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
                          f"{m['tau']:.2f}", f"{a1:.2f}", f"{m['tokens_per_s']:.1f}",
                          f"{m['baseline_tokens_per_s']:.1f}",
                          f"{m['hf_generate_tokens_per_s']:.1f}", f"{m['hf_prompt_lookup_tokens_per_s']:.1f}",
-                         f"{m['speedup']:.2f}x", f"{m['speedup_vs_hf_generate']:.2f}x",
+                         f"{m['speedup']:.2f}x",
+                         "-" if m["predicted_speedup"] is None else f"{m['predicted_speedup']:.2f}x",
+                         f"{m['speedup_vs_hf_generate']:.2f}x",
                          num_or_dash(pre["baseline"]["prompt_tokens_per_s"]),
                          num_or_dash(pre[SPECULATIVE]["decode_tokens_per_s"]),
                          "-" if m["greedy_match"] is None else f"{m['greedy_match']:.0%}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from transformers import GenerationConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation
+from eval.adaptive import prediction_of
 from eval.engine.decode import DecodeResult, sample_decode, speculative_decode
 from eval.engine.protocol import Assistant, Drafter
 from eval.engine.sampling import SamplingConfig, sampling_config
@@ -118,10 +120,15 @@ class Runner:
                 results[method], outputs[method] = out, out.tokens[0].tolist()
             else:
                 outputs[method] = out
+        predicted = {}  # what a planned drafter predicted for its rounds of this prompt, each before it ran
+        for name, drafter in self.drafters.items():
+            if (p := prediction_of(drafter)) is not None:
+                predicted[name] = asdict(p)
         return Sample(
             id=prompt_id, category=category, turn=turn, prompt_tokens=len(ids), seconds=seconds, outputs=outputs,
             lengths={m: r.accept_lengths[:, 0].cpu() for m, r in results.items() if m != "baseline"},
             forwards={m: r.num_forwards for m, r in results.items()}, times={m: r.times for m, r in results.items()},
+            predicted=predicted,
         )
 
 

@@ -131,6 +131,13 @@ def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | 
     from eval.drafters.hybrid import HybridDrafter
     from eval.drafters.lookup import PromptLookupDrafter
 
+    if (num_tokens is not None and num_tokens < 1) or (budget is not None and budget < 2):
+        what = f"drafter.num_tokens={num_tokens}" if budget is None or budget >= 2 else f"drafter.budget={budget}"
+        raise UserError(f"drafter=hybrid verifies prompt-lookup chains beside the export's drafts, and {what} leaves "
+                        f"no lookup source usable (no token of a chain can be verified: a chain needs num_tokens "
+                        f">= 1 and a node beside the root, budget >= 2). Give drafter.num_tokens >= 1 (null: "
+                        f"{LOOKUP_TOKENS}) and drafter.budget >= 2 (null: the export drafter's own), or run the "
+                        f"export's drafter alone (drafter=export).")
     primary = make_drafter(None, verifier, tree, checkpoint=_export(checkpoint, "hybrid"), **proposals)
     if num_tokens is None:
         num_tokens = max(min(LOOKUP_TOKENS, (primary.max_nodes if budget is None else budget) - 1), 1)

@@ -34,6 +34,22 @@ class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, tree: Tree, lm_head: nn.Module | None = None, policy: str = "tree",
                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
                  head_ids: Tensor | None = None) -> None:
+        self.heads = heads.eval().requires_grad_(False)
+        self.lm_head, self.policy = lm_head, policy
+        # `head_ids` (sorted verifier ids): `lm_head` is the shared head cut to those rows (row_head), and
+        # draft ids index head_ids.
+        self.head_ids = head_ids
+        self.vocab_size = heads.vocab_size
+        self.depth_limit = heads.num_heads  # the deepest tree it can fill: one head a depth
+        self.set_tree(tree)
+        self.sampling = None if sampling is None or sampling.greedy else sampling
+        self.generator = generator
+
+    def set_tree(self, tree: Tree) -> None:
+        """Draft `tree` from the next round on: the hook through which the adaptive planner (eval.adaptive) re-plans
+        a fixed tree between rounds. The heads run once a round whatever the tree; it only says which of their
+        top-k tokens fill which node (and how many heads run: as many as it is deep)."""
+        heads = self.heads
         if tree.max_depth > heads.num_heads:
             raise UserError(
                 f"The tree is {tree.max_depth} drafts deep but the Medusa export has {heads.num_heads} heads; "
@@ -42,22 +58,15 @@ class MedusaDrafter:
         if max(tree.ranks[1:], default=0) >= heads.vocab_size:
             raise UserError(f"The tree asks for rank {max(tree.ranks)} of a head, but the vocabulary has "
                             f"{heads.vocab_size} tokens; use ranks below {heads.vocab_size} in medusa_choices.")
-        self.heads = heads.eval().requires_grad_(False)
-        self.tree, self.lm_head, self.policy = tree, lm_head, policy
-        # `head_ids` (sorted verifier ids): `lm_head` is the shared head cut to those rows (row_head), and
-        # draft ids index head_ids.
-        self.head_ids = head_ids
-        if head_ids is not None and max(tree.ranks[1:], default=0) >= head_ids.numel():
+        if self.head_ids is not None and max(tree.ranks[1:], default=0) >= self.head_ids.numel():
             raise UserError(f"The tree asks for rank {max(tree.ranks)} of a head, but drafter.draft_vocab keeps "
-                            f"{head_ids.numel()} tokens; use a larger draft_vocab.")
+                            f"{self.head_ids.numel()} tokens; use a larger draft_vocab.")
+        self.tree = tree
         self.max_nodes, self.max_depth = tree.num_nodes, tree.max_depth
         device = next(heads.parameters(), torch.empty(0)).device
         self._depth = tree_buffers(tree).positions[1:].to(device)  # (N-1,) depth of each draft node
         self._rank = torch.tensor(tree.ranks[1:], dtype=torch.long, device=device)  # (N-1,)
         self._topk = max(tree.ranks[1:], default=-1) + 1
-        self.vocab_size = heads.vocab_size
-        self.sampling = None if sampling is None or sampling.greedy else sampling
-        self.generator = generator
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.policy, "proposals": "sampled" if self.sampling else "topk", **describe(self.tree)}

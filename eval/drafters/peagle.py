@@ -35,16 +35,23 @@ class PEagleDrafter(EagleDrafter):
                  head_ids: Tensor | None = None, table: list[list[float]] | None = None) -> None:
         super().__init__(net, verifier, Chain(net.parallel), sampling=sampling, generator=generator, head_ids=head_ids)
         self.table = table[: net.parallel] if table else None  # per-depth top-k accuracy: the tree each budget buys
-        if tree.max_depth > net.parallel:
+        self.tree_policy, self.depth_limit = policy, net.parallel  # the deepest tree one forward fills
+        self.set_tree(tree)
+
+    def set_tree(self, tree: Tree) -> None:
+        """Draft `tree` from the next round on: the hook through which the adaptive planner (eval.adaptive) re-plans
+        a fixed tree between rounds (the mask forward runs as deep as the tree)."""
+        if tree.max_depth > self.net.parallel:
             raise UserError(f"The tree is {tree.max_depth} drafts deep but the P-EAGLE export drafts "
-                            f"{net.parallel} tokens per forward; use a tree of depth <= {net.parallel}.")
+                            f"{self.net.parallel} tokens per forward; use a tree of depth <= {self.net.parallel}.")
         if max(tree.ranks[1:], default=0) >= self.head_size:
             raise UserError(f"The tree asks for rank {max(tree.ranks)} of a depth, but the draft vocabulary has "
                             f"{self.head_size} tokens; use smaller ranks.")
-        self.tree, self.tree_policy = tree, policy
+        device = self.embed.weight.device
+        self.tree = tree
         self.size, self.max_nodes, self.max_depth = tree.num_drafts, tree.num_nodes, tree.max_depth
-        self._depth = tree_buffers(tree).positions[1:].to(verifier.device)  # (N-1,) depth of each draft node
-        self._rank = torch.tensor(tree.ranks[1:], dtype=torch.long, device=verifier.device)
+        self._depth = tree_buffers(tree).positions[1:].to(device)  # (N-1,) depth of each draft node
+        self._rank = torch.tensor(tree.ranks[1:], dtype=torch.long, device=device)
         self._topk = max(tree.ranks[1:], default=-1) + 1
 
     def describe(self) -> dict[str, Any]:

@@ -100,6 +100,48 @@ class BudgetDrafter(Protocol):
     size: int  # the drafts a round may grow (its node budget, root excluded)
 
 
+@dataclass
+class Prediction:
+    """What a planner predicted for one decode's rounds, each before it ran: the rounds, E[tokens] and ms summed,
+    and the plain step's ms (eval.adaptive; the report puts the predicted speedup beside the measured one)."""
+
+    rounds: int = 0
+    tokens: float = 0.0
+    ms: float = 0.0
+    step_ms: float = 0.0
+
+    @property
+    def speedup(self) -> float:
+        """Predicted tokens/s over plain decoding's one token per step."""
+        return self.tokens * self.step_ms / self.ms if self.ms > 0 else 0.0
+
+
+@runtime_checkable
+class Planned(Protocol):
+    """A drafter whose rounds a planner prices (eval.adaptive.PlannedDrafter under tree.size=auto): what a drafter
+    built around it (the hybrid) reads to choose, round by round, what else to verify with its drafts."""
+
+    planned_nodes: int  # the nodes the round just proposed drafts, root included
+    step_ms: float  # the plain step's predicted ms (the speedup's unit)
+
+    def node_values(self) -> list[float]:
+        """The round just proposed: each draft's predicted path-acceptance probability, best first."""
+        ...
+
+    def round_ms(self, nodes: int) -> float:
+        """Predicted ms of the round just proposed if the verifier checks `nodes` nodes (root included): the
+        verifier's forward over them and this drafter's drafting."""
+        ...
+
+    def verified_nodes(self, nodes: Sequence[int]) -> None:
+        """Told before `accepted`: which nodes of its tree were verified (the others were left out for others')."""
+        ...
+
+    def prediction(self) -> Prediction:
+        """What was predicted for the decode just finished; starts the next count."""
+        ...
+
+
 @runtime_checkable
 class Assistant(Protocol):
     """A drafter that Hugging Face assisted generation can run as well (a draft model): the harness adds HF's

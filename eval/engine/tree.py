@@ -225,10 +225,18 @@ def auto_tree(topk_accuracy: Sequence[Sequence[float]], size: int) -> Tree:
     P(rank r_d of head d-1 correct) = acc[d-1][r_d] - acc[d-1][r_d - 1]. A child's value never exceeds its parent's,
     so best-first growth from the root always adds a parent before its children.
     """
+    return from_medusa_choices(best_first(topk_accuracy, size)[0])
+
+
+def best_first(topk_accuracy: Sequence[Sequence[float]], size: int) -> tuple[list[tuple[int, ...]], list[float]]:
+    """auto_tree's nodes in the order it adds them (rank paths) and their values. The growth is the same for every
+    size, so the tree of s drafts is the first s of the tree of `size`, and 1 + the cumulative sum of the values is
+    E[tokens per round] of every smaller budget at once (eval.cost.expected_curve)."""
     if size < 0:
         raise UserError(f"auto_tree(size={size}): the number of draft nodes must be >= 0.")
     probs = rank_probs(topk_accuracy)
     chosen: list[tuple[int, ...]] = []
+    values: list[float] = []
     # Max-heap on value; ties broken by the shorter, then lexicographically smaller path, for a deterministic tree.
     heap: list[tuple[float, int, tuple[int, ...]]] = []
 
@@ -241,8 +249,9 @@ def auto_tree(topk_accuracy: Sequence[Sequence[float]], size: int) -> Tree:
     while heap and len(chosen) < size:
         neg_value, _, path = heapq.heappop(heap)
         chosen.append(path)
+        values.append(-neg_value)
         push_children(path, -neg_value)
-    return from_medusa_choices(chosen)
+    return chosen, values
 
 
 def tree_buffers(tree: Tree, device: torch.device | str | None = None) -> TreeBuffers:

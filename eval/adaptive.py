@@ -1,0 +1,307 @@
+"""Planning from the acceptance the run measures (`plan=adaptive`, the default under `tree.size=auto`).
+
+The static planner (eval.cost.auto_size) chooses a budget once, from the export's training-time acceptance table
+(ExportInfo.acceptance: per depth, cumulative top-k accuracy). On prompts no one trained on that table is optimistic,
+and the planner promised more speedup than came. Here the table is only where the estimate starts:
+
+- `AcceptanceEstimate` keeps, per depth and per rank, how often the rank was offered and how often it was the
+  accepted one, counted over the run and over the current prompt. Each round observes, at every depth its accepted
+  path reached, which ranks the tree offered under the last accepted node and which of them was accepted (or none);
+  nodes off that path say nothing and are not counted. The estimate is a Beta posterior mean twice over: the export's
+  table is the run's prior (RUN_PRIOR pseudo-observations a cell), the run's estimate the prompt's (PROMPT_PRIOR).
+  A cell never offered moves with the cells of its depth that were (their posterior over their prior), and a depth
+  never reached with the one above it, so a table found too optimistic at depth 1 stops promising deep nodes too.
+- `PlannedDrafter` wraps the drafter tree.size=auto built. Before every round it predicts the round (E[tokens] under
+  the estimate so far, and verify + draft ms from the run's curves: no extra verifier forward, nothing measured after
+  the fact), and with `adaptive` re-plans when the estimate has moved: the budget maximising E[tokens](s) / (t(s+1) +
+  d(s)) (eval.cost's rule, on the estimate in place of the table), then a fixed tree rebuilt by auto_tree at that
+  budget (Medusa, P-EAGLE, DFlash: their `set_tree`) or an EAGLE budget (`size`, and the depth that budget's tree
+  reaches). `prediction()` hands the runner what it predicted for the decode just finished, so the report shows
+  predicted beside measured speedup per prompt, category and method.
+
+Exactness is the decode loop's: whatever tree a round drafts, greedy acceptance keeps plain greedy's tokens, and the
+tree of a round is fixed before its drafts are made, from earlier rounds only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from eval import cost
+from eval.engine.protocol import Draft, Drafter, Prediction
+from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, auto_tree, best_first, rank_probs
+from models.export import ExportInfo
+from models.families import FAMILIES
+from runtime.errors import UserError
+
+RUN_PRIOR = 8.0  # pseudo-observations the export's table is worth in each (depth, rank) cell, against the run's
+PROMPT_PRIOR = 4.0  # pseudo-observations the run's estimate is worth against the current prompt's counts
+MOVED = 0.02  # re-plan when a cell's estimate moved by more than this (absolute probability) since the last plan
+
+
+def _posterior(prior: list[list[float]], hits: list[list[float]], offered: list[list[float]],
+               strength: float) -> list[list[float]]:
+    """Per (depth, rank): the Beta posterior mean (strength * prior + hits) / (strength + offered). A cell never
+    offered takes its prior times the ratio its depth's offered cells moved by (a depth with none: the ratio above
+    it); a depth's ranks are kept to a total of at most 1 (one token is the right one)."""
+    out, ratio = [], 1.0
+    for row, hit, off in zip(prior, hits, offered):
+        post = [(strength * p + h) / (strength + n) for p, h, n in zip(row, hit, off)]
+        seen = sum(p for p, n in zip(row, off) if n)
+        if seen > 0:
+            ratio = sum(q for q, n in zip(post, off) if n) / seen
+        post = [q if n else p * ratio for p, q, n in zip(row, post, off)]
+        total = sum(post)
+        out.append([q / total for q in post] if total > 1.0 else post)
+    return out
+
+
+class AcceptanceEstimate:
+    """Per-depth, per-rank acceptance measured on the prompts being decoded, the export's table as the prior."""
+
+    def __init__(self, table: Sequence[Sequence[float]]) -> None:
+        self.prior = rank_probs(table)
+        shape = [len(row) for row in self.prior]
+        self._zeros = lambda: [[0.0] * w for w in shape]
+        self.run_hits, self.run_offered = self._zeros(), self._zeros()
+        self.new_prompt()
+
+    def new_prompt(self) -> None:
+        """Forget the last prompt's counts (the run keeps them)."""
+        self.hits, self.offered = self._zeros(), self._zeros()
+
+    def observe(self, depth: int, offered: Sequence[int], accepted: int | None) -> None:
+        """At `depth` (0-based: the first draft is depth 0) the tree offered `offered` ranks under an accepted node;
+        `accepted` the one the verifier took, None when none was. Ranks or depths past the table are not counted."""
+        if depth >= len(self.prior):
+            return
+        width = len(self.prior[depth])
+        for rank in offered:
+            if rank < width:
+                hit = float(rank == accepted)
+                for hits, off in ((self.run_hits, self.run_offered), (self.hits, self.offered)):
+                    hits[depth][rank] += hit
+                    off[depth][rank] += 1.0
+
+    def probs(self) -> list[list[float]]:
+        """P(rank r is the right token at depth d), the prompt's estimate: the table -> the run -> this prompt."""
+        run = _posterior(self.prior, self.run_hits, self.run_offered, RUN_PRIOR)
+        return _posterior(run, self.hits, self.offered, PROMPT_PRIOR)
+
+    def table(self) -> list[list[float]]:
+        """`probs` as a cumulative top-k table, the form eval.engine.tree.auto_tree and eval.cost read."""
+        return [[min(sum(row[: r + 1]), 1.0) for r in range(len(row))] for row in self.probs()]
+
+
+class PlannedDrafter:
+    """A drafter tree.size=auto planned, predicted round by round and, with `adaptive`, re-planned from the
+    acceptance the run measures (module docstring). Keeps the drafter protocol (eval.engine.protocol.Drafter).
+
+    kind: the family's registry `tree`: "fixed" (a FixedTreeDrafter with `set_tree` and `depth_limit`) or "dynamic"
+    (a BudgetDrafter: `size` and `depth`). curve / draft: the verifier's cost curve and the drafter's draft curve
+    (ms at curve.sizes, or None) the static plan was made on. size: that plan's budget. An adaptive drafter is
+    built at the largest budget (eval.cost.PROBE_SIZE), so its depth is the deepest any budget may reach, and it
+    declares that budget and depth to the decode loop (`max_nodes`, `max_depth`: the cache is sized for them)."""
+
+    def __init__(self, drafter: Any, table: Sequence[Sequence[float]], kind: str, curve: cost.Curve,
+                 draft: Sequence[float] | None, size: int, adaptive: bool, min_drafts: int = 0,
+                 max_drafts: int = cost.PROBE_SIZE) -> None:
+        self.inner, self.kind, self.adaptive = drafter, kind, adaptive
+        self.feature_layers = drafter.feature_layers
+        limit = drafter.depth_limit if kind == "fixed" else drafter.depth
+        self.table = [list(row) for row in table[:limit]]
+        self.estimate = AcceptanceEstimate(self.table)
+        ms = cost.monotone(curve.ms)
+        spent = None if draft is None else cost.monotone(draft)
+        self.min_drafts, self.max_drafts = min_drafts, max_drafts
+        self._plans = [cost._plan(curve.sizes, ms, 1.0, s, spent) for s in range(max_drafts + 1)]
+        self.step_ms = self._plans[0].step_ms
+        if adaptive:
+            self.max_nodes, self.max_depth = 1 + max_drafts, len(self.table)
+            self._base_depth = limit
+        else:
+            self.max_nodes, self.max_depth = drafter.max_nodes, drafter.max_depth
+        self.size = -1
+        self._resize(size, self.table)
+        self._planned = self.estimate.probs()
+        self._tree: Tree | None = None
+        self._length = 0
+        self._expect: tuple[int, int] | None = None  # (tokens, hidden positions) the next round of this decode brings
+        self._verified: set[int] | None = None
+        self._round_values: list[float] = []
+        self._prediction = Prediction(step_ms=self.step_ms)
+
+    # -- the plan -------------------------------------------------------------------------------------------------
+    def _resize(self, size: int, table: list[list[float]]) -> None:
+        """Draft `size` drafts from the next round on, the tree `table` buys for them."""
+        self.size = size
+        if self.kind == "fixed":
+            self.inner.set_tree(auto_tree(table, size))
+        elif self.adaptive:  # an EAGLE budget: grown each round, no deeper than the tree the plan priced
+            self.inner.size = size
+            self.inner.depth = min(self._base_depth, auto_tree(table, size).max_depth) if size else self._base_depth
+
+    def _replan(self) -> None:
+        """1. The estimate's table; 2. if it moved since the last plan, the budget eval.cost's rule picks on it, and
+        the drafter resized when the budget or the tree changed."""
+        probs = self.estimate.probs()
+        if max(abs(a - b) for r, s in zip(probs, self._planned) for a, b in zip(r, s)) <= MOVED:
+            return
+        self._planned = probs
+        table = self.estimate.table()
+        expected = cost.expected_curve(table, self.max_drafts)
+        best = max(range(self.min_drafts, self.max_drafts + 1),
+                   key=lambda s: (expected[s] / (self._plans[s].verify_ms + self._plans[s].draft_ms), -s))
+        if best != self.size or self.kind == "fixed":
+            self._resize(best, table)
+
+    def _values(self) -> list[float]:
+        """The coming round's drafts' path-acceptance probabilities under the estimate so far, best first."""
+        table = self.estimate.table() if self.adaptive else self.table
+        if self.kind == "fixed":
+            return sorted(cost.tree_values(self.inner.tree, table), reverse=True)
+        return best_first(table, self.size)[1]
+
+    @property
+    def planned_nodes(self) -> int:
+        """The nodes the coming (or just proposed) round drafts, root included."""
+        return 1 + self.size
+
+    def node_values(self) -> list[float]:
+        """eval.engine.protocol.Planned: the round just proposed, its drafts' predicted values, best first."""
+        return self._round_values
+
+    def round_ms(self, nodes: int) -> float:
+        """eval.engine.protocol.Planned: the verifier's forward over `nodes` nodes and this plan's drafting."""
+        verify = self._plans[min(max(nodes - 1, 0), self.max_drafts)].verify_ms
+        return verify + self._plans[self.size].draft_ms
+
+    # -- the drafter protocol ---------------------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        inner = self.inner.describe()
+        if not self.adaptive:
+            return {**inner, "plan": "static"}
+        return {**inner, "policy": "adaptive", "plan": "adaptive", "max_nodes": self.max_nodes,
+                "planned_drafts": self.size}
+
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        # 1. A new decode (not the continuation the last round announced): the prompt's counts start from the run's.
+        if self._expect != (input_ids.shape[1], hidden.shape[1]):
+            self.estimate.new_prompt()
+            self._planned = [[-1.0]]  # re-plan for the new prompt from the run's estimate
+        # 2. Re-plan on the estimate so far; 3. predict this round before it runs; 4. draft.
+        if self.adaptive:
+            self._replan()
+        self._round_values = self._values()
+        p = self._prediction
+        p.rounds += 1
+        p.tokens += 1.0 + sum(self._round_values)
+        p.ms += self.round_ms(self.planned_nodes)
+        draft = self.inner.propose(input_ids, hidden)
+        self._tree, self._length = draft.tree, input_ids.shape[1]
+        return draft
+
+    def verified_nodes(self, nodes: Sequence[int]) -> None:
+        """Told by a hybrid before `accepted`: the nodes of this drafter's last tree that were verified (the rest
+        were dropped to make room for grafted ones and say nothing about acceptance)."""
+        self._verified = set(nodes)
+
+    def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
+        """Observe the round, then tell the drafter. `nodes` (1, 1+A) in this drafter's tree; -1 where the path
+        took a node this drafter did not propose (a hybrid's grafted one): its offered children there all missed."""
+        accepted = int(num_accepted[0])
+        self._expect = (self._length + accepted + 1, accepted + 1)
+        if self.adaptive and self._tree is not None:
+            self._observe(self._tree, nodes[0].tolist(), accepted)
+        self._verified = None
+        self.inner.accepted(num_accepted, nodes)
+
+    def _observe(self, tree: Tree, path: list[int], accepted: int) -> None:
+        """At each depth the accepted path reached inside this tree: the ranks offered there and the one taken."""
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(tree.parents[1:], start=1):
+            if self._verified is None or i in self._verified:
+                children.setdefault(parent, []).append(i)
+        for d in range(len(path)):
+            node = path[d]
+            kids = children.get(node, []) if node >= 0 else []
+            if not kids:
+                return
+            nxt = path[d + 1] if d + 1 <= accepted and d + 1 < len(path) else -1
+            self.estimate.observe(d, [tree.ranks[c] for c in kids], tree.ranks[nxt] if nxt >= 0 else None)
+            if nxt < 0:
+                return
+
+    def prediction(self) -> Prediction:
+        """What was predicted for the decode just finished (each round before it ran); starts the next count."""
+        out, self._prediction = self._prediction, Prediction(step_ms=self.step_ms)
+        return out
+
+    def draft_cost(self, verifier: Any, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
+                   reps: int = 3) -> list[float] | None:
+        """eval.engine.protocol.CostProbe: the wrapped drafter's."""
+        return self.inner.draft_cost(verifier, prefix_ids, sizes, engine, reps)
+
+
+PLANS = ("adaptive", "static")
+
+
+def _fixed_by(tree: Any) -> str | None:
+    """How a tree policy fixes the tree, as the command line wrote it; None for tree.size=auto."""
+    if isinstance(tree, AutoTree):
+        return None if tree.size == "auto" else f"tree.size={tree.size}"
+    names = {Chain: "tree=chain", DynamicTree: "tree=dynamic", Tree: "tree=medusa_choices"}
+    return names.get(type(tree), f"tree={type(tree).__name__}")
+
+
+def plan_mode(value: Any, tree: Any, family: str, export: ExportInfo | None, strict: bool = True) -> bool:
+    """Whether the run re-plans from measured acceptance: `plan` null (the default) adapts under tree.size=auto
+    wherever the budget is planned at all, `static` never; `adaptive` refuses a run with nothing to adapt (a fixed
+    tree, a family that drafts its own chain, an export without its acceptance table). `strict` False (method=all):
+    the families with nothing to plan are left as they are."""
+    if value is not None and str(value) not in PLANS:
+        raise UserError(f"plan={value!r} is not a plan; use plan=adaptive (re-plan the tree.size=auto budget from the "
+                        f"acceptance measured while decoding), plan=static (the budget planned once, from the "
+                        f"export's table) or leave it out (adaptive under tree.size=auto).")
+    fixed = _fixed_by(tree)
+    plannable = (FAMILIES[family].tree != "own" and export is not None and export.acceptance is not None)
+    if value is None:
+        return fixed is None and plannable
+    if str(value) == "static":
+        return False
+    if fixed is not None:
+        raise UserError(f"plan=adaptive re-plans the tree.size=auto budget between rounds, but this run fixes the "
+                        f"tree ({fixed}). Give tree.size=auto (the default tree=auto) to let the planner choose and "
+                        f"adapt it, or drop plan=adaptive to keep the tree you gave.")
+    if FAMILIES[family].tree == "own":
+        if not strict:
+            return False
+        raise UserError(f"plan=adaptive plans the tree of an export's drafter, and drafter={family} drafts its own "
+                        f"chain (its drafter.* options); drop plan=adaptive, or run an export "
+                        f"(python -m eval checkpoint=<export> plan=adaptive).")
+    if export is None or export.acceptance is None:
+        need = " or ".join(FAMILIES[export.kind].acceptance) if export is not None else "an acceptance table"
+        raise UserError(f"plan=adaptive starts from the export's acceptance table ({need} in its config.json), and "
+                        f"this export has none; re-export it with a current train.py, or drop plan=adaptive (it then "
+                        f"drafts {cost.FALLBACK_SIZE} nodes).")
+    return True
+
+
+def plan(drafter: Any, kind: str, table: Sequence[Sequence[float]], curve: cost.Curve,
+         draft: Sequence[float] | None, size: int, adaptive: bool, min_drafts: int = 0) -> Drafter:
+    """The drafter under the planner: a drafter of an export family wrapped in a PlannedDrafter; a drafter built
+    around one (the hybrid: its `primary`) with that one wrapped in place, its budget then the plan's."""
+    primary = getattr(drafter, "primary", None)
+    if primary is not None:
+        drafter.set_primary(PlannedDrafter(primary, table, kind, curve, draft, size, adaptive, min_drafts))
+        return drafter
+    return PlannedDrafter(drafter, table, kind, curve, draft, size, adaptive, min_drafts)
+
+
+def prediction_of(drafter: Any) -> Prediction | None:
+    """What a planned drafter (or a hybrid over a planned primary) predicted for the decode just finished, or None."""
+    take = getattr(drafter, "prediction", None)
+    return take() if callable(take) else None

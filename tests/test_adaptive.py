@@ -1,0 +1,193 @@
+"""plan=adaptive (eval/adaptive.py): the planner re-plans tree.size=auto's budget from the acceptance measured on the
+prompts being decoded. On tiny real verifiers: the output stays plain greedy's token for token, the tree shrinks
+when the export's table is far too optimistic and grows when it is too pessimistic (and does neither with
+adaptation off), the round-by-round prediction follows what comes, and a run with nothing to adapt is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from eval import cost
+from eval.adaptive import AcceptanceEstimate, PlannedDrafter
+from eval.drafters.build import make_drafter
+from eval.drafters.hybrid import HybridDrafter
+from eval.drafters.lookup import PromptLookupDrafter
+from eval.engine.decode import greedy_decode, speculative_decode
+from eval.engine.tree import AutoTree, Chain, auto_tree
+from helpers import ROOT, varied_llama
+from models.eagle import build_eagle
+from models.export import save_export
+from models.medusa import MedusaHeads
+from models.verifier import Verifier, build_tiny
+from runtime.errors import UserError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]
+MAX_NEW = 40
+OPTIMISTIC = [[0.6, 0.9, 0.97, 0.99]] * 4  # a drafter right in its top 2 nine times in ten: a bushy tree pays
+PESSIMISTIC = [[0.05, 0.06, 0.07, 0.08]] * 4
+
+
+def curve() -> cost.Curve:
+    """A verifier whose forward costs 10 ms plus 0.1 ms a node: wide trees pay when drafts are good."""
+    sizes = list(cost.SIZES)
+    return cost.Curve("float32", 1, "hf", sizes, [10.0 + 0.1 * n for n in sizes], [0.0] * len(sizes),
+                      [0.0] * len(sizes), {})
+
+
+@pytest.fixture(scope="module")
+def varied() -> Verifier:
+    return varied_llama()
+
+
+@pytest.fixture(scope="module")
+def base() -> Verifier:
+    return build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu")
+
+
+def random_heads(verifier: Verifier) -> MedusaHeads:
+    heads = MedusaHeads(verifier.hidden_size, verifier.vocab_size, num_heads=4)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return heads
+
+
+def planned_medusa(verifier: Verifier, heads: MedusaHeads, table: list[list[float]], adaptive: bool
+                   ) -> PlannedDrafter:
+    """What the harness builds under tree.size=auto: the drafter at the largest budget, planned on `table`."""
+    drafter = make_drafter("medusa", verifier, auto_tree(table, cost.PROBE_SIZE), net=heads)
+    size = cost.best_size(curve().sizes, curve().ms, table).size
+    return PlannedDrafter(drafter, table, "fixed", curve(), None, size, adaptive)
+
+
+def decode_all(verifier: Verifier, drafter) -> list[tuple[list[int], list[int], float, float]]:
+    """Each prompt: (speculative tokens, plain greedy tokens, measured tau, predicted E[tokens] per round)."""
+    out = []
+    for text in PROMPTS:
+        ids = verifier.tokenizer(text, return_tensors="pt").input_ids
+        got = speculative_decode(verifier, drafter, ids, MAX_NEW)
+        want = greedy_decode(verifier, ids, MAX_NEW)
+        p = drafter.prediction()
+        out.append((got.tokens[0].tolist(), want.tokens[0].tolist(), got.tau, p.tokens / p.rounds))
+    return out
+
+
+def test_a_far_too_optimistic_table_shrinks_the_plan_and_output_stays_exact(varied):
+    heads = random_heads(varied)  # drafts the varied verifier nearly never accepts
+    static = planned_medusa(varied, heads, OPTIMISTIC, adaptive=False)
+    adaptive = planned_medusa(varied, heads, OPTIMISTIC, adaptive=True)
+    first = adaptive.size
+    assert first == static.size >= 16  # the table promises that a wide tree pays
+    runs = {"static": decode_all(varied, static), "adaptive": decode_all(varied, adaptive)}
+    for rows in runs.values():
+        assert all(got == want for got, want, _, _ in rows)  # plain greedy, token for token
+    assert static.size == first and static.inner.tree.num_drafts == first  # nothing moves without adaptation
+    assert adaptive.size < first // 2 and adaptive.inner.tree.num_drafts == adaptive.size
+    # The prediction made before each round follows what comes: the static one keeps the table's promise.
+    for (_, _, tau, static_e), (_, _, _, adaptive_e) in zip(runs["static"], runs["adaptive"]):
+        assert abs(adaptive_e - tau) < abs(static_e - tau)
+    assert runs["adaptive"][-1][3] < 1.3  # by the last prompt the run's counts say these heads draft nothing good
+
+
+def test_a_too_pessimistic_table_grows_the_plan(base):
+    heads = MedusaHeads(base.hidden_size, base.vocab_size, num_heads=4)  # zero blocks: the verifier's own head,
+    # whose drafts the repetitive tiny verifier always accepts
+    adaptive = planned_medusa(base, heads, PESSIMISTIC, adaptive=True)
+    first_size, first_depth = adaptive.size, adaptive.inner.tree.max_depth
+    rows = decode_all(base, adaptive)
+    assert all(got == want for got, want, _, _ in rows)
+    assert adaptive.inner.tree.max_depth > first_depth and adaptive.inner.tree.max_depth == 4
+    assert rows[-1][2] > 3.0 and rows[-1][3] > 3.0  # measured and predicted alike: long accepted chains
+    assert first_size <= 2
+
+
+def test_an_eagle_budget_is_replanned_and_exact(varied):
+    net = build_eagle("eagle", varied)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    drafter = make_drafter("eagle", varied, AutoTree(size=cost.PROBE_SIZE), net=net)
+    size = cost.best_size(curve().sizes, curve().ms, OPTIMISTIC).size
+    planned = PlannedDrafter(drafter, OPTIMISTIC, "dynamic", curve(), None, size, adaptive=True)
+    assert drafter.size == size
+    rows = decode_all(varied, planned)
+    assert all(got == want for got, want, _, _ in rows)
+    assert drafter.size < size // 2 and drafter.size == planned.size
+
+
+def test_a_hybrid_follows_its_planned_primary(varied):
+    heads = random_heads(varied)
+    primary = planned_medusa(varied, heads, OPTIMISTIC, adaptive=True)
+    first = primary.size
+    hybrid = HybridDrafter(primary, PromptLookupDrafter(Chain(10), 10))
+    for text in PROMPTS:
+        ids = varied.tokenizer(text, return_tensors="pt").input_ids
+        got = speculative_decode(varied, hybrid, ids, MAX_NEW)
+        assert got.tokens[0].tolist() == greedy_decode(varied, ids, MAX_NEW).tokens[0].tolist()
+    assert primary.size < first // 2 and hybrid.round_budget() == primary.size + 1
+
+
+def test_the_estimate_counts_offered_ranks_and_moves_unoffered_ones_with_them():
+    est = AcceptanceEstimate([[0.5, 0.7], [0.5, 0.7]])
+    for _ in range(40):  # rank 0 of depth 0 offered and never right; rank 1 never offered
+        est.observe(0, [0], None)
+    probs = est.probs()
+    assert probs[0][0] < 0.1  # measured
+    assert probs[0][1] < 0.05 and probs[1][0] < 0.1  # moved with the measured cell: same depth, and the next depth
+    est.new_prompt()  # the run keeps what it saw; the prompt starts from it
+    assert est.probs()[0][0] < 0.15
+
+
+# -- what a run with nothing to adapt is told ------------------------------------------------------------------------
+
+def run_eval(overrides: list[str], tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=["threads=1", "max_new_tokens=12", "wandb.mode=disabled",
+                                                     "dtype=float32", *overrides, f"output_dir={tmp_path}"])
+    return evaluate(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def export(base, tmp_path_factory):
+    extra = {"medusa_topk_accuracy": OPTIMISTIC}
+    return save_export(random_heads(base), base, tmp_path_factory.mktemp("export") / "medusa", extra)
+
+
+@pytest.mark.parametrize("overrides, fixed", [(["tree=chain"], "tree=chain"), (["tree.size=8"], "tree.size=8"),
+                                              (["tree=dynamic"], "tree=dynamic")])
+def test_plan_adaptive_with_a_fixed_tree_is_refused(export, tmp_path, overrides, fixed):
+    with pytest.raises(UserError, match=f"fixes the tree \\({fixed}\\).*tree.size=auto"):
+        run_eval([f"checkpoint={export}", "plan=adaptive", *overrides], tmp_path)
+
+
+def test_plan_adaptive_without_a_tree_to_plan_is_refused(tmp_path):
+    with pytest.raises(UserError, match="drafter=prompt_lookup drafts its own chain"):
+        run_eval(["drafter=prompt_lookup", "plan=adaptive"], tmp_path)
+    with pytest.raises(UserError, match="plan='often' is not a plan"):
+        run_eval(["drafter=prompt_lookup", "plan=often"], tmp_path)
+
+
+def test_the_report_gives_predicted_beside_measured(export, tmp_path):
+    report = run_eval([f"checkpoint={export}", "num_prompts=2", "verifier_path={loader: tiny}"], tmp_path / "a")
+    assert report["method"] == "medusa/adaptive-63" and report["greedy_match"] == 1.0
+    assert report["predicted_speedup"] > 0
+    for group in report["by_category"].values():
+        assert group["predicted_speedup"] is not None
+    static = run_eval([f"checkpoint={export}", "num_prompts=2", "plan=static"], tmp_path / "b")
+    assert static["method"].startswith("medusa/auto-") and static["greedy_match"] == 1.0
+    # The random heads draft nothing good on unseen prompts: the adaptive prediction comes down towards it.
+    assert report["predicted_speedup"] < static["predicted_speedup"]
