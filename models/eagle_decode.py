@@ -10,8 +10,9 @@ What made the verifier's step fast (eval/engine/forward.py), taken where it keep
 Every product keeps the row count it had (the drafter calls `DecodeStep` with the rows it passed `net.step`), so
 every row keeps its bits; the drafter's tests compare the two paths with torch.equal.
 
-The fp32 weights of an export stay fp32: oneDNN's prepacked fp32 kernel, like MKL's packed sgemm, rounds otherwise
-than F.linear (measured here), so only bf16 nets could pack, and none ship.
+Prepacked weights (models.packed, what the engine runs) only for bf16 weights, and only where `packs` finds them
+bit-equal to F.linear: oneDNN's prepacked fp32 kernel, like MKL's packed sgemm, rounds otherwise than F.linear
+(measured on an AVX512-BF16 CPU), so an export's fp32 weights (how every export loads) keep F.linear.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.eagle_layers import RMSNorm, rope
+from models.packed import Linear, can_pack
 
 FUSED_ROWS = 64  # calls up to this many rows run the fused weights (probed for each count); larger ones, separate
 _FUSES: dict[tuple, bool] = {}
@@ -46,22 +48,47 @@ def fuses(weights: Sequence[Tensor], biases: Sequence[Tensor | None], rows: int 
     return _FUSES[key]
 
 
-class _Fused:
-    """Weights applied as one product (when `fuses`) to calls of up to FUSED_ROWS rows, split after."""
+_PACKS: dict[tuple, bool] = {}
+
+
+def packs(weight: Tensor, bias: Tensor | None, rows: int = FUSED_ROWS) -> bool:
+    """Whether the prepacked kernel (models.packed.Linear: bf16 on a CPU) gives F.linear's bits for `weight`'s shape,
+    for every call of 1..`rows` rows (random data, this machine's kernels and thread count; memoised)."""
+    if not can_pack(weight):
+        return False
+    key = (tuple(weight.shape), weight.dtype, bias is not None, rows, torch.get_num_threads())
+    if key not in _PACKS:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(weight.shape, generator=gen).to(weight)
+        b = None if bias is None else torch.randn(bias.shape, generator=gen).to(bias)
+        lin, x = Linear(w, b, True), torch.randn(rows, w.shape[1], generator=gen).to(w)
+        _PACKS[key] = all(torch.equal(lin._kernel(x[:m]), F.linear(x[:m], w, b)) for m in range(1, rows + 1))
+    return _PACKS[key]
+
+
+class _Product:
+    """F.linear over one module's weight, or several modules' weights concatenated (split after), on a copy made once
+    per drafter: the concatenation where it `fuses`, prepacked where it `packs` (bf16 on a CPU); calls of up to
+    FUSED_ROWS rows run it, larger ones (a prefill) each module's own weight as before."""
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
         self.linears = list(linears)
         self.sizes = [lin.out_features for lin in linears]
         w = [lin.weight.detach() for lin in linears]
         b = [None if lin.bias is None else lin.bias.detach() for lin in linears]
-        self.fused = fuses(w, b)
-        self.weight = torch.cat(w) if self.fused else None
-        self.bias = None if not self.fused or b[0] is None else torch.cat(b)
+        self.fused = len(w) == 1 or fuses(w, b)
+        self.weight = (w[0] if len(w) == 1 else torch.cat(w)) if self.fused else None
+        self.bias = (b[0] if len(b) == 1 or b[0] is None else torch.cat(b)) if self.fused else None
+        self.packed = Linear(self.weight, self.bias, True) if self.fused and packs(self.weight, self.bias) else None
+        if len(w) == 1 and self.packed is None:
+            self.fused = False  # nothing to gain over the module's own weight
 
-    def __call__(self, x: Tensor) -> list[Tensor]:
+    def __call__(self, x: Tensor) -> Tensor | list[Tensor]:
         if self.fused and x.shape[:-1].numel() <= FUSED_ROWS:
-            return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
-        return [F.linear(x, lin.weight, lin.bias) for lin in self.linears]
+            y = F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
+            return y if len(self.sizes) == 1 else list(y.split(self.sizes, dim=-1))
+        ys = [F.linear(x, lin.weight, lin.bias) for lin in self.linears]
+        return ys[0] if len(ys) == 1 else ys
 
 
 def _rms(norm: RMSNorm, x: Tensor) -> Tensor:
@@ -124,8 +151,13 @@ class DecodeStep:
         self.two_inputs = layer.two_inputs
         self.dtype = net.fc.weight.dtype
         self.heads, self.kv_heads, self.head_dim = att.num_heads, att.num_kv_heads, att.head_dim
-        self.qkv = _Fused([att.q_proj, att.k_proj, att.v_proj])
-        self.gate_up = _Fused([layer.mlp.gate_proj, layer.mlp.up_proj])
+        self.qkv = _Product([att.q_proj, att.k_proj, att.v_proj])
+        self.o = _Product([att.o_proj])
+        self.gate_up = _Product([layer.mlp.gate_proj, layer.mlp.up_proj])
+        self.down = _Product([layer.mlp.down_proj])
+        self.fc = None if self.two_inputs else _Product([net.fc])
+        # EAGLE-3's own head over the draft vocabulary (EAGLE-1 drafts through the verifier's, packed by the drafter)
+        self.head = _Product([net.lm_head]) if not net.shares_verifier_head else None
         self._cos: Tensor | None = None  # (L, hd) fp32 rotary tables, as models.eagle_layers.rope computes them
         self._sin: Tensor | None = None
 
@@ -143,13 +175,13 @@ class DecodeStep:
     @torch.inference_mode()
     def __call__(self, hidden: Tensor, embeds: Tensor, positions: Tensor, mask: Tensor, kv: DraftKV,
                  at: int) -> Tensor:
-        net, layer, att = self.net, self.layer, self.att
+        layer = self.layer
         bsz, t = hidden.shape[:2]
         h, hq, hkv, hd = hidden.to(self.dtype), self.heads, self.kv_heads, self.head_dim
         if self.two_inputs:  # EAGLE-3: cat(norm(embed), norm(hidden)); the residual is hidden
             x = torch.cat([_rms(layer.input_layernorm, embeds.to(self.dtype)), _rms(layer.hidden_norm, h)], dim=-1)
         else:  # EAGLE-1: fc(cat(embed, hidden)) is both the input and the residual
-            h = x = net.fc(torch.cat([embeds.to(self.dtype), h], dim=-1))
+            h = x = self.fc(torch.cat([embeds.to(self.dtype), h], dim=-1))
         q, k, v = self.qkv(x)
         # Rotary on q and k together (elementwise: the bits of rotating each), as apply_rope does it.
         qk = torch.cat([q, k], dim=-1).view(bsz, t, hq + hkv, hd)  # (B, T, H + H_kv, hd)
@@ -162,6 +194,11 @@ class DecodeStep:
         q = qk[:, :, :hq].transpose(1, 2)  # (B, H, T, hd)
         out = F.scaled_dot_product_attention(q, kv.k[:, :, : at + t], kv.v[:, :, : at + t], attn_mask=mask,
                                              enable_gqa=hq != hkv)
-        h = h + att.o_proj(out.transpose(1, 2).reshape(bsz, t, hq * hd))
+        h = h + self.o(out.transpose(1, 2).reshape(bsz, t, hq * hd))
         gate, up = self.gate_up(_rms(layer.post_attention_layernorm, h))
-        return h + layer.mlp.down_proj(F.silu(gate) * up)
+        return h + self.down(F.silu(gate) * up)
+
+    @torch.inference_mode()
+    def logits(self, out: Tensor) -> Tensor:
+        """EAGLE-3's `net.logits`: its head over the final-normed output. (..., D) -> (..., V_draft)"""
+        return self.head(_rms(self.net.norm, out))

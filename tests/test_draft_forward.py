@@ -232,3 +232,15 @@ def test_the_shipped_eagle3_drafts_as_before_bit_for_bit(dtype, cache_dir):
     new, ref = _pair(EagleDrafter, export.net.to(verifier.device), verifier, DynamicTree(size=10, depth=4, topk=8))
     assert _lockstep(verifier, new, ref, prompts=["Write a Python function that reverses a list."],
                      max_new=32) > 4
+
+
+def test_a_replaced_step_is_what_runs(verifier):
+    """Where the net's step was replaced on the instance (a wrapper, a test's probe), the drafter runs it: the same
+    bits, through it."""
+    net = _random("eagle3", verifier)
+    calls: list[int] = []
+    step = net.step
+    net.step = lambda *a, **k: calls.append(a[0].shape[1]) or step(*a, **k)
+    new, ref = _pair(EagleDrafter, net, verifier, DynamicTree(size=12, depth=4, topk=4))
+    assert _lockstep(verifier, new, ref, prompts=PROMPTS[:1]) > 2
+    assert calls

@@ -142,6 +142,26 @@ class EagleDrafter:
             self._step = DecodeStep(self.net)
         return self._step
 
+    def _forward(self, hidden: Tensor, embeds: Tensor, positions: Tensor, mask: Tensor, at: int) -> Tensor:
+        """One drafter forward whose keys go to slots at.. of `_kv`, attending slots 0..at+T-1 (`DecodeStep`); through
+        `net.step` itself where the instance's step was replaced (a wrapper or a test's probe), the same bits."""
+        if "step" not in vars(self.net):
+            return self.fast(hidden, embeds, positions, mask, self._kv, at)
+        kv, bsz, t = self._kv, hidden.shape[0], hidden.shape[1]
+        past = (kv.k[:, :, :at], kv.v[:, :, :at]) if at else (None, None)
+        out, k, v = self.net.step(hidden, embeds, positions[None].expand(bsz, t), mask, *past)
+        kv.reserve(k, at + t, at)
+        with torch.inference_mode():
+            kv.k[:, :, at : at + t], kv.v[:, :, at : at + t] = k, v
+        return out
+
+    def _logits(self, out: Tensor) -> Tensor:
+        """The drafting head over outputs (m, D) -> (m, V_draft): `net.logits`, EAGLE-3's own head through
+        `DecodeStep.logits` (where the instance's logits were not replaced)."""
+        if self.net.shares_verifier_head or "logits" in vars(self.net):
+            return self.net.logits(out[None], self.lm_head)[0]
+        return self.fast.logits(out)
+
     def _extend(self, input_ids: Tensor, hidden: Tensor) -> Tensor:
         """Add step-0 keys for the S newly committed positions; return the output at the last one. (B, D)"""
         bsz, s = hidden.shape[:2]
@@ -151,7 +171,7 @@ class EagleDrafter:
         pos = torch.arange(start, n, device=input_ids.device)
         mask = (torch.arange(n, device=pos.device)[None, :] <= pos[:, None])[None, None].expand(bsz, 1, s, n)
         self._kv.adopt(self._k, self._v)  # slots 0..start-1 (a view of the buffers unless a caller set them)
-        out = self.fast(feats, emb, pos, mask, self._kv, start)
+        out = self._forward(feats, emb, pos, mask, start)
         self._k, self._v = self._kv.k[:, :, :n], self._kv.v[:, :, :n]  # (B, H_kv, n, hd)
         return out[:, -1]
 
@@ -167,7 +187,7 @@ class EagleDrafter:
         dev = root_out.device
         fed = self.fed_class(self, root_out)
         self.rows_fed = 1  # drafter (and vocabulary-head) rows this call computes: the root, then each frontier
-        logp = self.net.logits(root_out, self.lm_head).float().log_softmax(-1)  # (1, Vd)
+        logp = self._logits(root_out).float().log_softmax(-1)  # (1, Vd)
         top = logp.topk(topk, dim=-1)  # the root's children
         # Candidates in creation order (parents first): draft token, cumulative log-prob, parent (-1 = root), rank.
         tok, score = top.indices[0], top.values[0]  # (C,)
@@ -196,7 +216,7 @@ class EagleDrafter:
             # 2. One drafter forward over the frontier (eval.drafters.eagle._Fed).
             out = fed.feed(pick, self.to_verifier(tok[pick]), [int(parent[c]) for c in pick], d)  # (m, D)
             # 3. Their children: topk each, scored by the cumulative log-prob of the whole path.
-            logits = self.net.logits(out[None], self.lm_head).float()[0]  # (m, Vd)
+            logits = self._logits(out).float()  # (m, Vd)
             top = logits.topk(topk, dim=-1)
             lse = logits.logsumexp(dim=-1, keepdim=True)  # (m, 1): log_softmax of the top-k alone
             child = score[pick][:, None] + (top.values - lse).clamp(max=0)  # (m, topk), <= the parent's score
@@ -218,7 +238,7 @@ class EagleDrafter:
 
     def _full_probs(self, out: Tensor) -> Tensor:
         """The drafter's warped distribution over the verifier's vocabulary. (m, D) -> (m, V)"""
-        logits = self.net.logits(out[None], self.lm_head).float()[0]  # (m, Vd)
+        logits = self._logits(out).float()  # (m, Vd)
         if logits.shape[-1] != self.vocab_size:  # a draft vocabulary: draft ids -> verifier ids, the rest impossible
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             ids = self.to_verifier(torch.arange(logits.shape[-1], device=logits.device))
@@ -361,7 +381,7 @@ class _Fed:
         mask = torch.cat([mine.new_ones(m, p), mine], dim=1)[None, None]  # (1, 1, m, P+F+m)
         pos = torch.full((m,), p - 1 + depth, device=dev)
         hid = self.carried[slot + 1][None]  # (1, m, D)
-        out = d.fast(hid, d.embed(ids[None]), pos, mask, d._kv, p + f)  # (1, m, D)
+        out = d._forward(hid, d.embed(ids[None]), pos, mask, p + f)  # (1, m, D)
         self.carried = torch.cat([self.carried, d.net.carry(out)[0]])
         return out[0]
 
