@@ -279,12 +279,11 @@ def setup(cfg: DictConfig) -> Setup:
     curves = [built.curve] if built.curve is not None else []
     if cfg.get("profile"):
         curves += profile_curves(cfg, source, verifier, prefix)
-    if built.planned is not None:  # tree.size=auto: the plan made before the first round (the hybrid: its primary's)
-        predicted = built.planned
-    elif curves and export is not None and FAMILIES[family].has_export:
+    # tree.size=auto: the plan made before the first round (a hybrid: its primary's); else, with a curve, the
+    # prediction for the tree given
+    predicted = built.planned
+    if predicted is None and curves and export is not None and FAMILIES[family].has_export:
         predicted = cost.predict(export, built.drafter, curves[0], built.draft)
-    else:
-        predicted = None
     return Setup(verifier, {SPECULATIVE: built.drafter}, method_name(family, built.drafter), exports, convs, source,
                  curves, predicted, built.planned is not None, built.draft)
 
@@ -354,7 +353,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     if setting["engine"] == "engine":  # rows each weight's kernel is padded to, to stay batch-invariant here
         setting["engine_weight_rows"] = engine_of(run.verifier.model).weight_rows
     if run.predicted is not None:
-        setting["cost_model"] = {**asdict(run.predicted), "tree_size_auto": run.auto_size,
+        setting["cost_model"] = {**asdict(run.predicted), "tree_size_auto": run.auto_size, "plan": plan_of(run.drafter),
                                  "draft_curve_ms": run.draft_curve,
                                  "note": "verify time from the cost curve plus the drafter's measured draft time "
                                          "(draft_curve_ms, at the curve's sizes); acceptance, commit and Python "
