@@ -68,24 +68,39 @@ def packs(weight: Tensor, bias: Tensor | None, rows: int = FUSED_ROWS) -> bool:
 
 class _Product:
     """F.linear over one module's weight, or several modules' weights concatenated (split after), on a copy made once
-    per drafter: the concatenation where it `fuses`, prepacked where it `packs` (bf16 on a CPU); calls of up to
-    FUSED_ROWS rows run it, larger ones (a prefill) each module's own weight as before."""
+    per drafter: the concatenation where it `fuses`, prepacked where it `packs` (bf16 on a CPU), both decided for the
+    thread count of the call (kernels split their work by it); calls of up to FUSED_ROWS rows run it, larger ones (a
+    prefill) each module's own weight as before."""
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
         self.linears = list(linears)
         self.sizes = [lin.out_features for lin in linears]
-        w = [lin.weight.detach() for lin in linears]
-        b = [None if lin.bias is None else lin.bias.detach() for lin in linears]
-        self.fused = len(w) == 1 or fuses(w, b)
-        self.weight = (w[0] if len(w) == 1 else torch.cat(w)) if self.fused else None
-        self.bias = (b[0] if len(b) == 1 or b[0] is None else torch.cat(b)) if self.fused else None
-        self.packed = Linear(self.weight, self.bias, True) if self.fused and packs(self.weight, self.bias) else None
-        if len(w) == 1 and self.packed is None:
-            self.fused = False  # nothing to gain over the module's own weight
+        self._w = [lin.weight.detach() for lin in linears]
+        self._b = [None if lin.bias is None else lin.bias.detach() for lin in linears]
+        self.weight: Tensor | None = None  # the concatenated copy, made when first fused
+        self.bias: Tensor | None = None
+        self._packed: Linear | None = None
+        self._modes: dict[int, tuple[bool, Linear | None]] = {}  # thread count -> (fused, packed)
+
+    def mode(self) -> tuple[bool, Linear | None]:
+        """(whether calls run the concatenated weight, its prepacked form or None) at the current thread count."""
+        threads = torch.get_num_threads()
+        if threads not in self._modes:
+            w, b = self._w, self._b
+            fused = len(w) == 1 or fuses(w, b)
+            if fused and self.weight is None:
+                self.weight = w[0] if len(w) == 1 else torch.cat(w)
+                self.bias = b[0] if len(b) == 1 or b[0] is None else torch.cat(b)
+            packed = None
+            if fused and packs(self.weight, self.bias):
+                self._packed = packed = self._packed or Linear(self.weight, self.bias, True)
+            self._modes[threads] = (fused and (len(w) > 1 or packed is not None), packed)
+        return self._modes[threads]
 
     def __call__(self, x: Tensor) -> Tensor | list[Tensor]:
-        if self.fused and x.shape[:-1].numel() <= FUSED_ROWS:
-            y = F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
+        fused, packed = self.mode()
+        if fused and x.shape[:-1].numel() <= FUSED_ROWS:
+            y = F.linear(x, self.weight, self.bias) if packed is None else packed(x)
             return y if len(self.sizes) == 1 else list(y.split(self.sizes, dim=-1))
         ys = [F.linear(x, lin.weight, lin.bias) for lin in self.linears]
         return ys[0] if len(ys) == 1 else ys

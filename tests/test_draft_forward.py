@@ -244,3 +244,13 @@ def test_a_replaced_step_is_what_runs(verifier):
     new, ref = _pair(EagleDrafter, net, verifier, DynamicTree(size=12, depth=4, topk=4))
     assert _lockstep(verifier, new, ref, prompts=PROMPTS[:1]) > 2
     assert calls
+
+
+def test_two_threads_draft_as_before_bit_for_bit(verifier):
+    """Kernels split their work by thread count: the fused and packed products are decided per count (the probes are
+    keyed by it), so a drafter built on one thread and run on two drafts as the reference does on two."""
+    net = _random("eagle3", verifier)
+    new, ref = _pair(EagleDrafter, net, verifier, DynamicTree(size=12, depth=4, topk=4))
+    assert _lockstep(verifier, new, ref, prompts=PROMPTS[:1]) > 2
+    torch.set_num_threads(2)
+    assert _lockstep(verifier, new, ref, prompts=PROMPTS[1:]) > 2
