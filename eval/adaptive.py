@@ -14,7 +14,9 @@ and the planner promised more speedup than came. Here the table is only where th
 - `PlannedDrafter` wraps the drafter tree.size=auto built. Before every round it predicts the round (E[tokens] under
   the estimate so far, and verify + draft ms from the run's curves: no extra verifier forward, nothing measured after
   the fact), and with `adaptive` re-plans when the estimate has moved: the budget maximising E[tokens](s) / (t(s+1) +
-  d(s)) (eval.cost's rule, on the estimate in place of the table), then a fixed tree rebuilt by auto_tree at that
+  c d(s)) (eval.cost's rule, on the estimate in place of the table; c the drafting's measured time over the draft
+  curve's, against the same ratio for the rest of the round: the curves are timed once, on one prefix, and a
+  loaded machine or a real prompt's drafting may cost more), then a fixed tree rebuilt by auto_tree at that
   budget (Medusa, P-EAGLE, DFlash: their `set_tree`) or an EAGLE budget (`size`, and the depth that budget's tree
   reaches). `prediction()` hands the runner what it predicted for the decode just finished, so the report shows
   predicted beside measured speedup per prompt, category and method.
@@ -25,6 +27,7 @@ tree of a round is fixed before its drafts are made, from earlier rounds only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +40,7 @@ from models.export import ExportInfo
 from models.families import FAMILIES
 from runtime.errors import UserError
 
+TIME_PRIOR = 5.0  # rounds' worth of trust in the curves' own times before measured ones move them
 RUN_PRIOR = 8.0  # pseudo-observations the export's table is worth in each (depth, rank) cell, against the run's
 PROMPT_PRIOR = 4.0  # pseudo-observations the run's estimate is worth against the current prompt's counts
 MOVED = 0.02  # re-plan when a cell's estimate moved by more than this (absolute probability) since the last plan
@@ -133,6 +137,23 @@ class PlannedDrafter:
         self._verified: set[int] | None = None
         self._round_values: list[float] = []
         self._prediction = Prediction(step_ms=self.step_ms)
+        # measured against predicted ms, drafting and the rest of the round (verify, accept, commit), this run; the
+        # curves' own times as the prior, TIME_PRIOR rounds of them
+        d0, v0 = max(self._plans[size].draft_ms, 1e-3), self._plans[size].verify_ms
+        self._times = [TIME_PRIOR * d0, TIME_PRIOR * d0, TIME_PRIOR * v0, TIME_PRIOR * v0]
+        self._timed = adaptive and draft is not None  # a drafter whose drafting is not timed is planned as free
+        self._predicted = (0.0, 0.0)  # this round's predicted draft and verify ms
+        self._clock = 0.0
+
+    @property
+    def draft_scale(self) -> float:
+        """How much more (or less) drafting costs than the draft curve says, relative to the rest of the round
+        against the cost curve (1 until rounds are measured; static plans keep 1: their prediction is the table's;
+        so does a drafter without a draft curve, planned as free)."""
+        if not self._timed:
+            return 1.0
+        d_measured, d_predicted, r_measured, r_predicted = self._times
+        return (d_measured / d_predicted) / (r_measured / r_predicted)
 
     # -- the plan -------------------------------------------------------------------------------------------------
     def _resize(self, size: int, table: list[list[float]]) -> None:
@@ -153,8 +174,9 @@ class PlannedDrafter:
         self._planned = probs
         table = self.estimate.table()
         expected = cost.expected_curve(table, self.max_drafts)
+        scale = self.draft_scale
         best = max(range(self.min_drafts, self.max_drafts + 1),
-                   key=lambda s: (expected[s] / (self._plans[s].verify_ms + self._plans[s].draft_ms), -s))
+                   key=lambda s: (expected[s] / (self._plans[s].verify_ms + scale * self._plans[s].draft_ms), -s))
         if best != self.size or self.kind == "fixed":
             self._resize(best, table)
 
@@ -175,9 +197,10 @@ class PlannedDrafter:
         return self._round_values
 
     def round_ms(self, nodes: int) -> float:
-        """eval.engine.protocol.Planned: the verifier's forward over `nodes` nodes and this plan's drafting."""
+        """eval.engine.protocol.Planned: the verifier's forward over `nodes` nodes and this plan's drafting (as
+        measured so far against the curves: `draft_scale`), in the cost curve's ms."""
         verify = self._plans[min(max(nodes - 1, 0), self.max_drafts)].verify_ms
-        return verify + self._plans[self.size].draft_ms
+        return verify + self.draft_scale * self._plans[self.size].draft_ms
 
     # -- the drafter protocol ---------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -188,6 +211,7 @@ class PlannedDrafter:
                 "planned_drafts": self.size}
 
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        start = time.perf_counter()  # the planner's own work counts as drafting
         # 1. A new decode (not the continuation the last round announced): the prompt's counts start from the run's.
         if self._expect != (input_ids.shape[1], hidden.shape[1]):
             self.estimate.new_prompt()
@@ -200,8 +224,12 @@ class PlannedDrafter:
         p.rounds += 1
         p.tokens += 1.0 + sum(self._round_values)
         p.ms += self.round_ms(self.planned_nodes)
+        self._predicted = (self._plans[self.size].draft_ms, self._plans[self.size].verify_ms)
         draft = self.inner.propose(input_ids, hidden)
         self._tree, self._length = draft.tree, input_ids.shape[1]
+        self._clock = time.perf_counter()
+        self._times[0] += 1e3 * (self._clock - start)
+        self._times[1] += self._predicted[0]
         return draft
 
     def verified_nodes(self, nodes: Sequence[int]) -> None:
@@ -213,6 +241,8 @@ class PlannedDrafter:
         """Observe the round, then tell the drafter. `nodes` (1, 1+A) in this drafter's tree; -1 where the path
         took a node this drafter did not propose (a hybrid's grafted one): its offered children there all missed."""
         accepted = int(num_accepted[0])
+        self._times[2] += 1e3 * (time.perf_counter() - self._clock)  # verify, accept, commit (a hybrid: its graft)
+        self._times[3] += self._predicted[1]
         self._expect = (self._length + accepted + 1, accepted + 1)
         if self.adaptive and self._tree is not None:
             self._observe(self._tree, nodes[0].tolist(), accepted)

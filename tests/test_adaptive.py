@@ -191,3 +191,20 @@ def test_the_report_gives_predicted_beside_measured(export, tmp_path):
     assert static["method"].startswith("medusa/auto-") and static["greedy_match"] == 1.0
     # The random heads draft nothing good on unseen prompts: the adaptive prediction comes down towards it.
     assert report["predicted_speedup"] < static["predicted_speedup"]
+
+
+def test_drafting_that_costs_more_than_its_curve_says_is_learned(base):
+    # The draft curve says drafting is all but free; the heads' real forward is not, next to a verify the curve
+    # prices at 10 ms and the tiny verifier runs far faster: the planner learns the drafting's share of the round.
+    heads = MedusaHeads(base.hidden_size, base.vocab_size, num_heads=4)  # always accepted: the plan keeps drafting
+    drafter = make_drafter("medusa", base, auto_tree(OPTIMISTIC, cost.PROBE_SIZE), net=heads)
+    cheap = [1e-3] * len(cost.SIZES)
+    planned = PlannedDrafter(drafter, OPTIMISTIC, "fixed", curve(), cheap, 8, adaptive=True)
+    before = planned.round_ms(9)
+    rows = decode_all(base, planned)
+    assert all(got == want for got, want, _, _ in rows)
+    assert planned.size > 0 and planned.draft_scale > 10
+    assert planned.round_ms(9) > before + 1.0  # priced as measured, before the next round
+    static = PlannedDrafter(drafter, OPTIMISTIC, "fixed", curve(), cheap, 8, adaptive=False)
+    decode_all(base, static)
+    assert static.draft_scale == 1.0  # the static plan keeps the curves' own times
