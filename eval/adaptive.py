@@ -187,6 +187,17 @@ class PlannedDrafter:
             return sorted(cost.tree_values(self.inner.tree, table), reverse=True)
         return best_first(table, self.size)[1]
 
+    def tree_values(self, tree: Tree) -> list[float]:
+        """Each draft node of `tree` (a round this drafter proposed, in tree order): its path-acceptance probability
+        under the estimate so far (static: the table), from its (depth, rank) path. A hybrid prices the nodes it
+        keeps with these (eval.drafters.hybrid)."""
+        return cost.tree_values(tree, self.estimate.table() if self.adaptive else self.table)
+
+    def restart_clock(self) -> None:
+        """The caller's own work since `propose` returned is not the round's verify: a hybrid's lookup and graft,
+        which it times and prices itself (eval.drafters.hybrid)."""
+        self._clock = time.perf_counter()
+
     @property
     def planned_nodes(self) -> int:
         """The nodes the coming (or just proposed) round drafts, root included."""

@@ -1,18 +1,22 @@
 """The hybrid's split chosen per round (eval/drafters/hybrid.py under a planned primary, eval/adaptive.py): lookup
 chains and the drafter's nodes verified as what each has been accepting on the prompt says they are worth. On tiny
 real verifiers: the output stays plain greedy's, a prompt whose answer lookup predicts verifies its chains beyond
-the drafter's own budget and drops the drafter's worthless nodes, and a hybrid with no lookup source is refused."""
+the drafter's own budget and drops the drafter's worthless nodes, each round's prediction tracks what each part of
+the tree brings (lookup's chain per depth; a node both parts propose counted once), and a hybrid with no lookup
+source is refused."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from test_adaptive import OPTIMISTIC, PROMPTS, base, planned_medusa, random_heads, run_eval  # noqa: F401
 
 from eval import cost
-from eval.drafters.hybrid import HybridDrafter, LookupRate, split
+from eval.drafters.hybrid import LOOKUP_STRENGTH, HybridDrafter, LookupDepths, split
 from eval.drafters.lookup import PromptLookupDrafter
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Chain
+from models.medusa import MedusaHeads
 from models.verifier import Verifier
 from runtime.errors import UserError
 
@@ -33,9 +37,67 @@ def test_lookup_that_predicts_the_answer_takes_the_round(base: Verifier):  # noq
         p = hybrid.prediction()
         assert p is not None and p.rounds == len(got.accept_lengths)
     k, m = hybrid.last_split
-    assert hybrid.lookup.rate > 0.8 and k >= 5  # the chain verified ...
+    assert hybrid.lookup.rate(0) > 0.8 and k >= 5  # the chain verified ...
     assert k + m + 1 > primary.planned_nodes  # ... beyond the drafter's own budget, not in place of its nodes
     assert m < k and taus[-1] > 4.0
+
+
+def shallow_prompts(verifier: Verifier) -> list[torch.Tensor]:
+    """Prompts whose lookup chains are right for two tokens and wrong at the third, every round: the tiny verifier
+    repeats a prompt's last token X for ever, and each prompt starts with X X X X X and junk. Lookup takes the
+    earliest match of the last three tokens (X X X), at the prompt's start: its chain is X X junk."""
+    tail = verifier.tokenizer(PROMPTS[1], return_tensors="pt").input_ids[0].tolist()
+    x = tail[-1]
+    prompts = []
+    for p in range(3):
+        junk = [(x + 101 * (p * 5 + i + 1)) % verifier.vocab_size for i in range(5)]
+        ids = torch.tensor([[x] * 5 + junk + tail])
+        assert set(greedy_decode(verifier, ids, 8).tokens[0].tolist()) == {x}  # the premise: X for ever
+        prompts.append(ids)
+    return prompts
+
+
+def decode_shallow(verifier: Verifier, hybrid: HybridDrafter) -> tuple[int, float, float]:
+    """(rounds, predicted E[tokens] per round, measured) over the shallow prompts, each exactly plain greedy."""
+    rounds = predicted = tokens = 0.0
+    for ids in shallow_prompts(verifier):
+        got = speculative_decode(verifier, hybrid, ids, 64)
+        assert got.tokens[0].tolist() == greedy_decode(verifier, ids, 64).tokens[0].tolist()
+        p = hybrid.prediction()
+        assert p is not None and p.rounds == len(got.accept_lengths)
+        rounds, predicted = rounds + p.rounds, predicted + p.tokens
+        tokens += float(got.accept_lengths.sum()) + len(got.accept_lengths)
+    return int(rounds), predicted / rounds, tokens / rounds
+
+
+def test_lookup_that_matches_shallowly_is_predicted_per_depth(base: Verifier):  # noqa: F811
+    # Chains of 3 (drafter.num_tokens=3), right at depths 1 and 2 and wrong at 3; the drafter (random heads) is never
+    # right, so the rounds' tokens are lookup's. One rate a for all depths (a^i) would say a = 2/3 and 1.41 tokens.
+    primary = planned_medusa(base, random_heads(base), OPTIMISTIC, adaptive=True)
+    hybrid = HybridDrafter(primary, PromptLookupDrafter(Chain(3), 3))
+    rounds, predicted, measured = decode_shallow(base, hybrid)
+    predicted_lookup, got_lookup = (x / rounds for x in hybrid.tally["lookup"])
+    assert got_lookup > 1.8  # the premise: two of three, nearly every round
+    # What the per-depth estimate may still be off by: its priors, LOOKUP_STRENGTH observations a depth, spread over
+    # the run's rounds (3 depths, 64 tokens on each of 3 prompts: about 50 rounds, 0.25 tokens a round).
+    tolerance = 3 * LOOKUP_STRENGTH / rounds
+    assert abs(predicted_lookup - got_lookup) < tolerance
+    assert abs(predicted - measured) < tolerance + 0.1  # the drafter's part: 0.0 got, what its prior still gives
+    assert hybrid.lookup.rate(1) > 0.8 and hybrid.lookup.rate(2) < 0.2
+
+
+def test_a_node_both_parts_propose_is_counted_once(base: Verifier):  # noqa: F811
+    # The drafter is the verifier's own head (zero blocks: always right), planned on a table that says so; lookup's
+    # chain X X junk shares its first two nodes with the drafter's chain X X X X. Counted twice, the shared nodes
+    # would promise about 1.5 tokens a round more than come.
+    heads = MedusaHeads(base.hidden_size, base.vocab_size, num_heads=4)
+    primary = planned_medusa(base, heads, [[0.95, 0.97, 0.98, 0.99]] * 4, adaptive=True)
+    hybrid = HybridDrafter(primary, PromptLookupDrafter(Chain(3), 3))
+    rounds, predicted, measured = decode_shallow(base, hybrid)
+    tolerance = (3 + 4) * LOOKUP_STRENGTH / rounds  # the priors of lookup's 3 depths and the drafter's 4
+    assert measured > 4.0 and abs(predicted - measured) < tolerance
+    predicted_drafter, got_drafter = (x / rounds for x in hybrid.tally["drafter"])
+    assert predicted_drafter < got_drafter + tolerance / 2
 
 
 def test_the_split_follows_the_values():
@@ -45,12 +107,14 @@ def test_the_split_follows_the_values():
     assert split([0.05 ** (i + 1) for i in range(8)], drafter, 63, ms)[0] == 0  # poor lookup: none of it
     k, m = split([0.7 ** (i + 1) for i in range(8)], drafter, 4)  # a fixed budget of 4: the 4 best of both
     assert (k, m) == (3, 1)  # 0.7, 0.6, 0.49, 0.343
-    rate = LookupRate()
+    rate = LookupDepths()
     for _ in range(20):
-        rate.observe(0, 1)  # offered, never right
-    assert rate.rate < 0.1
-    rate.new_prompt()  # the prompt starts from the run's rate
-    assert rate.rate < 0.15
+        rate.observe(0, False, False)  # offered at depth 0, never right
+        rate.observe(1, False, True)  # ... and always right below (another prompt's chains)
+    assert rate.rate(0) < 0.1 and rate.rate(1) > 0.8
+    assert rate.rate(0, shared=True) == 0.5  # nodes the drafter proposed too are counted apart
+    rate.new_prompt()  # the prompt starts from the run's rates
+    assert rate.rate(0) < 0.15 and rate.rate(2) > 0.7  # a depth never reached starts from the one above
 
 
 def test_a_hybrid_with_no_lookup_source_is_refused(base, tmp_path, tmp_path_factory):  # noqa: F811

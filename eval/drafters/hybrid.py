@@ -11,16 +11,24 @@ Greedy acceptance picks the longest matching path over all nodes, so on any roun
 many tokens as the grafted tree alone, and as the primary tree alone whenever nothing of it had to be dropped.
 
 Under the planner (a primary that keeps eval.engine.protocol.Planned: tree.size=auto) the split is chosen each round
-from what each source has been accepting on this prompt. Lookup's chain node i is worth a^i, a its continuation rate
-(the fraction of its nodes offered on the accepted path that were accepted: a Beta mean, the run's rate as the
-prompt's prior, LOOKUP_PRIOR the run's); the primary's nodes are worth what its planner predicts for them (measured
-acceptance too). The round verifies the n best of both lists, n maximising (1 + their values) / (the round's ms at
-n + 1 nodes): a prompt that copies its input gets long lookup chains beside a few drafter nodes, or on top of them,
-a prompt that does not gets the drafter's tree alone.
+from what each source has been accepting on this prompt, and the round is predicted on the tree it verifies, every
+node counted once:
+- lookup's chain node i is worth c_1 ... c_i, c_d = P(chain node d accepted | node d-1 accepted), measured per depth
+  and apart for nodes the drafter proposed too (`shared`: both sources agree, and are right far more often) and
+  nodes only lookup proposed (`LookupDepths`: Beta means, the run's counts the prompt's prior);
+- a drafter node is worth what its planner's estimate gives its path (PlannedDrafter.tree_values); one the chain
+  shares is counted once, as the chain's; one that leaves the chain at depth d, beside a verified chain node, only
+  pays when that chain node is wrong: times 1 - c_d (the two cannot both be right);
+- the round's ms: the verifier's forward at the merged tree's size and the drafting (the planner's `round_ms`) plus
+  the hybrid's own lookup, split and graft, timed.
+The round verifies the n best of both lists, n maximising (1 + their values) / (the round's ms at n + 1 nodes): a
+prompt that copies its input gets long lookup chains beside a few drafter nodes, or on top of them, a prompt that
+does not gets the drafter's tree alone.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +42,9 @@ from runtime.errors import UserError
 if TYPE_CHECKING:
     from models.verifier import Verifier
 
-LOOKUP_PRIOR = 0.5  # the continuation rate a run's lookup starts from
-LOOKUP_STRENGTH = 4.0  # pseudo-observations a prior rate is worth (the run's against LOOKUP_PRIOR, the prompt's)
+LOOKUP_PRIOR = 0.5  # the rate a run's lookup starts from at its chain's first node (a deeper one: the one above's)
+LOOKUP_STRENGTH = 4.0  # pseudo-observations the run's prior rate is worth against the run's counts
+PROMPT_STRENGTH = 16.0  # ... and the run's rate against the prompt's: a prompt's first chains say little of its next
 TREE_ROOM = 64  # the most nodes a round may verify (eval.engine.decode.TREE_ROOM)
 
 
@@ -86,25 +95,43 @@ def graft(primary: Draft, extra: Draft, budget: int) -> tuple[Draft, list[int]]:
     return Draft(tree=Tree(parents=tuple(new_parents), ranks=tuple(ranks)), tokens=merged), [origin[i] for i in kept]
 
 
-class LookupRate:
-    """Lookup's continuation rate, measured per prompt and per run: of its chain nodes offered on the accepted path
-    (every node whose parent was accepted), the fraction accepted. Beta means: LOOKUP_PRIOR is the run's prior, the
-    run's rate the prompt's, each worth LOOKUP_STRENGTH observations."""
+class LookupDepths:
+    """Lookup's chain, per depth d (0-based) and per kind (`shared`: the drafter proposed the same node): of the
+    chain nodes offered on the accepted path (their parent accepted), the fraction accepted, P(node d | node d-1).
+    Beta means: per kind, the run's depth 0 starts from LOOKUP_PRIOR and each deeper depth from the run's estimate of
+    the one above (a depth rarely reached moves with the shallower ones), LOOKUP_STRENGTH; the run's estimate is the
+    prompt's prior, PROMPT_STRENGTH (a prompt's chains come in runs: the answer's opening echoes the question, then
+    1-gram matches that rarely continue; a light prompt prior chased the first and over-promised the rest)."""
 
     def __init__(self) -> None:
-        self.run_hits = self.run_offered = self.hits = self.offered = 0.0
+        self.run: dict[bool, dict[int, list[float]]] = {False: {}, True: {}}  # kind -> depth -> [hits, offered]
+        self.new_prompt()
 
     def new_prompt(self) -> None:
-        self.hits = self.offered = 0.0
+        self.prompt: dict[bool, dict[int, list[float]]] = {False: {}, True: {}}
 
-    def observe(self, hits: int, offered: int) -> None:
-        self.run_hits, self.run_offered = self.run_hits + hits, self.run_offered + offered
-        self.hits, self.offered = self.hits + hits, self.offered + offered
+    def observe(self, depth: int, shared: bool, hit: bool) -> None:
+        for counts in (self.run, self.prompt):
+            cell = counts[shared].setdefault(depth, [0.0, 0.0])
+            cell[0] += float(hit)
+            cell[1] += 1.0
 
-    @property
-    def rate(self) -> float:
-        run = (LOOKUP_STRENGTH * LOOKUP_PRIOR + self.run_hits) / (LOOKUP_STRENGTH + self.run_offered)
-        return (LOOKUP_STRENGTH * run + self.hits) / (LOOKUP_STRENGTH + self.offered)
+    def rate(self, depth: int, shared: bool = False) -> float:
+        """P(chain node `depth` accepted | its parent accepted), for a node of this kind, on this prompt."""
+        run = LOOKUP_PRIOR
+        for d in range(depth + 1):
+            hits, offered = self.run[shared].get(d, (0.0, 0.0))
+            run = (LOOKUP_STRENGTH * run + hits) / (LOOKUP_STRENGTH + offered)
+        hits, offered = self.prompt[shared].get(depth, (0.0, 0.0))
+        return (PROMPT_STRENGTH * run + hits) / (PROMPT_STRENGTH + offered)
+
+    def values(self, shared: Sequence[bool]) -> list[float]:
+        """A chain's nodes' path-acceptance probabilities, `shared` per node: the products of the depths' rates."""
+        out, value = [], 1.0
+        for depth, kind in enumerate(shared):
+            value *= self.rate(depth, kind)
+            out.append(value)
+        return out
 
 
 def split(lookup: Sequence[float], drafter: Sequence[float], cap: int, ms: Any = None) -> tuple[int, int]:
@@ -139,11 +166,17 @@ class HybridDrafter:
         self.extra, self.budget = extra, budget
         self._origin: list[int] = []
         self._chain: list[int] = []  # this round's grafted lookup nodes, in the merged tree
-        self.lookup = LookupRate()
+        self._kinds: list[bool] = []  # per node of that chain: whether the primary proposed it too
+        self.lookup = LookupDepths()
+        self._own = [0.0, 0.0]  # the hybrid's own ms per round (lookup, split, graft), summed over the run, and rounds
         self._expect: tuple[int, int] | None = None
         self._length = 0
         self._prediction = Prediction()
         self.last_split = (0, 0)  # (lookup nodes, drafter nodes) the last round verified, with a planned primary
+        # Over the drafter's life, with a planned primary: drafts predicted and accepted from each part of the tree
+        # (lookup: the chain's nodes, shared ones included; drafter: the rest), for the rounds' predicted split
+        self.tally = {"lookup": [0.0, 0.0], "drafter": [0.0, 0.0]}
+        self._part = (0.0, 0.0)  # this round's prediction: (lookup, drafter)
         self.set_primary(primary)
 
     def set_primary(self, primary: Drafter) -> None:
@@ -178,25 +211,54 @@ class HybridDrafter:
         self._length = input_ids.shape[1]
         # 2. Both sources draft; 3. the split: how many of each this round verifies; 4. graft.
         base = self.primary.propose(input_ids, hidden)
+        start = time.perf_counter()  # the hybrid's own work: lookup, split, graft
         extra = self.extra.propose(input_ids, hidden)
         if isinstance(self.primary, Planned):
-            a, values = self.lookup.rate, self.primary.node_values()
-            chain_values = [a ** (i + 1) for i in range(extra.tree.num_drafts)]
-            cap = (self.budget or self.max_nodes) - 1
-            k, m = split(chain_values, values, cap, None if self.budget else self.primary.round_ms)
-            budget = 1 + k + m if self.budget is None else self.budget
-            self.last_split = (k, m)
-            p = self._prediction
-            p.rounds, p.step_ms = p.rounds + 1, self.primary.step_ms
-            p.tokens += 1.0 + sum(chain_values[:k]) + sum(values[:m])
-            p.ms += self.primary.round_ms(budget)
-        else:
-            budget = self.round_budget()
-            k = min(extra.tree.num_drafts, budget - 1)
+            return self._planned_round(base, extra, start)
+        budget = self.round_budget()
+        k = min(extra.tree.num_drafts, budget - 1)
         if extra.tree.num_drafts > k:  # the chain's first k tokens
             extra = Draft(tree=chain(k), tokens=extra.tokens[:, : k + 1])
         draft, self._origin = graft(base, extra, budget)
         self._chain = _path_of(draft, extra.tokens[0, 1:].tolist())
+        self._kinds = [self._origin[i] >= 0 for i in self._chain]
+        return draft
+
+    def _planned_round(self, base: Draft, extra: Draft, start: float) -> Draft:
+        """The split under a planned primary, and the round's prediction on the merged tree (module docstring)."""
+        primary: Any = self.primary
+        tokens = extra.tokens[0, 1:].tolist()
+        on_chain = _path_of(base, tokens)  # the chain's leading nodes the primary proposed too, in its tree
+        kinds = [i < len(on_chain) for i in range(len(tokens))]
+        chain_values = self.lookup.values(kinds)
+        node_values = primary.tree_values(base.tree)  # per primary draft node, tree order
+        leaves = _leaves_chain(base, tokens)  # per primary node: the chain depth where its path leaves the chain
+        worth = [0.0] + [_worth(v, leaves[j], kinds, self.lookup, len(tokens)) for j, v in enumerate(node_values)]
+        shared = set(on_chain)
+        own = self._own[0] / self._own[1] if self._own[1] else 0.0
+        cap = (self.budget or self.max_nodes) - 1
+        k, m = split(chain_values, [w for j, w in enumerate(worth) if j and j not in shared], cap,
+                     None if self.budget else (lambda n: primary.round_ms(n) + own))
+        budget = 1 + k + m if self.budget is None else self.budget
+        if extra.tree.num_drafts > k:  # the chain's first k tokens
+            extra = Draft(tree=chain(k), tokens=extra.tokens[:, : k + 1])
+        draft, self._origin = graft(base, extra, budget)
+        self._chain, self._kinds = _path_of(draft, tokens[:k]), kinds[:k]
+        self.last_split = (k, m)
+        # The prediction: every verified node once; a primary node beside a verified chain node as worth it is.
+        chain_nodes = set(self._chain)
+        rest = sum(_worth(node_values[j - 1], leaves[j - 1], kinds, self.lookup, k)
+                   for node, j in enumerate(self._origin) if node and node not in chain_nodes and j > 0)
+        self._part = (sum(chain_values[:k]), rest)
+        value = self._part[0] + rest
+        spent = 1e3 * (time.perf_counter() - start)
+        self._own[0] += spent
+        self._own[1] += 1
+        p = self._prediction
+        p.rounds, p.step_ms = p.rounds + 1, primary.step_ms
+        p.tokens += 1.0 + value
+        p.ms += primary.round_ms(draft.tree.num_nodes) + own
+        primary.restart_clock()  # the planner times the verify from here: this work is priced above
         return draft
 
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
@@ -209,9 +271,13 @@ class HybridDrafter:
         hits = 0
         while hits < len(self._chain) and hits < accepted and path[hits + 1] == self._chain[hits]:
             hits += 1
-        self.lookup.observe(hits, min(hits + 1, len(self._chain)))
+        for depth in range(min(hits + 1, len(self._chain))):  # offered: each chain node whose parent was accepted
+            self.lookup.observe(depth, self._kinds[depth], depth < hits)
         origin = torch.tensor(self._origin, device=nodes.device)
         if isinstance(self.primary, Planned):
+            for part, predicted, got in zip(("lookup", "drafter"), self._part, (hits, accepted - hits)):
+                self.tally[part][0] += predicted
+                self.tally[part][1] += got
             self.primary.verified_nodes([o for o in self._origin if o >= 0])
         self.primary.accepted(num_accepted, origin[nodes])
         self.extra.accepted(num_accepted, torch.full_like(nodes, -1))
@@ -244,3 +310,31 @@ def _path_of(draft: Draft, tokens: list[int]) -> list[int]:
             break
         out.append(node)
     return out
+
+
+def _leaves_chain(tree_draft: Draft, tokens: list[int]) -> list[int]:
+    """Per draft node of `tree_draft` (tree order): the chain depth (0-based) at which its path leaves the chain of
+    `tokens`, len(tokens) when it does not (its whole path is on the chain, or deeper than it)."""
+    merged, parents = tree_draft.tokens[0].tolist(), tree_draft.tree.parents
+    along = [0] * len(parents)  # per node: how many chain tokens its path follows (-1: it left the chain above)
+    out: list[int] = []
+    for i in range(1, len(parents)):
+        d = along[parents[i]]
+        if d < 0:
+            along[i] = -1
+            out.append(out[parents[i] - 1])
+        elif d < len(tokens) and merged[i] == tokens[d]:
+            along[i] = d + 1
+            out.append(len(tokens))
+        else:
+            along[i] = -1
+            out.append(d if d < len(tokens) else len(tokens))
+    return out
+
+
+def _worth(value: float, leaves: int, kinds: Sequence[bool], lookup: LookupDepths, k: int) -> float:
+    """A primary node's value beside the chain's first k nodes: as its planner says, times 1 - c_d where its path
+    leaves the chain at depth d < k (there the chain's node is verified, and only one of the two can be right)."""
+    if leaves >= k:
+        return value
+    return value * (1.0 - lookup.rate(leaves, kinds[leaves]))
