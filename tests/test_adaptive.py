@@ -5,6 +5,7 @@ adaptation off), the round-by-round prediction follows what comes, and a run wit
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -187,10 +188,14 @@ def test_the_report_gives_predicted_beside_measured(export, tmp_path):
     assert report["predicted_speedup"] > 0
     for group in report["by_category"].values():
         assert group["predicted_speedup"] is not None
-    static = run_eval([f"checkpoint={export}", "num_prompts=2", "plan=static"], tmp_path / "b")
-    assert static["method"].startswith("medusa/auto-") and static["greedy_match"] == 1.0
-    # The random heads draft nothing good on unseen prompts: the adaptive prediction comes down towards it.
-    assert report["predicted_speedup"] < static["predicted_speedup"]
+    # The random heads draft nothing good on unseen prompts: the round-by-round prediction comes down from the one
+    # the export's table made on the same cost curve at the start (profile.json's cost_model). Where this machine's
+    # curve says no draft pays, nothing is drafted and both predict plain decoding.
+    plan = json.loads((tmp_path / "a" / "profile.json").read_text())["cost_model"]
+    if plan["size"] > 0:
+        assert report["predicted_speedup"] < plan["predicted_speedup"], (report["predicted_speedup"], plan)
+    else:
+        assert report["predicted_speedup"] == pytest.approx(1.0, abs=0.05)
 
 
 def test_drafting_that_costs_more_than_its_curve_says_is_learned(base):
