@@ -102,14 +102,11 @@ def _load_tensors(file: Path) -> dict[str, Tensor]:
 
 def _read_reference(path: Path, config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A directory in one of the reference layouts, as this project's (config, tensors); an unknown layout refused."""
-    medusa = next((path / f for f in ref.MEDUSA_FILES if (path / f).is_file()), None)
-    if medusa is not None:
-        return ref.medusa_from_reference(config, _load_tensors(medusa), medusa)
-    weights = next((path / f for f in ref.EAGLE_FILES if (path / f).is_file()), None)
+    weights = ref.reference_weights(path)
     if weights is None:
-        raise UserError(f"checkpoint={str(path)!r}: {CONFIG_NAME} is not a specdraft export (no model_type 'medusa', "
-                        f"no verifier_fingerprint) and there is no weight file of a reference layout "
-                        f"({', '.join(ref.MEDUSA_FILES + ref.EAGLE_FILES)}).")
+        raise UserError(f"checkpoint={str(path)!r}: {CONFIG_NAME} is not a specdraft export (no verifier_fingerprint, "
+                        f"no model_type of an export family) and there is no weight file of a reference layout "
+                        f"({', '.join(ref.reference_files())}).")
     tensors = _load_tensors(weights)
     kind = ref.layout_of(config, list(tensors))
     if kind is None:

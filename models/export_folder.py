@@ -50,9 +50,7 @@ def folder_layout(path: str | Path) -> tuple[str | None, str | None]:
             config = spec.flatten(config, str(path / CONFIG_NAME))
         if is_project_export(config):
             return family_of_config(config), "compact" if config.get(COMPACT_KEY) else "export"
-        if any((path / f).is_file() for f in ref.MEDUSA_FILES):
-            return "medusa", "reference"
-        weights = next((path / f for f in ref.EAGLE_FILES if (path / f).is_file()), None)
+        weights = ref.reference_weights(path)
         return (ref.layout_of(config, _tensor_names(weights)), "reference") if weights else (None, None)
     except Exception:  # anything unreadable (bad JSON, a damaged weight file) is no export this toolkit reads
         return None, None
@@ -80,7 +78,7 @@ def check_replaceable(out_dir: str | Path, kind: str, layout: str, force: bool =
                      f"{f' and {len(entries) - 4} more' if len(entries) > 4 else ''}")
         raise UserError(f"{out} holds {what}; writing {a_title(kind)} {LAYOUTS[layout]} there would replace the "
                         f"whole folder and delete it. {fix}.")
-    known = {CONFIG_NAME, WEIGHTS_NAME, COUNTS_NAME, SIDE_DIR, *ref.MEDUSA_FILES, *ref.EAGLE_FILES}
+    known = {CONFIG_NAME, WEIGHTS_NAME, COUNTS_NAME, SIDE_DIR, *ref.reference_files()}
     foreign = [e.name for e in entries if e.name not in known]
     if foreign:
         raise UserError(f"{out} holds {a_title(kind)} {LAYOUTS[layout]} and also {foreign}, which the new one would "

@@ -17,18 +17,31 @@ Each layout is its family's own (models/medusa.py, models/eagle_export.py), reac
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from models.families import FAMILIES
-from models.medusa import medusa_from_reference, medusa_to_reference  # noqa: F401 (models/export.py reads them here)
 
-MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
-EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+
+def reference_files() -> tuple[str, ...]:
+    """Every family's reference weight file names (its registry entry's `reference_weights`), in registry order, each
+    once: a name only one family writes (Medusa's `medusa_lm_head.*`) comes before the ones several share."""
+    names: list[str] = []
+    for fam in FAMILIES.values():
+        for name in fam.export.reference_weights if fam.export is not None else ():
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def reference_weights(path: Path) -> Path | None:
+    """The weight file of a reference layout in folder `path`, or None."""
+    return next((path / f for f in reference_files() if (path / f).is_file()), None)
 
 
 def layout_of(config: dict[str, Any], names: list[str]) -> str | None:
-    """The family whose reference layout `config` and the weight file's tensor names (`names`, empty for a Medusa file,
-    found by its file name) are (its registry entry's `is_reference`), or None if they are none of them."""
+    """The family whose reference layout `config` and the weight file's tensor names `names` are (its registry
+    entry's `is_reference`), or None if they are none of them."""
     return next((name for name, fam in FAMILIES.items()
                  if fam.export is not None and fam.export.is_reference is not None
                  and fam.export.is_reference(config, names)), None)

@@ -91,13 +91,20 @@ class FixedTreeDrafter(Protocol):
     P-EAGLE, DFlash); eval.cost.predict scores that tree under the export's acceptance table."""
 
     tree: Tree  # the tree every round fills
+    depth_limit: int  # the deepest tree it can fill (Medusa: its heads; P-EAGLE, DFlash: the slots of one forward)
+
+    def set_tree(self, tree: Tree) -> None:
+        """Draft `tree` from the next round on: how plan=adaptive (eval.adaptive) re-plans between rounds."""
+        ...
 
 
 class BudgetDrafter(Protocol):
     """A drafter whose family grows its tree each round within a node budget (registry `tree` "dynamic": EAGLE);
-    eval.cost.predict scores the best tree of that budget under the export's acceptance table."""
+    eval.cost.predict scores the best tree of that budget under the export's acceptance table, and plan=adaptive
+    sets both fields between rounds."""
 
     size: int  # the drafts a round may grow (its node budget, root excluded)
+    depth: int  # the deepest a round's tree may grow
 
 
 @dataclass
