@@ -28,9 +28,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 TOKENS = 3  # speculative tokens per step, ours and vLLM's
 MAX_NEW = 48
 PROMPTS = 4
-# A short recipe on the default verifier: one shared self-distilled set (48 prompts), 60 steps per family.
+# A short recipe on the default verifier: one shared self-distilled set (48 prompts), 40 steps per family.
 RECIPE = ["data.limit=48", "data.max_new_tokens=64", "data.gen_batch_size=16", "data.batch_size=4",
-          "data.val_fraction=0.1", "trainer.max_steps=60", "trainer.max_epochs=20", "logger=csv"]
+          "data.val_fraction=0.1", "trainer.max_steps=40", "trainer.max_epochs=20", "logger=csv"]
 EXTRA = {"peagle": [f"model.parallel_tokens={TOKENS}"],  # K = the tokens vLLM drafts per step
          "dflash": [f"model.block_size={TOKENS + 1}"],  # the root and K drafts
          "eagle3.1": ["model.fc_norm=true", "model.norm_output=true"]}  # EAGLE-3 with EAGLE-3.1's fixes
