@@ -27,8 +27,9 @@ SOFT_CHUNK = 64  # soft_target_ce's rows per chunk: a (64, 8192) fp32 block (2 M
 class _FrozenHeadCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor | None, teacher: Tensor | None,
-                chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+                chunk: int, want_alpha: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         n = hidden.shape[0]
+        alpha = torch.empty(n if want_alpha else 0, dtype=torch.float32, device=hidden.device)
         h = hidden.to(weight.dtype)
         grad = torch.empty_like(h)
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
@@ -52,6 +53,9 @@ class _FrozenHeadCE(torch.autograd.Function):
             total = probs.sum(-1, keepdim=True)
             losses[s:e] = (top + total.log())[:, 0] - picked  # log-sum-exp - picked: -log p(label), or -sum q log p
             probs.div_(total)
+            if want_alpha:  # sum_v min(p_v, q_v): p_label for a hard label
+                alpha[s:e] = (probs[rows, labels[s:e]] if labels is not None
+                              else torch.minimum(probs, q).sum(-1))
             if labels is not None:
                 probs[rows, labels[s:e]] -= 1.0  # dL/dlogits = softmax - onehot
             else:
@@ -59,13 +63,13 @@ class _FrozenHeadCE(torch.autograd.Function):
             grad[s:e] = probs.to(weight.dtype) @ weight
         ctx.save_for_backward(grad)
         ctx.dtype = hidden.dtype
-        ctx.mark_non_differentiable(argmax, target_argmax)
-        return losses, argmax, target_argmax
+        ctx.mark_non_differentiable(argmax, target_argmax, alpha)
+        return losses, argmax, target_argmax, alpha
 
     @staticmethod
     def backward(ctx, grad_losses: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
         (grad,) = ctx.saved_tensors
-        return (grad.float() * grad_losses[:, None]).to(ctx.dtype), None, None, None, None
+        return (grad.float() * grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None
 
 
 def frozen_head_ce(hidden: Tensor, weight: Tensor, labels: Tensor | None = None, teacher: Tensor | None = None,
@@ -79,13 +83,26 @@ def frozen_head_ce(hidden: Tensor, weight: Tensor, labels: Tensor | None = None,
         raise ValueError("frozen_head_ce needs exactly one of labels and teacher")
     if teacher is not None:
         teacher = teacher.detach()
-    return _FrozenHeadCE.apply(hidden, weight.detach(), labels, teacher, chunk)
+    losses, argmax, target_argmax, _ = _FrozenHeadCE.apply(hidden, weight.detach(), labels, teacher, chunk)
+    return losses, argmax, target_argmax
+
+
+def frozen_head_ce_alpha(hidden: Tensor, weight: Tensor, labels: Tensor | None = None, teacher: Tensor | None = None,
+                         chunk: int = CHUNK, want_alpha: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`frozen_head_ce`, and alpha (N,) = sum_v min(p_v, q_v) (p of the label for labels), detached (empty with
+    want_alpha=False): the `kl` path of train/losses.py's frozen_head_loss."""
+    if (labels is None) == (teacher is None):
+        raise ValueError("frozen_head_ce needs exactly one of labels and teacher")
+    return _FrozenHeadCE.apply(hidden, weight.detach(), labels, None if teacher is None else teacher.detach(), chunk,
+                               want_alpha)
 
 
 class _SoftTargetCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, q: Tensor, index: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx, logits: Tensor, q: Tensor, index: Tensor | None, chunk: int,
+                want_alpha: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         n = logits.shape[0]
+        alpha = torch.empty(n if want_alpha else 0, dtype=torch.float32, device=logits.device)
         losses = torch.empty(n, dtype=torch.float32, device=logits.device)
         argmax = torch.empty(n, dtype=torch.long, device=logits.device)
         work = torch.empty((min(n, chunk), logits.shape[1]), dtype=torch.float32, device=logits.device)  # reused
@@ -99,17 +116,21 @@ class _SoftTargetCE(torch.autograd.Function):
             probs = block.sub_(top[:, None]).exp_()  # the unnormalised softmax, one exp pass
             total = probs.sum(-1)
             losses[s:e] = top + total.log() - picked  # log-sum-exp - sum q logit = -sum q log p (q sums to 1)
+            if want_alpha:
+                probs.div_(total[:, None])
+                alpha[s:e] = torch.minimum(probs, qc).sum(-1)  # sum_v min(p_v, q_v)
+                total.fill_(1.0)  # probs is normalised already
             if grad is not None:
                 grad[s:e] = probs.div_(total[:, None]).sub_(qc)  # dL/dlogits = softmax - q
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(argmax)
-        return losses, argmax
+        ctx.mark_non_differentiable(argmax, alpha)
+        return losses, argmax, alpha
 
     @staticmethod
     def backward(ctx, grad_losses: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
         (grad,) = ctx.saved_tensors
         # In the gradient's own dtype: a mixed bf16 x fp32 product would cast the whole (N, V) tensor twice
-        return grad * grad_losses.to(grad.dtype)[:, None], None, None, None
+        return grad * grad_losses.to(grad.dtype)[:, None], None, None, None, None
 
 
 def soft_target_ce(logits: Tensor, q: Tensor, index: Tensor | None = None,
@@ -123,6 +144,15 @@ def soft_target_ce(logits: Tensor, q: Tensor, index: Tensor | None = None,
     saved gradient (autograd's path keeps log-softmax, its gradient and the product, each (N, V)). Returns (losses (N,)
     fp32, the logits' argmax (N,))."""
     q = q.detach()
+    losses, argmax, _ = soft_target_ce_alpha(logits, q, index, chunk, want_alpha=False)
+    return losses, argmax
+
+
+def soft_target_ce_alpha(logits: Tensor, q: Tensor, index: Tensor | None = None, chunk: int = SOFT_CHUNK,
+                         want_alpha: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """`soft_target_ce`, and alpha (N,) = sum_v min(p_v, q_v), detached (empty with want_alpha=False): the `kl` path
+    of train/losses.py's chunked_loss."""
+    q = q.detach()
     if index is not None and index.numel() and bool((index.diff() == 1).all()):  # consecutive rows: a view, no gather
         q, index = q[int(index[0]) : int(index[0]) + index.numel()], None
-    return _SoftTargetCE.apply(logits, q, index, chunk)
+    return _SoftTargetCE.apply(logits, q, index, chunk, want_alpha)
