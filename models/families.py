@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from models import eagle_export as eagle_io
 from models.dflash import DFlashNet, dflash_from_layout, dflash_from_speculators, dflash_layout, dflash_to_speculators
+from models.dspark import DSparkNet, dspark_from_layout, dspark_from_speculators, dspark_layout, dspark_to_speculators
 from models.eagle import Eagle1Net, Eagle3Net
 from models.medusa import (
     MedusaHeads,
@@ -169,6 +170,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            teacher_forced="eval.drafters.eagle.eagle_ranks",
            export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash",
                                to_speculators=dflash_to_speculators, from_speculators=dflash_from_speculators)),
+    Family("dspark", "DSpark", drafter="eval.drafters.dspark.dspark", decoder="eval.drafters.dspark.dspark_drafter",
+           training="train.dspark.DSparkModule", network=DSparkNet, needs_export=True, tree="fixed",
+           acceptance=("dspark_confidence_table", "eagle_topk_accuracy", "val_step_top1"), serve="dspark",
+           teacher_forced="eval.drafters.eagle.eagle_ranks",
+           export=ExportFormat(("DSparkDraftModel",), dspark_layout, dspark_from_layout, speculators_type="dspark",
+                               to_speculators=dspark_to_speculators, from_speculators=dspark_from_speculators)),
     Family("draft_model", "draft model", drafter="eval.drafters.build.draft_model",
            training="train.draft_model.DraftModelModule", stored_verifier="eval.drafters.draft_model.stored_verifier"),
     Family("prompt_lookup", "prompt lookup", drafter="eval.drafters.build.prompt_lookup"),

@@ -1,0 +1,179 @@
+"""DSpark at decode time (models/dspark.py): one backbone forward, then the block slot by slot through the Markov bias.
+
+Each round: 1. the new committed positions enter the context cache (DFlash's `_extend`); 2. one block forward over
+[root, K masks] gives slot outputs h_1..h_K and base logits lm_head(h_k); 3. depth by depth, each node's children
+are ranked by base_d + MarkovBias(W1[the node's token]) (the root's token for depth 1), so every draft conditions on
+the token drafted before it, and the confidence head gives each node's slot its predicted acceptance
+sigmoid(proj([h_d, W1[parent token]])); 4. the proposal is cut at the deepest depth whose predicted cumulative
+acceptance along the top-1 path (the product of the confidences, vLLM's survival probability) is still at least
+`threshold` (0: the whole tree). The tree itself is fixed as DFlash's (tree=auto plans on the export's
+`dspark_confidence_table`: the head's predicted acceptance per depth). Greedy acceptance keeps plain greedy's tokens
+whatever is proposed, so the output is the verifier's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eval.drafters.dflash import DFlashDrafter
+from eval.drafters.medusa import medusa_tree
+from eval.engine.protocol import Draft, Drafter
+from eval.engine.sampling import SamplingConfig
+from eval.engine.tree import TreePolicy, truncate
+from models.dspark import DSparkNet
+from models.export import ExportInfo
+from models.verifier import Verifier
+from runtime.errors import UserError
+
+
+def check_threshold(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise UserError(f"drafter.confidence_threshold={value!r}: the proposal is cut where the predicted cumulative "
+                        f"acceptance falls below it, so give a number in [0, 1] (0: verify the whole tree).")
+    return float(value)
+
+
+class DSparkDrafter(DFlashDrafter):
+    """DSpark for the drafter protocol: DFlash's context cache and block forward, the Markov bias per depth, and the
+    confidence head's cut (module docstring)."""
+
+    net: DSparkNet
+
+    def __init__(self, *args: Any, threshold: float = 0.0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.threshold = check_threshold(threshold)
+        self.last_confidence: list[float] = []  # the top-1 path's predicted acceptance per depth, last round
+        self.cut_depths: list[int] = []  # the depth each round was cut to (tests, reports)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "confidence_threshold": self.threshold}
+
+    def _slots(self, depth: int) -> Tensor:
+        """One block forward: the K = `depth` slot outputs (K, D) at positions n+1..n+K."""
+        root, n = self._root, self.cache_length
+        tokens = torch.cat([root, torch.full((1, depth), self.net.mask_token_id, device=root.device)], dim=1)
+        pos = (n + torch.arange(depth + 1, device=root.device))[None]
+        mask = torch.ones(1, 1, depth + 1, n + depth + 1, dtype=torch.bool, device=root.device)
+        return self.net.block(self.embed(tokens), pos, mask, self._k, self._v)[0, 1:]  # (K, D)
+
+    def _children(self, out: Tensor, base: Tensor, prev: Tensor, state: Tensor | None
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """For parents with tokens `prev` (m,) at one depth: their children's logits (m, V) (the slot's base logits
+        plus the Markov bias of each parent's token), each parent's slot confidence (m,), and the rnn state."""
+        head = self.net.markov_head
+        emb = head.embed(prev)  # (m, r)
+        h = out.expand(prev.shape[0], -1)
+        bias, state = head.step(emb, h, state)
+        conf = torch.sigmoid(self.net.confidence_logit(h, emb).float())
+        return base[None] + bias.float(), conf, state
+
+    def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
+        """The top-1 chain's logits per depth (K, V): each depth's base logits plus the bias of the token the depth
+        before drafted (its argmax), as a chain round computes them."""
+        k = self.max_depth if depth is None else depth
+        out = self._slots(k)
+        base = self.net.logits(out, self.lm_head).float()  # (K, V)
+        prev, state, rows = self._root[0], None, []
+        for d in range(k):
+            logits, _, state = self._children(out[d : d + 1], base[d], prev, state)
+            rows.append(logits[0])
+            prev = logits.argmax(-1)
+        return torch.stack(rows)
+
+    @torch.no_grad()
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        if input_ids.shape[0] != 1:
+            raise UserError(f"DSpark drafting runs one sequence at a time; got batch size {input_ids.shape[0]}.")
+        self._extend(input_ids, hidden)  # 1. the new committed positions
+        root = input_ids[:, -1:]
+        tree = self.tree
+        if tree.num_drafts == 0:
+            return Draft(tree=tree, tokens=root)
+        out = self._slots(tree.max_depth)  # 2. one block forward
+        base = self.net.logits(out, self.lm_head).float()  # (K, V)
+        tokens = torch.empty(tree.num_nodes, dtype=root.dtype, device=root.device)
+        tokens[0] = root[0, 0]
+        conf = torch.ones(tree.num_nodes, device=root.device)  # the slot confidence under each node's parent
+        states: dict[int, Tensor] = {}
+        p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
+        for d in range(1, tree.max_depth + 1):  # 3. depth by depth through the Markov bias
+            kids = [i for i in range(1, tree.num_nodes) if tree.depths[i] == d]
+            parents = sorted({tree.parents[i] for i in kids})
+            at = {q: i for i, q in enumerate(parents)}
+            state = torch.stack([states[q] for q in parents]) if states else None
+            logits, c, state = self._children(out[d - 1 : d], base[d - 1], tokens[parents], state)
+            if state is not None:
+                states.update({q: state[i] for i, q in enumerate(parents)})
+            row = torch.tensor([at[tree.parents[i]] for i in kids], device=root.device)
+            conf[kids] = c[row]
+            if self.sampling is not None:
+                probs = self._full_probs_of(logits)  # (m, V)
+                draws = torch.multinomial(probs[row], 1, generator=self.generator)[:, 0]
+                tokens[kids] = draws.to(tokens.dtype)
+                p[kids] = probs[row]
+            else:
+                top = logits.topk(max(tree.ranks[i] for i in kids) + 1, dim=-1).indices  # (m, R)
+                rank = torch.tensor([tree.ranks[i] for i in kids], device=root.device)
+                tokens[kids] = self.to_verifier(top[row, rank]).to(tokens.dtype)
+            if states:  # the rnn state a child passes on is its parent's step
+                states = {i: states[tree.parents[i]] for i in kids}
+        # 4. the cut: the deepest depth whose top-1 path's cumulative predicted acceptance is >= the threshold
+        path, node = [], 0
+        for _d in range(1, tree.max_depth + 1):
+            first = next((i for i in range(1, tree.num_nodes) if tree.parents[i] == node and tree.ranks[i] == 0), None)
+            if first is None:
+                break
+            path.append(float(conf[first]))
+            node = first
+        self.last_confidence = path
+        keep_depth = tree.max_depth
+        if self.threshold > 0:
+            survival, keep_depth = 1.0, 0
+            for d, c in enumerate(path, start=1):
+                survival *= c
+                if survival < self.threshold:
+                    break
+                keep_depth = d
+        self.cut_depths.append(keep_depth)
+        full = Draft(tree=tree, tokens=tokens[None], p=None if p is None else p[None])
+        if keep_depth >= tree.max_depth:
+            return full
+        cut, keep = truncate(tree, keep_depth)
+        index = torch.tensor(keep, device=root.device)
+        return Draft(tree=cut, tokens=full.tokens[:, index], p=None if p is None else full.p[:, index])
+
+
+def dspark_drafter(net: DSparkNet, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,
+                   sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                   head_ids: Tensor | None = None, threshold: float = 0.0) -> DSparkDrafter:
+    """The DSpark drafter for a loaded network (models/families.py names it the family's decoder): a fixed tree under
+    `tree` (tree=auto from the export's dspark_confidence_table, else its eagle_topk_accuracy), at most K deep,
+    cut each round at `threshold` (0: never)."""
+    if head_ids is not None:
+        raise UserError("drafter.draft_vocab cuts the verifier's head, but DSpark's Markov bias spans the whole "
+                        "vocabulary; leave drafter.draft_vocab=null for a DSpark export.")
+
+    class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
+        num_heads = net.parallel
+
+    table = config.get("dspark_confidence_table") or config.get("eagle_topk_accuracy")
+    shape, name = medusa_tree(tree, _Depths, table)
+    return DSparkDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table,
+                         threshold=threshold)
+
+
+def dspark(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None,
+           confidence_threshold: float = 0.2, **proposals: Any) -> Drafter:
+    """conf/drafter/dspark.yaml: the DSpark drafter of an export, each round cut where the predicted cumulative
+    acceptance falls below `confidence_threshold`."""
+    from eval.drafters.build import _export, make_drafter
+
+    threshold = check_threshold(confidence_threshold)
+    drafter = make_drafter("dspark", verifier, tree, checkpoint=_export(checkpoint, "dspark"), **proposals)
+    assert isinstance(drafter, DSparkDrafter)
+    drafter.threshold = threshold
+    return drafter

@@ -1,0 +1,152 @@
+"""DSparkModule: trains a DSpark drafter (models/dspark.py) as speculators 0.9's recipe does.
+
+The backbone's blocks are DFlash's (`models.dflash.block_rows`, sampled anchors). Per slot k (predicting x_{t+k+1}):
+- logits = lm_head(h_k) + MarkovBias(W1[x_{t+k}]): teacher-forced on the previous target token (the self-distilled
+  data holds the verifier's own tokens), x_{t+1} (the root) for slot 1;
+- the cross-entropy to q (the verifier's distribution at t+k; speculators' default `kl_div`, which differs from it by
+  q's entropy, a constant), weighted step_decay^(k-1) (speculators' fixed-exp-decay, gamma = 4: exp(-(k-1)/4));
+- the confidence head's BCE against the detached acceptance 1 - TV(p_k, q_k) = sum_v min(p, q) of the Markov-corrected
+  p, weighted the same per slot and by `confidence_weight` (speculators' confidence_head_alpha, 1.0).
+Validation logs each slot's top-1 and the tables DFlash logs, plus the confidence head's calibration per slot
+(`val/slot{k}_confidence` beside `val/slot{k}_accept`), which the export records as `dspark_confidence` and
+`dspark_accept_rate`, and `dspark_confidence_table`: eagle_topk_accuracy with each depth's top-1 cell replaced by the
+head's mean predicted acceptance there (the table tree.size=auto plans on for this family, models/families.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from data.hidden_cache import gather_layers
+from models.dspark import DSparkNet, build_dspark
+from models.verifier import Verifier
+from runtime.errors import UserError
+from train.dflash import DFlashModule
+from train.fused_head import soft_target_ce
+
+
+def slot_bias(net: DSparkNet, ids: Tensor, out: Tensor, bi: Tensor, ti: Tensor, col: Tensor, j: int
+              ) -> tuple[Tensor, Tensor]:
+    """Slot j+1's Markov bias and its previous token's W1 row for blocks whose context ends at ti (rows bi, slot
+    column col in `out`), teacher-forced: the previous token is x_{t+j+1}. The rnn variant runs slots 1..j+1."""
+    head = net.markov_head
+    emb = head.embed(ids[bi, ti + j + 1])  # (N, r)
+    if head.head_type != "rnn":
+        return head.step(emb, out[bi, col])[0], emb
+    state = None
+    for k in range(j + 1):
+        bias, state = head.step(head.embed(ids[bi, ti + k + 1]), out[bi, col - j + k], state)
+    return bias, emb
+
+
+def confidence_table(topk: list[list[float]], confidence: list[float]) -> list[list[float]]:
+    """The per-depth cumulative top-k table with each depth's top-1 cell the head's mean predicted acceptance, the
+    wider cells moved by the same amount (kept within [that cell, 1])."""
+    out = []
+    for row, c in zip(topk, confidence):
+        shift = c - row[0]
+        out.append([min(1.0, max(c, v + shift)) for v in row])
+    return out
+
+
+class DSparkModule(DFlashModule):
+    """Args: DFlash's (train/dflash.py), and
+        markov_rank: the rank r of the Markov bias (speculators 0.9: 256).
+        markov_head_type: vanilla | gated | rnn (vLLM 0.32 serves vanilla).
+        confidence_weight: the confidence BCE's weight (speculators' confidence_head_alpha).
+    """
+
+    def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, block_size: int = 8,
+                 num_layers: int = 1, aux_layer_ids: list[int] | None = None, num_anchors: int | None = 64,
+                 step_decay: float = math.exp(-0.25), warmup_ratio: float = 0.05, markov_rank: int = 256,
+                 markov_head_type: str = "vanilla", confidence_weight: float = 1.0) -> None:
+        if isinstance(confidence_weight, bool) or not isinstance(confidence_weight, (int, float)) \
+                or not confidence_weight >= 0:
+            raise UserError(f"model.confidence_weight={confidence_weight!r}: the confidence head's BCE weight must be "
+                            f"a number >= 0 (speculators: 1.0).")
+        super().__init__(verifier, optimizer, scheduler, mask_token_id=mask_token_id, block_size=block_size,
+                         num_layers=num_layers, aux_layer_ids=aux_layer_ids, num_anchors=num_anchors,
+                         step_decay=step_decay, warmup_ratio=warmup_ratio, train_vocab=None)
+        self.net = build_dspark(verifier, mask_token_id, block_size, num_layers, aux_layer_ids, markov_rank,
+                                markov_head_type)
+        self.hparams.update(markov_rank=markov_rank, markov_head_type=markov_head_type,
+                            confidence_weight=confidence_weight)
+        self._calib: dict[str, Tensor] = {}
+
+    def model_step(self, batch: dict[str, Tensor], steps: int, train: bool) -> dict[str, Any]:
+        """EagleModule.model_step's outputs (per-slot losses, top-1 hits, valid targets; validation: ranks and the
+        draft's top-1 probability) for the Markov-corrected logits, the confidence BCE in each slot's loss."""
+        if self.verifier.device != self.device:
+            self.verifier.to(self.device)
+        ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
+        n = ids.shape[1] - 1
+        states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
+        final = states[-1]
+        feats = self.net.features(states)[:, :n]
+        embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
+        losses, correct, valid_at, ranks, confs = [], [], [], [], []
+        for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
+            valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets
+            bias, emb = slot_bias(self.net, ids, step.out, bi, ti, step.column, j)
+            logits = self.net.logits(h, lm_head).float() + bias.float()  # (N, V)
+            with torch.no_grad():
+                q = lm_head(final[bi, ti + j + 1]).float().softmax(-1)  # (N, V): the verifier's next token after t+j+1
+                q_arg = q.argmax(-1)
+            ce, draft = soft_target_ce(logits, q)
+            with torch.no_grad():
+                accept = torch.minimum(logits.softmax(-1), q).sum(-1).clamp(0.0, 1.0)  # 1 - TV(p, q)
+            conf_logit = self.net.confidence_logit(h, emb).float()
+            bce = F.binary_cross_entropy_with_logits(conf_logit, accept, reduction="sum")
+            count = bi.numel()
+            step_loss = self.global_mean(ce.sum(), count) + \
+                self.hparams.confidence_weight * self.global_mean(bce, count)
+            losses.append(step_loss if count else (logits.sum() + conf_logit.sum()) * 0.0)
+            hit = torch.zeros_like(valid)
+            hit[bi, ti] = draft == q_arg
+            correct.append(hit)
+            valid_at.append(valid)
+            if train:
+                continue
+            self._tally(j, torch.sigmoid(conf_logit.detach()), accept, steps)
+            p32 = logits.detach()
+            rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
+            rank[bi, ti] = self.net.target_rank(p32, q_arg)
+            ranks.append(rank)
+            conf = torch.zeros(valid.shape, device=valid.device)
+            conf[bi, ti] = p32.softmax(-1).amax(-1)
+            confs.append(conf)
+        out = {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at)}
+        return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
+
+    def _tally(self, j: int, predicted: Tensor, accept: Tensor, steps: int) -> None:
+        """Validation sums per slot: the head's predicted acceptance, the measured 1 - TV, and the rows."""
+        if not self._calib:
+            self._calib = {k: torch.zeros(steps, device=predicted.device) for k in ("pred", "accept", "rows")}
+        self._calib["pred"][j] += predicted.sum()
+        self._calib["accept"][j] += accept.sum()
+        self._calib["rows"][j] += predicted.numel()
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        if not self._calib:
+            return
+        agg = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._calib.items()}
+        self._calib = {}
+        rows = agg["rows"].clamp(min=1)
+        pred, accept = (agg["pred"] / rows).tolist(), (agg["accept"] / rows).tolist()
+        for k, (c, a) in enumerate(zip(pred, accept), start=1):
+            self.log(f"val/slot{k}_confidence", c)
+            self.log(f"val/slot{k}_accept", a)
+        if not self.trainer.sanity_checking and self.val_summary.get("eagle_topk_accuracy"):
+            depth = self.net.parallel
+            self.val_summary = {**self.val_summary, "dspark_confidence": pred[:depth],
+                                "dspark_accept_rate": accept[:depth],
+                                "dspark_confidence_table": confidence_table(
+                                    self.val_summary["eagle_topk_accuracy"][:depth], pred[:depth])}
