@@ -2,10 +2,14 @@
 
 The loss and the tables are EAGLE-1's (train/eagle.py), which drafts through the verifier's own head as DFlash does:
 per slot k, the cross-entropy to q at the position before its target (soft targets, through the frozen head, fused
-and chunked), weighted decay^(k-1) (`step_decay`, exp(-1/4) as the paper sets it for blocks of 8), no feature
-regression; `model.train_vocab=N` trains over the N most frequent targets' rows of the head (FR-Spec) as it does for
-EAGLE-1. Validation logs each slot's top-1, the estimated tau and the per-slot top-k table tree planning reads. The
-forward is `models.dflash.block_rows`: sampled anchors, each block of [root, masks] attending its context.
+and chunked; `model.loss` picks another acceptance loss, train/losses.py), weighted decay^(k-1) (`step_decay`,
+exp(-1/4) as the paper sets it for blocks of 8; `slot_weighting: exp`) or by D-PACE (`slot_weighting: dpace`: slot k
+weighs the tokens expected to be accepted from it on, `dpace_weights` of the slots' detached acceptance
+probabilities, each smoothed to (1 - dpace_alpha) alpha + dpace_alpha as speculators does), no feature regression;
+`model.train_vocab=N` trains over the N most frequent targets' rows of the head (FR-Spec) as it does for EAGLE-1.
+Validation logs each slot's top-1, the estimated tau, the expected accepted length and the per-slot top-k table tree
+planning reads. The forward is `models.dflash.block_rows`: sampled anchors, each block of [root, masks] attending its
+context.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ from torch import Tensor
 
 from models.dflash import block_rows, build_dflash
 from models.verifier import Verifier
+from runtime.errors import UserError
 from train.eagle import EagleModule
+from train.losses import dpace_weights
+
+SLOT_WEIGHTINGS = ("exp", "dpace")
 
 
 class DFlashModule(EagleModule):
@@ -30,22 +38,58 @@ class DFlashModule(EagleModule):
         num_layers: draft layers.
         aux_layer_ids: the verifier layers fused into the context (ids as EAGLE-3's: the input of layer k).
         num_anchors: blocks per sequence in a training step (validation: every anchor).
-        step_decay: slot k's loss weight is step_decay^(k-1) (default exp(-1/4)).
+        step_decay: slot k's loss weight is step_decay^(k-1) (default exp(-1/4)), with slot_weighting=exp.
         train_vocab: as EAGLE-1's.
+        loss, lk_eta: the loss per slot (train/losses.py), as EagleModule's.
+        slot_weighting: exp (step_decay^(k-1)) or dpace (per block, the expected tokens accepted from slot k on).
+        dpace_alpha: D-PACE's smoothing of each slot's confidence c -> (1 - dpace_alpha) c + dpace_alpha
+            (speculators' default 0.5), so that an untrained drafter's near-zero acceptance does not zero the weights.
     """
 
     def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, block_size: int = 8,
                  num_layers: int = 1, aux_layer_ids: list[int] | None = None, num_anchors: int | None = 64,
                  step_decay: float = math.exp(-0.25), warmup_ratio: float = 0.05,
-                 train_vocab: int | None = None) -> None:
+                 train_vocab: int | None = None, loss: str = "kl", lk_eta: float = 3.0,
+                 slot_weighting: str = "exp", dpace_alpha: float = 0.5) -> None:
+        if slot_weighting not in SLOT_WEIGHTINGS:
+            raise UserError(f"model.slot_weighting={slot_weighting!r}: pick exp (step_decay^(k-1)) or dpace (the "
+                            f"expected tokens accepted from each slot on).")
+        if isinstance(dpace_alpha, bool) or not isinstance(dpace_alpha, (int, float)) or not 0 <= dpace_alpha <= 1:
+            raise UserError(f"model.dpace_alpha={dpace_alpha!r}: D-PACE's smoothing is a share in [0, 1] "
+                            f"(speculators' default 0.5).")
         net = build_dflash(verifier, mask_token_id, block_size, num_layers, aux_layer_ids)
         # kind="eagle": EAGLE-1's loss path, through the verifier's own head
         super().__init__(verifier, optimizer, scheduler, kind="eagle", ttt_steps=net.parallel,
                          val_steps=net.parallel, step_decay=step_decay, feature_weight=0.0, ce_weight=1.0, noise=0.0,
-                         warmup_ratio=warmup_ratio, train_vocab=train_vocab, net=net)
+                         warmup_ratio=warmup_ratio, train_vocab=train_vocab, net=net, loss=loss, lk_eta=lk_eta)
         self.hparams.update(mask_token_id=mask_token_id, block_size=block_size, num_layers=num_layers,
-                            aux_layer_ids=aux_layer_ids, num_anchors=num_anchors)
+                            aux_layer_ids=aux_layer_ids, num_anchors=num_anchors, slot_weighting=slot_weighting,
+                            dpace_alpha=dpace_alpha)
+
+    # -- D-PACE ----------------------------------------------------------------------------------------------------
+    @property
+    def reads_alpha(self) -> bool:  # type: ignore[override]
+        return self.hparams.get("slot_weighting") == "dpace"
+
+    def slot_confidence(self, alpha: Tensor, valid: Tensor) -> Tensor:
+        """Each slot's acceptance probability (S, B, n), given the steps' detached overlaps alpha = sum_v min(p, q)
+        and valid targets: the overlap itself. A family with a confidence head (DSpark) returns the head's instead."""
+        return alpha
+
+    def slot_weights(self, alpha: Tensor, valid: Tensor) -> Tensor | None:
+        """slot_weighting=dpace: per block (a position t), dpace_weights over its slots of the smoothed confidences,
+        an invalid slot's counting as 0 (the chain stops there). exp: None (step_decay^(k-1) per slot)."""
+        if self.hparams.get("slot_weighting") != "dpace":
+            return None
+        smooth = self.hparams.get("dpace_alpha", 0.5)
+        conf = (1 - smooth) * self.slot_confidence(alpha, valid).detach().clamp(0, 1) + smooth
+        conf = torch.where(valid, conf, 0.0)  # (S, B, n)
+        return dpace_weights(conf.permute(1, 2, 0)).permute(2, 0, 1)
+
+    def step_weight(self, j: int) -> float:
+        """D-PACE's weights replace the fixed decay."""
+        return 1.0 if self.hparams.get("slot_weighting") == "dpace" else super().step_weight(j)
 
     def unrolled(self, feats: Tensor, ids: Tensor, attn: Tensor, loss_mask: Tensor, embed: torch.nn.Module,
                  steps: int, train: bool):

@@ -9,8 +9,13 @@ Losses, on positions whose target is an assistant token:
   cross-entropy of the draft distribution against q (weight `ce_weight`); uniform noise on the input features.
 - EAGLE-3: per unrolled step j, weight step_decay^j, cross-entropy against q restricted to the draft vocabulary
   (positions whose q-argmax lies outside it are skipped, as in the reference).
+`model.loss` swaps the cross-entropy to q for another acceptance loss (train/losses.py: kl, the default and today's
+cross-entropy, rkl, jsd, ce, tv, nla, lk_hybrid with `model.lk_eta`), fused and chunked as the cross-entropy is.
 Validation also unrolls `val_steps` steps to log `val/step{i}_top1` and an estimated tau: the acceptance length a
-chain of the drafter's top-1 would get against M_q's argmax, plus the bonus token.
+chain of the drafter's top-1 would get against M_q's argmax, plus the bonus token; and `val/expected_accepted_length`,
+the same chain under rejection sampling: 1 + sum_k prod_{j<=k} alpha_j, alpha_j = sum_v min(p_v, q_v) at depth j
+(EAGLE-3 and P-EAGLE: q renormalised over the draft vocabulary, as their loss reads it). The best checkpoint is the
+one with the largest (conf/train.yaml).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from models.verifier import Verifier
 from runtime.errors import NonFiniteLossError, UserError
 from train.base import TOPK, DrafterModule
 from train.export import data_record
-from train.fused_head import frozen_head_ce, soft_target_ce
+from train.losses import chain_acceptance, check_eta, check_loss, chunked_loss, frozen_head_loss
 from train.memory import layer_activations
 from train.safety import last_good_advice
 
@@ -42,16 +47,21 @@ def draft_vocab_from_counts(counts: Tensor, size: int) -> tuple[Tensor, float]:
     return top, float(counts[top].sum() / counts.sum().clamp(min=1))
 
 
-def validation_tallies(correct: Tensor, valid: Tensor, rank: Tensor, topk: int = TOPK) -> dict[str, Tensor]:
+def validation_tallies(correct: Tensor, valid: Tensor, rank: Tensor, topk: int = TOPK,
+                       alpha: Tensor | None = None) -> dict[str, Tensor]:
     """One validation batch's sums, from the unrolled steps' top-1 hits `correct`, `valid` targets and target `rank`
     (S, B, n) each (rank 0 = the draft's top-1): per step, top-1 hits and valid targets; over positions whose first
     target is valid, the accepted chain lengths and their count; and, where the chain of top-1 drafts reaches step j
-    (step 0: every valid position), how often M_q's token is within the draft's top-1..top-`topk` there."""
+    (step 0: every valid position), how often M_q's token is within the draft's top-1..top-`topk` there. With the
+    steps' acceptance probabilities `alpha` (S, B, n), also the expected accepted drafts of each chain under
+    rejection sampling, sum_k prod_{j<=k} alpha_j (an invalid step ends the chain), summed over those positions."""
     lead = (correct & valid).long().cumprod(dim=0)  # (S, B, n): steps 0..j all right
     start = valid[0]
     reach = torch.cat([start[None], lead[:-1].bool() & valid[1:]])  # (S, B, n)
     within = rank[..., None] < torch.arange(1, topk + 1, device=rank.device)  # (S, B, n, topk)
-    return {"hits": correct.flatten(1).sum(1).float(), "counts": valid.flatten(1).sum(1).float(),
+    extra = {} if alpha is None else {
+        "expected_accept": chain_acceptance((alpha * valid).permute(1, 2, 0))[start].sum().float()}
+    return extra | {"hits": correct.flatten(1).sum(1).float(), "counts": valid.flatten(1).sum(1).float(),
             "accept": lead.sum(dim=0)[start].sum().float(), "starts": start.sum().float(),
             "topk_hits": (within & reach[..., None]).flatten(1, 2).sum(1).float(),  # (S, topk)
             "reached": reach.flatten(1).sum(1).float()}
@@ -64,7 +74,9 @@ def validation_summary(agg: dict[str, Tensor]) -> dict[str, Any]:
     acc = agg["hits"] / agg["counts"].clamp(min=1)
     tau = 1 + agg["accept"] / agg["starts"].clamp(min=1)
     topk = agg["topk_hits"] / agg["reached"].clamp(min=1)[:, None]
-    return {"val_step_top1": acc.tolist(), "estimated_tau": float(tau), "eagle_topk_accuracy": topk.tolist()}
+    extra = {} if "expected_accept" not in agg else {
+        "expected_accepted_length": float(1 + agg["expected_accept"] / agg["starts"].clamp(min=1))}
+    return {"val_step_top1": acc.tolist(), "estimated_tau": float(tau), "eagle_topk_accuracy": topk.tolist()} | extra
 
 
 def refuse_held_mask_token(counts: Tensor, mask: int, verifier: Verifier) -> None:
@@ -89,6 +101,9 @@ class EagleModule(DrafterModule):
         train_vocab: EAGLE-1: train and validate the draft logits over the N most frequent training targets' rows of
             the verifier's lm_head (q renormalised over the same rows); a verifier argmax outside them counts as a
             miss in validation. The export records N and the decoder drafts over the same rows. null: all V.
+        loss: what each step minimises between p and q (train/losses.py): kl (default), rkl, jsd, ce (q's
+            argmax as the label), tv, nla, lk_hybrid.
+        lk_eta: lk_hybrid's eta in lam = exp(-eta * sg[alpha]) (the paper's 3.0).
     """
 
     global_means = True  # each unrolled step's loss is a mean over the global batch (DrafterModule.global_mean)
@@ -98,8 +113,11 @@ class EagleModule(DrafterModule):
                  val_steps: int = 5, step_decay: float = 0.8, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  noise: float = 0.2, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
                  warmup_ratio: float = 0.05, train_vocab: int | None = None, fc_norm: bool = False,
-                 norm_output: bool = False, net: torch.nn.Module | None = None) -> None:
+                 norm_output: bool = False, net: torch.nn.Module | None = None, loss: str = "kl",
+                 lk_eta: float = 3.0) -> None:
         super().__init__()
+        check_loss(loss)
+        check_eta(lk_eta)
         if train_vocab is not None and kind != "eagle":
             raise UserError(f"model.train_vocab={train_vocab} cuts the verifier's lm_head that EAGLE-1 drafts through; "
                             f"EAGLE-3 drafts over its own head: use model.draft_vocab_size.")
@@ -178,48 +196,52 @@ class EagleModule(DrafterModule):
         targets = (self.draft_vocab_targets(final, loss_mask, batch.get("verifier_argmax"))
                    if isinstance(self.net, Eagle3Net) else None)  # EAGLE-3 and P-EAGLE (a subclass)
         rows = None if self.head_ids is None else self.head_rows(lm_head.weight)  # EAGLE-1's kept rows (train_vocab)
-        losses, correct, valid_at, ranks, confs = [], [], [], [], []
+        hp = self.hparams
+        want_alpha = not train or self.reads_alpha  # validation's expected length; D-PACE's slot confidences
+        terms, correct, valid_at, ranks, confs, alphas = [], [], [], [], [], []
         for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
             # Targets: q at position t+j+1 (predicting x_{t+j+2}), where x_{t+j+2} is an assistant token.
             valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets  # h: (N, D) outputs there
             hit = torch.zeros_like(valid)
+            alpha = torch.zeros(valid.shape, device=valid.device)
+            reg = None
             if train and targets is None and bi.numel():
-                # EAGLE-1 training: fused cross-entropy to q through the frozen lm_head (train/fused_head.py)
+                # EAGLE-1 training: the fused loss to q through the frozen lm_head (train/losses.py)
                 # With train_vocab both p and q live on the kept rows; the logged top-1 compares rows (no full pass).
-                per_row, p_arg, q_arg = frozen_head_ce(h, lm_head.weight if rows is None else rows,
-                                                       teacher=final[bi, ti + j + 1])
-                ce = self.global_mean(per_row.sum(), per_row.numel())  # the same two means, in the same order,
-                reg = self.global_mean(F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float(), reduction="sum"),
-                                       h.numel())  # as the path below takes on a rank with no target at this step
-                losses.append(self.hparams.feature_weight * reg + self.hparams.ce_weight * ce)
+                per_row, p_arg, q_arg, a = frozen_head_loss(h, lm_head.weight if rows is None else rows,
+                                                            teacher=final[bi, ti + j + 1], loss=hp.get("loss", "kl"),
+                                                            eta=hp.get("lk_eta", 3.0), want_alpha=want_alpha)
+                if hp.feature_weight:
+                    reg = F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float(), reduction="sum")
                 hit[bi, ti] = p_arg == q_arg
-                correct.append(hit)
-                valid_at.append(valid)
-                continue
-            with torch.no_grad():
-                if targets is None:  # EAGLE-1: q over the full vocabulary, at this step's positions only
-                    q_logits = lm_head(final[bi, ti + j + 1]).float()  # (N, V)
-                    q_arg = q_logits.argmax(-1)  # (N,) M_q's greedy token
-                    q = (q_logits if rows is None else q_logits[:, self.head_ids]).softmax(-1)  # (N, V or kept)
-                    at = None
-                else:  # EAGLE-3: q computed once per batch; this step's rows of it, read by the loss chunk by chunk
-                    at = targets["row"][bi, ti + j + 1]
-                    q_arg, q = targets["arg"][at], targets["q"]  # (N,), (M, V_draft)
-            if rows is None:
-                p_logits = self.net.logits(h, lm_head)  # (N, V or V_draft)
+                keep, zero = None, None
             else:
-                p_logits = F.linear(h.to(rows.dtype), rows)  # (N, kept)
-            # EAGLE-3 skips targets its draft vocabulary cannot express; EAGLE-1's kept rows span all of q.
-            in_vocab = self.net.t2d[q_arg] if targets is not None else torch.ones_like(q_arg, dtype=torch.bool)
-            ce, draft = soft_target_ce(p_logits, q, at)  # (N,) each: -sum q log p in fp32, and p's argmax
-            ce = self.global_mean((ce * in_vocab).sum(), in_vocab.sum())
-            step_loss = ce
-            if targets is None:
-                reg = self.global_mean(F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float(), reduction="sum"),
-                                       h.numel())
-                step_loss = self.hparams.feature_weight * reg + self.hparams.ce_weight * ce
-            losses.append(step_loss if bi.numel() else p_logits.sum() * 0.0)
-            hit[bi, ti] = (self.net.draft_to_target(draft) if rows is None else self.head_ids[draft]) == q_arg
+                with torch.no_grad():
+                    if targets is None:  # EAGLE-1: q over the full vocabulary, at this step's positions only
+                        q_logits = lm_head(final[bi, ti + j + 1]).float()  # (N, V)
+                        q_arg = q_logits.argmax(-1)  # (N,) M_q's greedy token
+                        q = (q_logits if rows is None else q_logits[:, self.head_ids]).softmax(-1)  # (N, V or kept)
+                        at = None
+                    else:  # EAGLE-3: q computed once per batch; this step's rows of it, read by the loss by chunks
+                        at = targets["row"][bi, ti + j + 1]
+                        q_arg, q = targets["arg"][at], targets["q"]  # (N,), (M, V_draft)
+                if rows is None:
+                    p_logits = self.net.logits(h, lm_head)  # (N, V or V_draft)
+                else:
+                    p_logits = F.linear(h.to(rows.dtype), rows)  # (N, kept)
+                # EAGLE-3 skips targets its draft vocabulary cannot express; EAGLE-1's kept rows span all of q.
+                keep = self.net.t2d[q_arg] if targets is not None else None
+                # (N,) each: the loss in fp32 (kl: -sum q log p), p's argmax, alpha = sum min(p, q)
+                per_row, draft, a = chunked_loss(p_logits, q, at, loss=hp.get("loss", "kl"),
+                                                 eta=hp.get("lk_eta", 3.0), want_alpha=want_alpha)
+                if targets is None and hp.feature_weight:
+                    reg = F.smooth_l1_loss(h.float(), final[bi, ti + j + 1].float(), reduction="sum")
+                zero = p_logits.sum() * 0.0
+                hit[bi, ti] = (self.net.draft_to_target(draft) if rows is None else self.head_ids[draft]) == q_arg
+            if a.numel():
+                alpha[bi, ti] = a.float()
+            terms.append((per_row, keep, reg, h.numel(), bi, ti, zero))
+            alphas.append(alpha)
             correct.append(hit)
             valid_at.append(valid)
             if train:  # ranks and confidences are validation's (a full-vocabulary pass each)
@@ -235,10 +257,38 @@ class EagleModule(DrafterModule):
             conf = torch.zeros(valid.shape, device=valid.device)
             conf[bi, ti] = p32.softmax(-1).amax(-1)
             confs.append(conf)
+        valid_all, alpha_all = torch.stack(valid_at), torch.stack(alphas)
+        weights = self.slot_weights(alpha_all, valid_all)  # (S, B, n) or None: step_decay^j per step
+        losses = []
+        for j, (per_row, keep, reg, size, bi, ti, zero) in enumerate(terms):
+            w = per_row if weights is None else per_row * weights[j][bi, ti]
+            if keep is not None:
+                w = w * keep
+            # the same means, in the same order, on every rank (DDP), targets at this step or none
+            ce = self.global_mean(w.sum(), per_row.numel() if keep is None else keep.sum())
+            step_loss = ce
+            if targets is None:
+                if reg is None:
+                    reg = per_row.sum() * 0.0
+                reg = self.global_mean(reg, size)
+                step_loss = hp.feature_weight * reg + hp.ce_weight * ce
+            losses.append(step_loss if bi.numel() or zero is None else zero)
         # (S, B, n) each; rank (validation): 0 = M_q's argmax is the draft's top-1, vocab_size = invalid or outside
-        # the draft vocabulary
-        out = {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at)}
+        # the draft vocabulary; alpha: each step's sum_v min(p_v, q_v) (zeros in training unless reads_alpha)
+        out = {"losses": losses, "correct": torch.stack(correct), "valid": valid_all, "alpha": alpha_all}
         return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
+
+    # -- per-slot loss weights (block drafters: train/dflash.py) -----------------------------------------------------
+    reads_alpha = False  # True: training needs each step's alpha (slot_weights reads it)
+
+    def slot_weights(self, alpha: Tensor, valid: Tensor) -> Tensor | None:
+        """Per-step, per-position loss weights (S, B, n) from the steps' detached acceptance probabilities `alpha` and
+        `valid` targets (S, B, n); None: each step's mean weighs step_weight(j) (EAGLE's step_decay^j)."""
+        return None
+
+    def step_weight(self, j: int) -> float:
+        """Unrolled step j's weight in the training loss."""
+        return self.hparams.step_decay**j
 
     def unrolled(self, feats: Tensor, ids: Tensor, attn: Tensor, loss_mask: Tensor, embed: torch.nn.Module,
                  steps: int, train: bool):
@@ -272,7 +322,7 @@ class EagleModule(DrafterModule):
 
     def _loss(self, losses: list[Tensor]) -> Tensor:
         steps = self.hparams.ttt_steps
-        return sum(self.hparams.step_decay**j * loss for j, loss in enumerate(losses[:steps]))
+        return sum(self.step_weight(j) * loss for j, loss in enumerate(losses[:steps]))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         res = self.model_step(batch, self.hparams.ttt_steps, train=True)
@@ -294,7 +344,7 @@ class EagleModule(DrafterModule):
         steps = max(self.hparams.ttt_steps, self.hparams.val_steps)
         res = self.model_step(batch, steps, train=False)
         self.log("val/loss", self._loss(res["losses"]), prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        stats = validation_tallies(res["correct"], res["valid"], res["rank"])
+        stats = validation_tallies(res["correct"], res["valid"], res["rank"], alpha=res.get("alpha"))
         for key, val in stats.items():
             self._val[key] = self._val.get(key, 0) + val
 
@@ -307,6 +357,8 @@ class EagleModule(DrafterModule):
         for j, a in enumerate(summary["val_step_top1"]):
             self.log(f"val/step{j}_top1", a)
         self.log("val/estimated_tau", summary["estimated_tau"], prog_bar=True)
+        if "expected_accepted_length" in summary:
+            self.log("val/expected_accepted_length", summary["expected_accepted_length"], prog_bar=True)
         if not self.trainer.sanity_checking:
             self.val_summary = summary
 

@@ -27,20 +27,22 @@ class PEagleModule(EagleModule):
         parallel_tokens: K, the tokens one drafter forward drafts (vLLM's speculative tokens for the export).
         cod_ratio, cod_min_ratio: depth d trains a share max(ratio^d, min_ratio) of the chains (COD sampling).
         max_anchors: at most this many chains per sequence at depth 1 (bounds a step's mask slots).
+        loss, lk_eta: the loss per depth (train/losses.py), as EagleModule's.
     """
 
     def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, parallel_tokens: int = 4,
                  cod_ratio: float = 0.7, cod_min_ratio: float = 0.2, max_anchors: int | None = 256,
                  step_decay: float = 1.0, draft_vocab_size: int | None = None,
-                 aux_layer_ids: list[int] | None = None, warmup_ratio: float = 0.05, fc_norm: bool = False) -> None:
+                 aux_layer_ids: list[int] | None = None, warmup_ratio: float = 0.05, fc_norm: bool = False,
+                 loss: str = "kl", lk_eta: float = 3.0) -> None:
         for name, value in (("cod_ratio", cod_ratio), ("cod_min_ratio", cod_min_ratio)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise UserError(f"model.{name}={value!r}: give a share in (0, 1] (defaults 0.7 and 0.2).")
         net = build_peagle(verifier, mask_token_id, parallel_tokens, draft_vocab_size, aux_layer_ids, fc_norm)
         super().__init__(verifier, optimizer, scheduler, kind="eagle3", ttt_steps=parallel_tokens,
                          val_steps=parallel_tokens, step_decay=step_decay, draft_vocab_size=draft_vocab_size,
-                         aux_layer_ids=aux_layer_ids, warmup_ratio=warmup_ratio, net=net)
+                         aux_layer_ids=aux_layer_ids, warmup_ratio=warmup_ratio, net=net, loss=loss, lk_eta=lk_eta)
         self.hparams.update(mask_token_id=mask_token_id, parallel_tokens=parallel_tokens, cod_ratio=cod_ratio,
                             cod_min_ratio=cod_min_ratio, max_anchors=max_anchors, fc_norm=fc_norm)
 
