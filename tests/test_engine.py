@@ -264,12 +264,13 @@ def test_errors_name_the_size_and_the_fix(tiny):
 
 
 def test_refuses_a_verifier_whose_block_it_does_not_run():
-    from transformers import Qwen3Config, Qwen3ForCausalLM  # q/k norms inside attention: not the Llama block
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # a mixture of experts: not in eval.engine.arch
 
-    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    with pytest.raises(UserError, match="model_type='qwen3'"):
-        engine.new_cache(Qwen3ForCausalLM(config), 8)
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32,
+                            num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(UserError, match="model_type='qwen3_moe'"):
+        engine.new_cache(Qwen3MoeForCausalLM(config), 8)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's prepacked linear needs mkldnn")

@@ -22,6 +22,7 @@ from torch import Tensor
 from eval.engine import forward as fast
 from eval.engine import hf_forward as kv
 from eval.engine.accept import greedy_accept, mean_accept_length, per_position_acceptance
+from eval.engine.arch import fallback_note, supported
 from eval.engine.protocol import Draft, Drafter
 from eval.engine.sampling import SamplingConfig, check_draft_p, sample_accept, typical_accept, warp
 from eval.engine.tree import Tree, TreeBuffers, tree_buffers, truncate
@@ -116,7 +117,8 @@ def use_engine(verifier: Verifier, engine: str = "auto") -> bool:
         return engine == "engine"
     model = verifier.model
     dtype = model.get_input_embeddings().weight.dtype
-    if getattr(model.config, "model_type", None) not in fast.SUPPORTED:
+    if not supported(model.config):
+        fallback_note(model.config)  # names the architecture, once
         return False
     return not (dtype == torch.float32 and verifier.device.type == "cpu")
 
@@ -160,7 +162,8 @@ def engine_of(model: torch.nn.Module) -> fast.Engine:
     return hit[1]
 
 
-def _check_inputs(verifier: Verifier, input_ids: Tensor, max_new_tokens: int, tree_nodes: int) -> None:
+def _check_inputs(verifier: Verifier, input_ids: Tensor, max_new_tokens: int, tree_nodes: int,
+                  engine: str = "auto") -> None:
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise UserError(f"input_ids must be (batch, length) with length >= 1; got shape {tuple(input_ids.shape)}.")
     if input_ids.shape[0] != 1:
@@ -169,7 +172,7 @@ def _check_inputs(verifier: Verifier, input_ids: Tensor, max_new_tokens: int, tr
         )
     if max_new_tokens < 0:
         raise UserError(f"max_new_tokens={max_new_tokens} must be >= 0.")
-    kv.check_model(verifier.model, input_ids.shape[1] + max_new_tokens + tree_nodes)
+    kv.check_model(verifier.model, input_ids.shape[1] + max_new_tokens + tree_nodes, use_engine(verifier, engine))
 
 
 def _result(
@@ -217,7 +220,7 @@ def sample_decode(
     (no config, or temperature 0), else a draw from the warped verifier -- the baseline each speculative mode is
     compared with (same output law, so speed is the only difference)."""
     sampling = _sampled(sampling)
-    _check_inputs(verifier, input_ids, max_new_tokens, 1)
+    _check_inputs(verifier, input_ids, max_new_tokens, 1, engine)
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     cache, forwards, lengths = _Verify(verifier, engine, input_ids.shape[1] + max_new_tokens, 1, 0), 0, []
     token = input_ids
@@ -254,7 +257,7 @@ def speculative_decode(
     `sampling.typical`, Medusa's typical acceptance instead: lossy. Fewer verifier forwards when the drafts are good.
     generator: the random source of the acceptance rule and the first token (the drafter has its own)."""
     sampling = _sampled(sampling)
-    _check_inputs(verifier, input_ids, max_new_tokens, drafter.max_nodes)
+    _check_inputs(verifier, input_ids, max_new_tokens, drafter.max_nodes, engine)
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     length = input_ids.shape[1] + max_new_tokens
     cache, lengths = _Verify(verifier, engine, length, drafter.max_nodes, drafter.max_depth), []

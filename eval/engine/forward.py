@@ -36,12 +36,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.activations import ACT2FN
 
+from eval.engine.arch import SUPPORTED as ARCH_SUPPORTED
+from eval.engine.arch import describe
 from eval.engine.hf_forward import ForwardOutput
 from models.packed import Linear, can_pack
 from runtime.errors import UserError
 
-SUPPORTED = ("llama", "mistral", "qwen2")  # same block as Llama; Qwen2 adds q/k/v biases
+SUPPORTED = ARCH_SUPPORTED  # model types the engine runs (eval.engine.arch); others decode through hf_forward
 WINDOW = 16  # the most recent keys of each token are attended in path order (trees up to this deep)
 KEY_BLOCK = 64  # the cache length is rounded up to this: softmax over keys never has a tail to handle
 _PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 40, 64, 65, 96)  # row counts each probe runs
@@ -168,18 +171,14 @@ def packed_head(lm_head: nn.Module) -> nn.Module | Linear:
 
 
 class Engine:
-    """The verifier's weights, read from an HF Llama-family model, as `Linear`s (prepacked copies in bf16 on CPU;
-    q/k/v and gate/up fused). `pack=False` keeps F.linear on the model's own tensors."""
+    """The verifier's weights, read from an HF decoder the architecture description runs (eval.engine.arch), as
+    `Linear`s (prepacked copies in bf16 on CPU; q/k/v and gate/up fused). `pack=False` keeps F.linear on the model's
+    own tensors."""
 
     def __init__(self, model: nn.Module, pack: bool = True) -> None:
         cfg = model.config
         decoder = model.get_decoder()
-        if getattr(cfg, "model_type", None) not in SUPPORTED:
-            raise UserError(
-                f"eval.engine.forward runs Llama-family verifiers ({', '.join(SUPPORTED)}: q/k/v/o, gate/up/down, "
-                f"RMSNorm, rotary); got model_type={getattr(cfg, 'model_type', None)!r}. Use the Hugging Face path "
-                f"(eval.engine.hf_forward)."
-            )
+        self.arch = arch = describe(cfg)  # Unsupported (a UserError naming the architecture) if the engine lacks it
         self.model = model
         self.dtype = model.get_input_embeddings().weight.dtype
         self.num_layers = int(cfg.num_hidden_layers)
@@ -187,29 +186,45 @@ class Engine:
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         self.eps = float(cfg.rms_norm_eps)
-        self.scale = self.head_dim**-0.5
+        self.scale = arch.scale
+        self.act = ACT2FN[arch.act]
         self.embed = model.get_input_embeddings().weight
+        # Gemma scales the embeddings in the model dtype (sqrt(hidden) rounded to it), as its embedding module does.
+        self.embed_scale = None if arch.embed_scale is None else torch.tensor(arch.embed_scale).to(self.dtype)
         self.pack = pack and can_pack(self.embed)
         self.norm = decoder.norm.weight
         self.rotary = decoder.rotary_emb
+        self.rope_kinds = list(dict.fromkeys(arch.rope_kinds))  # the rotary tables, one per kind (StaticCache.rot_*)
         self.layers = []
         with torch.no_grad():
             head = model.get_output_embeddings()
             self.lm_head = packed_head(head) if self.pack else Linear(head.weight.detach(), None, False)
-            for layer in decoder.layers:
+            for i, layer in enumerate(decoder.layers):
                 att, mlp = layer.self_attn, layer.mlp
-                qkv = [att.q_proj, att.k_proj, att.v_proj]
+                if arch.fused:
+                    qkv_w, qkv_b = att.qkv_proj.weight.detach(), att.qkv_proj.bias
+                    gate_up_w = mlp.gate_up_proj.weight.detach()
+                else:
+                    qkv = [att.q_proj, att.k_proj, att.v_proj]
+                    qkv_w = torch.cat([p.weight for p in qkv])
+                    qkv_b = torch.cat([p.bias for p in qkv]) if qkv[0].bias is not None else None
+                    gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                # Llama's post_attention_layernorm is the MLP's input norm; in Gemma's sandwich it normalises
+                # attention's output, and pre_feedforward_layernorm is the MLP's input norm.
+                ln2 = layer.pre_feedforward_layernorm if arch.sandwich else layer.post_attention_layernorm
                 self.layers.append(
                     dict(
                         ln1=layer.input_layernorm.weight,
-                        ln2=layer.post_attention_layernorm.weight,
-                        qkv=Linear(
-                            torch.cat([p.weight for p in qkv]),
-                            torch.cat([p.bias for p in qkv]) if qkv[0].bias is not None else None,
-                            self.pack,
-                        ),
+                        ln2=ln2.weight,
+                        post_attn=layer.post_attention_layernorm.weight if arch.sandwich else None,
+                        post_mlp=layer.post_feedforward_layernorm.weight if arch.sandwich else None,
+                        q_norm=att.q_norm.weight if arch.qk_norm else None,
+                        k_norm=att.k_norm.weight if arch.qk_norm else None,
+                        window=arch.windows[i],
+                        rope=self.rope_kinds.index(arch.rope_kinds[i]),
+                        qkv=Linear(qkv_w, qkv_b, self.pack),
                         o=Linear(att.o_proj.weight.detach(), att.o_proj.bias, self.pack),
-                        gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, self.pack),
+                        gate_up=Linear(gate_up_w, None, self.pack),
                         down=Linear(mlp.down_proj.weight.detach(), None, self.pack),
                     )
                 )
@@ -326,15 +341,20 @@ def _cache_tensors(engine: Engine, length: int, batch_size: int = 1) -> tuple[Te
     device = engine.embed.device
     hq, hkv, dh = engine.num_heads, engine.num_kv_heads, engine.head_dim
     positions = torch.arange(length, device=device)[None]  # (1, L)
-    cos, sin = engine.rotary(torch.zeros(1, device=device, dtype=torch.float32), positions)  # (1, L, Dh) fp32
-    cos, sin = cos[0].float(), sin[0].float()
+    x = torch.zeros(1, device=device, dtype=torch.float32)
     half = dh // 2
-    sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate_half(x) * sin == swap_halves(x) * signed sin
     heads = lambda q, k, v: torch.stack([q] * hq + [k] * hkv + [v] * hkv, dim=1)  # (L, Hq + 2 Hkv, Dh)
+    cos_tables, sin_tables = [], []
+    for kind in engine.rope_kinds:  # one table per rotary kind (Gemma 3: local and global theta)
+        cos, sin = engine.rotary(x, positions) if kind is None else engine.rotary(x, positions, kind)  # (1, L, Dh)
+        cos, sin = cos[0].float(), sin[0].float()
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate_half(x) * sin == swap_halves(x) * signed sin
+        cos_tables.append(heads(cos * engine.scale, cos, torch.ones_like(cos)))
+        sin_tables.append(heads(sin * engine.scale, sin, torch.zeros_like(sin)))
     return (
         torch.zeros(engine.num_layers, batch_size, 2 * hkv, length, dh, device=device),
-        heads(cos * engine.scale, cos, torch.ones_like(cos)),
-        heads(sin * engine.scale, sin, torch.zeros_like(sin)),
+        torch.stack(cos_tables),  # (R, L, Hq + 2 Hkv, Dh)
+        torch.stack(sin_tables),
     )
 
 
@@ -342,9 +362,47 @@ def cache_length(cache: StaticCache) -> int:
     return cache.length
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # As HF's LlamaRMSNorm: statistics in fp32, cast back, then scale.
+def _rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    # As HF's LlamaRMSNorm: statistics in fp32, cast back, then scale; Gemma's (offset 1): scaled by 1 + w in fp32,
+    # then cast.
+    if offset:
+        return (F.rms_norm(x.float(), weight.shape, eps=eps) * (offset + weight.float())).to(x.dtype)
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+def _softcap(x: Tensor, cap: float | None) -> Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def _qkv(e: Engine, w: dict, x: Tensor, cos: Tensor, sin: Tensor, dense: bool = False) -> Tensor:
+    """The layer's fused q/k/v of normed input x (B, T, D), per-head q/k norms where the architecture has them, then
+    rotary (and the attention scale on q) in fp32: (B, T, Hq + 2 Hkv, Dh)."""
+    bsz, t = x.shape[:2]
+    hq, hkv = e.num_heads, e.num_kv_heads
+    y = (w["qkv"].dense(x) if dense else w["qkv"](x)).view(bsz, t, hq + 2 * hkv, e.head_dim)
+    if w["q_norm"] is not None:
+        y = torch.cat([_rms_norm(y[:, :, :hq], w["q_norm"], e.eps, e.arch.norm_offset),
+                       _rms_norm(y[:, :, hq : hq + hkv], w["k_norm"], e.eps, e.arch.norm_offset),
+                       y[:, :, hq + hkv :]], dim=2)
+    return _rotate(y.float(), cos, sin)
+
+
+def _residual(e: Engine, w: dict, h: Tensor, att: Tensor, dense: bool = False) -> Tensor:
+    """The rest of a layer after attention's output att (B, T, Hq Dh), in the model dtype: o_proj (and the sandwich
+    norm), then the MLP."""
+    lin = (lambda name, v: w[name].dense(v)) if dense else (lambda name, v: w[name](v))
+    off = e.arch.norm_offset
+    out = lin("o", att)
+    h = h + (out if w["post_attn"] is None else _rms_norm(out, w["post_attn"], e.eps, off))
+    x = _rms_norm(h, w["ln2"], e.eps, off)
+    gate, up = lin("gate_up", x).split(e.intermediate, dim=-1)
+    out = lin("down", e.act(gate) * up)
+    return h + (out if w["post_mlp"] is None else _rms_norm(out, w["post_mlp"], e.eps, off))
+
+
+def _embed(e: Engine, tokens: Tensor) -> Tensor:
+    h = F.embedding(tokens, e.embed)  # (B, T, D)
+    return h if e.embed_scale is None else h * e.embed_scale
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -376,19 +434,20 @@ def _window_slots(prefix: int, offsets: Tensor, visible: Tensor, window: int) ->
     return slots, mask
 
 
-def _attend(q: Tensor, kv: Tensor, far_len: int, far_mask: Tensor, flat_slots: Tensor, near_mask: Tensor) -> Tensor:
+def _attend(q: Tensor, kv: Tensor, far_len: int, far_mask: Tensor, flat_slots: Tensor, near_mask: Tensor,
+            softcap: float | None = None) -> Tensor:
     """fp32 attention of q (B, Hkv, G Tp, Dh), query heads grouped by kv head, over the far keys (cache slots
     0..far_len-1, `far_mask` (Tp, far_len) hiding those a row does not see) and each row's W near keys (cache slots
-    `flat_slots` (Tp W,), `near_mask` (Tp, W)); kv (B, 2 Hkv, L, Dh) holds keys, then values. Returns
-    (B, Hkv, G, Tp, Dh) fp32."""
+    `flat_slots` (Tp W,), `near_mask` (Tp, W)); kv (B, 2 Hkv, L, Dh) holds keys, then values; scores soft-capped
+    by `softcap` where the architecture sets it (elementwise, so batch-invariant). Returns (B, Hkv, G, Tp, Dh) fp32."""
     bsz, hkv, window = q.shape[0], kv.shape[1] // 2, near_mask.shape[1]
     tp, dh = near_mask.shape[0], q.shape[-1]
     group = q.shape[2] // tp
     kc, vc = kv[:, :hkv, :far_len], kv[:, hkv:, :far_len]
     far = torch.matmul(q, kc.transpose(-1, -2))  # (B, Hkv, G Tp, Lf)
-    far = far.view(bsz, hkv, group, tp, -1) + far_mask
+    far = _softcap(far.view(bsz, hkv, group, tp, -1), softcap) + far_mask
     kn, vn = kv.index_select(2, flat_slots).view(bsz, 2, hkv, 1, tp, window, dh).unbind(1)
-    near = (q.view(bsz, hkv, group, tp, 1, dh) * kn).sum(-1) + near_mask  # (B, Hkv, G, Tp, W)
+    near = _softcap((q.view(bsz, hkv, group, tp, 1, dh) * kn).sum(-1), softcap) + near_mask  # (B, Hkv, G, Tp, W)
     probs = torch.softmax(torch.cat([far, near], dim=-1), dim=-1)
     p_far, p_near = probs.split([far_len, window], dim=-1)
     # Values: one product per 64-key block, the blocks then summed in order (cumsum is a sequential scan), so blocks
@@ -457,26 +516,35 @@ def _prefill(cache: StaticCache, tokens: Tensor, wanted: list[int] | None, last_
     e = cache.engine
     bsz, t = tokens.shape
     hq, hkv, dh = e.num_heads, e.num_kv_heads, e.head_dim
-    cos, sin = cache.rot_cos[:t], cache.rot_sin[:t]  # (T, Hq + 2 Hkv, Dh); the q rows carry the attention scale
+    cos, sin = cache.rot_cos[:, :t], cache.rot_sin[:, :t]  # (R, T, Hq + 2 Hkv, Dh); q rows carry the scale
     kept: dict[int, Tensor] = {}
-    h = F.embedding(tokens, e.embed)  # (B, T, D)
+    h = _embed(e, tokens)  # (B, T, D)
+    off, cap = e.arch.norm_offset, e.arch.attn_softcap
+    ahead = torch.arange(t, device=tokens.device)
+    distance = ahead[:, None] - ahead[None]  # (T, T): query minus key position
     for i, w in enumerate(e.layers):
         if wanted is not None and i in wanted:
             kept[i] = h
-        x = _rms_norm(h, w["ln1"], e.eps)
-        qkv = _rotate(w["qkv"].dense(x).float().view(bsz, t, hq + 2 * hkv, dh), cos, sin)  # (B, T, Hq + 2 Hkv, Dh)
+        x = _rms_norm(h, w["ln1"], e.eps, off)
+        qkv = _qkv(e, w, x, cos[w["rope"]], sin[w["rope"]], dense=True)  # (B, T, Hq + 2 Hkv, Dh)
         kv = cache.kv[i]  # (B, 2 Hkv, L, Dh)
         kv[:, :, :t] = qkv[:, :, hq:].transpose(1, 2)
         q = qkv[:, :, :hq].transpose(1, 2)  # (B, Hq, T, Dh)
-        att = F.scaled_dot_product_attention(q, kv[:, :hkv, :t], kv[:, hkv:, :t], is_causal=True, scale=1.0,
-                                             enable_gqa=hq != hkv)  # (B, Hq, T, Dh) fp32
-        h = h + w["o"].dense(att.transpose(1, 2).reshape(bsz, t, hq * dh).to(e.dtype))
-        x = _rms_norm(h, w["ln2"], e.eps)
-        gate, up = w["gate_up"].dense(x).split(e.intermediate, dim=-1)
-        h = h + w["down"].dense(F.silu(gate) * up)
-    h = _rms_norm(h, e.norm, e.eps)
+        k, v = kv[:, :hkv, :t], kv[:, hkv:, :t]
+        if cap is not None or w["window"] is not None:  # soft-capping or a window: scores by hand, same fp32 math
+            group = hq // hkv
+            scores = _softcap(torch.matmul(q, k.repeat_interleave(group, 1).transpose(-1, -2)), cap)  # (B, Hq, T, T)
+            seen = (distance >= 0) & (distance < (w["window"] or t + 1))
+            att = torch.matmul(torch.softmax(scores.masked_fill(~seen, float("-inf")), -1),
+                               v.repeat_interleave(group, 1))  # (B, Hq, T, Dh)
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0,
+                                                 enable_gqa=hq != hkv)  # (B, Hq, T, Dh) fp32
+        h = _residual(e, w, h, att.transpose(1, 2).reshape(bsz, t, hq * dh).to(e.dtype), dense=True)
+    h = _rms_norm(h, e.norm, e.eps, off)
     head = h[:, -1:] if last_logits else h
     logits = e.lm_head.dense(head) if isinstance(e.lm_head, Linear) else e.lm_head(head)  # (B, 1 or T, V)
+    logits = _softcap(logits, e.arch.final_softcap)
     cache.length = t
     if wanted is None:
         return ForwardOutput(logits=logits, hidden=h)
@@ -542,7 +610,7 @@ def forward(
         visible = torch.cat([visible, visible[-1:].expand(pad, t)], dim=0)
     tp = t + pad
     pos = prefix + offsets  # (Tp,)
-    cos, sin = cache.rot_cos[pos], cache.rot_sin[pos]  # (Tp, Hq + 2 Hkv, Dh)
+    cos, sin = cache.rot_cos[:, pos], cache.rot_sin[:, pos]  # (R, Tp, Hq + 2 Hkv, Dh)
     # 2. Which keys a token sees, split by its own position t only, so that the split is the same whatever forward
     #    computes it: far keys (positions < t - W + 1, always committed, each in its own slot) attended with a mask,
     #    up to the last 64-slot block any row reaches (`far_len`; the whole cache unless cache.trim_keys, i.e. unless
@@ -553,27 +621,33 @@ def forward(
     far_mask = torch.zeros(tp, far_len, device=dev)
     far_mask.masked_fill_(torch.arange(far_len, device=dev)[None] > (pos - WINDOW)[:, None], float("-inf"))
     flat_slots = slots.flatten()
+    # A sliding window (a token sees keys at distance < S) hides more far keys and, when S < W, the oldest near
+    # ones: both by the token's own position only, so still batch-invariant.
+    masks = {None: (far_mask, near_mask)}
+    for s in {w["window"] for w in e.layers} - {None}:
+        far_s = far_mask.masked_fill(torch.arange(far_len, device=dev)[None] <= (pos - s)[:, None], float("-inf"))
+        near_s = near_mask.clone()
+        near_s[:, : max(WINDOW - s, 0)] = float("-inf")
+        masks[s] = (far_s, near_s)
 
     kept: dict[int, Tensor] = {}
-    h, hq, hkv, dh = F.embedding(tokens, e.embed), e.num_heads, e.num_kv_heads, e.head_dim  # h: (B, Tp, D)
+    h, hq, hkv, dh = _embed(e, tokens), e.num_heads, e.num_kv_heads, e.head_dim  # h: (B, Tp, D)
     group = hq // hkv
     for i, w in enumerate(e.layers):
         if wanted is not None and i in wanted:
             kept[i] = h[:, :t]
         # 3. Attention, fp32. One rotation pass over fused q/k/v: rotary on k, rotary and the scale on q, v as is.
-        x = _rms_norm(h, w["ln1"], e.eps)
-        qkv = _rotate(w["qkv"](x).float().view(bsz, tp, hq + 2 * hkv, dh), cos, sin)  # (B, Tp, Hq + 2 Hkv, Dh)
+        x = _rms_norm(h, w["ln1"], e.eps, e.arch.norm_offset)
+        qkv = _qkv(e, w, x, cos[w["rope"]], sin[w["rope"]])  # (B, Tp, Hq + 2 Hkv, Dh)
         kv = cache.kv[i]  # (B, 2 Hkv, L, Dh): keys, then values
         kv[:, :, prefix : prefix + t] = qkv[:, :t, hq:].transpose(1, 2)
         q = qkv[:, :, :hq].transpose(1, 2).reshape(bsz, hkv, group * tp, dh)  # query heads sharing a kv head (GQA)
-        att = _attend(q, kv, far_len, far_mask, flat_slots, near_mask).to(e.dtype)  # (B, Hkv, G, Tp, Dh)
-        h = h + w["o"](att.view(bsz, hq, tp, dh).transpose(1, 2).reshape(bsz, tp, hq * dh))
-        # 4. MLP.
-        x = _rms_norm(h, w["ln2"], e.eps)
-        gate, up = w["gate_up"](x).split(e.intermediate, dim=-1)
-        h = h + w["down"](F.silu(gate) * up)
-    h = _rms_norm(h, e.norm, e.eps)
-    logits = e.lm_head(h)[:, :t]  # (B, T, V)
+        far_w, near_w = masks[w["window"]]
+        att = _attend(q, kv, far_len, far_w, flat_slots, near_w, e.arch.attn_softcap).to(e.dtype)  # (B,Hkv,G,Tp,Dh)
+        # 4. o_proj and the MLP (with Gemma's sandwich norms).
+        h = _residual(e, w, h, att.view(bsz, hq, tp, dh).transpose(1, 2).reshape(bsz, tp, hq * dh))
+    h = _rms_norm(h, e.norm, e.eps, e.arch.norm_offset)
+    logits = _softcap(e.lm_head(h)[:, :t], e.arch.final_softcap)  # (B, T, V)
     if tree_mask is None:
         cache.length = prefix + t
     if wanted is None:

@@ -47,8 +47,9 @@ def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
 
-def check_model(model: nn.Module, max_length: int) -> None:
-    """Refuse verifiers whose attention cannot take our tree mask, or whose sliding window would be ignored."""
+def check_model(model: nn.Module, max_length: int, engine: bool = False) -> None:
+    """Refuse verifiers whose attention cannot take our tree mask, or whose sliding window would be ignored (on this
+    path; `engine`: the decode runs eval.engine.forward, which applies each layer's window itself)."""
     config = model.config
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in CUSTOM_MASK_ATTENTION:
@@ -59,11 +60,12 @@ def check_model(model: nn.Module, max_length: int) -> None:
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
     sliding = "sliding_attention" in layer_types or (not layer_types and getattr(config, "use_sliding_window", True))
-    if sliding and window and max_length > window:
+    if sliding and window and max_length > window and not engine:
         raise UserError(
             f"The verifier has a sliding attention window of {window} tokens and this run needs up to {max_length}; "
             f"tree masks here are full attention, so the result would differ from the model. Shorten the prompt or "
-            f"max_new_tokens to fit in {window} tokens."
+            f"max_new_tokens to fit in {window} tokens, or decode through the exact engine (engine=engine) where it "
+            f"runs this architecture (eval.engine.arch)."
         )
 
 
