@@ -6,8 +6,12 @@ the input ids, as it will at decode time; the verifier's next-token distribution
 its final-normed last hidden state through lm_head (one frozen forward, or offline mode's cache).
 
 Loss = KL(q || p) = sum_x q(x) (log q(x) - log p(x)), averaged over positions t whose next token t+1 is an assistant
-token. Logged: train/loss (that KL), train/top1 (argmax p == argmax q), val/kl and val/top1 over the held-out
-sequences (token-weighted). Export: a plain HF checkpoint with the verifier fingerprint (models.draft_model).
+token; `model.loss` picks another acceptance loss (train/losses.py: kl, rkl, jsd, ce, tv, nla, lk_hybrid), computed
+fused and chunked. Logged: train/loss, train/top1 (argmax p == argmax q), val/kl and val/top1 over the held-out
+sequences (token-weighted), and val/expected_accepted_length: 1 + sum_{k=1..val_steps} prod_{j<k} alpha_{t+j},
+alpha = sum_v min(p_v, q_v) at the positions after t, teacher-forced on the data's continuation (the verifier's own
+tokens, as accepted drafts are distributed), over positions t with a target. Export: a plain HF checkpoint with the
+verifier fingerprint (models.draft_model).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from torch import Tensor, nn
 from data.hidden_cache import gather_layers
 from models.draft_model import save_draft_model, truncate
 from models.verifier import Verifier
-from runtime.errors import NonFiniteLossError
+from runtime.errors import NonFiniteLossError, UserError
 from train.base import DrafterModule
 from train.export import data_record
+from train.losses import chain_acceptance, check_eta, check_loss, chunked_loss
 from train.memory import layer_activations
 from train.safety import last_good_advice
 
@@ -51,6 +56,9 @@ class DraftModelModule(DrafterModule):
         scheduler: partial LR schedule taking (optimizer, num_warmup_steps, num_training_steps), or None.
         warmup_ratio: fraction of the optimisation steps spent in linear warmup.
         num_layers: k, the verifier layers the draft keeps (its first k).
+        loss: what training minimises between p and q (train/losses.py); kl by default.
+        lk_eta: lk_hybrid's eta.
+        val_steps: the chain depth validation's expected accepted length counts (drafts per round).
     """
 
     hidden_layers = [-1]  # verifier hidden states training reads: the final-normed last layer (the lm_head input)
@@ -66,8 +74,16 @@ class DraftModelModule(DrafterModule):
         scheduler: Callable[..., Any] | None = None,
         warmup_ratio: float = 0.05,
         num_layers: int = 4,
+        loss: str = "kl",
+        lk_eta: float = 3.0,
+        val_steps: int = 5,
     ) -> None:
         super().__init__()
+        check_loss(loss)
+        check_eta(lk_eta)
+        if isinstance(val_steps, bool) or not isinstance(val_steps, int) or val_steps < 1:
+            raise UserError(f"model.val_steps={val_steps!r}: the chain depth validation counts must be a whole "
+                            f"number >= 1 (default 5).")
         # Plain values only: checkpoints must load with torch.load(weights_only=True) when resuming.
         self.save_hyperparameters(ignore=["verifier", "optimizer", "scheduler"], logger=False)
         self.verifier = verifier
@@ -95,8 +111,9 @@ class DraftModelModule(DrafterModule):
         lm_head = self.draft.lm_head
         return lm_head(hidden[valid].to(lm_head.weight.dtype))
 
-    def model_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns (mean KL, KL summed over positions, agreements summed), the sums for token-weighted validation."""
+    def model_step(self, batch: dict[str, Tensor], train: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Returns (mean loss, KL summed over positions, agreements summed, the expected accepted length summed over
+        positions (validation; 0 in training)), the sums for token-weighted validation."""
         if self.verifier.device != self.device:
             self.verifier.to(self.device)
         valid = next_token_positions(batch["loss_mask"])
@@ -104,12 +121,24 @@ class DraftModelModule(DrafterModule):
             hidden = gather_layers(batch, self.hidden_layers, self.verifier, [-1])[-1]  # (B, T, D)
             q_logits = self.verifier.lm_head(hidden[valid])  # (N, V)
         p_logits = self.draft_logits(batch, valid)  # (N, V)
-        kl, agree = kl_and_agreement(q_logits, p_logits)
-        loss = kl.mean() if kl.numel() else p_logits.sum() * 0.0
-        return loss, kl.detach().sum(), agree.float().sum()
+        hp = self.hparams
+        per_row, p_arg, alpha = chunked_loss(p_logits, q_logits.float().softmax(-1), loss=hp.get("loss", "kl"),
+                                             eta=hp.get("lk_eta", 3.0), want_alpha=not train)
+        loss = per_row.mean() if per_row.numel() else p_logits.sum() * 0.0
+        kl, agree = per_row.detach(), q_logits.argmax(-1) == p_arg  # (validation recomputes the exact KL below)
+        expected = per_row.new_zeros(())
+        if not train:
+            with torch.no_grad():
+                kl, agree = kl_and_agreement(q_logits, p_logits.detach())
+                grid = torch.zeros(valid.shape, device=alpha.device)
+                grid[valid] = alpha.float()
+                depth = int(hp.get("val_steps", 5))
+                windows = F.pad(grid, (0, depth - 1)).unfold(1, depth, 1)  # (B, T, depth): alpha at t .. t+depth-1
+                expected = (1 + chain_acceptance(windows))[valid].sum()
+        return loss, kl.detach().sum(), agree.float().sum(), expected
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, _, agree = self.model_step(batch)
+        loss, _, agree, _ = self.model_step(batch, train=True)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"training diverged at step {self.global_step}: the training loss is {loss.item()}. "
@@ -122,17 +151,18 @@ class DraftModelModule(DrafterModule):
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        _, kl_sum, agree = self.model_step(batch)
+        _, kl_sum, agree, expected = self.model_step(batch, train=False)
         n = next_token_positions(batch["loss_mask"]).sum().to(kl_sum)
-        sums = torch.stack([kl_sum, agree, n])
+        sums = torch.stack([kl_sum, agree, n, expected.to(kl_sum)])
         self._val = sums if self._val is None else self._val + sums
 
     def on_validation_epoch_end(self) -> None:
         if self._val is None:
             return
-        kl_sum, agree, n = self.trainer.strategy.reduce(self._val, reduce_op="sum").tolist()
+        kl_sum, agree, n, expected = self.trainer.strategy.reduce(self._val, reduce_op="sum").tolist()
         self._val = None
-        metrics = {"val/kl": kl_sum / max(n, 1.0), "val/top1": agree / max(n, 1.0)}
+        metrics = {"val/kl": kl_sum / max(n, 1.0), "val/top1": agree / max(n, 1.0),
+                   "val/expected_accepted_length": expected / max(n, 1.0)}
         for key, value in metrics.items():
             self.log(key, value, prog_bar=True)
         if not self.trainer.sanity_checking:

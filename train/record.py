@@ -7,6 +7,9 @@ epoch's validation). A resumed run reads the file and appends, so the epochs bef
 resumed in the middle is marked `resumed` (its wall time covers only the part after the restart). A fresh run (no
 checkpoint resumed) starts a record of its own: an earlier run's epochs in the file are never merged into it.
 `scripts.tools.convert ship --training` puts the file beside a shipped export.
+
+`BestCheckpoint` keeps `checkpoints/best.ckpt`, the weights of the validation with the best monitored figure
+(conf/train.yaml: the largest `val/expected_accepted_length`), for the families whose validation reports it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 
 def cpu_kind() -> str:
@@ -92,3 +95,18 @@ class TrainingRecord(Callback):
         tmp.write_text(json.dumps(record, indent=2))
         tmp.replace(self.path)
         self._append = True
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint saving after each validation, that stands aside for a module whose validation does not log its
+    `monitor` (Medusa's heads report no expected accepted length): Lightning's own would stop such a run."""
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.monitor not in trainer.callback_metrics:
+            return
+        super().on_validation_end(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.monitor not in trainer.callback_metrics:
+            return
+        super().on_train_epoch_end(trainer, pl_module)
