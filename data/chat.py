@@ -14,6 +14,12 @@ Reasoning blocks inside assistant spans are trained on (`reasoning=train`) or ke
 (`reasoning=mask`, `mask_reasoning`): they are located by their tags in the tokens' text, so this works whether the
 tokenizer has the tags as special tokens or splits them.
 
+A base model has no chat template: with `rendering=plain` (the verifier's setting, models/verifier.py) a
+conversation is plain text the model continues: its messages' contents in order, PLAIN_SEPARATOR between them and
+after the last when the model is to answer (`plain_ids`). Each piece is tokenised on its own and the ids joined (the
+first with the tokenizer's own special tokens, <bos> for Gemma), so a prefix of a conversation renders to a prefix of
+its ids and an answer's mask covers exactly its text. Asking for `chat` of a tokenizer without a template is an error.
+
 Message content is text, never control: a `<|im_start|>system` typed inside a prompt or an answer is tokenised as the
 characters it is, not as the template's control tokens (`encode_rendered`), so it opens no turn and bounds no loss
 mask. A conversation without such text tokenises exactly as the whole rendered text always did.
@@ -89,15 +95,39 @@ def content_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, s
     return spans
 
 
+RENDERINGS = ("chat", "plain")
+PLAIN_SEPARATOR = "\n\n"  # between messages in plain rendering, and before the text the model writes
+
+
+def plain_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
+              add_generation_prompt: bool) -> list[int]:
+    """Token ids of `messages` as plain text (a base model's rendering): the contents joined by PLAIN_SEPARATOR,
+    followed by it when the model answers next. Pieces are tokenised apart, the first with the tokenizer's special
+    tokens (its <bos>), content as text (`split_special_tokens`: a `<eos>` typed in a message is characters)."""
+    ids: list[int] = []
+    texts = [m["content"] if isinstance(m.get("content"), str) else "" for m in messages]
+    pieces = [p for j, t in enumerate(texts)
+              for p in ([PLAIN_SEPARATOR] if j else []) + [t]] + ([PLAIN_SEPARATOR] if add_generation_prompt else [])
+    for j, piece in enumerate(pieces):
+        ids += tokenizer(piece, add_special_tokens=j == 0, split_special_tokens=True)["input_ids"]
+    return ids
+
+
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool,
-           where: str = "conversation") -> list[int]:
-    """Token ids of `messages` through the chat template (no extra special tokens: the template has them). Control
-    tokens written inside a message's content stay text (`encode_rendered`); `where` names the conversation in the
-    error for a template that does not show content verbatim."""
+           where: str = "conversation", rendering: str = "chat") -> list[int]:
+    """Token ids of `messages` through the chat template (no extra special tokens: the template has them), or as
+    plain text with `rendering=plain` (`plain_ids`). Control tokens written inside a message's content stay text
+    (`encode_rendered`); `where` names the conversation in the error for a template that does not show content
+    verbatim."""
+    if rendering == "plain":
+        return plain_ids(tokenizer, messages, add_generation_prompt)
+    if rendering != "chat":
+        raise UserError(f"rendering={rendering!r} is not one of {list(RENDERINGS)}.")
     if tokenizer.chat_template is None:
         raise UserError(
-            f"the verifier's tokenizer ({tokenizer.name_or_path!r}) has no chat template. Use an instruct/chat model "
-            f"or set tokenizer.chat_template before training."
+            f"the verifier's tokenizer ({tokenizer.name_or_path!r}) has no chat template, and chat rendering was "
+            f"asked of it: it is a base model. Render plain text instead (verifier.rendering=plain, what "
+            f"verifier=gemma3 sets), or use an instruct/chat model."
         )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     specials = control_tokens(tokenizer)
@@ -106,9 +136,10 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], a
     return encode_rendered(tokenizer, text, content_spans(tokenizer, messages, add_generation_prompt, text, where))
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
-    """The ids the verifier sees before it answers the last user turn."""
-    return render(tokenizer, messages, add_generation_prompt=True)
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
+               rendering: str = "chat") -> list[int]:
+    """The ids the verifier sees before it answers the last user turn (`rendering`: the verifier's, chat or plain)."""
+    return render(tokenizer, messages, add_generation_prompt=True, rendering=rendering)
 
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -128,21 +159,21 @@ def check_messages(messages: list[dict[str, str]], where: str) -> None:
 
 
 def encode_turns(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int,
-                 where: str = "conversation") -> list[tuple[list[int], list[int]]]:
+                 where: str = "conversation", rendering: str = "chat") -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) rows for a conversation with assistant turns, loss 1 on assistant tokens only: one row
-    when the template renders prefixes as prefixes, else one row per assistant turn (see the module doc). Each row is
-    truncated to max_length."""
+    when the template renders prefixes as prefixes (plain rendering always does), else one row per assistant turn
+    (see the module doc). Each row is truncated to max_length."""
     check_messages(messages, where)
     try:
-        return [encode_conversation(tokenizer, messages, max_length, where)]
+        return [encode_conversation(tokenizer, messages, max_length, where, rendering)]
     except NotPrefixes:
         pass
     rows = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True, where=where)
-        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False, where=where)
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, where=where, rendering=rendering)
+        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False, where=where, rendering=rendering)
         if after[: len(before)] != before:
             raise NotPrefixes(f"the chat template of {tokenizer.name_or_path!r} renders assistant turn {i} of {where} "
                               f"in a way that does not extend the prompt before it, so its tokens cannot be located. "
@@ -197,7 +228,8 @@ class NotPrefixes(UserError):
 
 
 def encode_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int, where: str = "conversation"
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int, where: str = "conversation",
+    rendering: str = "chat",
 ) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) for a full conversation; loss_mask is 1 on assistant tokens only. Truncated to
     max_length."""
@@ -206,8 +238,8 @@ def encode_conversation(
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True, where=where)
-        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False, where=where)
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, where=where, rendering=rendering)
+        after = render(tokenizer, messages[: i + 1], add_generation_prompt=False, where=where, rendering=rendering)
         if after[: len(before)] != before or before[: len(ids)] != ids:
             raise NotPrefixes(
                 f"the chat template of {tokenizer.name_or_path!r} does not render conversation prefixes as prefixes, "

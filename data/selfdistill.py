@@ -3,7 +3,9 @@
 Drafters are trained to predict what the verifier will say, so the best data is the verifier's own output. Answers are
 generated with refill batching (`data.generate`: a row that stops leaves, a queued prompt takes its place), kept as the
 verifier's token ids (no detokenise / retokenise round trip), and cached as a `datasets` Arrow dataset keyed by
-everything that changes them: the verifier fingerprint, the prompts, the chat template and the generation settings.
+everything that changes them: the verifier fingerprint, the prompts, the chat template, the rendering and the generation
+settings. A verifier that renders plain text (a base model: `Verifier.rendering`, data/chat.py) continues each prompt
+as plain text; the loss mask covers that continuation, and the dataset's settings.json records the rendering.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def cache_key(verifier: Verifier, convs: list[Conversation], settings: dict[str,
         "prompts": [(c.id, c.messages) for c in convs],
         "settings": settings,
     }
+    if verifier.rendering != "chat":  # in the key only where it is not the default: chat-rendered caches keep theirs
+        payload["rendering"] = verifier.rendering
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -168,7 +172,7 @@ def build_selfdistill(
     if sum(groups) != len(convs) or any(g < 0 for g in groups):
         raise ValueError(f"groups {groups} do not add up to the {len(convs)} conversations")
     tok = verifier.tokenizer
-    prompts = [prompt_ids(tok, first_turn(c)) for c in convs]
+    prompts = [prompt_ids(tok, first_turn(c), verifier.rendering) for c in convs]
     # A prompt that fills max_length leaves no room for an answer token in its row: it is not answered, its row is
     # dropped (a registry prompt of 47,618 tokens, prefilled in a batch of 48, once took a build past 24 GB).
     too_long = [len(p) >= max_length for p in prompts]
@@ -261,7 +265,7 @@ def build_selfdistill(
     with atomic_dir(path) as tmp:
         ds.save_to_disk(str(tmp))
         (tmp / "settings.json").write_text(json.dumps({"verifier": verifier.source, **settings, "num": len(convs),
-                                                       "groups": groups}))
+                                                       "groups": groups, "rendering": verifier.rendering}))
     return datasets.load_from_disk(str(path))
 
 
@@ -286,7 +290,8 @@ def build_sharegpt(verifier: Verifier, convs: list[Conversation], max_length: in
     row per conversation, or one per assistant turn where the template rewrites earlier turns (data.chat)."""
     rows: dict[str, list] = {"id": [], "category": [], "input_ids": [], "loss_mask": []}
     for conv in convs:
-        turns = encode_turns(verifier.tokenizer, conv.messages, max_length, where=f"conversation {conv.id!r}")
+        turns = encode_turns(verifier.tokenizer, conv.messages, max_length, where=f"conversation {conv.id!r}",
+                             rendering=verifier.rendering)
         for k, (ids, mask) in enumerate(turns):  # one row, or one per assistant turn (reasoning templates)
             rows["id"].append(conv.id if len(turns) == 1 else f"{conv.id}#turn{k + 1}")
             rows["category"].append(conv.category)

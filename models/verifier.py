@@ -457,7 +457,7 @@ def _load_cached(ckpt: Path, dtype: str, device: str, source: dict[str, Any], na
     check_rendering(rendering, tokenizer, name)  # before the weights load
     model = _from_cache(ckpt, lambda c: AutoModelForCausalLM.from_pretrained(
         c, dtype=torch_dtype, trust_remote_code=False, local_files_only=True))
-    if rendering != LOADER_RENDERING[source["loader"]]:  # the export records it, to rebuild the same rendering
+    if rendering != "chat":  # recorded, so an export names it and `load_verifier` renders the same way again
         source = dict(source, rendering=rendering)
     return _finish(model.to(_resolve_device(device)), tokenizer, source, name, str(Path(ckpt).resolve()), rendering)
 
@@ -531,8 +531,6 @@ def build_tiny(
 
 
 LOADERS = {"smollm2": load_smollm2, "gemma3": load_gemma3, "hf": load_hf, "tiny": build_tiny}
-# Each loader's rendering when none is given; a verifier source names its rendering only where it differs.
-LOADER_RENDERING = {"smollm2": "chat", "gemma3": "plain", "tiny": "chat"}
 EMBEDDED = ("smollm2", "gemma3")  # verifiers named by their loader alone
 
 
