@@ -32,6 +32,7 @@ from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
 from eval import adaptive, compare, cost
 from eval.drafters.build import build_drafter, check_proposals, family_config, family_of, method_name
+from eval.engine.block_verify import check_chain_drafters
 from eval.engine.decode import ENGINES, engine_of, use_engine
 from eval.engine.protocol import Drafter
 from eval.engine.sampling import sampling_config
@@ -329,6 +330,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     torch.manual_seed(int(cfg.seed))
     try:
         run = setup(cfg)
+        check_chain_drafters(sampling.verify, run.drafters.values())  # verify=block: chains only, before decoding
         engine = str(cfg.get("engine", "auto"))
         # HF assisted generation joins the references with the run's first draft model, at its depth
         assistant, depth = next((assistant_of(d) for d in run.drafters.values() if assistant_of(d)[0] is not None),

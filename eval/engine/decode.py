@@ -23,6 +23,7 @@ from eval.engine import forward as fast
 from eval.engine import hf_forward as kv
 from eval.engine.accept import greedy_accept, mean_accept_length, per_position_acceptance
 from eval.engine.arch import fallback_note, supported
+from eval.engine.block_verify import block_accept, check_chain_drafters
 from eval.engine.protocol import Draft, Drafter
 from eval.engine.sampling import SamplingConfig, check_draft_p, sample_accept, typical_accept, warp
 from eval.engine.tree import Tree, TreeBuffers, tree_buffers, truncate
@@ -253,11 +254,14 @@ def speculative_decode(
 
     Greedy (sampling None or temperature 0): token for token the output of plain greedy decoding with the verifier.
     Sampled: recursive rejection sampling (eval.engine.sampling.sample_accept), whose output follows the warped verifier
-    distribution exactly, as sample_decode's does (not the same tokens: other random draws). With
+    distribution exactly, as sample_decode's does (not the same tokens: other random draws); with
+    `sampling.verify == "block"`, block verification of the drafted chain (eval.engine.block_verify), exact too. With
     `sampling.typical`, Medusa's typical acceptance instead: lossy. Fewer verifier forwards when the drafts are good.
     generator: the random source of the acceptance rule and the first token (the drafter has its own)."""
     sampling = _sampled(sampling)
     _check_inputs(verifier, input_ids, max_new_tokens, drafter.max_nodes, engine)
+    if sampling is not None:
+        check_chain_drafters(sampling.verify, [drafter])
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     length = input_ids.shape[1] + max_new_tokens
     cache, lengths = _Verify(verifier, engine, length, drafter.max_nodes, drafter.max_depth), []
@@ -295,7 +299,8 @@ def speculative_decode(
         forwards += 1
 
         # 4. Accept: greedy, the longest path that matches the verifier's argmax; sampled, the recursive rejection
-        #    walk over the tree. Either way the verifier adds one token after the accepted path.
+        #    walk over the tree (verify=block: the chain's joint verdict). Either way the verifier adds one token
+        #    after the accepted path.
         with timer("accept"):
             if sampling is None:
                 acc = greedy_accept(buf.retrieve, draft.tokens, step.logits)
@@ -306,7 +311,8 @@ def speculative_decode(
                                          sampling.posterior_alpha, generator)
                 else:
                     check_draft_p(draft.p, draft.tokens, q.shape[-1])
-                    acc = sample_accept(buf.retrieve, draft.tree.parents, draft.tokens, q, draft.p, generator)
+                    rule = block_accept if sampling.verify == "block" else sample_accept
+                    acc = rule(buf.retrieve, draft.tree.parents, draft.tokens, q, draft.p, generator)
             num = int(acc.num_accepted[0])
             nodes = buf.retrieve[acc.path, : num + 1]  # (B, 1+A): root, then the accepted drafts
 

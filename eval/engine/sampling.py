@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from eval.engine.accept import Acceptance
+from eval.engine.block_verify import VERIFY_RULES
 from runtime.errors import UserError
 
 
@@ -46,7 +47,9 @@ from runtime.errors import UserError
 class SamplingConfig:
     """How to sample. temperature 0 is greedy (the caller keeps the greedy rule); top_k 0 and top_p 1 disable those.
     typical: Medusa's typical acceptance (Cai et al., 2024) instead of rejection sampling -- LOSSY: its output does
-    not follow the verifier's distribution. posterior_threshold / posterior_alpha are its epsilon / delta."""
+    not follow the verifier's distribution. posterior_threshold / posterior_alpha are its epsilon / delta.
+    verify: "token" (the default: rejection sampling draft by draft, chains and trees) or "block" (block
+    verification of a chain, eval.engine.block_verify: exact too, accepts at least as much)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -54,6 +57,7 @@ class SamplingConfig:
     typical: bool = False
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
+    verify: str = "token"
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:  # also refuses NaN
@@ -63,6 +67,12 @@ class SamplingConfig:
             raise UserError(f"top_p={self.top_p} must be in (0, 1]; 1 keeps the whole distribution.")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise UserError(f"top_k={self.top_k!r} must be a whole number >= 0; 0 keeps every token.")
+        if self.verify not in VERIFY_RULES:
+            raise UserError(f"verify={self.verify!r} is not one of {', '.join(VERIFY_RULES)}: token verifies draft "
+                            f"by draft (the default), block verifies a drafted chain jointly (tree=chain).")
+        if self.verify == "block" and self.typical:
+            raise UserError("typical=true and verify=block are two acceptance rules; choose one (typical=false for "
+                            "block verification, verify=token for Medusa's typical acceptance).")
 
     @property
     def greedy(self) -> bool:
@@ -250,12 +260,12 @@ def check_draft_p(p: Tensor | None, tokens: Tensor, vocab_size: int) -> None:
 
 
 def sampling_config(cfg: Any) -> SamplingConfig:
-    """temperature / top_p / top_k / typical from a run's config (any mapping with `.get`), checked (SamplingConfig
-    raises one UserError each)."""
+    """temperature / top_p / top_k / typical / verify from a run's config (any mapping with `.get`), checked
+    (SamplingConfig raises one UserError each)."""
     values = {k: cfg.get(k, d) for k, d in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0))}
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{key}={value!r} must be a number.")
     return SamplingConfig(float(values["temperature"]), float(values["top_p"]), values["top_k"],
                           bool(cfg.get("typical", False)), float(cfg.get("posterior_threshold", 0.09)),
-                          float(cfg.get("posterior_alpha", 0.3)))
+                          float(cfg.get("posterior_alpha", 0.3)), str(cfg.get("verify", "token")))
