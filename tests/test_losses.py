@@ -142,3 +142,107 @@ def test_nla_is_ce_for_a_point_mass_and_tv_bounds_hold() -> None:
     assert torch.allclose(chunked_loss(z, q, loss="nla")[0], chunked_loss(z, q, loss="ce")[0], atol=1e-5)
     _, q = _case(seed=5)
     assert bool((chunked_loss(z, q, loss="jsd")[0] <= math.log(2) + 1e-6).all())
+
+
+# -- through the real config: a training step per loss, and the best checkpoint -------------------------------------
+# dflash: every anchor (num_anchors=null), so two calls train on the same blocks
+FAMILIES = {"dflash": ["model.block_size=4", "model.aux_layer_ids=[0,1]", "model.num_anchors=null"],
+            "eagle3": ["model.draft_vocab_size=64", "model.aux_layer_ids=[0,1]", "model.ttt_steps=2"],
+            "draft_model": ["model.num_layers=1"]}
+
+
+def _module(tiny, family: str, *extra: str):
+    from hydra.utils import instantiate
+
+    from helpers import compose_train
+
+    cfg = compose_train(["verifier=tiny", f"model={family}", *FAMILIES[family], *extra])
+    torch.manual_seed(0)
+    module = instantiate(cfg.model, verifier=tiny)
+    if family == "eagle3":
+        module.net.set_draft_vocab(torch.arange(64))  # the ids the batch uses
+    return module
+
+
+def _step_loss(module, batch) -> torch.Tensor:
+    if hasattr(module, "ttt_steps") or "ttt_steps" in module.hparams:
+        return module._loss(module.model_step(batch, module.hparams.ttt_steps, train=True)["losses"])
+    return module.model_step(batch, train=True)[0]
+
+
+@pytest.mark.parametrize("family", ["dflash", "eagle3", "draft_model"])
+def test_a_training_step_with_each_loss_descends(tiny, family: str) -> None:
+    """model.loss=<each> through conf/model/<family>.yaml: the step's loss is finite, its gradient reaches the
+    drafter, and a small step against that gradient lowers the same loss on the same batch."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(20, 64, (2, 12), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "loss_mask": torch.tensor([[0] * 3 + [1] * 9, [0] * 5 + [1] * 7])}
+    for name in LOSSES:  # (D-PACE's weights move with the step, so the descent is checked on exp's fixed ones)
+        module = _module(tiny, family, f"model.loss={name}")
+        assert module.hparams.loss == name
+        params = [p for p in module.parameters() if p.requires_grad]
+        loss = _step_loss(module, batch)
+        loss.backward()
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
+        assert torch.isfinite(loss) and 0 < norm < float("inf"), (name, loss, norm)
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p -= 1e-3 / float(norm) * p.grad
+            after = _step_loss(module, batch)
+        assert after < loss, (name, float(loss), float(after))
+
+
+def test_bad_loss_settings_are_refused(tiny) -> None:
+    # (hydra wraps the UserError in its InstantiationException; train.py prints the message)
+    with pytest.raises(Exception, match="model.loss='kld'.*pick one of kl, rkl, jsd, ce, tv, nla, lk_hybrid"):
+        _module(tiny, "eagle3", "model.loss=kld")
+    with pytest.raises(Exception, match="model.slot_weighting='linear'.*exp.*dpace"):
+        _module(tiny, "dflash", "model.slot_weighting=linear")
+    with pytest.raises(Exception, match="model.lk_eta=-1"):
+        _module(tiny, "draft_model", "model.lk_eta=-1")
+
+
+def test_dflash_dpace_weights_follow_the_slots_overlaps(tiny) -> None:
+    """slot_weighting=dpace: slot k's weight is dpace_weights of the smoothed per-slot overlaps of its block (an
+    invalid slot ends the chain); exp keeps step_decay^(k-1)."""
+    module = _module(tiny, "dflash", "model.slot_weighting=dpace", "model.dpace_alpha=0.5")
+    alpha = torch.tensor([0.2, 0.6, 1.0])[:, None, None].expand(3, 1, 2).clone()  # (S, B, n)
+    valid = torch.ones(3, 1, 2, dtype=torch.bool)
+    valid[2, 0, 1] = False
+    w = module.slot_weights(alpha, valid)
+    c = [0.6, 0.8, 1.0]  # 0.5 alpha + 0.5
+    assert torch.allclose(w[:, 0, 0], torch.tensor([c[0] + c[0] * c[1] + c[0] * c[1] * c[2],
+                                                    c[0] * c[1] + c[0] * c[1] * c[2], c[0] * c[1] * c[2]]))
+    assert torch.allclose(w[:, 0, 1], torch.tensor([c[0] + c[0] * c[1], c[0] * c[1], 0.0]))
+    assert module.step_weight(2) == 1.0
+    exp = _module(tiny, "dflash")
+    assert exp.slot_weights(alpha, valid) is None and exp.step_weight(2) == pytest.approx(0.7788**2)
+
+
+def test_best_checkpoint_is_the_largest_expected_accepted_length(train_script, tmp_path) -> None:
+    """A DFlash run with D-PACE and lk_hybrid through train.py: every validation logs val/expected_accepted_length
+    (in [1, 1 + K]), checkpoints/best.ckpt holds the validation where it was largest, and the export records it."""
+    import csv
+    import json
+
+    from helpers import compose_train
+
+    cfg = compose_train(["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12",
+                         "data.batch_size=4", "data.val_fraction=0.25", "model=dflash", *FAMILIES["dflash"],
+                         "model.slot_weighting=dpace", "model.loss=lk_hybrid", "model.optimizer.lr=1e-2",
+                         "+verifier.initializer_range=0.3", "logger=csv", "trainer.max_epochs=4",
+                         "callbacks.progress.when=never"], tmp_path)
+    export = train_script.run(cfg)
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").glob("version_*/metrics.csv")))))
+    eal = [(float(r["val/expected_accepted_length"]), int(r["epoch"])) for r in rows
+           if r.get("val/expected_accepted_length")]
+    assert len(eal) == 4 and all(1.0 <= v <= 4.0 for v, _ in eal), eal
+    assert len({v for v, _ in eal}) > 1  # the figure moves with training, so choosing among them means something
+    best = torch.load(tmp_path / "checkpoints" / "best.ckpt", weights_only=True, map_location="cpu")
+    state = next(v for k, v in best["callbacks"].items() if k.startswith("BestCheckpoint"))
+    top, epoch = max(eal)
+    assert float(state["best_model_score"]) == pytest.approx(top) and best["epoch"] == epoch, (eal, best["epoch"])
+    config = json.loads((export / "config.json").read_text())
+    assert config["expected_accepted_length"] == pytest.approx(eal[-1][0], abs=1e-5)

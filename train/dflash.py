@@ -64,7 +64,8 @@ class DFlashModule(EagleModule):
                          val_steps=net.parallel, step_decay=step_decay, feature_weight=0.0, ce_weight=1.0, noise=0.0,
                          warmup_ratio=warmup_ratio, train_vocab=train_vocab, net=net, loss=loss, lk_eta=lk_eta)
         self.hparams.update(mask_token_id=mask_token_id, block_size=block_size, num_layers=num_layers,
-                            aux_layer_ids=aux_layer_ids, num_anchors=num_anchors, slot_weighting=slot_weighting,
+                            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else None,  # plain, not a ListConfig
+                            num_anchors=num_anchors, slot_weighting=slot_weighting,
                             dpace_alpha=dpace_alpha)
 
     # -- D-PACE ----------------------------------------------------------------------------------------------------
