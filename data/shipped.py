@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +96,19 @@ def verify(folder: Path, manifest: dict[str, Any]) -> None:
                             f"with scripts/tools/ship_data.py.")
 
 
-def load_shipped(where: str | Path, verifier: Verifier) -> datasets.Dataset:
+def load_shipped(where: str | Path | Sequence[str | Path], verifier: Verifier) -> datasets.Dataset:
     """The shipped set at `where` as a dataset of FEATURES (the columns self-distillation writes, plus `source`),
-    after checking its files, its verifier and its chat template against `verifier`."""
+    after checking its files, its verifier and its chat template against `verifier`. Several sets (a list: the
+    short-prompt set and its long-input part) are each checked, then joined in the order given."""
+    if not isinstance(where, (str, Path)):
+        parts = [load_shipped(w, verifier) for w in where]
+        if not parts:
+            raise UserError("data.shipped=[]: name at least one shipped set.")
+        if len(parts) == 1:
+            return parts[0]
+        # The joined set's fingerprint from its parts' (each from its files' digests): one hidden-state cache key.
+        digest = hashlib.sha256("".join(p._fingerprint for p in parts).encode()).hexdigest()[:16]
+        return datasets.Dataset(pa.concat_tables([p.data.table for p in parts]), fingerprint=f"shipped-{digest}")
     folder = resolve(where)
     manifest = read_manifest(folder)
     verify(folder, manifest)

@@ -14,22 +14,25 @@ described in docs/results/shipped-data.md.
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import datasets
 import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from data.benchmarks import BENCHMARKS, NONE, declared_lists, load_lists, manifest_section
 from data.chat import prompt_ids
 from data.filters import EvalGuard
 from data.multiturn import second_turn_rows
-from data.prompts import eval_prompt_texts, load_conversations
+from data.prompts import eval_prompt_texts
 from data.selfdistill import first_turn
-from data.shipped import ROOT, file_sha256, pack
+from data.shipped import ROOT, pack
 from runtime.errors import UserError, exit_on_user_error
 from train.record import cpu_kind
 
@@ -63,7 +66,35 @@ def answer_stats(ds: datasets.Dataset, eos: int, n: int = 8) -> dict[str, float 
             f"share_completing_a_repeated_{n}gram": round(repeated / max(total, 1), 4)}
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def decontamination(cfg: DictConfig, declared: dict[str, list[str] | str],
+                    files: Any) -> dict[str, Any]:
+    """Point the data module at the union of the lists the sources declared (one prompt file of their texts under
+    cache_dir/evalsets/), or turn decontamination off where every source said `none`; returns the manifest's
+    `decontaminated_against`."""
+    names = [n for n in BENCHMARKS if any(isinstance(v, list) and n in v for v in declared.values())]
+    texts, report = load_lists(names, {str(k): (None if v is None else str(v)) for k, v in dict(files).items()})
+    builds = {}
+    for source in [cfg.data.source] if isinstance(cfg.data.source, str) else list(cfg.data.source):
+        built = Path(f"{Path(str(source)).expanduser()}.decontam.json")  # written by a prompt builder beside its file
+        if built.is_file():
+            builds[_label(str(source))] = json.loads(built.read_text())
+    if all(v == NONE for v in declared.values()):
+        cfg.data.decontaminate = False
+        applied: list[str] = []
+    else:
+        body = "".join(json.dumps({"prompt": t}) + "\n" for t in texts)
+        path = Path(cfg.cache_dir).expanduser() / "evalsets" / \
+            f"decontam-{hashlib.sha256(body.encode()).hexdigest()[:16]}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if body and not path.is_file():
+            path.write_text(body)
+        cfg.data.decontaminate = True
+        cfg.data.eval_prompts = [str(path)] if body else []
+        applied = sorted(set(names) | {"builtin_eval", "humaneval"}, key=BENCHMARKS.index)
+    return manifest_section(declared, report, applied, builds)
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     exit_on_user_error(lambda: ship(cfg))
 
@@ -75,13 +106,15 @@ def ship(cfg: DictConfig) -> None:
     ship_cfg = cfg.get("ship") or {}
     name = ship_cfg.get("name") or f"{cfg.verifier.get('name', 'verifier')}-selfdistill-v1"
     out = Path(ship_cfg.get("out") or ROOT / name).expanduser()
+    sources = [cfg.data.source] if isinstance(cfg.data.source, str) else list(cfg.data.source)
+    declared = declared_lists([_label(str(s)) for s in sources], ship_cfg.get("decontaminate"))
+    decontam = decontamination(cfg, declared, ship_cfg.get("benchmarks") or {})
     verifier = instantiate(cfg.verifier)
     datamodule = instantiate(cfg.data, verifier=verifier)
     start = time.perf_counter()
     convs, groups = datamodule.conversations(with_groups=True)
     ds = datamodule.build()  # resumable: finished shards are kept
     seconds = time.perf_counter() - start
-    sources = [cfg.data.source] if isinstance(cfg.data.source, str) else list(cfg.data.source)
     # Each kept row's source: build_selfdistill keeps the conversations in order and leaves out the prompts of
     # max_length tokens or more.
     tok = verifier.tokenizer
@@ -120,12 +153,7 @@ def ship(cfg: DictConfig) -> None:
                     for s, n in zip(sources, groups)]
                    + ([{"selfgen": OmegaConf.to_container(cfg.data.selfgen, resolve=True)}]
                       if "selfgen" in sources else []),
-        "decontaminated_against": {
-            "builtin_eval_split": len(load_conversations("builtin", split="eval")),
-            "all_eval_texts": len(eval_prompt_texts(extra)),
-            "files": [{"path": Path(f).name, "sha256": file_sha256(Path(f))} for f in extra],
-            "how": "exact match after normalisation and word 3-gram Jaccard >= 0.7 (data/filters.py EvalGuard)",
-        },
+        "decontaminated_against": decontam,
         "answers": answer_stats(ds, tok.eos_token_id),
         "built_with": {"command": "python -m scripts.tools.ship_data " + " ".join(sys.argv[1:]), "commit": _commit(),
                        "machine": cpu_kind(), "seconds_this_run": round(seconds)},
