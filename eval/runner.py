@@ -187,7 +187,8 @@ def sampling_record(cfg: DictConfig) -> dict[str, Any]:
     """report.json's `sampling`: the settings and whether the speculative output keeps the verifier's distribution
     (`exact`); typical acceptance is marked lossy."""
     s = sampling_config(cfg)
-    rule = "greedy" if s.greedy else "typical (lossy)" if s.typical else "rejection sampling (exact)"
-    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "rule": rule,
+    rule = ("greedy" if s.greedy else "typical (lossy)" if s.typical else
+            "block verification (exact)" if s.verify == "block" else "rejection sampling (exact)")
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "rule": rule, "verify": s.verify,
             "exact": s.greedy or not s.typical, "lossy": not s.greedy and s.typical,
             "sampled_drafts": bool(cfg.get("sampled_drafts", False)) and not s.greedy}

@@ -295,6 +295,16 @@ def test_bad_verify_settings_are_one_user_error(bad):
         SamplingConfig(temperature=0.7, **bad)
 
 
+def test_report_records_the_rule():
+    from omegaconf import OmegaConf
+
+    from eval.runner import sampling_record
+
+    block = sampling_record(OmegaConf.create({"temperature": 0.7, "verify": "block"}))
+    assert block["verify"] == "block" and block["rule"] == "block verification (exact)" and block["exact"]
+    assert sampling_record(OmegaConf.create({"temperature": 0.7}))["verify"] == "token"
+
+
 def _run_eval(overrides: list[str], out) -> dict:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
