@@ -38,7 +38,7 @@ from eval.engine.protocol import Drafter
 from eval.engine.sampling import sampling_config
 from eval.engine.tree import AutoTree
 from eval.peers import check_peers, vllm_peer
-from eval.report import SPECULATIVE, write_outputs
+from eval.report import ALONE, SPECULATIVE, write_outputs
 from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
 from models.export import ExportInfo, read_info
 from models.families import FAMILIES, a_title, resolve
@@ -285,7 +285,13 @@ def setup(cfg: DictConfig) -> Setup:
     predicted = built.planned
     if predicted is None and curves and export is not None and FAMILIES[family].has_export:
         predicted = cost.predict(export, built.drafter, curves[0], built.draft)
-    return Setup(verifier, {SPECULATIVE: built.drafter}, method_name(family, built.drafter), exports, convs, source,
+    drafters = {SPECULATIVE: built.drafter}
+    if bool(cfg.get("alone", True)) and export is not None and FAMILIES[family].tree == "primary":
+        # a combination built on the export's drafter (the hybrid): that drafter alone beside it, planned the same
+        # way on the same cost curve, so the report gives what the combination adds (report.json drafter_alone)
+        own = OmegaConf.create({"_target_": FAMILIES[export.kind].drafter, "_partial_": True, "kind": export.kind})
+        drafters[ALONE] = plan_and_build(cfg, export.kind, own, verifier, export, prefix, curve=built.curve).drafter
+    return Setup(verifier, drafters, method_name(family, built.drafter), exports, convs, source,
                  curves, predicted, built.planned is not None, built.draft)
 
 
@@ -363,7 +369,9 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     out_dir = Path(str(cfg.output_dir))
     if run.curves:
         cost.write(run.curves, out_dir, f"{run.verifier.name}: verifier forward cost")
-    report = write_outputs(samples, meta, setting, run.drafter.max_depth, out_dir, cfg.wandb, peers=peer_report)
+    alone = run.drafters.get(ALONE)
+    report = write_outputs(samples, meta, setting, run.drafter.max_depth, out_dir, cfg.wandb, peers=peer_report,
+                           alone_depth=alone.max_depth if alone is not None else 0)
     if run.predicted is not None:
         p = run.predicted
         rounds = report["predicted_speedup"]

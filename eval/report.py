@@ -24,11 +24,15 @@ from runtime.wandb_mode import wandb_mode
 SPECULATIVE = "speculative"  # the method label of a single-family run's drafter
 METHODS = ("baseline", SPECULATIVE, "hf_generate", "hf_prompt_lookup")
 ASSISTED = "hf_assisted"  # HF assisted generation with the run's draft model: drafter=draft_model runs only
+# The export's drafter alone, measured beside a combination of it (drafter=hybrid, the default with an export:
+# conf/eval.yaml `alone`), so the report gives what the drafter adds by itself and what the combination adds.
+ALONE = "drafter_alone"
 REPORT_KEYS = (
     "method", "tree", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
     "speedup", "predicted_speedup", "speedup_vs_hf_generate", "greedy_match",
-    "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "prompt_tokens", "prefill",
+    "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "drafter_alone", "prompt_tokens",
+    "prefill",
     "sampling", "by_category", "by_prompt_length", "by_prompt_set",
 )
 PARTS = ("prefill_s", "verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times; the rest of total_s: "other"
@@ -73,8 +77,8 @@ class Sample:
 
 
 def methods_of(samples: Sequence[Sample]) -> tuple[str, ...]:
-    """METHODS, and hf_assisted where the run measured it."""
-    return METHODS + ((ASSISTED,) if samples and ASSISTED in samples[0].outputs else ())
+    """METHODS, and hf_assisted and drafter_alone where the run measured them."""
+    return METHODS + tuple(m for m in (ASSISTED, ALONE) if samples and m in samples[0].outputs)
 
 
 def _rate(samples: Sequence[Sample], method: str) -> float:
@@ -113,9 +117,27 @@ def predicted_speedup(samples: Sequence[Sample], method: str = SPECULATIVE) -> f
     return round(sum(r["tokens"] * r["step_ms"] for r in rows) / ms, 4) if rows and ms > 0 else None
 
 
-def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
+def alone_metrics(samples: Sequence[Sample], rate: Mapping[str, float], depth: int) -> dict[str, Any] | None:
+    """`drafter_alone` over `samples`: the export's drafter decoding by itself in the same run (None when the run
+    measured no combination): its tau, per-position acceptance, tokens/s, speedup over our plain decoding, the
+    planner's prediction, and whether it matched plain greedy."""
+    if ALONE not in rate:
+        return None
+    lengths = torch.cat([s.lengths[ALONE] for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
+    return {
+        "tau": round(mean_accept_length(lengths), 4),
+        "accept_rate_per_position": [round(a, 4) for a in per_position_acceptance(lengths, depth).tolist()],
+        "tokens_per_s": round(rate[ALONE], 2),
+        "speedup": round(rate[ALONE] / rate["baseline"], 4) if rate["baseline"] else 0.0,
+        "predicted_speedup": predicted_speedup(samples, ALONE),
+        "greedy_match": round(sum(s.matches(ALONE) for s in samples) / max(len(samples), 1), 4),
+    }
+
+
+def metrics(samples: Sequence[Sample], depth: int, alone_depth: int = 0) -> dict[str, Any]:
     """The report's metric keys over `samples` (all of them, or one category's); the hf_assisted ones are null when
-    the run had no draft model."""
+    the run had no draft model, drafter_alone (whose drafter drafts `alone_depth` deep) when it measured no
+    combination."""
     lengths = torch.cat([s.accept_lengths for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
     rate = {m: _rate(samples, m) for m in methods_of(samples)}
     assisted = ASSISTED in rate
@@ -136,29 +158,34 @@ def metrics(samples: Sequence[Sample], depth: int) -> dict[str, Any]:
         "hf_assisted_speedup": round(rate[ASSISTED] / rate["baseline"], 4) if assisted and rate["baseline"] else None,
         "hf_assisted_greedy_match":
             round(sum(s.matches(ASSISTED) for s in samples) / max(len(samples), 1), 4) if assisted else None,
+        "drafter_alone": alone_metrics(samples, rate, alone_depth),
         "prompt_tokens": sum(s.prompt_tokens for s in samples),
         "prefill": prefill(samples),
     }
 
 
-def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int) -> dict[str, Any]:
+def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int, alone_depth: int = 0
+                 ) -> dict[str, Any]:
     """report.json: `meta` (method, tree, verifier, checkpoint, sampling), the metrics overall, and the same per
     category, per prompt length and, when `meta["prompt_sets"]` names several sets (prompts=[builtin, humaneval,
     ...], categories "<set>/<category>"), per prompt set (else `by_prompt_set` is empty)."""
     categories = sorted({s.category for s in samples})
-    by_category = {c: metrics([s for s in samples if s.category == c], depth) for c in categories}
+    by_category = {c: metrics([s for s in samples if s.category == c], depth, alone_depth) for c in categories}
     groups = [g for g in map(length_group, (0, *LENGTH_EDGES)) if any(length_group(s.prompt_tokens) == g
                                                                       for s in samples)]
-    by_length = {g: metrics([s for s in samples if length_group(s.prompt_tokens) == g], depth) for g in groups}
-    by_set = {p: metrics([s for s in samples if prompt_set_of(s.category) == p], depth)
+    by_length = {g: metrics([s for s in samples if length_group(s.prompt_tokens) == g], depth, alone_depth)
+                 for g in groups}
+    by_set = {p: metrics([s for s in samples if prompt_set_of(s.category) == p], depth, alone_depth)
               for p in meta.get("prompt_sets") or []}
-    report = {**meta, **metrics(samples, depth), "by_category": by_category, "by_prompt_length": by_length,
+    report = {**meta, **metrics(samples, depth, alone_depth), "by_category": by_category, "by_prompt_length": by_length,
               "by_prompt_set": by_set}
     report.setdefault("sampling", {"temperature": 0.0, "rule": "greedy", "exact": True, "lossy": False})
     if report["sampling"].get("rule", "greedy") != "greedy":
         # Sampled outputs equal the sampled baseline's only by chance: greedy_match is null, not a misleading 0.
         for m in [report, *by_category.values(), *by_length.values(), *by_set.values()]:
             m["greedy_match"] = m["hf_assisted_greedy_match"] = None
+            if m["drafter_alone"] is not None:
+                m["drafter_alone"]["greedy_match"] = None
     return {k: report[k] for k in REPORT_KEYS}
 
 
@@ -229,6 +256,8 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
              "hf_prompt_lookup": report["hf_prompt_lookup_tokens_per_s"]}
     if report["hf_assisted_tokens_per_s"] is not None:
         rates[ASSISTED] = report["hf_assisted_tokens_per_s"]
+    if report["drafter_alone"] is not None:
+        rates[ALONE] = report["drafter_alone"]["tokens_per_s"]
     rates |= peer_rates(report)
     table = Table(title="tokens/s, measured side by side")
     for col in ("method", "tokens/s", "speculative speedup", "= plain greedy"):
@@ -253,8 +282,10 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
         if not groups:
             continue
         cats = Table(title=f"{title}; prefill apart: ours (plain) prompt tok/s, decode tok/s after it")
+        alone = report["drafter_alone"] is not None  # the combination's drafter by itself: its tau and speedup
         for col in ("group", "n", "prompt", "tau", "alpha_1", "tokens/s", "plain", "HF", "HF lookup", "speedup",
-                    "predicted", "vs HF", "prefill tok/s", "decode tok/s", "greedy match"):
+                    "predicted", *(("alone tau", "alone speedup") if alone else ()), "vs HF", "prefill tok/s",
+                    "decode tok/s", "greedy match"):
             cats.add_column(col, justify="left" if col == "group" else "right")
         for c, m in groups.items():
             a1 = m["accept_rate_per_position"][0] if m["accept_rate_per_position"] else 0.0
@@ -265,6 +296,8 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
                          f"{m['hf_generate_tokens_per_s']:.1f}", f"{m['hf_prompt_lookup_tokens_per_s']:.1f}",
                          f"{m['speedup']:.2f}x",
                          "-" if m["predicted_speedup"] is None else f"{m['predicted_speedup']:.2f}x",
+                         *((f"{m['drafter_alone']['tau']:.2f}", f"{m['drafter_alone']['speedup']:.2f}x")
+                           if alone else ()),
                          f"{m['speedup_vs_hf_generate']:.2f}x",
                          num_or_dash(pre["baseline"]["prompt_tokens_per_s"]),
                          num_or_dash(pre[SPECULATIVE]["decode_tokens_per_s"]),
@@ -314,6 +347,8 @@ def save_plots(samples: Sequence[Sample], report: Mapping[str, Any], out_dir: Pa
               report["hf_prompt_lookup_tokens_per_s"]]
     if report["hf_assisted_tokens_per_s"] is not None:
         names, values = names + [ASSISTED], values + [report["hf_assisted_tokens_per_s"]]
+    if report["drafter_alone"] is not None:
+        names, values = names + [ALONE], values + [report["drafter_alone"]["tokens_per_s"]]
     for name, rate in peer_rates(report).items():
         names, values = names + [name], values + [rate]
     ax.bar(names, values, color=["tab:green", "tab:blue"] + ["tab:gray"] * (len(names) - 2))
@@ -359,6 +394,8 @@ def log_wandb(
                              "checkpoint": report["checkpoint"]})
     scalars = {f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}
     scalars |= {f"eval/alpha_{k}": a for k, a in enumerate(report["accept_rate_per_position"], 1)}
+    scalars |= {f"eval/drafter_alone_{k}": v for k, v in (report["drafter_alone"] or {}).items()
+                if isinstance(v, (int, float))}
     for loop, b in profile["time_breakdown"].items():
         scalars |= {f"profile/{loop}/{k}": v for k, v in b.items() if isinstance(v, (int, float))}
     first = next(iter(report["by_category"].values()), {})
@@ -390,12 +427,13 @@ def write_samples(samples: Sequence[Sample], out_dir: Path) -> Path:
 def write_outputs(
     samples: Sequence[Sample], meta: Mapping[str, Any], setting: Mapping[str, Any], depth: int, out_dir: Path,
     wandb_cfg: Mapping[str, Any] | None = None, console: Console | None = None,
-    peers: Mapping[str, Any] | None = None,
+    peers: Mapping[str, Any] | None = None, alone_depth: int = 0,
 ) -> dict[str, Any]:
     """Write report.json, profile.json and the plots to out_dir, print the table, log to W&B; returns the report.
-    `peers`: serving engines measured on the same prompts (eval.peers), reported as `engine_peers`."""
+    `peers`: serving engines measured on the same prompts (eval.peers), reported as `engine_peers`; `alone_depth`:
+    the deepest draft of the drafter measured alone beside a combination (drafter_alone)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = build_report(samples, meta, depth)
+    report = build_report(samples, meta, depth, alone_depth)
     if peers:
         report["engine_peers"] = dict(peers)
     profile = build_profile(samples, setting)

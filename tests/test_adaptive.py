@@ -157,8 +157,9 @@ def run_eval(overrides: list[str], tmp_path):
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        alone = [] if any(o.startswith("drafter=") for o in overrides) else ["drafter=export"]  # the drafter alone
         cfg = compose(config_name="eval", overrides=["threads=1", "max_new_tokens=12", "wandb.mode=disabled",
-                                                     "dtype=float32", *overrides, f"output_dir={tmp_path}"])
+                                                     "dtype=float32", *alone, *overrides, f"output_dir={tmp_path}"])
     return evaluate(cfg, progress=False)
 
 

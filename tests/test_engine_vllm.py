@@ -236,7 +236,7 @@ def test_python_m_eval_runs_vllm_as_a_peer(vllm, exports, tmp_path):
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose(config_name="eval", overrides=[
-            f"checkpoint={export}", "engine_peers=[vllm]", "engine_peer_tokens=2", "tree=chain",
+            f"checkpoint={export}", "drafter=export", "engine_peers=[vllm]", "engine_peer_tokens=2", "tree=chain",
             "tree.depth=2", "dtype=float32", "threads=2", "max_new_tokens=24", "num_prompts=2", "warmup=false",
             "wandb.mode=disabled", f"output_dir={out}"])
     report = evaluate(cfg, progress=False)

@@ -65,14 +65,17 @@ def questions(tmp_path_factory) -> Path:
     return path
 
 
-def run_eval(overrides: list[str], out: Path) -> tuple[dict, dict]:
-    """Compose conf/eval.yaml as the command line would and run it in-process; returns (report, profile)."""
+def run_eval(overrides: list[str], out: Path, default_drafter: bool = False) -> tuple[dict, dict]:
+    """Compose conf/eval.yaml as the command line would and run it in-process; returns (report, profile). These
+    tests measure the export's drafter alone (`drafter=export`) unless they name a drafter or ask for the default
+    (the hybrid with the drafter alone beside it)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    alone = [] if default_drafter or any(o.startswith("drafter=") for o in overrides) else ["drafter=export"]
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        cfg = compose(config_name="eval", overrides=[*FAST, *overrides, f"output_dir={out}"])
+        cfg = compose(config_name="eval", overrides=[*FAST, *alone, *overrides, f"output_dir={out}"])
     report = evaluate(cfg, progress=False)
     assert json.loads((out / "report.json").read_text()) == report
     return report, json.loads((out / "profile.json").read_text())
@@ -122,6 +125,30 @@ def test_good_heads_are_accepted(exports, tmp_path):
     # 12 tokens per prompt: the prefill's, two rounds of 5, and a last round cut to the 1 token left (no draft).
     assert report["tau"] == pytest.approx(11 / 3, abs=1e-3)
     assert report["accept_rate_per_position"] == pytest.approx([2 / 3] * 4, abs=1e-3)
+
+
+def test_an_export_runs_combined_with_lookup_and_reports_the_drafter_alone(exports, tmp_path):
+    """`python -m eval checkpoint=<export>`: the export's drafter with prompt-lookup chains (the hybrid), and the
+    drafter alone decoded beside it on the same prompts: report.json's drafter_alone is exactly what a
+    `drafter=export` run of the same tree measures."""
+    args = [f"checkpoint={exports['random']}", "num_prompts=3", "tree=auto", "tree.size=8"]
+    report, profile = run_eval(args, tmp_path / "default", default_drafter=True)
+    alone, _ = run_eval([*args, "drafter=export"], tmp_path / "alone")
+    assert report["method"].startswith("hybrid/") and alone["method"] == "medusa/auto-8"
+    assert report["greedy_match"] == 1.0 and report["drafter_alone"]["greedy_match"] == 1.0
+    assert alone["drafter_alone"] is None  # nothing combined: nothing to compare with
+    mine = report["drafter_alone"]
+    assert mine["tau"] == alone["tau"] and mine["accept_rate_per_position"] == alone["accept_rate_per_position"]
+    # The tiny verifier repeats a token the prompt ends with, so lookup's chains are accepted where the random
+    # heads' drafts are not: the combination emits more per round than its drafter alone.
+    assert report["tau"] > mine["tau"] + 0.5
+    assert mine["speedup"] == pytest.approx(mine["tokens_per_s"] / report["baseline_tokens_per_s"], rel=1e-2)
+    assert set(profile["wall_s"]) >= {"speculative", "drafter_alone"}
+    for group in [*report["by_category"].values(), *report["by_prompt_length"].values()]:
+        assert group["drafter_alone"]["greedy_match"] == 1.0 and group["drafter_alone"]["tau"] >= 1.0
+    off, profile = run_eval([*args, "alone=false"], tmp_path / "off", default_drafter=True)
+    assert off["method"] == report["method"] and off["drafter_alone"] is None
+    assert "drafter_alone" not in profile["wall_s"]
 
 
 # Exactness on a verifier whose output varies, with the harness given objects.
@@ -279,7 +306,7 @@ def test_cli_writes_report_and_an_offline_wandb_run(exports, tmp_path):
                              timeout=120)
     records = [json.loads(line) for line in inspect.stdout.splitlines() if line.startswith("{")]
     logged = set().union(*[r["history"]["item"] for r in records if r.get("type") == "history"])
-    assert {"eval/tau", "eval/speedup", "eval/alpha_1", "profile/speculative/verify_s",
+    assert {"eval/tau", "eval/speedup", "eval/alpha_1", "profile/speculative/verify_s", "eval/drafter_alone_tau",
             "plots/accept_length_hist.path", "eval/by_category.path"} <= logged
 
 

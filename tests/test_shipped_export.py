@@ -203,7 +203,8 @@ def test_every_shipped_drafter_is_the_default_verifiers_and_decodes_exactly(expo
     reason="no drafter in pretrained/ yet"))], ids=lambda p: p.name if p else "none")
 def test_python_m_eval_runs_a_shipped_drafter_as_it_is(export, tmp_path):
     """The quick start: `python -m eval checkpoint=pretrained/<name>` from the clone, nothing trained or built,
-    decodes through the compact export (bf16 where the CPU has it) and matches plain greedy decoding."""
+    decodes through the compact export (bf16 where the CPU has it), combined with prompt lookup and alone, and
+    both match plain greedy decoding."""
     import subprocess
     import sys
 
@@ -212,7 +213,9 @@ def test_python_m_eval_runs_a_shipped_drafter_as_it_is(export, tmp_path):
                            f"output_dir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["greedy_match"] == 1.0 and report["num_prompts"] == 2
-    print(f"{export.name}: tau {report['tau']}")
+    alone = report["drafter_alone"]
+    assert report["method"].startswith("hybrid/") and report["num_prompts"] == 2
+    assert report["greedy_match"] == 1.0 and alone["greedy_match"] == 1.0
+    print(f"{export.name}: tau {report['tau']} (alone {alone['tau']})")
     # measured 1.35 (2 x 32 tokens, tree.size=6); a fixed budget: under tree.size=auto the plan follows the timing
-    assert report["tau"] > 1.15, "the shipped drafter's weights draft nothing the verifier accepts"
+    assert alone["tau"] > 1.15, "the shipped drafter's weights draft nothing the verifier accepts"
