@@ -1,0 +1,153 @@
+"""The conformance matrix (issue 53, item 5): every drafter family the registry trains x every tiny verifier
+architecture (tests/archs.py: Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral with a sliding window, Gemma 3 with local and
+global layers, Phi-3), each cell from a test:
+
+- train: the real train.py (composed config, in-process) trains the family a few steps on that verifier and exports;
+- exact decode: the export is read back through the registry and decodes exactly (speculative output = plain
+  greedy, greedy_match 1.0), in fp32 through the exact engine where it runs the architecture, else through Hugging
+  Face's forward (exact in fp32 on a CPU);
+- vLLM serve: vLLM 0.32 loads the verifier and drafts with the EAGLE-3 export (one launch per architecture), or
+  refuses it with its own message.
+
+`python -m scripts.tools.conformance_table <junit.xml>` turns a run of this file into docs/results/conformance.md.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from archs import ARCHS, arch_verifier, checkpoint
+
+from helpers import compose_train, run_shared
+from models.families import FAMILIES
+
+TRAINED = [n for n, f in FAMILIES.items() if f.training is not None]
+TRAIN = ["data.limit=4", "data.max_new_tokens=8", "data.gen_batch_size=4", "data.batch_size=2",
+         "data.val_fraction=0.25", "logger=csv", "trainer.max_steps=1", "trainer.max_epochs=1",
+         "verifier.dtype=float32", "verifier.device=cpu"]
+EXTRA = {"eagle3": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.ttt_steps=2",
+                    "model.val_steps=1"],
+         "eagle": ["model.val_steps=1"], "draft_model": ["model.num_layers=1"],
+         "peagle": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.parallel_tokens=3"],
+         "dflash": ["model.aux_layer_ids=[0,1]", "model.block_size=4"],
+         "dspark": ["model.aux_layer_ids=[0,1]", "model.block_size=4", "model.markov_rank=16"]}
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+MAX_NEW = 16
+VLLM_FAMILY = "eagle3"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="session")
+def archs_dir(tmp_path_factory):
+    with run_shared(tmp_path_factory, "archs") as folder:
+        yield folder
+
+
+class _Runs(dict):
+    """(arch, family) -> the export train.py wrote (or the exception it raised), trained when first asked."""
+
+    def __init__(self, train_script, tmp_path_factory, archs_dir: Path) -> None:
+        super().__init__()
+        self.train_script, self.tmp, self.archs_dir = train_script, tmp_path_factory, archs_dir
+
+    def __missing__(self, key: tuple[str, str]) -> Path | BaseException:
+        arch, family = key
+        path = checkpoint(arch, self.archs_dir)
+        cfg = compose_train(["verifier=hf", f"verifier.path={path}", f"model={family}", *TRAIN,
+                             *EXTRA.get(family, [])], self.tmp.mktemp(f"{arch}-{family}"))
+        try:
+            self[key] = Path(self.train_script.run(cfg))
+        except Exception as e:  # noqa: BLE001  (the train cell fails with it; the decode cell reports it too)
+            self[key] = e
+        return self[key]
+
+
+@pytest.fixture(scope="session")
+def runs(train_script, tmp_path_factory, archs_dir):
+    return _Runs(train_script, tmp_path_factory, archs_dir)
+
+
+@pytest.fixture(scope="session")
+def verifiers(archs_dir):
+    cache: dict[str, object] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = arch_verifier(arch, archs_dir)
+        return cache[arch]
+
+    return get
+
+
+def _export(runs, arch: str, family: str) -> Path:
+    out = runs[arch, family]
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
+@pytest.mark.parametrize("family", TRAINED)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_train(runs, arch, family):
+    export = _export(runs, arch, family)
+    assert (export / "config.json").is_file()
+
+
+@pytest.mark.parametrize("family", TRAINED)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exact_decode(runs, verifiers, arch, family):
+    from omegaconf import OmegaConf
+
+    from eval.drafters.build import build_drafter, family_config
+    from eval.engine.arch import supported
+    from eval.engine.decode import greedy_decode, speculative_decode
+    from eval.engine.tree import Chain
+    from models.export import load_export, read_info
+
+    export = _export(runs, arch, family)
+    v = verifiers(arch)
+    fam = FAMILIES[family]
+    info = None
+    if fam.has_export:
+        info = read_info(export)
+        assert info.kind == family
+        assert type(load_export(info, v).net) is fam.network  # read back through the registry
+    drafter_cfg = family_config(family)
+    if family == "draft_model":
+        drafter_cfg.path = str(export)
+    drafter = build_drafter(OmegaConf.create({"seed": 0}), family, drafter_cfg, v, info, Chain(3))
+    engine = "engine" if supported(v.model.config) else "hf"  # fp32: both exact here
+    ids = torch.tensor([v.tokenizer(PROMPT)["input_ids"]])
+    plain = greedy_decode(v, ids, MAX_NEW, [], engine=engine)
+    spec = speculative_decode(v, drafter, ids, MAX_NEW, [], engine=engine)
+    assert torch.equal(spec.tokens, plain.tokens), (arch, family)
+
+
+@pytest.fixture(scope="session")
+def vllm():
+    from runtime.errors import UserError
+    from serve import vllm_engine
+
+    try:
+        vllm_engine.vllm_python()
+    except UserError as e:
+        if os.environ.get("SPECDRAFT_REQUIRE_VLLM") == "1" or os.environ.get("CI") == "true":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    return vllm_engine
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ARCHS)
+def test_vllm_serve(vllm, runs, verifiers, archs_dir, arch):
+    """vLLM loads the tiny verifier and drafts with its EAGLE-3 export (fp32), or refuses with its own message."""
+    export = _export(runs, arch, VLLM_FAMILY)
+    v = verifiers(arch)
+    ids = v.tokenizer(PROMPT)["input_ids"]
+    run = vllm.serve(str(checkpoint(arch, archs_dir)), [ids], MAX_NEW, dtype="float32",
+                     spec=vllm.speculative_config(VLLM_FAMILY, export, 3))
+    assert run.spec["num_drafts"] > 0, run.spec
