@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def eval_document_names(path: Path = BUILTIN_PATH) -> set[str]:
     return names
 
 
-def reference_documents(exclude: set[str] = frozenset()) -> list[Document]:
+def reference_documents(exclude: AbstractSet[str] = frozenset()) -> list[Document]:
     """Sections of the Python reference, as `help()` shows them."""
     import pydoc_data.topics
 
@@ -83,7 +84,7 @@ def reference_documents(exclude: set[str] = frozenset()) -> list[Document]:
     return docs
 
 
-def stdlib_documents(exclude: set[str] = frozenset(), limit: int | None = None) -> list[Document]:
+def stdlib_documents(exclude: AbstractSet[str] = frozenset(), limit: int | None = None) -> list[Document]:
     """Pure-Python standard-library modules (top level, not tests, not private), read as files."""
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
@@ -113,14 +114,14 @@ def package_documents(names: Iterable[str] | None = None) -> list[Document]:
     wanted = None if names is None else set(names)
     docs, seen = [], set()
     for dist in sorted(importlib.metadata.distributions(), key=lambda d: str(d.metadata["Name"]).lower()):
-        meta = dist.metadata
+        meta: Any = dist.metadata  # an email.message.Message underneath: .get, .get_all, .get_payload
         name = str(meta["Name"])
         if name.lower() in seen or (wanted is not None and name not in wanted) or name == "specdraft":
             continue
         seen.add(name.lower())
         licence = " ".join([str(meta.get("License-Expression") or ""), str(meta.get("License") or "")[:80]]
                            + [c for c in meta.get_all("Classifier") or [] if c.startswith("License")])
-        body = _clean_readme(meta.get_payload() or str(meta.get("Description") or ""))  # type: ignore[attr-defined]
+        body = _clean_readme(meta.get_payload() or str(meta.get("Description") or ""))
         if not PERMISSIVE.search(licence) or re.search(r"\bGPL\b|AGPL|LGPL", licence) or len(body) < MIN_CHARS:
             continue
         short = PERMISSIVE.search(licence)
@@ -129,7 +130,7 @@ def package_documents(names: Iterable[str] | None = None) -> list[Document]:
     return docs
 
 
-def default_documents(exclude: set[str] | None = None) -> list[Document]:
+def default_documents(exclude: AbstractSet[str] | None = None) -> list[Document]:
     """Every document source, less the documents the built-in eval split is made from."""
     exclude = eval_document_names() if exclude is None else exclude
     return reference_documents(exclude) + stdlib_documents(exclude) + package_documents()

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.benchmarks import BENCHMARKS, NONE, declared_lists, load_lists, manifest_section
 from data.chat import prompt_ids
 from data.filters import EvalGuard
+from data.long_tasks import copy_share
 from data.multiturn import second_turn_rows
 from data.prompts import eval_prompt_texts
 from data.selfdistill import first_turn
@@ -50,11 +51,14 @@ def _label(source: str) -> str:
 
 
 def answer_stats(ds: datasets.Dataset, eos: int, n: int = 8) -> dict[str, float | int]:
-    """What a small verifier's greedy answers are like: how many never end (cut at max_new_tokens), and the share of
-    assistant tokens that complete an n-gram already seen in the same answer (greedy loops, lists, code)."""
+    """What a small verifier's greedy answers are like: how many never end (cut at max_new_tokens), the share of
+    assistant tokens that complete an n-gram already seen in the same answer (greedy loops, lists, code), and the
+    mean share of an answer's token 4-grams found in its prompt (how much answers copy from their input)."""
     cut = repeated = total = 0
+    copied: list[float] = []
     for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
         answer = [t for t, m in zip(ids, mask) if m]
+        copied.append(copy_share([t for t, m in zip(ids, mask) if not m], answer, 4))
         cut += eos not in answer
         seen: set[tuple[int, ...]] = set()
         for i in range(n - 1, len(answer)):
@@ -63,7 +67,8 @@ def answer_stats(ds: datasets.Dataset, eos: int, n: int = 8) -> dict[str, float 
             seen.add(gram)
         total += len(answer)
     return {"rows_without_eos": cut, f"assistant_tokens_completing_a_repeated_{n}gram": repeated,
-            f"share_completing_a_repeated_{n}gram": round(repeated / max(total, 1), 4)}
+            f"share_completing_a_repeated_{n}gram": round(repeated / max(total, 1), 4),
+            "answer_4grams_found_in_the_prompt": round(sum(copied) / max(len(copied), 1), 4)}
 
 
 def decontamination(cfg: DictConfig, declared: dict[str, list[str] | str],
