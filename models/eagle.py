@@ -48,6 +48,8 @@ def layer_config(verifier: Verifier) -> dict[str, Any]:
     c = verifier.config
     heads = int(c.num_attention_heads)
     rope_params = getattr(c, "rope_parameters", None) or {}
+    if isinstance(rope_params.get("full_attention"), dict):  # per layer type (Gemma 3): the draft layer is global
+        rope_params = rope_params["full_attention"]
     return {
         "hidden_size": int(c.hidden_size),
         "intermediate_size": int(c.intermediate_size),

@@ -449,12 +449,26 @@ def _from_cache(ckpt: Path, load: Any) -> Any:
                              f"{str(e).splitlines()[0] if str(e) else ''})") from e
 
 
+class _TemplateOf:
+    """A checkpoint folder's chat template (chat_template.jinja, or tokenizer_config.json's `chat_template`) read
+    from its files, for `check_rendering` before its tokenizer loads (Gemma 3's takes seconds)."""
+
+    def __init__(self, directory: Path) -> None:
+        jinja, config = directory / "chat_template.jinja", directory / "tokenizer_config.json"
+        self.chat_template = jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+        if self.chat_template is None and config.is_file():
+            try:
+                self.chat_template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+            except (OSError, ValueError, AttributeError):
+                self.chat_template = None  # the tokenizer's own load reports a damaged file
+
+
 def _load_cached(ckpt: Path, dtype: str, device: str, source: dict[str, Any], name: str,
                  rendering: str) -> Verifier:
     """A verifier from an embedded model's cache folder (already checked against its manifest)."""
     torch_dtype = _resolve_dtype(dtype)
+    check_rendering(rendering, _TemplateOf(ckpt), name)  # from the files, before the 262k-token tokenizer loads
     tokenizer = _from_cache(ckpt, local_tokenizer)
-    check_rendering(rendering, tokenizer, name)  # before the weights load
     model = _from_cache(ckpt, lambda c: AutoModelForCausalLM.from_pretrained(
         c, dtype=torch_dtype, trust_remote_code=False, local_files_only=True))
     if rendering != "chat":  # recorded, so an export names it and `load_verifier` renders the same way again
