@@ -102,9 +102,8 @@ def test_vllm_serves_medusa_on_gemma3_and_accepts_what_we_accept(vllm, gemma3, p
 
 
 def test_vllm_refuses_eagle3_on_gemma3_with_its_own_message(vllm, gemma3, tmp_path):
-    """An EAGLE-3 export for Gemma 3 (the speculators format naming Gemma3ForCausalLM and our cached checkpoint) is
-    refused by vLLM 0.32, in its own words: Gemma 3 has no EAGLE-3 interface there. Served as the model itself it is
-    refused the same way."""
+    """An EAGLE-3 export for Gemma 3 (the speculators format naming Gemma3ForCausalLM and our cached checkpoint), given
+    through --speculative-config, is refused by vLLM 0.32 in its own words: Gemma 3 has no EAGLE-3 interface there."""
     from models.eagle import build_eagle
     from models.export import save_export
 
@@ -114,5 +113,6 @@ def test_vllm_refuses_eagle3_on_gemma3_with_its_own_message(vllm, gemma3, tmp_pa
     assert config["speculators_config"]["verifier"] == {"name_or_path": gemma3.checkpoint,
                                                           "architectures": ["Gemma3ForCausalLM"]}
     with pytest.raises(vllm.EngineError) as refused:
-        vllm.serve(export, [[2, 818, 5279]], 4, dtype="float32")
+        vllm.serve(gemma3.checkpoint, [[2, 818, 5279]], 4, dtype="float32",
+                   spec=vllm.speculative_config("eagle3", export, TOKENS))
     assert EAGLE3_REFUSAL in refused.value.log, refused.value.cause
