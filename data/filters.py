@@ -151,12 +151,31 @@ class EvalGuard:
     def __init__(self, eval_texts: Iterable[str], threshold: float = 0.7) -> None:
         self.exact = set()
         self.index, self.threshold = MinHashIndex(seed=1), threshold
+        self._postings: dict[str, list[int]] | None = None
         for t in eval_texts:
             self.exact.add(normalise(t))
             self.index.add(shingles(t))
 
     def contaminated(self, text: str) -> bool:
         return normalise(text) in self.exact or self.index.query(shingles(text), self.threshold) is not None
+
+    def overlaps(self, text: str, threshold: float | None = None) -> bool:
+        """Containment either way, for long texts where Jaccard misses it: `threshold` (default: the guard's) or
+        more of `text`'s word 3-grams are in one eval text (a cut of a benchmark article), or of one eval text's
+        3-grams are in `text` (a benchmark question inside a longer document)."""
+        threshold = self.threshold if threshold is None else threshold
+        sets = self.index.sets
+        if self._postings is None:  # built on first use: shingle -> the eval texts holding it
+            self._postings = {}
+            for j, sh in enumerate(sets):
+                for g in sh:
+                    self._postings.setdefault(g, []).append(j)
+        mine = shingles(text)
+        shared: dict[int, int] = {}
+        for g in mine:
+            for j in self._postings.get(g, ()):
+                shared[j] = shared.get(j, 0) + 1
+        return any(n >= threshold * len(mine) or n >= threshold * len(sets[j]) for j, n in shared.items())
 
 
 def apply_filters(texts: Sequence[str], quality: QualityFilter | None, guard: EvalGuard | None,

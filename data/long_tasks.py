@@ -312,10 +312,13 @@ def _short(text: str, n: int) -> str:
 
 
 def build_tasks(docs: Sequence[Document], num: int, seed: int = 0, guard: EvalGuard | None = None,
-                dedup_threshold: float = 0.5) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """`num` long-input prompts, task kinds taken in turn, each from a chunk never used before (so no two prompts
-    share a passage). A prompt is dropped when its text or any one of its passages matches an evaluation text of
-    `guard` (exact or near-duplicate), or is a near-duplicate (word 3-gram Jaccard >= `dedup_threshold`) of an
+                dedup_threshold: float = 0.5, tasks: dict[str, tuple[str, int, Template]] | None = None,
+                ) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """`num` long-input prompts, task kinds (`tasks`, default TASKS) taken in turn, each from a chunk never used
+    before (so no two prompts share a passage). A prompt is dropped when its text or any one of its passages
+    matches an evaluation text of `guard` (exact or near-duplicate), when a passage and an evaluation text share
+    70% of either's word 3-grams (a cut of a benchmark article, a benchmark question inside a document:
+    EvalGuard.overlaps), or when a passage is a near-duplicate (word 3-gram Jaccard >= `dedup_threshold`) of an
     earlier prompt's passage. Returns (records in the built-in set's format plus `source` and `licence`, the
     count dropped per reason)."""
     rng = random.Random(seed)
@@ -327,21 +330,22 @@ def build_tasks(docs: Sequence[Document], num: int, seed: int = 0, guard: EvalGu
     records: list[dict[str, Any]] = []
     dropped: dict[str, int] = {}
     seen = MinHashIndex(seed=2)
-    names = list(TASKS)
+    tasks = TASKS if tasks is None else tasks
+    names = list(tasks)
     turn = 0
     while len(records) < num and any(pools.values()):
         category = names[turn % len(names)]
         turn += 1
-        kind, n, template = TASKS[category]
+        kind, n, template = tasks[category]
         if len(pools[kind]) < n:
-            if not any(len(pools[TASKS[c][0]]) >= TASKS[c][1] for c in names):
+            if not any(len(pools[tasks[c][0]]) >= tasks[c][1] for c in names):
                 break
             continue
         picked = [pools[kind].pop() for _ in range(n)]
         passages = [(_short(c, PROSE_CHARS[0] * 2 // 3) if n > 1 else c, d.title) for c, d in picked]
         prompt = template(passages, rng)
         why = None
-        if guard is not None and (any(guard.contaminated(t) for t, _ in passages)
+        if guard is not None and (any(guard.contaminated(t) or guard.overlaps(t) for t, _ in passages)
                                   or (prompt is not None and guard.contaminated(prompt))):
             why = "matches an evaluation text"
         elif prompt is None:

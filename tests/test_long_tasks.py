@@ -143,9 +143,28 @@ def test_ship_data_manifest_records_the_lists_checked_and_not(tiny, tmp_path, ca
     assert set(manifest["by_source"]) == {"long_tasks"}
 
 
-def test_eval_guard_passage_check_catches_a_passage_among_others():
-    """Why passages are checked one by one: a benchmark article as one of three passages is far (Jaccard) from the
-    whole prompt, but equal to its passage."""
-    guard = EvalGuard([ARTICLE])
-    prompt = "\n\n".join([_prose(5), ARTICLE, _prose(6)])
-    assert not guard.contaminated(prompt) and guard.contaminated(ARTICLE)
+def test_a_benchmark_passage_among_others_or_cut_or_holding_a_question_is_dropped():
+    """Passages are checked one by one and by containment: a benchmark article as one of three retrieval passages
+    (far from the whole prompt by Jaccard), a cut of a longer benchmark text, and a document that holds a benchmark
+    question all go; with the same documents and no guard, they give prompts (negative control)."""
+    article = _prose(7)
+    guard = EvalGuard([article, LIST_RECORDS[0]["question"]])
+    prompt = "\n\n".join([_prose(5), article, _prose(6)])
+    assert not guard.contaminated(prompt) and guard.contaminated(article)
+    cut = article[: len(article) // 3]
+    assert not guard.contaminated(cut) and guard.overlaps(cut)
+    holder = _prose(8)[:2000] + "\n\n" + LIST_RECORDS[0]["question"] + "\n\n" + _prose(8)[2000:4000]
+    assert not guard.contaminated(holder) and guard.overlaps(holder) and not guard.overlaps(_prose(9))
+    retrieval = {"long_retrieval": TASKS["long_retrieval"]}
+    docs = [_doc(article, "bench")] + [_doc(_prose(10 + i), f"clean{i}") for i in range(5)]
+    kept, dropped = build_tasks(docs, num=20, seed=0, guard=guard, tasks=retrieval)
+    assert dropped.get("matches an evaluation text", 0) >= 1 and "bench" not in " ".join(r["source"] for r in kept)
+    control, _ = build_tasks(docs, num=20, seed=0, tasks=retrieval)
+    assert any("test bench" in r["source"] for r in control)
+    single = {"long_summarise": TASKS["long_summarise"]}
+    docs = [_doc(holder, "holder"), _doc(_prose(20), "clean")]
+    question = LIST_RECORDS[0]["question"][:60]
+    kept, _ = build_tasks(docs, num=5, seed=0, guard=guard, tasks=single)
+    assert kept and not any(question in r["prompt"] for r in kept)
+    control, _ = build_tasks(docs, num=5, seed=0, tasks=single)
+    assert any(question in r["prompt"] for r in control)
