@@ -111,9 +111,12 @@ class DraftModelModule(DrafterModule):
         lm_head = self.draft.lm_head
         return lm_head(hidden[valid].to(lm_head.weight.dtype))
 
-    def model_step(self, batch: dict[str, Tensor], train: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Returns (mean loss, KL summed over positions, agreements summed, the expected accepted length summed over
-        positions (validation; 0 in training)), the sums for token-weighted validation."""
+    def model_step(self, batch: dict[str, Tensor], train: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns (mean loss, KL summed over positions, agreements summed), the sums for token-weighted validation."""
+        return self.step_sums(batch, train)[:3]
+
+    def step_sums(self, batch: dict[str, Tensor], train: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """model_step's, and the expected accepted length summed over positions (validation; 0 in training)."""
         if self.verifier.device != self.device:
             self.verifier.to(self.device)
         valid = next_token_positions(batch["loss_mask"])
@@ -138,7 +141,7 @@ class DraftModelModule(DrafterModule):
         return loss, kl.detach().sum(), agree.float().sum(), expected
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, _, agree, _ = self.model_step(batch, train=True)
+        loss, _, agree = self.model_step(batch, train=True)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"training diverged at step {self.global_step}: the training loss is {loss.item()}. "
@@ -151,7 +154,7 @@ class DraftModelModule(DrafterModule):
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        _, kl_sum, agree, expected = self.model_step(batch, train=False)
+        _, kl_sum, agree, expected = self.step_sums(batch, train=False)
         n = next_token_positions(batch["loss_mask"]).sum().to(kl_sum)
         sums = torch.stack([kl_sum, agree, n, expected.to(kl_sum)])
         self._val = sums if self._val is None else self._val + sums
