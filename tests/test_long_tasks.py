@@ -141,6 +141,12 @@ def test_ship_data_manifest_records_the_lists_checked_and_not(tiny, tmp_path, ca
     assert dec["source_builds"]["long_tasks"]["licences"] == {"PSF-2.0": 3}
     assert manifest["counts"]["conversations"] == 3
     assert set(manifest["by_source"]) == {"long_tasks"}
+    # A list of sets (the short-prompt set and its long part) loads as one, each checked, in the order given.
+    from data.shipped import load_shipped
+
+    one, two = load_shipped(out, tiny), load_shipped([str(out), str(out)], tiny)
+    assert len(two) == 6 and two["input_ids"][3:] == one["input_ids"]
+    assert two._fingerprint == load_shipped([out, out], tiny)._fingerprint != one._fingerprint
 
 
 def test_a_benchmark_passage_among_others_or_cut_or_holding_a_question_is_dropped():
