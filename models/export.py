@@ -35,7 +35,7 @@ from models.export_folder import is_project_export as _is_project_export
 from models.families import FAMILIES, a_title, family_of_config, family_of_net, title
 from models.io import atomic_dir
 from models.shipped_export import check_manifest, expand
-from models.verifier import Verifier, check_fingerprint, from_file, verifier_source
+from models.verifier import EMBEDDED, Verifier, check_fingerprint, from_file, verifier_source
 from runtime.errors import UserError
 
 CONFIG_NAME = "config.json"
@@ -284,7 +284,7 @@ def frequent_ids(counts: Tensor, size: int, setting: str = "drafter.draft_vocab"
 
 def _verifier_keys(verifier: Verifier) -> dict[str, Any]:
     loader = verifier.source["loader"]
-    path = {"hf": verifier.source.get("path"), "smollm2": "smollm2"}.get(loader, verifier.name)
+    path = verifier.source.get("path") if loader == "hf" else loader if loader in EMBEDDED else verifier.name
     return {"verifier": verifier.source, "verifier_path": path, "verifier_fingerprint": verifier.fingerprint}
 
 

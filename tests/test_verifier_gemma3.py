@@ -138,7 +138,7 @@ def test_an_export_for_another_verifier_is_refused_by_fingerprint(gemma3, tiny, 
     net = build_eagle("eagle3", gemma3, draft_vocab_size=64)
     path = save_export(net, gemma3, tmp_path / "eagle3")
     config = json.loads((path / "config.json").read_text())
-    assert config["verifier"] == {"loader": "gemma3", "rendering": "plain"}
+    assert config["verifier"] == {"loader": "gemma3", "rendering": "plain"} and config["verifier_path"] == "gemma3"
     assert config["speculators_config"]["verifier"]["architectures"] == ["Gemma3ForCausalLM"]
     with pytest.raises(VerifierMismatchError, match=r"Gemma3ForCausalLM.*LlamaForCausalLM.*retrain"):
         load_export(path, tiny)
