@@ -128,6 +128,19 @@ def test_dpace_weights_by_hand() -> None:
         dpace_weights(torch.tensor([0.5, 2.0]))
 
 
+def test_expected_accepted_length_by_hand() -> None:
+    """Validation's tally: per chain start, sum_k prod_{j<=k} alpha_j over the steps, an invalid step ending it."""
+    from train.eagle import validation_summary, validation_tallies
+
+    alpha = torch.tensor([[[0.5, 0.4]], [[0.8, 0.9]]])  # (S=2, B=1, n=2)
+    valid = torch.tensor([[[True, True]], [[True, False]]])
+    rank = torch.zeros(2, 1, 2, dtype=torch.long)
+    tallies = validation_tallies(rank == 0, valid, rank, alpha=alpha)
+    assert float(tallies["expected_accept"]) == pytest.approx(0.5 + 0.5 * 0.8 + 0.4)
+    agg = {k: v for k, v in tallies.items()}
+    assert validation_summary(agg)["expected_accepted_length"] == pytest.approx(1 + 1.3 / 2)
+
+
 def test_unknown_loss_names_the_list() -> None:
     with pytest.raises(UserError, match="model.loss='kld'.*kl, rkl, jsd, ce, tv, nla, lk_hybrid"):
         check_loss("kld")
