@@ -260,3 +260,27 @@ def test_bad_input_is_refused_with_one_message_each(varied, tmp_path):
     (export / "config.json").write_text(json.dumps(config | {"enable_confidence_head": False}))
     with pytest.raises(UserError, match="enable_confidence_head=false: a DSpark export without its confidence head"):
         load_export(export, varied)
+
+
+def test_dpace_weighs_the_token_loss_and_the_confidence_bce_keeps_the_fixed_decay(varied, one_thread):
+    """model.slot_weighting=dpace (DFlashModule's hook) reweighs the token loss per block; the confidence BCE's share
+    of the training loss stays sum_k step_decay^(k-1) BCE_k, as under exp (speculators keeps it on the fixed decay),
+    while the token loss's share differs between the two weightings."""
+    from train.dspark import DSparkModule
+
+    ids = torch.randint(20, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+
+    torch.manual_seed(0)
+    module = DSparkModule(varied, optimizer=partial(torch.optim.AdamW, lr=0.1), mask_token_id=16, block_size=4,
+                          aux_layer_ids=[0, 1], markov_rank=8, num_anchors=6)
+
+    def loss(weighting: str, weight: float) -> float:
+        module.hparams.update(slot_weighting=weighting, confidence_weight=weight)
+        torch.manual_seed(0)  # the same anchors
+        with torch.no_grad():
+            return float(module._loss(module.model_step(batch, module.net.parallel, train=True)["losses"]))
+
+    bce = {w: loss(w, 1.0) - loss(w, 0.0) for w in ("exp", "dpace")}
+    assert bce["exp"] > 0 and bce["dpace"] == pytest.approx(bce["exp"], rel=1e-4)
+    assert loss("dpace", 0.0) != pytest.approx(loss("exp", 0.0), rel=1e-3)

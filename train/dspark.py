@@ -4,9 +4,11 @@ The backbone's blocks are DFlash's (`models.dflash.block_rows`, sampled anchors)
 - logits = lm_head(h_k) + MarkovBias(W1[x_{t+k}]): teacher-forced on the previous target token (the self-distilled
   data holds the verifier's own tokens), x_{t+1} (the root) for slot 1;
 - the cross-entropy to q (the verifier's distribution at t+k; speculators' default `kl_div`, which differs from it by
-  q's entropy, a constant), weighted step_decay^(k-1) (speculators' fixed-exp-decay, gamma = 4: exp(-(k-1)/4));
+  q's entropy, a constant; `model.loss` another, train/losses.py), weighted step_decay^(k-1) (speculators'
+  fixed-exp-decay, gamma = 4: exp(-(k-1)/4)) or by D-PACE (`model.slot_weighting=dpace`, DFlashModule's);
 - the confidence head's BCE against the detached acceptance 1 - TV(p_k, q_k) = sum_v min(p, q) of the Markov-corrected
-  p, weighted the same per slot and by `confidence_weight` (speculators' confidence_head_alpha, 1.0).
+  p, weighted step_decay^(k-1) (under D-PACE too, as speculators keeps it) and by `confidence_weight` (speculators'
+  confidence_head_alpha, 1.0).
 Validation logs each slot's top-1 and the tables DFlash logs, plus the confidence head's calibration per slot
 (`val/slot{k}_confidence` beside `val/slot{k}_accept`), which the export records as `dspark_confidence` and
 `dspark_accept_rate`, and `dspark_confidence_table`: eagle_topk_accuracy with each depth's top-1 cell replaced by the
@@ -28,7 +30,7 @@ from models.dspark import DSparkNet, build_dspark
 from models.verifier import Verifier
 from runtime.errors import UserError
 from train.dflash import DFlashModule
-from train.fused_head import soft_target_ce
+from train.losses import chunked_loss
 
 
 def slot_bias(net: DSparkNet, ids: Tensor, out: Tensor, bi: Tensor, ti: Tensor, col: Tensor, j: int
@@ -56,7 +58,8 @@ def confidence_table(topk: list[list[float]], confidence: list[float]) -> list[l
 
 
 class DSparkModule(DFlashModule):
-    """Args: DFlash's (train/dflash.py), and
+    """Args: DFlash's (train/dflash.py: loss, lk_eta, slot_weighting, dpace_alpha included; no train_vocab: the
+    Markov bias spans the whole vocabulary), and
         markov_rank: the rank r of the Markov bias (speculators 0.9: 256).
         markov_head_type: vanilla | gated | rnn (vLLM 0.32 serves vanilla).
         confidence_weight: the confidence BCE's weight (speculators' confidence_head_alpha).
@@ -65,7 +68,8 @@ class DSparkModule(DFlashModule):
     def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, block_size: int = 8,
                  num_layers: int = 1, aux_layer_ids: list[int] | None = None, num_anchors: int | None = 64,
-                 step_decay: float = math.exp(-0.25), warmup_ratio: float = 0.05, markov_rank: int = 256,
+                 step_decay: float = math.exp(-0.25), warmup_ratio: float = 0.05, loss: str = "kl",
+                 lk_eta: float = 3.0, slot_weighting: str = "exp", dpace_alpha: float = 0.5, markov_rank: int = 256,
                  markov_head_type: str = "vanilla", confidence_weight: float = 1.0) -> None:
         if isinstance(confidence_weight, bool) or not isinstance(confidence_weight, (int, float)) \
                 or not confidence_weight >= 0:
@@ -73,7 +77,8 @@ class DSparkModule(DFlashModule):
                             f"a number >= 0 (speculators: 1.0).")
         super().__init__(verifier, optimizer, scheduler, mask_token_id=mask_token_id, block_size=block_size,
                          num_layers=num_layers, aux_layer_ids=aux_layer_ids, num_anchors=num_anchors,
-                         step_decay=step_decay, warmup_ratio=warmup_ratio, train_vocab=None)
+                         step_decay=step_decay, warmup_ratio=warmup_ratio, train_vocab=None, loss=loss,
+                         lk_eta=lk_eta, slot_weighting=slot_weighting, dpace_alpha=dpace_alpha)
         self.net = build_dspark(verifier, mask_token_id, block_size, num_layers, aux_layer_ids, markov_rank,
                                 markov_head_type)
         self.hparams.update(markov_rank=markov_rank, markov_head_type=markov_head_type,
@@ -81,17 +86,21 @@ class DSparkModule(DFlashModule):
         self._calib: dict[str, Tensor] = {}
 
     def model_step(self, batch: dict[str, Tensor], steps: int, train: bool) -> dict[str, Any]:
-        """EagleModule.model_step's outputs (per-slot losses, top-1 hits, valid targets; validation: ranks and the
-        draft's top-1 probability) for the Markov-corrected logits, the confidence BCE in each slot's loss."""
+        """EagleModule.model_step's outputs (per-slot losses, top-1 hits, valid targets, alpha; validation: ranks and
+        the draft's top-1 probability) for the Markov-corrected logits, the confidence BCE in each slot's loss.
+        `model.loss` picks the token loss (train/losses.py) and `slot_weighting=dpace` weighs it per block by D-PACE
+        (DFlashModule.slot_weights, on the overlaps, as speculators' D-PACE reads the token loss, not the head); the
+        BCE keeps the fixed decay step_decay^(k-1), as speculators keeps it."""
         if self.verifier.device != self.device:
             self.verifier.to(self.device)
+        hp = self.hparams
         ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
         n = ids.shape[1] - 1
         states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
         final = states[-1]
         feats = self.net.features(states)[:, :n]
         embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
-        losses, correct, valid_at, ranks, confs = [], [], [], [], []
+        terms, correct, valid_at, ranks, confs, alphas = [], [], [], [], [], []
         for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
             valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets
             bias, emb = slot_bias(self.net, ids, step.out, bi, ti, step.column, j)
@@ -99,15 +108,17 @@ class DSparkModule(DFlashModule):
             with torch.no_grad():
                 q = lm_head(final[bi, ti + j + 1]).float().softmax(-1)  # (N, V): the verifier's next token after t+j+1
                 q_arg = q.argmax(-1)
-            ce, draft = soft_target_ce(logits, q)
-            with torch.no_grad():
-                accept = torch.minimum(logits.softmax(-1), q).sum(-1).clamp(0.0, 1.0)  # 1 - TV(p, q)
+            # (N,) each: the token loss, p's argmax, the overlap 1 - TV(p, q) = sum_v min(p, q) (detached)
+            per_row, draft, accept = chunked_loss(logits, q, None, loss=hp.get("loss", "kl"),
+                                                  eta=hp.get("lk_eta", 3.0), want_alpha=True)
+            accept = accept.float().clamp(0.0, 1.0)
             conf_logit = self.net.confidence_logit(h, emb).float()
-            bce = F.binary_cross_entropy_with_logits(conf_logit, accept, reduction="sum")
-            count = bi.numel()
-            step_loss = self.global_mean(ce.sum(), count) + \
-                self.hparams.confidence_weight * self.global_mean(bce, count)
-            losses.append(step_loss if count else (logits.sum() + conf_logit.sum()) * 0.0)
+            bce = F.binary_cross_entropy_with_logits(conf_logit, accept, reduction="none")
+            zero = (logits.sum() + conf_logit.sum()) * 0.0
+            terms.append((per_row, bce, bi, ti, zero))
+            alpha = torch.zeros(valid.shape, device=valid.device)
+            alpha[bi, ti] = accept
+            alphas.append(alpha)
             hit = torch.zeros_like(valid)
             hit[bi, ti] = draft == q_arg
             correct.append(hit)
@@ -122,7 +133,17 @@ class DSparkModule(DFlashModule):
             conf = torch.zeros(valid.shape, device=valid.device)
             conf[bi, ti] = p32.softmax(-1).amax(-1)
             confs.append(conf)
-        out = {"losses": losses, "correct": torch.stack(correct), "valid": torch.stack(valid_at)}
+        valid_all, alpha_all = torch.stack(valid_at), torch.stack(alphas)
+        weights = self.slot_weights(alpha_all, valid_all)  # (S, B, n) or None: step_decay^j per step (_loss)
+        losses = []
+        for j, (per_row, bce, bi, ti, zero) in enumerate(terms):
+            w = per_row if weights is None else per_row * weights[j][bi, ti]
+            # the BCE on the fixed decay whatever weighs the token loss (_loss multiplies by step_weight(j))
+            fixed = hp.step_decay**j / self.step_weight(j)
+            step_loss = self.global_mean(w.sum(), per_row.numel()) + \
+                hp.confidence_weight * fixed * self.global_mean(bce.sum(), bce.numel())
+            losses.append(step_loss if bi.numel() else zero)
+        out = {"losses": losses, "correct": torch.stack(correct), "valid": valid_all, "alpha": alpha_all}
         return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
 
     def _tally(self, j: int, predicted: Tensor, accept: Tensor, steps: int) -> None:
