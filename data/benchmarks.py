@@ -33,9 +33,9 @@ BENCHMARKS = ("builtin_eval", "humaneval", "mt_bench", "gsm8k", "cnn_dailymail",
 TEXT_FIELDS = ("question", "question_text", "article", "document", "prompt", "turns", "source", "src",
                "translation", "text", "highlights")
 NONE = "none"
-HOW_TO = ("give the source a list in ship.decontaminate, e.g. ship.decontaminate.{label}=[builtin_eval,humaneval,"
-          "mt_bench,gsm8k,cnn_dailymail,wmt,natural_questions], or say ship.decontaminate.{label}=none to ship it "
-          "unchecked (recorded in the manifest)")
+HOW_TO = ("give the source a list in the experiment's ship.decontaminate, or on the command line "
+          "+ship.decontaminate.{label}=[builtin_eval,humaneval,mt_bench,gsm8k,cnn_dailymail,wmt,natural_questions], "
+          "or say +ship.decontaminate.{label}=none to ship it unchecked (recorded in the manifest)")
 
 
 def _texts_of(value: Any) -> list[str]:
@@ -129,9 +129,8 @@ def declared_lists(labels: Sequence[str], declared: Mapping[str, Any] | None) ->
                             f"{NONE!r}.")
         out[label] = names
     extra = sorted(set(declared) - set(labels))
-    if extra:
-        raise UserError(f"ship.decontaminate names {extra}, which are not among the data sources {list(labels)}. "
-                        f"Remove them or fix the label (a file source's label is its file name without suffix).")
+    if extra:  # an experiment's entries for sources a command line replaced: said, not fatal
+        print(f"[data] ship.decontaminate names {extra}, not among this run's sources {list(labels)}: not used")
     return out
 
 
@@ -150,7 +149,7 @@ def manifest_section(declared: Mapping[str, list[str] | str], report: Mapping[st
         "lists": {k: dict(v) for k, v in report.items()},
         "checked": [n for n in applied if report.get(n, {}).get("checked", n in ("builtin_eval", "humaneval"))],
         "not_available": [n for n, r in report.items() if not r.get("checked")],
-        "how": "every prompt: exact match after normalisation, or word 3-gram Jaccard >= 0.7 (data/filters.py "
+        "how": "not checked: every source said none" if not applied else "every prompt: exact match after normalisation, or word 3-gram Jaccard >= 0.7 (data/filters.py "
                "EvalGuard), against the union of the lists the sources declared (the data module applies one guard "
                "to every source; the built-in eval split and HumanEval always)",
         **({"source_builds": dict(builds)} if builds else {}),

@@ -105,6 +105,10 @@ def main(cfg: DictConfig) -> None:
 
 
 def ship(cfg: DictConfig) -> None:
+    if cfg.data.get("limit") is not None:
+        raise UserError(f"scripts/ship_data packs whole sources, each row labelled with its source; data.limit="
+                        f"{cfg.data.limit} mixes them. Give a shorter prompt file instead (scripts/tools/long_tasks.py "
+                        f"--num, registry_prompts.py --per-set).")
     if cfg.data.mode != "selfdistill":
         raise UserError(f"scripts/ship_data builds a self-distilled set; data.mode={cfg.data.mode!r}. Use "
                         f"experiment=ship_data (or data=selfdistill).")
