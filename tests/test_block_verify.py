@@ -10,8 +10,9 @@
 2. Statistical: 20k rounds through `block_accept` (batched on the same small world) against 20k draws from q:
    chi-square on the first g+1 tokens, with a fixed seed; drawing from q instead of the residual must fail.
 3. The decode loop and the harness: temperature 0 is greedy whatever `verify` says (greedy_match 1.0 on the tiny
-   verifier and, slow, on pretrained/eagle3-smollm2 with tree=chain); sampled decoding with verify=block runs on a
-   real drafter; a tree, an unknown rule, or typical acceptance with it are one UserError each.
+   verifier through the harness; slow: plain greedy's tokens with pretrained/eagle3-smollm2's chain); sampled
+   decoding with verify=block runs on real drafters; a tree, an unknown rule, or typical acceptance with it are one
+   UserError each.
 """
 
 from __future__ import annotations
@@ -339,10 +340,22 @@ def test_harness_verify_block_greedy_match_and_tree_refusal(medusa_export, tmp_p
 
 
 @pytest.mark.slow
-def test_shipped_eagle3_chain_greedy_match_with_verify_block(tmp_path, one_thread):
-    export = ROOT / "pretrained" / "eagle3-smollm2"
-    if not export.is_dir():
+def test_shipped_eagle3_chain_verify_block(smollm2, one_thread):
+    """pretrained/eagle3-smollm2 drafting a chain for the default verifier: at temperature 0 with verify=block the
+    output is plain greedy decoding's, token for token; sampled, block verification runs on the real drafts."""
+    from eval.drafters.build import export
+    from eval.engine.decode import greedy_decode, speculative_decode
+    from eval.engine.tree import Chain
+
+    path = ROOT / "pretrained" / "eagle3-smollm2"
+    if not path.is_dir():
         pytest.skip("pretrained/eagle3-smollm2 is not in this checkout")
-    report = _run_eval([f"checkpoint={export}", "tree=chain", "verify=block", "num_prompts=1", "max_new_tokens=24"],
-                       tmp_path)
-    assert report["greedy_match"] == 1.0 and report["tau"] > 1.0
+    ids = torch.tensor([smollm2.tokenizer("The quick brown fox jumps over the lazy dog. The quick")["input_ids"]])
+    greedy = greedy_decode(smollm2, ids, 16).tokens
+    out = speculative_decode(smollm2, export(smollm2, Chain(None), path), ids, 16,
+                             sampling=SamplingConfig(temperature=0.0, verify="block"))
+    assert torch.equal(out.tokens, greedy) and out.tau > 1.0
+    cfg = SamplingConfig(temperature=0.7, verify="block")
+    drafter = export(smollm2, Chain(None), path, sampling=cfg, generator=torch.Generator().manual_seed(1))
+    out = speculative_decode(smollm2, drafter, ids, 16, sampling=cfg, generator=torch.Generator().manual_seed(0))
+    assert out.tokens.shape == (1, 16) and out.tau >= 1.0
