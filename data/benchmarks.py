@@ -149,8 +149,9 @@ def manifest_section(declared: Mapping[str, list[str] | str], report: Mapping[st
         "lists": {k: dict(v) for k, v in report.items()},
         "checked": [n for n in applied if report.get(n, {}).get("checked", n in ("builtin_eval", "humaneval"))],
         "not_available": [n for n, r in report.items() if not r.get("checked")],
-        "how": "not checked: every source said none" if not applied else "every prompt: exact match after normalisation, or word 3-gram Jaccard >= 0.7 (data/filters.py "
-               "EvalGuard), against the union of the lists the sources declared (the data module applies one guard "
-               "to every source; the built-in eval split and HumanEval always)",
+        "how": ("not checked: every source said none" if not applied else
+                "every prompt: exact match after normalisation, or word 3-gram Jaccard >= 0.7 (data/filters.py "
+                "EvalGuard), against the union of the lists the sources declared (the data module applies one "
+                "guard to every source; the built-in eval split and HumanEval always)"),
         **({"source_builds": dict(builds)} if builds else {}),
     }
