@@ -5,8 +5,8 @@
 
 Two drivers, as the families call them: `frozen_head_loss` (EAGLE-1, DFlash: logits = hidden @ W^T, chunk by chunk)
 over the full vocabulary, and `chunked_loss` (EAGLE-3, P-EAGLE: logits in hand) over an 8,192-token draft
-vocabulary. Prints, per loss, the median forward + backward seconds and the ratio to kl's. bf16 inputs, as training
-holds them; random weights (cost does not depend on what was learned).
+vocabulary. Prints, per loss, the median forward + backward seconds and the ratio to kl's (round-robin repeats).
+bf16 inputs, as training holds them; random weights (cost does not depend on what was learned).
 """
 
 from __future__ import annotations
@@ -20,14 +20,18 @@ import torch
 from train.losses import LOSSES, chunked_loss, frozen_head_loss
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _times(fns: dict[str, object], repeats: int) -> dict[str, float]:
+    """Median seconds per function, the functions taken in turn within each repeat (round-robin), so a machine
+    whose load drifts slows them alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    seen: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            seen[key].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in seen.items()}
 
 
 def main() -> None:
@@ -57,11 +61,11 @@ def main() -> None:
     print(f"rows {args.rows}, torch threads {torch.get_num_threads()}, median of {args.repeats}")
     print(f"{'loss':<10} {'frozen head V=' + str(args.vocab):>24} {'ratio':>6} "
           f"{'chunked V=' + str(args.draft_vocab):>20} {'ratio':>6}")
-    base: tuple[float, float] | None = None
+    fns = {(d, n): (lambda d=d, n=n: head(n) if d == "head" else soft(n)) for n in LOSSES for d in ("head", "soft")}
+    t = _times(fns, args.repeats)
     for name in LOSSES:
-        a, b = _time(lambda: head(name), args.repeats), _time(lambda: soft(name), args.repeats)
-        base = base or (a, b)
-        print(f"{name:<10} {a:>22.3f} s {a / base[0]:>6.2f} {b:>18.3f} s {b / base[1]:>6.2f}")
+        a, b = t["head", name], t["soft", name]
+        print(f"{name:<10} {a:>22.3f} s {a / t['head', 'kl']:>6.2f} {b:>18.3f} s {b / t['soft', 'kl']:>6.2f}")
 
 
 if __name__ == "__main__":
