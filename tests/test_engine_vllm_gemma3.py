@@ -95,6 +95,8 @@ def test_vllm_serves_medusa_on_gemma3_and_accepts_what_we_accept(vllm, gemma3, p
                      spec=vllm.speculative_config("medusa", export, TOKENS))
     assert run.resolved["method"] == "medusa" and run.spec["num_drafts"] > 0
     assert len(run.alpha) == TOKENS
+    print(f"medusa on gemma3: alpha ours {ours} ({rounds.numel()} rounds), vLLM {run.alpha} "
+          f"({run.spec['num_drafts']} drafts), vLLM load {run.load_seconds:.1f} s")
     for k, (a, b) in enumerate(zip(ours, run.alpha), start=1):
         tol = _tolerance((a + b) / 2, rounds.numel(), run.spec["num_drafts"])
         assert abs(a - b) <= tol, f"alpha_{k}: ours {a:.3f} vLLM {b:.3f}, tolerance {tol:.3f}"
