@@ -1,6 +1,7 @@
 """Tiny random verifiers of each architecture the conformance matrix covers, built from transformers config classes
 (no download): Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral with a sliding window, Gemma 3 with local and global layers,
-Phi-3. Each has head_dim 64 (what vLLM's CPU attention takes), 2 layers (Gemma 3: 4, two local and two global), the
+Phi-3. Each has head_dim 64 (what vLLM's CPU attention takes), 3 layers (EAGLE-3 reads three distinct layers, as
+vLLM's does; Gemma 3: 4, two local and two global), the
 default verifier's tokenizer (as models.verifier.build_tiny), and weights redrawn large enough (as `varied_llama`)
 that its greedy output varies, so the cache, the masks and the windows are exercised.
 
@@ -23,7 +24,7 @@ WINDOW_GEMMA = 8  # shorter than it: the window hides near keys too
 LAYER_STD = 0.15
 
 
-def _common(vocab: int, tokenizer: Any, layers: int = 2) -> dict[str, Any]:
+def _common(vocab: int, tokenizer: Any, layers: int = 3) -> dict[str, Any]:
     return dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM, max_position_embeddings=2048,
                 tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

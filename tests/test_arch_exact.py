@@ -34,7 +34,7 @@ BROKEN = {
     "qwen3": [("qk_norm", False)],
     "gemma3": [("embed_scale", None), ("windows", (None,) * 4), ("norm_offset", 0.0), ("sandwich", False),
                ("rope_kinds", ("full_attention",) * 4), ("act", "silu"), ("scale", 64**-0.5)],
-    "mistral": [("windows", (None,) * 2)],
+    "mistral": [("windows", (None,) * 3)],
 }
 
 

@@ -28,8 +28,8 @@ TRAINED = [n for n, f in FAMILIES.items() if f.training is not None]
 TRAIN = ["data.limit=4", "data.max_new_tokens=8", "data.gen_batch_size=4", "data.batch_size=2",
          "data.val_fraction=0.25", "logger=csv", "trainer.max_steps=1", "trainer.max_epochs=1",
          "verifier.dtype=float32", "verifier.device=cpu"]
-EXTRA = {"eagle3": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.ttt_steps=2",
-                    "model.val_steps=1"],
+# EAGLE-3 keeps its default three aux layers (vLLM's fc reads 3 x hidden); the others read two.
+EXTRA = {"eagle3": ["model.draft_vocab_size=64", "model.ttt_steps=2", "model.val_steps=1"],
          "eagle": ["model.val_steps=1"], "draft_model": ["model.num_layers=1"],
          "peagle": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.parallel_tokens=3"],
          "dflash": ["model.aux_layer_ids=[0,1]", "model.block_size=4"],
