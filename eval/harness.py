@@ -268,7 +268,7 @@ def setup(cfg: DictConfig) -> Setup:
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
 
     def prefix() -> list[int]:  # a real prefix for the cost curve, checked before anything runs on it
-        ids = prompt_ids(verifier.tokenizer, user_turns(convs[0])[0])
+        ids = prompt_ids(verifier.tokenizer, user_turns(convs[0])[0], verifier.rendering)
         check_length(verifier, ids, int(cfg.max_new_tokens), f"prompt {convs[0].id!r}")
         return ids
 
@@ -299,7 +299,7 @@ def run_peers(cfg: DictConfig, run: Setup, samples: list[Any]) -> dict[str, Any]
     """engine_peers=[vllm]: the run's prompts through the real vLLM, plain and with the export drafting."""
     export = run.exports[0] if run.exports else None
     kind = export.kind if export is not None else None
-    prompts = [prompt_ids(run.verifier.tokenizer, user_turns(c)[0]) for c in run.convs]
+    prompts = [prompt_ids(run.verifier.tokenizer, user_turns(c)[0], run.verifier.rendering) for c in run.convs]
     tokens = cfg.get("engine_peer_tokens") or (export.speculative_tokens if export is not None else None)
     print(f"engine_peers: vLLM plain and {kind or 'no drafter'} on {len(prompts)} prompts")
     return {"vllm": vllm_peer(run.verifier, kind, export.path if export else None, prompts,

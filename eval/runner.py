@@ -150,7 +150,8 @@ def run_prompts(
     """Decode every conversation's first user turn (or, with multi_turn, every turn with the verifier's own greedy
     answers as history, each turn a separate measured decode)."""
     tok, samples = runner.verifier.tokenizer, []
-    first = [prompt_ids(tok, user_turns(c)[0]) for c in convs]
+    rendering = runner.verifier.rendering  # chat through the template, or plain text a base model continues
+    first = [prompt_ids(tok, user_turns(c)[0], rendering) for c in convs]
     for conv, ids in zip(convs, first):  # fail before minutes of decoding, not in the middle
         check_length(runner.verifier, ids, runner.max_new, f"prompt {conv.id!r}")
     if warmup and first:
@@ -162,7 +163,7 @@ def run_prompts(
             answers: list[dict[str, str]] = []  # the verifier's own answers so far, one per earlier turn
             for turn, history in enumerate(user_turns(conv)[: None if multi_turn else 1], start=1):
                 messages = _interleave(history, answers)
-                ids = prompt_ids(tok, messages)
+                ids = prompt_ids(tok, messages, rendering)
                 check_length(runner.verifier, ids, runner.max_new, f"prompt {conv.id!r}, turn {turn}")
                 sample = runner.decode(ids, conv.id, conv.category, turn)
                 samples.append(sample)

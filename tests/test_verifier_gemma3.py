@@ -181,3 +181,21 @@ def test_a_damaged_chunk_is_one_message_and_nothing_in_the_cache(tmp_path, monke
         ensure_gemma3_checkpoint(cache)
     assert importlib.import_module(PACKAGE).__file__.startswith(str(tmp_path))  # the damaged copy was the one used
     assert list((cache / "verifiers").iterdir()) == []
+
+
+def test_the_harness_decodes_a_base_model_on_plain_rendered_prompts(gemma3, tmp_path):
+    """`python -m eval` on Gemma 3 (what `evaluate` runs once it is loaded): every prompt rendered as the plain text
+    the base model continues, not refused for the chat template it lacks, and prompt lookup's output its own greedy
+    output."""
+    from data.chat import prompt_ids
+    from data.prompts import load_conversations, select_prompts
+    from eval.drafters.build import prompt_lookup
+    from eval.engine.tree import Chain
+    from eval.runner import Runner, run_prompts, user_turns
+
+    convs = select_prompts(load_conversations("builtin", split="eval"), 2)
+    runner = Runner(gemma3, prompt_lookup(gemma3, Chain(4), num_tokens=4), max_new_tokens=8, lookup=4)
+    samples = run_prompts(runner, convs, multi_turn=False, warmup=False, progress=False)
+    for conv, sample in zip(convs, samples):
+        assert sample.prompt_tokens == len(prompt_ids(gemma3.tokenizer, user_turns(conv)[0], "plain"))
+        assert sample.matches("speculative") and len(sample.outputs["baseline"]) == 8
