@@ -12,6 +12,7 @@ models.verifier.load_hf, so exports trained on it name a checkpoint a reader (an
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +93,13 @@ def checkpoint(name: str, directory: str | os.PathLike) -> Path:
         return path
     tokenizer = local_tokenizer(ensure_smollm2_checkpoint(os.environ.get("SPECDRAFT_CACHE")))
     model = build_model(name, tokenizer)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # xdist workers may build it at once: one rename wins
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:  # another worker's copy (the same seeded weights) is already there
+        shutil.rmtree(tmp)
     return path
 
 

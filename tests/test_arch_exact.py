@@ -40,8 +40,9 @@ BROKEN = {
 
 @pytest.fixture(scope="module")
 def archs_dir(tmp_path_factory):
-    with run_shared(tmp_path_factory, "archs") as folder:
-        yield folder
+    with run_shared(tmp_path_factory, "archs") as folder:  # one folder per run, shared by xdist workers
+        pass  # the lock is not held while tests run: archs.checkpoint writes each verifier atomically
+    return folder
 
 
 def _ids(v, n: int, seed: int = 0) -> torch.Tensor:

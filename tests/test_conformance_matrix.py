@@ -43,8 +43,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="session")
 def archs_dir(tmp_path_factory):
-    with run_shared(tmp_path_factory, "archs") as folder:
-        yield folder
+    with run_shared(tmp_path_factory, "archs") as folder:  # one folder per run, shared by xdist workers
+        pass  # the lock is not held while tests run: archs.checkpoint writes each verifier atomically
+    return folder
 
 
 class _Runs(dict):
