@@ -1,10 +1,11 @@
 """The conformance matrix as markdown, from a junit XML of tests/test_conformance_matrix.py (every cell from a test):
 
     python -m pytest tests/test_conformance_matrix.py --junitxml=/tmp/conformance.xml
-    python -m scripts.tools.conformance_table /tmp/conformance.xml >> docs/results/conformance.md
+    python -m scripts.tools.conformance_table /tmp/conformance.xml [more.xml ...] >> docs/results/conformance.md
 
 Rows: the verifier architectures; columns: the drafter families; each cell three marks, train / exact decode / vLLM
-serve (vLLM: the family served per architecture only). pass ✓, fail ✗, skipped s, not run -.
+serve (vLLM: the family served per architecture only). pass ✓, fail ✗, skipped s, not run -; R: vLLM refuses the
+architecture with the message the test asserts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 MARK = {"passed": "✓", "failed": "✗", "skipped": "s"}
-CELL = re.compile(r"^test_(train|exact_decode|vllm_serve)\[([^\]-]+)(?:-([^\]]+))?\]$")
+CELL = re.compile(r"^test_(train|exact_decode|vllm_serve|vllm_refuses)\[([^\]-]+)(?:-([^\]]+))?\]$")
 
 
 def outcomes(path: str) -> tuple[dict[tuple[str, str, str], str], float]:
@@ -47,7 +48,9 @@ def table(cells: dict[tuple[str, str, str], str], vllm_family: str = "eagle3") -
             marks = [MARK.get(cells.get(("train", arch, fam), ""), "-"),
                      MARK.get(cells.get(("exact_decode", arch, fam), ""), "-")]
             if fam == vllm_family:
-                marks.append(MARK.get(cells.get(("vllm_serve", arch, ""), ""), "-"))
+                refused = cells.get(("vllm_refuses", arch, ""))
+                served = refused or cells.get(("vllm_serve", arch, ""), "")
+                marks.append("R" if refused == "passed" else MARK.get(served, "-"))
             row.append(" ".join(marks))
         lines.append(f"| {arch} | " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -55,12 +58,17 @@ def table(cells: dict[tuple[str, str, str], str], vllm_family: str = "eagle3") -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("junit", help="junit XML written by pytest --junitxml")
+    parser.add_argument("junit", nargs="+", help="junit XMLs written by pytest --junitxml (a later one's cells win)")
     parser.add_argument("--vllm-family", default="eagle3", help="the family the vLLM cells serve")
     args = parser.parse_args(argv)
-    cells, total = outcomes(args.junit)
+    cells, total = {}, 0.0
+    for path in args.junit:
+        more, seconds = outcomes(path)
+        cells, total = cells | more, total + seconds
+    for _, arch, _ in [k for k in cells if k[0] == "vllm_refuses"]:  # the refusal test replaced the serve test
+        cells.pop(("vllm_serve", arch, ""), None)
     if not cells:
-        print(f"{args.junit} holds no test_conformance_matrix cells", file=sys.stderr)
+        print(f"{args.junit} hold no test_conformance_matrix cells", file=sys.stderr)
         return 1
     print(table(cells, args.vllm_family))
     counts = {s: sum(v == s for v in cells.values()) for s in ("passed", "failed", "skipped")}
