@@ -112,3 +112,16 @@ def test_each_shipped_recipe_has_a_gpu_twin_that_changes_only_the_machine(name, 
     machine = {"batch_size", "cache_hidden_states", "num_workers"}
     assert {k: v for k, v in gpu["data"].items() if k not in machine} == \
         {k: v for k, v in cpu["data"].items() if k not in machine}
+
+
+@pytest.mark.parametrize("module", ["scripts.tools.build_data", "scripts.tools.heldout_accuracy",
+                                    "scripts.tools.ship_data", "eval"])
+def test_every_hydra_command_finds_its_config(module):
+    """Each Hydra command line composes its config from conf/ (`--cfg job` prints it and runs nothing): a command
+    moved to another folder with its config_path left behind fails here, not at a user's first run."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", module, "--cfg", "job"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "cache_dir:" in proc.stdout, proc.stderr[-2000:]

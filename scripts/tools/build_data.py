@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from runtime.errors import exit_on_user_error
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     exit_on_user_error(lambda: build(cfg))
 

@@ -100,7 +100,7 @@ def report(results: dict[str, Any], export: Path) -> None:
     print(f"written: {path}")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     def run() -> None:
         if not cfg.get("export"):
