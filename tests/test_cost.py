@@ -116,7 +116,8 @@ def test_profile_and_auto_size_in_the_harness(tiny, tmp_path):
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose(config_name="eval", overrides=[
-            f"checkpoint={export}", "drafter=export", "threads=1", "max_new_tokens=8", "num_prompts=2", "wandb.mode=disabled",
+            f"checkpoint={export}", "drafter=export", "threads=1", "max_new_tokens=8", "num_prompts=2",
+            "wandb.mode=disabled",
             "profile=true", "profile_dtypes=[float32,bfloat16]", "profile_threads=[1]", "dtype=auto",  # tree.size: auto
             "plan=static", f"output_dir={out}"])  # the budget planned once (plan=adaptive re-plans it as it decodes)
     evaluate(cfg, progress=False)
