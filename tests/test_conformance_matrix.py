@@ -14,7 +14,6 @@ global layers, Phi-3), each cell from a test:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -148,20 +147,6 @@ def test_exact_decode(runs, verifiers, hf_greedy, arch, family):
     spec = speculative_decode(v, drafter, ids, MAX_NEW, [], engine=engine)
     assert torch.equal(plain.tokens, hf_greedy(arch)), arch  # the engine runs this architecture right
     assert torch.equal(spec.tokens, plain.tokens), (arch, family)  # greedy_match 1.0
-
-
-@pytest.fixture(scope="session")
-def vllm():
-    from runtime.errors import UserError
-    from serve import vllm_engine
-
-    try:
-        vllm_engine.vllm_python()
-    except UserError as e:
-        if os.environ.get("SPECDRAFT_REQUIRE_VLLM") == "1" or os.environ.get("CI") == "true":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
-    return vllm_engine
 
 
 @pytest.mark.engine

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -35,20 +34,6 @@ EXTRA = {"peagle": [f"model.parallel_tokens={TOKENS}"],  # K = the tokens vLLM d
          "dflash": [f"model.block_size={TOKENS + 1}"],  # the root and K drafts
          "eagle3.1": ["model.fc_norm=true", "model.norm_output=true"]}  # EAGLE-3 with EAGLE-3.1's fixes
 MODEL = {"eagle3.1": "eagle3"}
-
-
-@pytest.fixture(scope="session")
-def vllm():
-    from runtime.errors import UserError
-    from serve import vllm_engine
-
-    try:
-        vllm_engine.vllm_python()
-    except UserError as e:
-        if os.environ.get("SPECDRAFT_REQUIRE_VLLM") == "1" or os.environ.get("CI") == "true":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
-    return vllm_engine
 
 
 class _Exports(dict):

@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 import torch
-from test_engine_vllm import TOKENS, vllm  # noqa: F401
+from test_engine_vllm import TOKENS
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -44,7 +44,7 @@ def dspark_export(smollm2, tmp_path_factory):
                        {"eagle_topk_accuracy": [[0.5, 0.6]] * TOKENS})
 
 
-def test_vllm_reads_the_dspark_export_as_its_own_type(vllm, dspark_export):  # noqa: F811
+def test_vllm_reads_the_dspark_export_as_its_own_type(vllm, dspark_export):
     """vLLM's speculators reader (in its own virtualenv) resolves the export to method dspark with K speculative
     tokens and a Qwen3DSparkModel config holding the DSpark fields as its qwen3_dspark reads them."""
     out = subprocess.run([str(vllm.vllm_python()), "-c", READ, str(dspark_export)], capture_output=True, text=True,
@@ -63,7 +63,7 @@ def test_vllm_reads_the_dspark_export_as_its_own_type(vllm, dspark_export):  # n
     (None, "Model Runner V1 does not support: dspark speculative decoding"),
     ("1", "Model Runner V2 requires Triton"),
 ])
-def test_vllm_cpu_refuses_to_serve_dspark_in_its_own_words(vllm, dspark_export, smollm2, monkeypatch,  # noqa: F811
+def test_vllm_cpu_refuses_to_serve_dspark_in_its_own_words(vllm, dspark_export, smollm2, monkeypatch,
                                                            runner, message):
     """--speculative-config {method: dspark, model: EXPORT}: vLLM 0.32's CPU build refuses it when it validates its
     config (after reading the export), in its own words: the V1 runner has no DSpark, and V2 (forced with

@@ -33,22 +33,6 @@ EAGLE3_REFUSAL = "Model does not support EAGLE3 interface but aux_hidden_state_o
 
 
 @pytest.fixture(scope="module")
-def vllm():
-    from runtime.errors import UserError
-    from serve import vllm_engine
-
-    try:
-        vllm_engine.vllm_python()
-    except UserError as e:
-        import os
-
-        if os.environ.get("SPECDRAFT_REQUIRE_VLLM") == "1" or os.environ.get("CI") == "true":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
-    return vllm_engine
-
-
-@pytest.fixture(scope="module")
 def gemma3(cache_dir):
     from models.verifier import load_gemma3
 
