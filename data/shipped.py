@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -132,11 +133,38 @@ def load_shipped(where: str | Path | Sequence[str | Path], verifier: Verifier) -
     return ds
 
 
+def check_replaceable(out: str | Path, force: bool = False) -> None:
+    """`pack` replaces `out` whole: refuse a folder that holds anything but a shipped set (a file, a folder of other
+    things, other files beside a set) unless `force`, so a folder the user named is never deleted by mistake."""
+    out = Path(out).expanduser()
+    if force or not out.exists() and not out.is_symlink():
+        return
+    fix = ("Pack into a new or empty folder (ship.out=...), move what it holds elsewhere first, or replace it with "
+           "ship.force=true")
+    if not out.is_dir():
+        raise UserError(f"{out} is not a folder, and packing a shipped set there would delete it. {fix}.")
+    entries = sorted(e.name for e in out.iterdir())
+    if not entries:
+        return
+    try:
+        is_set = json.loads((out / MANIFEST).read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        is_set = False
+    foreign = [e for e in entries if e != MANIFEST and not re.fullmatch(r"part-\d{5}\.parquet", e)]
+    if not is_set or foreign:
+        shown = foreign or entries
+        what = (f"a shipped set and also {shown[:4]}" if is_set else f"no shipped set but {shown[:4]}") + (
+            f" and {len(shown) - 4} more" if len(shown) > 4 else "")
+        raise UserError(f"{out} holds {what}; packing a shipped set there would replace the whole folder and delete "
+                        f"it. {fix}.")
+
+
 def pack(ds: datasets.Dataset, out: str | Path, verifier: Verifier, info: dict[str, Any],
-         rows_per_part: int = ROWS_PER_PART) -> dict[str, Any]:
+         rows_per_part: int = ROWS_PER_PART, force: bool = False) -> dict[str, Any]:
     """Write `ds` (id, category, input_ids, loss_mask, source) as a shipped set in `out`, atomically, with its
     manifest: `info` adds the generation settings, sources, decontamination and how it was built. Returns the
-    manifest."""
+    manifest. A folder holding anything but a shipped set is refused unless `force` (`check_replaceable`)."""
+    check_replaceable(out, force)
     missing = {"id", "category", "input_ids", "loss_mask", "source"} - set(ds.column_names)
     if missing:
         raise ValueError(f"pack needs the columns {sorted(missing)}")

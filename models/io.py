@@ -19,7 +19,7 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from torch import Tensor, nn
@@ -149,6 +149,32 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def refuse_existing(paths: Iterable[str | os.PathLike], replace: bool = False, flag: str = "--force") -> None:
+    """A path the user named may hold their own data: unless `replace`, refuse any that exists (the message names
+    `flag`, the command's way to say `replace`). Commands call it before their work, so nothing is spent first."""
+    for path in map(lambda p: Path(p).expanduser(), paths):
+        if path.is_dir():
+            raise UserError(f"{path} is a folder; name a file to write.")
+        if path.exists() and not replace:
+            raise UserError(f"{path} exists, and writing there would replace it. Name a new file, move it away "
+                            f"first, or pass {flag} to replace it.")
+
+
+def write_new_files(texts: dict[str | os.PathLike, str], replace: bool = False, flag: str = "--force") -> None:
+    """Write each text to its file through a scratch file renamed into place (a kill leaves the old file or the new
+    one, never half of one), after `refuse_existing` on all of them."""
+    refuse_existing(texts, replace, flag)
+    for path, text in ((Path(p).expanduser(), t) for p, t in texts.items()):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
 
 
 # -- shared by every family's export reader (models/families.py; its config keys: models/export_config.py) ---------

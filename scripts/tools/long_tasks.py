@@ -21,6 +21,7 @@ from pathlib import Path
 from data.benchmarks import BENCHMARKS, guard_for
 from data.chat import prompt_ids
 from data.long_tasks import build_tasks, default_documents
+from models.io import refuse_existing, write_new_files
 from runtime.errors import UserError, exit_on_user_error
 
 
@@ -33,11 +34,15 @@ def main() -> None:
     ap.add_argument("--benchmark", action="append", default=[], metavar="NAME=PATH",
                     help="the test-split file of a list (repeat)")
     ap.add_argument("--max-tokens", type=int, default=1150, help="drop prompts longer than this after the template")
+    ap.add_argument("--force", action="store_true", help="replace --out (and its .decontam.json) if they exist")
     args = ap.parse_args()
     exit_on_user_error(lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> None:
+    out = Path(args.out).expanduser()
+    summary_path = Path(f"{out}.decontam.json")
+    refuse_existing([out, summary_path], args.force)  # before the work
     files = {}
     for item in args.benchmark:
         name, sep, path = item.partition("=")
@@ -54,15 +59,13 @@ def run(args: argparse.Namespace) -> None:
     kept = [(r, n) for r, n in zip(records, lengths) if n <= args.max_tokens]
     dropped[f"over {args.max_tokens} tokens"] = len(records) - len(kept)
     kept = kept[: args.num]
-    out = Path(args.out).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r, _ in kept))
     ns = sorted(n for _, n in kept)
     summary = {"prompts": len(kept), "seed": args.seed, "dropped": dropped, "lists": report,
                "tokens": {"min": ns[0], "median": ns[len(ns) // 2], "max": ns[-1]},
                "categories": dict(Counter(r["category"] for r, _ in kept)),
                "licences": dict(Counter(lic for r, _ in kept for lic in r["licence"].split("; ")))}
-    Path(f"{out}.decontam.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_new_files({out: "".join(json.dumps(r) + "\n" for r, _ in kept),
+                     summary_path: json.dumps(summary, indent=1) + "\n"}, args.force)
     print(json.dumps(summary, indent=1))
     print(f"wrote {len(kept)} prompts to {out}")
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 from data.filters import EvalGuard, normalise
 from data.prompts import eval_prompt_texts
+from models.io import refuse_existing, write_new_files
+from runtime.errors import exit_on_user_error
 
 PINNED = {  # computed once on 2026-11-29 from PyPI's files
     "evals==3.0.1.post1": ("evals-3.0.1.post1-py3-none-any.whl",
@@ -131,7 +133,9 @@ def main() -> None:
     ap.add_argument("--eval-prompts", nargs="*", default=[], help="extra eval files to decontaminate against")
     ap.add_argument("--chitchat", type=int, default=None, help="at most this many chitchat prompts")
     ap.add_argument("--sources", nargs="*", default=["evals", "chitchat"], choices=["evals", "chitchat"])
+    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     args = ap.parse_args()
+    exit_on_user_error(lambda: refuse_existing([args.out], args.force))  # before the downloads
 
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,13 +166,9 @@ def main() -> None:
         else:
             seen.add(key)
             kept.append(r)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = Path(args.out + ".tmp")
-    with tmp_out.open("w", encoding="utf-8") as f:
-        for i, r in enumerate(kept):
-            f.write(json.dumps({"id": r.get("id", f"{r['source']}-{i}"), **{k: v for k, v in r.items() if k != "id"}},
-                               ensure_ascii=False) + "\n")
-    tmp_out.replace(args.out)
+    lines = (json.dumps({"id": r.get("id", f"{r['source']}-{i}"), **{k: v for k, v in r.items() if k != "id"}},
+                        ensure_ascii=False) + "\n" for i, r in enumerate(kept))
+    exit_on_user_error(lambda: write_new_files({args.out: "".join(lines)}, args.force))
     per = defaultdict(int)
     for r in kept:
         per[r["source"]] += 1

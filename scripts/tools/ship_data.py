@@ -33,7 +33,7 @@ from data.long_tasks import copy_share
 from data.multiturn import second_turn_rows
 from data.prompts import eval_prompt_texts
 from data.selfdistill import first_turn
-from data.shipped import ROOT, pack
+from data.shipped import ROOT, check_replaceable, pack
 from runtime.errors import UserError, exit_on_user_error
 from train.record import cpu_kind
 
@@ -115,6 +115,7 @@ def ship(cfg: DictConfig) -> None:
     ship_cfg = cfg.get("ship") or {}
     name = ship_cfg.get("name") or f"{cfg.verifier.get('name', 'verifier')}-selfdistill-v1"
     out = Path(ship_cfg.get("out") or ROOT / name).expanduser()
+    check_replaceable(out, bool(ship_cfg.get("force", False)))  # before hours of generation
     sources = [cfg.data.source] if isinstance(cfg.data.source, str) else list(cfg.data.source)
     declared = declared_lists([_label(str(s)) for s in sources], ship_cfg.get("decontaminate"))
     decontam = decontamination(cfg, declared, ship_cfg.get("benchmarks") or {})
@@ -167,7 +168,7 @@ def ship(cfg: DictConfig) -> None:
         "built_with": {"command": "python -m scripts.tools.ship_data " + " ".join(sys.argv[1:]), "commit": _commit(),
                        "machine": cpu_kind(), "seconds_this_run": round(seconds)},
     }
-    manifest = pack(ds, out, verifier, info)
+    manifest = pack(ds, out, verifier, info, force=bool(ship_cfg.get("force", False)))
     size = sum(e["bytes"] for e in manifest["files"])
     print(f"[ship] {manifest['counts']['conversations']} conversations, {manifest['counts']['assistant_tokens']} "
           f"assistant tokens ({manifest['counts']['tokens']} in all) -> {out} ({size / 2**20:.1f} MiB in "
