@@ -47,6 +47,40 @@ def expected_accepts(verifier, rounds, cfg: SamplingConfig) -> tuple[list[float]
     return token, block
 
 
+def paired_rules(verifier, checkpoint: str, prompts: list[torch.Tensor], cfg: SamplingConfig, tokens: int,
+                 depth: int | None, seed: int, sampled: bool) -> dict[str, float]:
+    """Decode `prompts` with the export's chain drafter (verify=token; top-1 drafts, or sampled ones), record every
+    round's chain and score each under both rules exactly. Returns the rounds, the measured tau, E[tau] per round under
+    each rule, the token rule's standard error, and block - token with its standard error (paired, per round)."""
+    proposals = {"sampling": cfg, "generator": torch.Generator().manual_seed(seed + 1)} if sampled else {}
+    drafter = export(verifier, Chain(depth), checkpoint, **proposals)  # type: ignore[arg-type]
+    rounds: list = []
+    propose = drafter.propose
+
+    def recording(sequence, hidden):  # record, not replace
+        rounds.append((sequence, propose(sequence, hidden)))
+        return rounds[-1][1]
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        taus = [speculative_decode(verifier, drafter, x, tokens, sampling=cfg, generator=gen).tau for x in prompts]
+        token, block = expected_accepts(verifier, rounds, cfg)
+    n = len(token)
+
+    def mean_sem(xs: list[float]) -> tuple[float, float]:
+        mean = sum(xs) / n
+        return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / max(n - 1, 1) / n)
+
+    tok, tok_sem = mean_sem(token)
+    diff, diff_sem = mean_sem([b - t for t, b in zip(token, block)])
+    return {"rounds": n, "depth": drafter.max_depth, "measured_tau": sum(taus) / len(taus),
+            "expected_tau_token": 1 + tok, "expected_tau_token_sem": tok_sem, "expected_tau_block": 1 + sum(block) / n,
+            "block_minus_token": diff, "block_minus_token_sem": diff_sem,
+            "block_minus_token_max": max(b - t for t, b in zip(token, block)),
+            "block_minus_token_min": min(b - t for t, b in zip(token, block))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default=str(ROOT / "pretrained" / "eagle3-smollm2"))
@@ -66,24 +100,12 @@ def main() -> None:
     print(f"{Path(args.checkpoint).name}, tree=chain, temperature {args.temperature}, {len(prompts)} prompts x "
           f"{args.tokens} tokens, {args.dtype}")
     for sampled in (False, True):
-        proposals = {"sampling": cfg, "generator": torch.Generator().manual_seed(args.seed + 1)} if sampled else {}
-        drafter = export(verifier, Chain(args.depth), args.checkpoint, **proposals)
-        rounds: list = []
-        propose = drafter.propose
-        drafter.propose = lambda s, h: rounds.append((s, propose(s, h))) or rounds[-1][1]  # record, not replace
-        gen = torch.Generator().manual_seed(args.seed)
-        with torch.inference_mode():
-            taus = [speculative_decode(verifier, drafter, x, args.tokens, sampling=cfg, generator=gen).tau
-                    for x in prompts]
-            token, block = expected_accepts(verifier, rounds, cfg)
-        n = len(token)
-        diff = [b - t for t, b in zip(token, block)]
-        mean = sum(diff) / n
-        sem = math.sqrt(sum((d - mean) ** 2 for d in diff) / (n - 1) / n)
-        print(f"{'sampled' if sampled else 'top-1'} drafts (depth {drafter.max_depth}): {n} rounds, measured tau "
-              f"(token rule) {sum(taus) / len(taus):.3f}; expected tau per round: token {1 + sum(token) / n:.4f}, "
-              f"block {1 + sum(block) / n:.4f}, block - token {mean:+.4f} +- {sem:.4f} (s.e.), "
-              f"max {max(diff):+.4f}, min {min(diff):+.4f}")
+        r = paired_rules(verifier, args.checkpoint, prompts, cfg, args.tokens, args.depth, args.seed, sampled)
+        print(f"{'sampled' if sampled else 'top-1'} drafts (depth {r['depth']}): {r['rounds']} rounds, measured tau "
+              f"(token rule) {r['measured_tau']:.3f}; expected tau per round: token {r['expected_tau_token']:.4f}, "
+              f"block {r['expected_tau_block']:.4f}, block - token {r['block_minus_token']:+.4f} +- "
+              f"{r['block_minus_token_sem']:.4f} (s.e.), max {r['block_minus_token_max']:+.4f}, "
+              f"min {r['block_minus_token_min']:+.4f}")
 
 
 if __name__ == "__main__":
