@@ -27,17 +27,20 @@ TRAINED = [n for n, f in FAMILIES.items() if f.training is not None]
 TRAIN = ["data.limit=4", "data.max_new_tokens=8", "data.gen_batch_size=4", "data.batch_size=2",
          "data.val_fraction=0.25", "logger=csv", "trainer.max_steps=1", "trainer.max_epochs=1",
          "verifier.dtype=float32", "verifier.device=cpu"]
-# EAGLE-3 keeps its default three aux layers (vLLM's fc reads 3 x hidden); the others read two.
+# EAGLE-3 and P-EAGLE keep their default three aux layers (vLLM's fc reads 3 x hidden); the others read two.
 EXTRA = {"eagle3": ["model.draft_vocab_size=64", "model.ttt_steps=2", "model.val_steps=1"],
          "eagle": ["model.val_steps=1"], "draft_model": ["model.num_layers=1"],
-         "peagle": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.parallel_tokens=3"],
+         "peagle": ["model.draft_vocab_size=64", "model.parallel_tokens=3"],
          "dflash": ["model.aux_layer_ids=[0,1]", "model.block_size=4"],
          "dspark": ["model.aux_layer_ids=[0,1]", "model.block_size=4", "model.markov_rank=16"]}
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 MAX_NEW = 16
 VLLM_FAMILY = "eagle3"
-# Architectures vLLM 0.32 will not draft EAGLE-3 for, and its own words (gemma3: no aux hidden states interface).
-VLLM_REFUSES = {"gemma3": "does not support EAGLE3 interface"}
+# (architecture, family) pairs vLLM 0.32 will not draft, and its own words. Gemma 3 has no aux-hidden-states
+# interface there, so every family that reads the verifier's intermediate layers is refused, not only EAGLE-3.
+VLLM_REFUSES = {("gemma3", "eagle3"): "does not support EAGLE3 interface",
+                ("gemma3", "peagle"): "does not support EAGLE3 interface",
+                ("gemma3", "dflash"): "does not support EAGLE3 interface"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,7 +153,7 @@ def test_exact_decode(runs, verifiers, hf_greedy, arch, family):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in VLLM_REFUSES])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if (a, VLLM_FAMILY) not in VLLM_REFUSES])
 def test_vllm_serve(vllm, runs, verifiers, archs_dir, arch):
     """vLLM loads the tiny verifier and drafts with its EAGLE-3 export (fp32), or refuses with its own message."""
     export = _export(runs, arch, VLLM_FAMILY)
@@ -162,11 +165,12 @@ def test_vllm_serve(vllm, runs, verifiers, archs_dir, arch):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", list(VLLM_REFUSES))
-def test_vllm_refuses(vllm, runs, verifiers, archs_dir, arch):
-    """vLLM refuses to draft EAGLE-3 for this architecture, and says so (its message, asserted)."""
-    export = _export(runs, arch, VLLM_FAMILY)
+@pytest.mark.parametrize("arch,family", list(VLLM_REFUSES))
+def test_vllm_refuses(vllm, runs, verifiers, archs_dir, arch, family):
+    """vLLM refuses to draft this family for this architecture, and says so (its message, asserted)."""
+    export = _export(runs, arch, family)
     ids = verifiers(arch).tokenizer(PROMPT)["input_ids"]
-    with pytest.raises(vllm.EngineError, match=VLLM_REFUSES[arch]):
+    with pytest.raises(vllm.EngineError) as refused:
         vllm.serve(str(checkpoint(arch, archs_dir)), [ids], MAX_NEW, dtype="float32",
-                   spec=vllm.speculative_config(VLLM_FAMILY, export, 3))
+                   spec=vllm.speculative_config(family, export, 3))
+    assert VLLM_REFUSES[arch, family] in refused.value.log, refused.value.cause

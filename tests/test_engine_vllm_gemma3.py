@@ -10,7 +10,8 @@ family it serves for Gemma 3 from a fresh export, and refuses the rest with its 
   text repeats, so the prompts are plain text that a base model continues by repeating.
 - EAGLE-3 (and every family that drafts from the verifier's intermediate layers: P-EAGLE, DFlash) is refused:
   vLLM 0.32's Gemma3ForCausalLM does not implement its EAGLE-3 interface (aux hidden states). The refusal does not
-  depend on the weights, so a freshly built export shows it.
+  depend on the weights, so a freshly built export shows it. P-EAGLE's and DFlash's refusals are asserted on the
+  tiny Gemma 3 of tests/test_conformance_matrix.py (same vLLM model class, seconds instead of minutes to load).
 
 Without the vLLM virtualenv these tests skip, except in CI (CI=true) or under SPECDRAFT_REQUIRE_VLLM=1, where they fail.
 """

@@ -4,8 +4,8 @@
     python -m scripts.tools.conformance_table /tmp/conformance.xml [more.xml ...] >> docs/results/conformance.md
 
 Rows: the verifier architectures; columns: the drafter families; each cell three marks, train / exact decode / vLLM
-serve (vLLM: the family served per architecture only). pass ✓, fail ✗, skipped s, not run -; R: vLLM refuses the
-architecture with the message the test asserts.
+serve (vLLM: the family served per architecture, and each family a refusal test names). pass ✓, fail ✗, skipped s,
+not run -; R: vLLM refuses that family for the architecture with the message the test asserts.
 """
 
 from __future__ import annotations
@@ -47,10 +47,12 @@ def table(cells: dict[tuple[str, str, str], str], vllm_family: str = "eagle3") -
         for fam in families:
             marks = [MARK.get(cells.get(("train", arch, fam), ""), "-"),
                      MARK.get(cells.get(("exact_decode", arch, fam), ""), "-")]
-            if fam == vllm_family:
-                refused = cells.get(("vllm_refuses", arch, ""))
-                served = refused or cells.get(("vllm_serve", arch, ""), "")
-                marks.append("R" if refused == "passed" else MARK.get(served, "-"))
+            # vllm_serve is the vLLM family's (no family in its id); vllm_refuses names its family (older runs: none)
+            refused = cells.get(("vllm_refuses", arch, fam)) or (
+                cells.get(("vllm_refuses", arch, "")) if fam == vllm_family else None)
+            served = cells.get(("vllm_serve", arch, "")) if fam == vllm_family else None
+            if refused or fam == vllm_family:
+                marks.append("R" if refused == "passed" else MARK.get(refused or served or "", "-"))
             row.append(" ".join(marks))
         lines.append(f"| {arch} | " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -65,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.junit:
         more, seconds = outcomes(path)
         cells, total = cells | more, total + seconds
-    for _, arch, _ in [k for k in cells if k[0] == "vllm_refuses"]:  # the refusal test replaced the serve test
-        cells.pop(("vllm_serve", arch, ""), None)
+    for _, arch, fam in [k for k in cells if k[0] == "vllm_refuses"]:  # the refusal test replaced the serve test
+        if fam in ("", args.vllm_family):
+            cells.pop(("vllm_serve", arch, ""), None)
     if not cells:
         print(f"{args.junit} hold no test_conformance_matrix cells", file=sys.stderr)
         return 1
