@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,8 +33,9 @@ from models.verifier import load_smollm2
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def expected_accepts(verifier, rounds, cfg: SamplingConfig) -> tuple[list[float], list[float]]:
-    """(token rule, block rule): E[drafts accepted] for each recorded round (sequence, draft)."""
+def expected_accepts(verifier, rounds, cfg: SamplingConfig) -> tuple[list[list[float]], list[float]]:
+    """Per recorded round (sequence, draft): P(draft k accepted) for every k under the token rule (their sum is
+    E[drafts accepted]), and E[drafts accepted] under block verification."""
     token, block = [], []
     for sequence, draft in rounds:
         ids = torch.cat([sequence, draft.tokens[:, 1:]], dim=1)  # the root is the sequence's last token
@@ -41,14 +43,14 @@ def expected_accepts(verifier, rounds, cfg: SamplingConfig) -> tuple[list[float]
         q = warp(logits, cfg.temperature, cfg.top_p, cfg.top_k).double()
         p = None if draft.p is None else draft.p.double()
         reach, _ = outcome_distribution(rejection_plan(draft.tree.parents, draft.tokens, q, p))
-        token.append(float(reach[0, 1:].sum()))  # a chain: E[tau] = sum over drafts of P(accepted)
+        token.append(reach[0, 1:].tolist())  # a chain: node k is reached iff drafts 1..k are accepted
         law = block_outcome_distribution(block_plan(draft.tokens, q, p)).sum(-1)[0]  # (N,) P(tau = n)
         block.append(float((law * torch.arange(len(law), dtype=law.dtype)).sum()))
     return token, block
 
 
 def paired_rules(verifier, checkpoint: str, prompts: list[torch.Tensor], cfg: SamplingConfig, tokens: int,
-                 depth: int | None, seed: int, sampled: bool) -> dict[str, float]:
+                 depth: int | None, seed: int, sampled: bool) -> dict[str, Any]:
     """Decode `prompts` with the export's chain drafter (verify=token; top-1 drafts, or sampled ones), record every
     round's chain and score each under both rules exactly. Returns the rounds, the measured tau, E[tau] per round under
     each rule, the token rule's standard error, and block - token with its standard error (paired, per round)."""
@@ -65,8 +67,10 @@ def paired_rules(verifier, checkpoint: str, prompts: list[torch.Tensor], cfg: Sa
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         taus = [speculative_decode(verifier, drafter, x, tokens, sampling=cfg, generator=gen).tau for x in prompts]
-        token, block = expected_accepts(verifier, rounds, cfg)
+        per_position, block = expected_accepts(verifier, rounds, cfg)
+    token = [sum(r) for r in per_position]
     n = len(token)
+    depth = max(map(len, per_position), default=0)
 
     def mean_sem(xs: list[float]) -> tuple[float, float]:
         mean = sum(xs) / n
@@ -78,7 +82,8 @@ def paired_rules(verifier, checkpoint: str, prompts: list[torch.Tensor], cfg: Sa
             "expected_tau_token": 1 + tok, "expected_tau_token_sem": tok_sem, "expected_tau_block": 1 + sum(block) / n,
             "block_minus_token": diff, "block_minus_token_sem": diff_sem,
             "block_minus_token_max": max(b - t for t, b in zip(token, block)),
-            "block_minus_token_min": min(b - t for t, b in zip(token, block))}
+            "block_minus_token_min": min(b - t for t, b in zip(token, block)),
+            "accept_rate_per_position": [sum(r[k] for r in per_position if len(r) > k) / n for k in range(depth)]}
 
 
 def main() -> None:

@@ -11,13 +11,15 @@ conversations of one fixed shuffle, `--epochs` epochs, the same hidden-state cac
 whose export exists is skipped, one with a `last.ckpt` resumes. Build the cache first with
 `python -m scripts.tools.build_data experiment=ship_eagle3 data.limit=<limit>`.
 
-`eval` decodes every export in one process per setting, on the same prompts (`--prompts` from each of the eval
-split, HumanEval and MT-bench first turns), each a chain of `--depth` drafts:
-- greedy through the harness (`python -m eval method=all drafter=export tree=chain ...`): tau, per-position
-  acceptance, tokens/s and speedup over our plain decoding, greedy_match;
-- T = 0.7 through scripts.bench.block_verify's exact scoring: every round's drafted chain is scored under both rules
-  (token: rejection sampling draft by draft; block: block verification), E[tau] per round, for the drafters' top-1
-  chains and their sampled chains, paired on the same drafts (far less noise than two sampled runs' taus).
+`eval` decodes every export on the same prompts (`--prompts` from each of the eval split, HumanEval and MT-bench
+first turns), each a chain of `--depth` drafts (DSpark's whole chain, no confidence cut):
+- `sampled` (no timing, so it may share the machine): greedy, tau, per-position acceptance and greedy_match against
+  plain greedy; at T = 0.7, scripts.bench.block_verify's exact scoring: every round's drafted chain scored under both
+  rules (token: rejection sampling draft by draft; block: block verification), E[tau] per round, for the drafters'
+  top-1 chains and their sampled chains, paired on the same drafts (far less noise than two sampled runs' taus).
+  Incremental: a rerun scores the arms not yet in sampled.json;
+- `greedy` (timed: run it alone): the harness, `python -m eval method=all drafter=export tree=chain ...`, every
+  export beside plain decoding and the other families on the same prompts: tokens/s and speedup.
 
 Writes outputs/objectives/{training,greedy,sampled}.json; `table` turns them into the markdown tables of
 docs/results/objectives.md. Nothing is asserted: this is a measurement.
@@ -109,7 +111,11 @@ def evaluate_sampled(args: argparse.Namespace) -> None:
     import torch
 
     from data.chat import prompt_ids
+    from eval.drafters.build import export
+    from eval.engine.accept import mean_accept_length, per_position_acceptance
+    from eval.engine.decode import greedy_decode, speculative_decode
     from eval.engine.sampling import SamplingConfig
+    from eval.engine.tree import Chain
     from eval.harness import load_prompt_sets
     from eval.runner import user_turns
     from models.verifier import load_smollm2
@@ -126,10 +132,22 @@ def evaluate_sampled(args: argparse.Namespace) -> None:
     results: dict[str, Any] = json.loads(path_json.read_text()) if path_json.exists() else {}
     if {k: results.get(k) for k in settings} != settings:
         results = {**settings, "runs": {}}  # other settings: scored again
+    with torch.inference_mode():
+        plain = [greedy_decode(verifier, x, args.tokens).tokens for x in prompts]
     for name, path in exports(allow_missing=True):  # the arms trained so far; a rerun scores the rest
         if name in results["runs"]:
             continue
-        row = {}
+        drafter = export(verifier, Chain(args.depth), str(path))  # DSpark: the whole chain (no confidence cut)
+        with torch.inference_mode():
+            decoded = [speculative_decode(verifier, drafter, x, args.tokens) for x in prompts]
+        accepted = torch.cat([d.accept_lengths for d in decoded])  # every round of every prompt, pooled
+        row: dict[str, Any] = {"greedy": {
+            "rounds": accepted.numel(), "tau": mean_accept_length(accepted),
+            "accept_rate_per_position": per_position_acceptance(accepted, args.depth).tolist(),
+            "greedy_match": sum(torch.equal(d.tokens, t) for d, t in zip(decoded, plain)) / len(prompts)}}
+        print(f"[objectives] {name} greedy: tau {row['greedy']['tau']:.3f}, acceptance "
+              f"{[round(a, 3) for a in row['greedy']['accept_rate_per_position']]}, greedy_match "
+              f"{row['greedy']['greedy_match']}", flush=True)
         for key, sampled in (("top1", False), ("sampled", True)):
             row[key] = r = paired_rules(verifier, str(path), prompts, cfg, args.tokens, args.depth, args.seed, sampled)
             print(f"[objectives] {name} {key}: {r['rounds']} rounds, E[tau] token {r['expected_tau_token']:.4f} +- "
@@ -146,23 +164,33 @@ def _num(row: dict[str, Any], key: str, fmt: str = ".3f") -> str:
 
 
 def table(_: argparse.Namespace) -> None:
-    """The markdown tables of docs/results/objectives.md from training.json, greedy/report.json and sampled.json."""
+    """docs/results/objectives.md's tables from training.json, sampled.json and (when run) greedy/report.json."""
     training = json.loads((OUT / "training.json").read_text())
-    greedy = json.loads((OUT / "greedy" / "report.json").read_text())["methods"]
-    sampled = json.loads((OUT / "sampled.json").read_text())["runs"]
-    print("| drafter | loss | train s | val E[accepted length] | greedy tau | acceptance 1 / 2 / 3 / 4 | greedy speedup"
-          " | greedy_match | T=0.7 top-1 drafts: E[tau] token | block | sampled drafts: E[tau] token | block - token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    scored = json.loads((OUT / "sampled.json").read_text())["runs"]
+    print("| drafter | loss | train s | val E[accepted length] | greedy: tau | acceptance 1 / 2 / 3 / 4 | greedy_match "
+          "| T=0.7, top-1 drafts: E[tau] token | block | T=0.7, sampled drafts: E[tau] token | block - token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, t in training.items():
-        g: dict[str, Any] = next((r for m, r in greedy.items() if m.endswith(f"@{name}")), {})
-        top1, samp = sampled.get(name, {}).get("top1", {}), sampled.get(name, {}).get("sampled", {})
-        alpha = " / ".join(f"{a:.3f}" for a in (g.get("accept_rate_per_position") or [])[:4])
+        run = scored.get(name, {})
+        g, top1, samp = run.get("greedy", {}), run.get("top1", {}), run.get("sampled", {})
+        alpha = " / ".join(f"{a:.3f}" for a in g.get("accept_rate_per_position", []))
         print(f"| {t['arm']} | {t['loss']} | {t['wall_s']:.0f} | {_num(t, 'expected_accepted_length')} | "
-              f"{_num(g, 'tau')} | {alpha} | {_num(g, 'speedup', '.2f')}x | {g.get('greedy_match')} | "
+              f"{_num(g, 'tau')} | {alpha} | {_num(g, 'greedy_match', '.2f')} | "
               f"{_num(top1, 'expected_tau_token')} +- {_num(top1, 'expected_tau_token_sem')} | "
               f"{_num(top1, 'expected_tau_block')} | {_num(samp, 'expected_tau_token')} +- "
               f"{_num(samp, 'expected_tau_token_sem')} | {_num(samp, 'block_minus_token', '+.4f')} +- "
               f"{_num(samp, 'block_minus_token_sem', '.4f')} |")
+    report = OUT / "greedy" / "report.json"
+    if not report.exists():
+        return
+    methods = json.loads(report.read_text())["methods"]
+    print("\n| method | tau | acceptance 1 / 2 / 3 / 4 | draft ms / round | verify ms / round | tokens/s | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    for m, r in methods.items():
+        alpha = " / ".join(f"{a:.3f}" for a in (r.get("accept_rate_per_position") or [])[:4])
+        print(f"| {m} | {_num(r, 'tau')} | {alpha} | {_num(r, 'draft_ms_per_round', '.1f')} | "
+              f"{_num(r, 'verify_ms_per_round', '.1f')} | {_num(r, 'tokens_per_s', '.1f')} | "
+              f"{_num(r, 'speedup', '.2f')}x |")
 
 
 def main() -> None:
