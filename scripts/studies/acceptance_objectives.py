@@ -50,8 +50,8 @@ ARMS: dict[str, list[str]] = {
     "dspark": ["experiment=ship_dflash", "model=dspark", "~model.train_vocab"],
 }
 LOSSES = ("kl", "lk_hybrid")
-ORDER = [("dflash", "kl"), ("dspark", "kl"), ("eagle3", "kl"), ("eagle3", "lk_hybrid"), ("dspark", "lk_hybrid"),
-         ("dflash-dpace", "kl"), ("dflash", "lk_hybrid"), ("dflash-dpace", "lk_hybrid")]  # targets' arms first
+ORDER = [("dflash", "kl"), ("dspark", "kl"), ("eagle3", "kl"), ("eagle3", "lk_hybrid"), ("dflash-dpace", "kl"),
+         ("dspark", "lk_hybrid"), ("dflash", "lk_hybrid"), ("dflash-dpace", "lk_hybrid")]  # every arm's kl first
 
 
 def run_name(arm: str, loss: str) -> str:
@@ -66,7 +66,10 @@ def train(args: argparse.Namespace) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     record_path = OUT / "training.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
-    for arm, loss in ORDER:
+    order = [tuple(a.split(":")) for a in args.arms] if args.arms else ORDER
+    for arm, loss in order:
+        if arm not in ARMS or loss not in LOSSES:
+            raise SystemExit(f"--arms {arm}:{loss}: arms are {list(ARMS)}, losses {list(LOSSES)}")
         name = run_name(arm, loss)
         if export_dir(arm, loss).exists():
             print(f"[objectives] {name}: export exists, skipped")
@@ -97,7 +100,10 @@ def exports(allow_missing: bool = False) -> list[tuple[str, Path]]:
 
 
 def evaluate_greedy(args: argparse.Namespace) -> None:
-    found = exports()
+    found = exports(allow_missing=True)
+    missing = sorted({run_name(a, loss) for a in ARMS for loss in LOSSES} - {n for n, _ in found})
+    if missing:
+        print(f"[objectives] not trained, left out: {missing}", flush=True)
     out = OUT / "greedy"
     cmd = [sys.executable, "-m", "eval", "method=all", "drafter=export", "tree=chain", f"tree.depth={args.depth}",
            f"checkpoint=[{','.join(str(p) for _, p in found)}]", f"prompts=[{','.join(args.sets)}]",
@@ -124,9 +130,14 @@ def evaluate_sampled(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     verifier = load_smollm2(dtype="bfloat16", device="cpu")
     cfg = SamplingConfig(temperature=args.temperature)
-    convs = load_prompt_sets(list(args.sets), args.prompts)
-    prompts = [torch.tensor([prompt_ids(verifier.tokenizer, user_turns(c)[0])]) for c in convs]
+
+    def encode(num: int) -> list[torch.Tensor]:
+        return [torch.tensor([prompt_ids(verifier.tokenizer, user_turns(c)[0])])
+                for c in load_prompt_sets(list(args.sets), num)]
+
+    prompts, scored_prompts = encode(args.prompts), encode(args.sampled_prompts)
     settings = {"temperature": args.temperature, "prompts": len(prompts), "tokens": args.tokens, "depth": args.depth,
+                "sampled_prompts": len(scored_prompts), "sampled_tokens": args.sampled_tokens,
                 "sets": list(args.sets), "seed": args.seed}
     path_json = OUT / "sampled.json"
     results: dict[str, Any] = json.loads(path_json.read_text()) if path_json.exists() else {}
@@ -134,28 +145,37 @@ def evaluate_sampled(args: argparse.Namespace) -> None:
         results = {**settings, "runs": {}}  # other settings: scored again
     with torch.inference_mode():
         plain = [greedy_decode(verifier, x, args.tokens).tokens for x in prompts]
-    for name, path in exports(allow_missing=True):  # the arms trained so far; a rerun scores the rest
-        if name in results["runs"]:
-            continue
-        drafter = export(verifier, Chain(args.depth), str(path))  # DSpark: the whole chain (no confidence cut)
-        with torch.inference_mode():
-            decoded = [speculative_decode(verifier, drafter, x, args.tokens) for x in prompts]
-        accepted = torch.cat([d.accept_lengths for d in decoded])  # every round of every prompt, pooled
-        row: dict[str, Any] = {"greedy": {
-            "rounds": accepted.numel(), "tau": mean_accept_length(accepted),
-            "accept_rate_per_position": per_position_acceptance(accepted, args.depth).tolist(),
-            "greedy_match": sum(torch.equal(d.tokens, t) for d, t in zip(decoded, plain)) / len(prompts)}}
-        print(f"[objectives] {name} greedy: tau {row['greedy']['tau']:.3f}, acceptance "
-              f"{[round(a, 3) for a in row['greedy']['accept_rate_per_position']]}, greedy_match "
-              f"{row['greedy']['greedy_match']}", flush=True)
+    for name, path in exports(allow_missing=True):  # the arms trained so far; a rerun scores what is missing
+        row = results["runs"].setdefault(name, {})
+        if "greedy" not in row:
+            drafter = export(verifier, Chain(args.depth), str(path))  # DSpark: the whole chain (no confidence cut)
+            with torch.inference_mode():
+                decoded = [speculative_decode(verifier, drafter, x, args.tokens) for x in prompts]
+            accepted = torch.cat([d.accept_lengths for d in decoded])  # every round of every prompt, pooled
+            row["greedy"] = {
+                "rounds": accepted.numel(), "tau": mean_accept_length(accepted),
+                "accept_rate_per_position": per_position_acceptance(accepted, args.depth).tolist(),
+                "greedy_match": sum(torch.equal(d.tokens, t) for d, t in zip(decoded, plain)) / len(prompts)}
+            print(f"[objectives] {name} greedy: tau {row['greedy']['tau']:.3f}, acceptance "
+                  f"{[round(a, 3) for a in row['greedy']['accept_rate_per_position']]}, greedy_match "
+                  f"{row['greedy']['greedy_match']}", flush=True)
+            _save(results, path_json)
         for key, sampled in (("top1", False), ("sampled", True)):
-            row[key] = r = paired_rules(verifier, str(path), prompts, cfg, args.tokens, args.depth, args.seed, sampled)
+            if key in row:
+                continue
+            row[key] = r = paired_rules(verifier, str(path), scored_prompts, cfg, args.sampled_tokens, args.depth,
+                                        args.seed, sampled)
             print(f"[objectives] {name} {key}: {r['rounds']} rounds, E[tau] token {r['expected_tau_token']:.4f} +- "
                   f"{r['expected_tau_token_sem']:.4f}, block {r['expected_tau_block']:.4f} "
                   f"({r['block_minus_token']:+.4f} +- {r['block_minus_token_sem']:.4f})", flush=True)
-        results["runs"][name] = row
-        OUT.mkdir(parents=True, exist_ok=True)
-        path_json.write_text(json.dumps(results, indent=2))
+            _save(results, path_json)
+
+
+def _save(results: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2))
+    tmp.replace(path)
 
 
 def _num(row: dict[str, Any], key: str, fmt: str = ".3f") -> str:
@@ -198,12 +218,16 @@ def main() -> None:
     ap.add_argument("step", choices=["train", "eval", "greedy", "sampled", "table"])
     ap.add_argument("--limit", type=int, default=1200)
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--arms", nargs="*", default=None, help="train these arms, in order (arm:loss, e.g. dspark:kl)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts from each set")
     ap.add_argument("--sets", nargs="+", default=["builtin", "humaneval", str(MT_BENCH)],
                     help="prompt sets (eval's prompts=): builtin, humaneval, a question.jsonl")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--depth", type=int, default=4, help="drafts per chain, every drafter")
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--sampled-prompts", type=int, default=2,
+                    help="prompts from each set for the T=0.7 scoring (a verifier forward over the sequence a round)")
+    ap.add_argument("--sampled-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
