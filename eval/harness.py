@@ -124,9 +124,7 @@ def _every_family(cfg: DictConfig, chosen: str, verifier: Verifier, exports: lis
     single run would, on one verifier cost curve, the export's own acceptance estimates and the family's own draft
     curve (a parallel drafter's one forward buys it a deeper tree than a sequential one's); a family that cannot be
     planned drafts FALLBACK_SIZE nodes. Returns the drafters and the plans by method label."""
-    families: list[tuple[str, Any, ExportInfo | None]] = [
-        (e.kind, OmegaConf.create({"_target_": FAMILIES[e.kind].drafter, "_partial_": True, "kind": e.kind}), e)
-        for e in exports]
+    families: list[tuple[str, Any, ExportInfo | None]] = [(e.kind, family_config(e.kind), e) for e in exports]
     for name, fam in FAMILIES.items():
         if fam.has_export or (fam.needs_export and not exports):
             continue
@@ -289,8 +287,8 @@ def setup(cfg: DictConfig) -> Setup:
     if bool(cfg.get("alone", True)) and export is not None and FAMILIES[family].tree == "primary":
         # a combination built on the export's drafter (the hybrid): that drafter alone beside it, planned the same
         # way on the same cost curve, so the report gives what the combination adds (report.json drafter_alone)
-        own = OmegaConf.create({"_target_": FAMILIES[export.kind].drafter, "_partial_": True, "kind": export.kind})
-        drafters[ALONE] = plan_and_build(cfg, export.kind, own, verifier, export, prefix, curve=built.curve).drafter
+        drafters[ALONE] = plan_and_build(cfg, export.kind, family_config(export.kind), verifier, export, prefix,
+                                         curve=built.curve).drafter
     return Setup(verifier, drafters, method_name(family, built.drafter), exports, convs, source,
                  curves, predicted, built.planned is not None, built.draft)
 

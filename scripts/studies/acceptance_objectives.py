@@ -19,7 +19,8 @@ first turns), each a chain of `--depth` drafts (DSpark's whole chain, no confide
   top-1 chains and their sampled chains, paired on the same drafts (far less noise than two sampled runs' taus).
   Incremental: a rerun scores the arms not yet in sampled.json;
 - `greedy` (timed: run it alone): the harness, `python -m eval method=all drafter=export tree=chain ...`, every
-  export beside plain decoding and the other families on the same prompts: tokens/s and speedup.
+  export (and `--reference`, the shipped EAGLE-3) beside plain decoding and the other families on the same prompts:
+  tokens/s and speedup.
 
 Writes outputs/objectives/{training,greedy,sampled}.json; `table` turns them into the markdown tables of
 docs/results/objectives.md. Nothing is asserted: this is a measurement.
@@ -106,7 +107,8 @@ def evaluate_greedy(args: argparse.Namespace) -> None:
         print(f"[objectives] not trained, left out: {missing}", flush=True)
     out = OUT / "greedy"
     cmd = [sys.executable, "-m", "eval", "method=all", "drafter=export", "tree=chain", f"tree.depth={args.depth}",
-           f"checkpoint=[{','.join(str(p) for _, p in found)}]", f"prompts=[{','.join(args.sets)}]",
+           f"checkpoint=[{','.join([*(str(p) for _, p in found), *args.reference])}]",
+           f"prompts=[{','.join(args.sets)}]",
            f"num_prompts={args.prompts}", f"max_new_tokens={args.tokens}", f"threads={args.threads}",
            f"output_dir={out}", "wandb.mode=disabled"]
     print("[objectives]", " ".join(cmd[1:]), flush=True)
@@ -218,6 +220,8 @@ def main() -> None:
     ap.add_argument("step", choices=["train", "eval", "greedy", "sampled", "table"])
     ap.add_argument("--limit", type=int, default=1200)
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--reference", nargs="*", default=[str(ROOT / "pretrained" / "eagle3-smollm2")],
+                    help="exports decoded beside the arms in the timed run (the target: the shipped EAGLE-3's speedup)")
     ap.add_argument("--arms", nargs="*", default=None, help="train these arms, in order (arm:loss, e.g. dspark:kl)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts from each set")
     ap.add_argument("--sets", nargs="+", default=["builtin", "humaneval", str(MT_BENCH)],
