@@ -77,8 +77,9 @@ def test_ship_data_refuses_the_folder_before_generating(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text(NOTES)
-    cfg = compose_train(["experiment=ship_data", "verifier=tiny", "data.source=[builtin]", "ship.decontaminate.builtin=none",
-                         f"cache_dir={tmp_path / 'c'}", f"ship.out={mine}"], tmp_path)
+    cfg = compose_train(["experiment=ship_data", "verifier=tiny", "data.source=[builtin]",
+                         "ship.decontaminate.builtin=none", f"cache_dir={tmp_path / 'c'}", f"ship.out={mine}"],
+                        tmp_path)
     with pytest.raises(UserError, match="holds no shipped set"):
         ship(cfg)
     assert not (tmp_path / "c").exists()  # nothing generated, no verifier built
