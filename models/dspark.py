@@ -18,7 +18,7 @@ bonus token, the K = block_size - 1 masks draft), which is DFlash's convention h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,21 +71,24 @@ class MarkovHead(nn.Module):
         """W1[x] of the tokens before the slots. (..., r)"""
         return self.markov_w1(prev_ids.long())
 
-    def step(self, emb: Tensor, hidden: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def step(self, emb: Tensor, hidden: Tensor, state: Tensor | None = None,
+             w2: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """One slot's bias (..., V) from its previous token's W1 row `emb` (..., r) and its output `hidden` (..., D);
-        `state` (..., r) the rnn variant's state from the slot before (None: zeros). Returns (bias, next state)."""
+        `state` (..., r) the rnn variant's state from the slot before (None: zeros). Returns (bias, next state).
+        `w2`: the r -> V product to use in place of `markov_w2` (the decoder's copy in the verifier head's dtype)."""
+        w2 = self.markov_w2 if w2 is None else w2
         emb = emb.to(self.markov_w2.weight.dtype)
         if self.head_type == "vanilla":
-            return self.markov_w2(emb), None
+            return w2(emb), None
         hidden = hidden.to(emb.dtype)
         if self.head_type == "gated":
             gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], dim=-1)))
-            return self.markov_w2(gate * emb), None
+            return w2(gate * emb), None
         state = emb.new_zeros(emb.shape) if state is None else state
         g, c, o = self.joint_proj(torch.cat([state, emb, hidden], dim=-1)).chunk(3, dim=-1)
         g = torch.sigmoid(g)
         state = g * state + (1.0 - g) * torch.tanh(c)
-        return self.markov_w2(torch.tanh(o)), state
+        return w2(torch.tanh(o)), state
 
     def block(self, emb: Tensor, hidden: Tensor) -> Tensor:
         """Every slot's bias over blocks: emb (N, K, r), hidden (N, K, D) -> (N, K, V)."""

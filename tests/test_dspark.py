@@ -116,7 +116,8 @@ def _set_confidence(net: DSparkNet, p: float) -> None:
 def test_the_confidence_cuts_the_proposal_where_survival_falls_below_the_threshold(varied, threshold, depth,
                                                                                     one_thread):
     """Every slot predicted to pass with 0.6: survival 0.6, 0.36, 0.216, 0.13; the round keeps the depths whose
-    survival is >= the threshold, a tree cut at that depth with the tokens of its kept nodes."""
+    survival is >= the threshold, a tree cut at that depth with the tokens of its kept nodes, and runs the Markov
+    bias only for the depths it keeps."""
     from eval.drafters.dspark import DSparkDrafter
     from eval.engine.tree import from_medusa_choices
 
@@ -127,9 +128,13 @@ def test_the_confidence_cuts_the_proposal_where_survival_falls_below_the_thresho
     tree = from_medusa_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)])
     full = DSparkDrafter(net, varied, tree).propose(ids, hidden[:, :-1])
     drafter = DSparkDrafter(net, varied, tree, threshold=threshold)
+    biased = []  # the depths whose Markov bias ran: a depth the cut drops is never drafted
+    bias_logits = drafter._bias_logits
+    drafter._bias_logits = lambda *a: biased.append(1) or bias_logits(*a)  # type: ignore[method-assign]
     draft = drafter.propose(ids, hidden[:, :-1])
+    assert len(biased) == depth
     assert draft.tree.max_depth == depth and drafter.cut_depths == [depth]
-    assert drafter.last_confidence == pytest.approx([0.6] * 4)
+    assert drafter.last_confidence == pytest.approx([0.6] * min(depth + 1, 4))  # drafting stopped at the cut
     keep = [i for i, d in enumerate(tree.depths) if d <= depth]
     assert draft.tokens[0].tolist() == full.tokens[0, keep].tolist()
 

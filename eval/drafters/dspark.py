@@ -1,12 +1,15 @@
 """DSpark at decode time (models/dspark.py): one backbone forward, then the block slot by slot through the Markov bias.
 
 Each round: 1. the new committed positions enter the context cache (DFlash's `_extend`); 2. one block forward over
-[root, K masks] gives slot outputs h_1..h_K and base logits lm_head(h_k); 3. depth by depth, each node's children
-are ranked by base_d + MarkovBias(W1[the node's token]) (the root's token for depth 1), so every draft conditions on
-the token drafted before it, and the confidence head gives each node's slot its predicted acceptance
-sigmoid(proj([h_d, W1[parent token]])); 4. the proposal is cut at the deepest depth whose predicted cumulative
-acceptance along the top-1 path (the product of the confidences, vLLM's survival probability) is still at least
-`threshold` (0: the whole tree). The tree itself is fixed as DFlash's (tree=auto plans on the export's
+[root, K masks] gives slot outputs h_1..h_K and base logits lm_head(h_k); 3. depth by depth, first the confidence
+head gives each node's slot its predicted acceptance sigmoid(proj([h_d, W1[parent token]])), and the proposal stops
+at the depth before the one where the predicted cumulative acceptance along the top-1 path (the product of the
+confidences, vLLM's survival probability) falls below `threshold` (0: the whole tree); then, for a depth kept, each
+node's children are ranked by base_d + MarkovBias(W1[the node's token]) (the root's token for depth 1), so every draft
+conditions on the token drafted before it. A depth the cut drops is never drafted: the confidence of slot d needs only
+the tokens of depth d-1, so the Markov bias, the costly term (an r x V product), runs only for the depths proposed.
+The bias runs in the verifier head's dtype (bf16 training computes it under autocast), prepacked on a CPU like the
+head (models.packed). The tree itself is fixed as DFlash's (tree=auto plans on the export's
 `dspark_confidence_table`: the head's predicted acceptance per depth). Greedy acceptance keeps plain greedy's tokens
 whatever is proposed, so the output is the verifier's own.
 """
@@ -21,6 +24,7 @@ from torch import Tensor
 
 from eval.drafters.dflash import DFlashDrafter
 from eval.drafters.medusa import medusa_tree
+from eval.engine.forward import packed_head
 from eval.engine.protocol import Draft, Drafter
 from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import TreePolicy, truncate
@@ -60,16 +64,44 @@ class DSparkDrafter(DFlashDrafter):
         mask = torch.ones(1, 1, depth + 1, n + depth + 1, dtype=torch.bool, device=root.device)
         return self.net.block(self.embed(tokens), pos, mask, self._k, self._v)[0, 1:]  # (K, D)
 
+    def _markov_w2(self) -> Any:
+        """The Markov head's W2 (r -> V) as decoding runs it: in the verifier's dtype, prepacked where the head
+        is (eval.engine.forward.packed_head keeps one packed copy per weight, rebuilt if the weights change)."""
+        w2 = self.net.markov_head.markov_w2
+        dtype = self.embed.weight.dtype
+        if w2.weight.dtype == dtype:
+            return packed_head(w2)
+        key = (w2.weight.data_ptr(), w2.weight._version, dtype)
+        hit = self.__dict__.get("_w2_cast")
+        if hit is None or hit[0] != key:
+            cast = torch.nn.Linear(w2.in_features, w2.out_features, bias=False, dtype=dtype)
+            with torch.no_grad():
+                cast.weight.copy_(w2.weight)
+            hit = self.__dict__["_w2_cast"] = (key, cast)
+        return packed_head(hit[1])
+
+    def _confidence(self, out: Tensor, prev: Tensor) -> tuple[Tensor, Tensor]:
+        """For parents with tokens `prev` (m,) at one depth: each parent's slot confidence (m,) and W1 rows (m, r)."""
+        emb = self.net.markov_head.embed(prev)  # (m, r)
+        h = out.expand(prev.shape[0], -1)
+        return torch.sigmoid(self.net.confidence_logit(h, emb).float()), emb
+
+    def _bias_logits(self, out: Tensor, base: Tensor, emb: Tensor, state: Tensor | None
+                     ) -> tuple[Tensor, Tensor | None]:
+        """The children's logits (m, V) of parents with W1 rows `emb`: the slot's base logits plus each parent's
+        Markov bias; and the rnn state."""
+        w2, dtype = self._markov_w2(), self.embed.weight.dtype
+        h = out.expand(emb.shape[0], -1)
+        bias, state = self.net.markov_head.step(emb, h, state, w2=lambda x: w2(x.to(dtype)))
+        return base[None] + bias.float(), state
+
     def _children(self, out: Tensor, base: Tensor, prev: Tensor, state: Tensor | None
                   ) -> tuple[Tensor, Tensor, Tensor | None]:
         """For parents with tokens `prev` (m,) at one depth: their children's logits (m, V) (the slot's base logits
         plus the Markov bias of each parent's token), each parent's slot confidence (m,), and the rnn state."""
-        head = self.net.markov_head
-        emb = head.embed(prev)  # (m, r)
-        h = out.expand(prev.shape[0], -1)
-        bias, state = head.step(emb, h, state)
-        conf = torch.sigmoid(self.net.confidence_logit(h, emb).float())
-        return base[None] + bias.float(), conf, state
+        conf, emb = self._confidence(out, prev)
+        logits, state = self._bias_logits(out, base, emb, state)
+        return logits, conf, state
 
     def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
         """The top-1 chain's logits per depth (K, V): each depth's base logits plus the bias of the token the depth
@@ -94,22 +126,33 @@ class DSparkDrafter(DFlashDrafter):
         if tree.num_drafts == 0:
             return Draft(tree=tree, tokens=root)
         out = self._slots(tree.max_depth)  # 2. one block forward
-        base = self.net.logits(out, self.lm_head).float()  # (K, V)
+        base: Tensor | None = None  # the base logits (K, V), made once a depth is kept (one head call for all K)
         tokens = torch.empty(tree.num_nodes, dtype=root.dtype, device=root.device)
         tokens[0] = root[0, 0]
         conf = torch.ones(tree.num_nodes, device=root.device)  # the slot confidence under each node's parent
         states: dict[int, Tensor] = {}
         p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
-        for d in range(1, tree.max_depth + 1):  # 3. depth by depth through the Markov bias
+        path, node, survival, keep_depth = [], 0, 1.0, 0  # the top-1 path's confidences; the depth proposed
+        for d in range(1, tree.max_depth + 1):  # 3. depth by depth: the confidence, the cut, the Markov bias
             kids = [i for i in range(1, tree.num_nodes) if tree.depths[i] == d]
             parents = sorted({tree.parents[i] for i in kids})
             at = {q: i for i, q in enumerate(parents)}
+            row = torch.tensor([at[tree.parents[i]] for i in kids], device=root.device)
+            c, emb = self._confidence(out[d - 1 : d], tokens[parents])
+            conf[kids] = c[row]
+            first = next((i for i in kids if tree.parents[i] == node and tree.ranks[i] == 0), None)
+            if first is not None:
+                path.append(float(conf[first]))
+                survival *= path[-1]
+            if self.threshold > 0 and (first is None or survival < self.threshold):
+                break  # 4. the cut: depth d and below are not drafted
+            node, keep_depth = (node if first is None else first), d
+            if base is None:
+                base = self.net.logits(out, self.lm_head).float()
             state = torch.stack([states[q] for q in parents]) if states else None
-            logits, c, state = self._children(out[d - 1 : d], base[d - 1], tokens[parents], state)
+            logits, state = self._bias_logits(out[d - 1 : d], base[d - 1], emb, state)
             if state is not None:
                 states.update({q: state[i] for i, q in enumerate(parents)})
-            row = torch.tensor([at[tree.parents[i]] for i in kids], device=root.device)
-            conf[kids] = c[row]
             if self.sampling is not None:
                 probs = self._full_probs_of(logits)  # (m, V)
                 draws = torch.multinomial(probs[row], 1, generator=self.generator)[:, 0]
@@ -121,23 +164,7 @@ class DSparkDrafter(DFlashDrafter):
                 tokens[kids] = self.to_verifier(top[row, rank]).to(tokens.dtype)
             if states:  # the rnn state a child passes on is its parent's step
                 states = {i: states[tree.parents[i]] for i in kids}
-        # 4. the cut: the deepest depth whose top-1 path's cumulative predicted acceptance is >= the threshold
-        path, node = [], 0
-        for _d in range(1, tree.max_depth + 1):
-            first = next((i for i in range(1, tree.num_nodes) if tree.parents[i] == node and tree.ranks[i] == 0), None)
-            if first is None:
-                break
-            path.append(float(conf[first]))
-            node = first
         self.last_confidence = path
-        keep_depth = tree.max_depth
-        if self.threshold > 0:
-            survival, keep_depth = 1.0, 0
-            for d, c in enumerate(path, start=1):
-                survival *= c
-                if survival < self.threshold:
-                    break
-                keep_depth = d
         self.cut_depths.append(keep_depth)
         full = Draft(tree=tree, tokens=tokens[None], p=None if p is None else p[None])
         if keep_depth >= tree.max_depth:
