@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from models.io import atomic_dir
+from models.io import atomic_dir, write_new_files
 from models.packed import Linear
 from models.verifier import Verifier
 from runtime.distributed import barrier
@@ -163,9 +162,8 @@ def check_shard(folder: Path, expected: dict, start: int, end: int) -> None:
 
 
 def write_json_atomic(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
+    """A marker file written whole or not at all, and on disk before the call returns (models.io.write_new_files)."""
+    write_new_files({path: json.dumps(value)}, replace=True)
 
 
 @functools.lru_cache(maxsize=64)

