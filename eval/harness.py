@@ -306,6 +306,19 @@ def run_peers(cfg: DictConfig, run: Setup, samples: list[Any]) -> dict[str, Any]
                               float(cfg.top_p), int(cfg.seed), tokens)}
 
 
+def chains_only(run: Any) -> list[str]:
+    """method=all under verify=block: the methods whose drafters propose trees (block verification is defined on
+    chains) leave the run, each named on the console and in report.json's sampling record; a one-family run is
+    refused instead (check_chain_drafters)."""
+    trees = [m for m, d in run.drafters.items() if d.max_nodes > d.max_depth + 1]
+    for m in trees:
+        print(f"[eval] verify=block: {m} left out, its drafter proposes trees (block verification is defined on "
+              f"chains; verify=token runs it)")
+        del run.drafters[m]
+        run.plans.pop(m, None)
+    return trees
+
+
 def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     """Run `python -m eval` as configured by conf/eval.yaml; returns report.json's content."""
     if isinstance(cfg.threads, int) and int(cfg.threads) < 1:
@@ -334,6 +347,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     torch.manual_seed(int(cfg.seed))
     try:
         run = setup(cfg)
+        left_out = chains_only(run) if run.method == "all" and sampling.verify == "block" else []
         check_chain_drafters(sampling.verify, run.drafters.values())  # verify=block: chains only, before decoding
         engine = str(cfg.get("engine", "auto"))
         # HF assisted generation joins the references with the run's first draft model, at its depth
@@ -346,7 +360,8 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     if run.method == "all":
-        return compare.report(cfg, run.verifier, run.drafters, run.exports, samples, sampling_record(cfg),
+        record = sampling_record(cfg) | ({"left_out_as_trees": left_out} if left_out else {})
+        return compare.report(cfg, run.verifier, run.drafters, run.exports, samples, record,
                               "engine" if use_engine(run.verifier, engine) else "hf",
                               {m: asdict(p) for m, p in run.plans.items()})
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,

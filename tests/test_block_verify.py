@@ -339,6 +339,33 @@ def test_harness_verify_block_greedy_match_and_tree_refusal(medusa_export, tmp_p
         _run_eval([*common, "tree=auto", "tree.size=4", "verify=block"], tmp_path / "tree")
 
 
+def test_method_all_sampled_under_block_verification(medusa_export, tmp_path, one_thread):
+    """method=all at T = 0.7 with sampled_drafts=true and verify=block: the export's drafter samples its proposals,
+    the families that draft from no export draft as they always do, and the methods whose drafters propose trees
+    (lookahead) leave the run, named in report.json; a one-family run asking sampled proposals of a family with
+    none is still refused."""
+    common = [f"checkpoint={medusa_export}", "num_prompts=1", "max_new_tokens=8", "dtype=float32"]
+    report = _run_eval([*common, "method=all", "tree=chain", "tree.depth=3", "temperature=0.7",
+                        "sampled_drafts=true", "verify=block"], tmp_path / "all")
+    left = report["sampling"]["left_out_as_trees"]
+    assert left and all(m.startswith("lookahead/") for m in left) and not set(left) & set(report["methods"])
+    medusa = next(m for m in report["methods"] if m.startswith("medusa/"))
+    assert report["trees"][medusa]["proposals"] == "sampled"
+    assert any(m.startswith("prompt_lookup/") for m in report["methods"])
+    assert report["sampling"]["verify"] == "block" and report["methods"][medusa]["tau"] >= 1.0
+
+    from hydra import compose, initialize_config_dir
+
+    from eval.harness import evaluate
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):  # one family: refused
+        cfg = compose(config_name="eval", overrides=[*common, "drafter=prompt_lookup", "temperature=0.7",
+                                                     "sampled_drafts=true", "wandb.mode=disabled",
+                                                     f"output_dir={tmp_path / 'one'}"])
+    with pytest.raises(UserError, match="sampled_drafts=true applies to the drafters of an export.*prompt_lookup"):
+        evaluate(cfg, progress=False)
+
+
 @pytest.mark.slow
 def test_shipped_eagle3_chain_verify_block(smollm2, one_thread):
     """pretrained/eagle3-smollm2 drafting a chain for the default verifier: at temperature 0 with verify=block the

@@ -171,11 +171,12 @@ def build_drafter(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifie
     """The one place a drafter is built from a config: instantiate `family`'s factory (conf/drafter/<family>.yaml,
     or the command line's `drafter` group) and call it with the verifier, the tree policy and the export; with
     `sampled_drafts`, the families that draft from an export also get the warped sampling settings for their
-    proposals."""
+    proposals (the others draft as they always do)."""
     factory = instantiate(drafter_cfg, _convert_="all")
     proposals = {}
-    if bool(cfg.get("sampled_drafts", False)):
-        check_proposals(cfg, family)
+    # A family that drafts from no export has no distribution to sample proposals from: a one-family run refuses
+    # sampled_drafts for it before loading (check_proposals, from eval.harness), method=all drafts it as it is.
+    if bool(cfg.get("sampled_drafts", False)) and (family == "export" or FAMILIES[family].needs_export):
         proposals = {"sampling": sampling_config(cfg),
                      "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
     try:

@@ -20,10 +20,11 @@ first turns), each a chain of `--depth` drafts (DSpark's whole chain, no confide
   Incremental: a rerun scores the arms not yet in sampled.json;
 - `greedy` (timed: run it alone): the harness, `python -m eval method=all drafter=export tree=chain ...`, every
   export (and `--reference`, the shipped EAGLE-3) beside plain decoding and the other families on the same prompts:
-  tokens/s and speedup.
+  tokens/s and speedup; `--timed-temperature 0.7 --verify token|block` the same sampled (proposals sampled too),
+  into t0.7-<rule>/.
 
-Writes outputs/objectives/{training,greedy,sampled}.json; `table` turns them into the markdown tables of
-docs/results/objectives.md. Nothing is asserted: this is a measurement.
+Writes outputs/objectives/{training,sampled}.json and a report.json per timed run; `table` turns them into the
+markdown tables of docs/results/objectives.md. Nothing is asserted: this is a measurement.
 """
 
 from __future__ import annotations
@@ -100,17 +101,29 @@ def exports(allow_missing: bool = False) -> list[tuple[str, Path]]:
     return [(n, p) for n, p in found if p.exists()]
 
 
+def timed_dir(temperature: float, verify: str) -> Path:
+    """The timed harness run's folder: greedy/ (T = 0, token rule), else t<T>-<rule>/."""
+    return OUT / ("greedy" if temperature == 0 and verify == "token" else f"t{temperature:g}-{verify}")
+
+
 def evaluate_greedy(args: argparse.Namespace) -> None:
+    """The timed harness over every export (module docstring); `--timed-temperature` > 0 samples (the drafters'
+    proposals sampled too, so block verification can add), under `--verify`."""
     found = exports(allow_missing=True)
     missing = sorted({run_name(a, loss) for a in ARMS for loss in LOSSES} - {n for n, _ in found})
     if missing:
         print(f"[objectives] not trained, left out: {missing}", flush=True)
-    out = OUT / "greedy"
+    temperature, verify = args.timed_temperature, args.verify
+    out = timed_dir(temperature, verify)
     cmd = [sys.executable, "-m", "eval", "method=all", "drafter=export", "tree=chain", f"tree.depth={args.depth}",
            f"checkpoint=[{','.join([*(str(p) for _, p in found), *args.reference])}]",
            f"prompts=[{','.join(args.sets)}]",
            f"num_prompts={args.prompts}", f"max_new_tokens={args.tokens}", f"threads={args.threads}",
            f"output_dir={out}", "wandb.mode=disabled"]
+    if temperature > 0:
+        cmd += [f"temperature={temperature}", "sampled_drafts=true", f"seed={args.seed}"]
+    if verify != "token":
+        cmd += [f"verify={verify}"]
     print("[objectives]", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
 
@@ -202,17 +215,22 @@ def table(_: argparse.Namespace) -> None:
               f"{_num(top1, 'expected_tau_block')} | {_num(samp, 'expected_tau_token')} +- "
               f"{_num(samp, 'expected_tau_token_sem')} | {_num(samp, 'block_minus_token', '+.4f')} +- "
               f"{_num(samp, 'block_minus_token_sem', '.4f')} |")
-    report = OUT / "greedy" / "report.json"
-    if not report.exists():
-        return
-    methods = json.loads(report.read_text())["methods"]
-    print("\n| method | tau | acceptance 1 / 2 / 3 / 4 | draft ms / round | verify ms / round | tokens/s | speedup |")
-    print("|---|---|---|---|---|---|---|")
-    for m, r in methods.items():
-        alpha = " / ".join(f"{a:.3f}" for a in (r.get("accept_rate_per_position") or [])[:4])
-        print(f"| {m} | {_num(r, 'tau')} | {alpha} | {_num(r, 'draft_ms_per_round', '.1f')} | "
-              f"{_num(r, 'verify_ms_per_round', '.1f')} | {_num(r, 'tokens_per_s', '.1f')} | "
-              f"{_num(r, 'speedup', '.2f')}x |")
+    for folder in sorted(OUT.iterdir()):
+        report = folder / "report.json"
+        if not report.exists():
+            continue
+        data = json.loads(report.read_text())
+        sampling = data.get("sampling", {})
+        print(f"\n{folder.name}: temperature {sampling.get('temperature')}, verify {sampling.get('verify')}, "
+              f"sampled drafts {sampling.get('sampled_drafts')}, {data.get('num_prompts')} prompts, "
+              f"{data.get('max_new_tokens')} tokens\n")
+        print("| method | tau | acceptance 1 / 2 / 3 / 4 | draft ms / round | verify ms / round | tokens/s | speedup |")
+        print("|---|---|---|---|---|---|---|")
+        for m, r in data["methods"].items():
+            alpha = " / ".join(f"{a:.3f}" for a in (r.get("accept_rate_per_position") or [])[:4])
+            print(f"| {m} | {_num(r, 'tau')} | {alpha} | {_num(r, 'draft_ms_per_round', '.1f')} | "
+                  f"{_num(r, 'verify_ms_per_round', '.1f')} | {_num(r, 'tokens_per_s', '.1f')} | "
+                  f"{_num(r, 'speedup', '.2f')}x |")
 
 
 def main() -> None:
@@ -233,6 +251,9 @@ def main() -> None:
                     help="prompts from each set for the T=0.7 scoring (a verifier forward over the sequence a round)")
     ap.add_argument("--sampled-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timed-temperature", type=float, default=0.0,
+                    help="the timed harness's temperature (greedy step; > 0: sampled, proposals sampled too)")
+    ap.add_argument("--verify", choices=["token", "block"], default="token", help="the timed harness's rule")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     steps: dict[str, list[Callable[[argparse.Namespace], None]]] = {
