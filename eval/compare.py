@@ -132,7 +132,8 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
     report = {
         "method": "all", "verifier": verifier.name, "checkpoint": [str(e.path) for e in exports],
         "num_prompts": len(samples), "max_new_tokens": int(cfg.max_new_tokens), "threads": int(cfg.threads),
-        "dtype": str(cfg.dtype), "engine": engine, "sampling": sampling,
+        "dtype": str(cfg.dtype), "drafter_dtype": str(cfg.get("drafter_dtype", "float32")), "engine": engine,
+        "sampling": sampling,
         "trees": {m: d.describe() for m, d in drafters.items()}, "plans": plans or {},
         "methods": rows(samples, methods, depths),
         "by_category": {c: rows([s for s in samples if s.category == c], methods, depths) for c in categories},

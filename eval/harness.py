@@ -31,7 +31,14 @@ from omegaconf import DictConfig, OmegaConf
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
 from eval import adaptive, compare, cost
-from eval.drafters.build import build_drafter, check_proposals, family_config, family_of, method_name
+from eval.drafters.build import (
+    build_drafter,
+    check_proposals,
+    drafter_dtype,
+    family_config,
+    family_of,
+    method_name,
+)
 from eval.engine.block_verify import check_chain_drafters
 from eval.engine.decode import ENGINES, engine_of, use_engine
 from eval.engine.protocol import Drafter
@@ -341,6 +348,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine.forward where it "
                         f"is exact and faster, hf: Hugging Face's forward).")
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k fail before anything loads
+    drafter_dtype(cfg.get("drafter_dtype", "float32"))  # and a drafter dtype not in the list
     peers = check_peers(cfg.get("engine_peers") or [], bool(cfg.multi_turn), str(cfg.get("method", "single")))
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
@@ -365,9 +373,11 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
                               "engine" if use_engine(run.verifier, engine) else "hf",
                               {m: asdict(p) for m, p in run.plans.items()})
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
+            "drafter_dtype": str(cfg.get("drafter_dtype", "float32")),
             "checkpoint": None if cfg.checkpoint is None else str(cfg.checkpoint), "sampling": sampling_record(cfg),
             "prompt_sets": None if isinstance(cfg.prompts, str) else [prompt_set_label(str(p)) for p in cfg.prompts]}
-    setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype), "device": str(run.verifier.device),
+    setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype),
+               "drafter_dtype": str(cfg.get("drafter_dtype", "float32")), "device": str(run.verifier.device),
                "dtype_reason": dtype_reason, "engine": "engine" if use_engine(run.verifier, engine) else "hf",
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}

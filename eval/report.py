@@ -28,7 +28,8 @@ ASSISTED = "hf_assisted"  # HF assisted generation with the run's draft model: d
 # conf/eval.yaml `alone`), so the report gives what the drafter adds by itself and what the combination adds.
 ALONE = "drafter_alone"
 REPORT_KEYS = (
-    "method", "tree", "verifier", "checkpoint", "num_prompts", "new_tokens", "tau", "accept_rate_per_position",
+    "method", "tree", "verifier", "checkpoint", "drafter_dtype", "num_prompts", "new_tokens", "tau",
+    "accept_rate_per_position",
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
     "speedup", "predicted_speedup", "speedup_vs_hf_generate", "greedy_match",
     "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "drafter_alone", "prompt_tokens",
@@ -180,6 +181,7 @@ def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int,
     report = {**meta, **metrics(samples, depth, alone_depth), "by_category": by_category, "by_prompt_length": by_length,
               "by_prompt_set": by_set}
     report.setdefault("sampling", {"temperature": 0.0, "rule": "greedy", "exact": True, "lossy": False})
+    report.setdefault("drafter_dtype", "float32")  # eval's default: the export's weights as saved
     if report["sampling"].get("rule", "greedy") != "greedy":
         # Sampled outputs equal the sampled baseline's only by chance: greedy_match is null, not a misleading 0.
         for m in [report, *by_category.values(), *by_length.values(), *by_set.values()]:

@@ -193,29 +193,57 @@ def test_no_import_circle_and_the_layers_import_downward():
         "models.export": ["data.chat"]}
 
 
-@pytest.mark.parametrize("method", ["all", "single"])
+@pytest.mark.parametrize("method", ["all", "single", "all-bf16"])
 def test_python_m_eval_runs_every_export_family_as_it_builds_it_alone(method, trained, tmp_path, one_thread):
     """`python -m eval` on every family's export: method=all over all of them, and a one-export run with the default
     drafter (the hybrid, with the export's drafter decoded alone beside it). Both build each export's drafter from its
     conf/drafter/<family>.yaml, as a one-family run does; a DSpark export crashed both (its factory was handed a
-    `kind` it does not take). Greedy output equals plain greedy for every method."""
+    `kind` it does not take). Greedy output equals plain greedy for every method. `all-bf16`: a bf16 verifier with
+    every export's drafter in bf16 too (`drafter_dtype=bfloat16`), still the verifier's own output."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from eval.harness import evaluate
 
+    dtypes = ["dtype=bfloat16", "drafter_dtype=bfloat16"] if method == "all-bf16" else ["dtype=float32"]
+    method = method.split("-")[0]
     names = list(EXPORT_FAMILIES) if method == "all" else ["dspark"]
     checkpoint = f"[{','.join(str(trained[n]) for n in names)}]" if method == "all" else str(trained["dspark"])
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose(config_name="eval", overrides=[
             f"method={method}", f"checkpoint={checkpoint}", "tree=chain", "tree.depth=2", "num_prompts=1",
-            "max_new_tokens=6", "threads=1", "dtype=float32", "warmup=false", "wandb.mode=disabled",
+            "max_new_tokens=6", "threads=1", *dtypes, "warmup=false", "wandb.mode=disabled",
             f"output_dir={tmp_path}"])
     report = evaluate(cfg, progress=False)
+    expected = "bfloat16" if "drafter_dtype=bfloat16" in dtypes else "float32"
+    assert report["drafter_dtype"] == expected
     if method == "all":
         labels = list(report["methods"])
         assert all(any(label.startswith(f"{n}/") for label in labels) for n in names), labels
         assert all(r["greedy_match"] in (None, 1.0) for r in report["methods"].values()), report["methods"]
     else:
         assert report["greedy_match"] == 1.0 and report["drafter_alone"]["greedy_match"] == 1.0
+
+
+def test_drafter_dtype_casts_a_copy_of_the_exports_network(trained, varied):
+    """make_drafter(dtype=...) runs the drafter's network in that dtype, on a copy: the export's network (shared by
+    every drafter built from it) keeps its weights; a dtype not in the list is one message."""
+    from eval.drafters.build import drafter_dtype, make_drafter
+    from eval.engine.tree import Chain
+    from models.export import load_export
+    from runtime.errors import UserError
+
+    exp = load_export(trained["eagle3"], varied)
+    drafter = make_drafter(None, varied, Chain(2), checkpoint=exp, dtype="bfloat16")
+    assert {p.dtype for p in drafter.net.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in exp.net.parameters()} == {torch.float32}
+    with pytest.raises(UserError, match="drafter_dtype='float16': choose one of"):
+        drafter_dtype("float16")
+    from eval.drafters.build import build_drafter, family_config
+    from models.export import read_info
+
+    for name in ("eagle3", "dflash"):  # the harness's one builder passes eval's drafter_dtype on
+        cfg = OmegaConf.create({"drafter_dtype": "bfloat16", "sampled_drafts": False, "seed": 0})
+        built = build_drafter(cfg, name, family_config(name), varied, read_info(trained[name]), Chain(2))
+        assert {p.dtype for p in built.net.parameters()} == {torch.bfloat16}, name

@@ -33,8 +33,8 @@ from models.medusa import MedusaHeads
 from models.verifier import Verifier
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
-METRIC_KEYS = set(REPORT_KEYS) - {"method", "tree", "verifier", "checkpoint", "sampling", "by_category",
-                                   "by_prompt_length", "by_prompt_set"}
+METRIC_KEYS = set(REPORT_KEYS) - {"method", "tree", "verifier", "checkpoint", "drafter_dtype", "sampling",
+                                   "by_category", "by_prompt_length", "by_prompt_set"}
 FAST = ["threads=1", "max_new_tokens=12", "wandb.mode=disabled", "dtype=float32"]  # fp32: HF generate is exact too
 
 

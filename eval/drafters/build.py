@@ -10,6 +10,7 @@ prompt_lookup.num_tokens, lookahead.window / ngram / guesses).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,15 @@ from runtime.errors import UserError, VerifierMismatchError
 def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy,
                  checkpoint: str | Path | Export | None = None,
                  net: nn.Module | None = None, sampling: SamplingConfig | None = None,
-                 generator: torch.Generator | None = None, draft_vocab: int | None = None) -> Drafter:
+                 generator: torch.Generator | None = None, draft_vocab: int | None = None,
+                 dtype: str | None = None) -> Drafter:
     """A drafter for `verifier` proposing trees under the policy `tree`, from an export (checkpoint=<dir>; `kind`
     None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it). With `sampling`
     (temperature > 0) it samples its proposals from its warped distribution instead of taking the top-k.
     `draft_vocab` (EAGLE-1, shared-head Medusa): draft over the export's `draft_vocab` most frequent training targets
     only, through those rows of the verifier's lm_head. None: the export's `train_vocab` (a drafter trained over that
-    many rows: train/base.py), else the full vocabulary."""
+    many rows: train/base.py), else the full vocabulary. `dtype` (eval's `drafter_dtype`): the network's weights
+    cast to it, on a copy (an export's network is shared by the drafters built from it); None keeps them."""
     if (checkpoint is None) == (net is None):
         raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
     if kind is not None and kind not in export_families():
@@ -54,6 +57,8 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy,
         raise UserError(f"net is a {title(found)} drafter but was given as {title(kind)}; use "
                         f"make_drafter({found!r}, ...).")
     net = net.to(verifier.device)
+    if dtype is not None and any(p.dtype != drafter_dtype(dtype) for p in net.parameters()):
+        net = copy.deepcopy(net).to(drafter_dtype(dtype))
     if draft_vocab is None and config.get("train_vocab"):
         draft_vocab = config["train_vocab"]  # trained over those rows: draft over them
     head_ids = None
@@ -159,6 +164,17 @@ def family_of(drafter_cfg: DictConfig) -> str:
     return str(drafter_cfg.get("kind") or "export") if name == "export" else name
 
 
+DRAFTER_DTYPES = ("float32", "bfloat16")
+
+
+def drafter_dtype(value: Any) -> torch.dtype:
+    """eval's `drafter_dtype`, checked: the torch dtype an export's drafter runs in."""
+    if value not in DRAFTER_DTYPES:
+        raise UserError(f"drafter_dtype={value!r}: choose one of {list(DRAFTER_DTYPES)} (float32: the export's weights "
+                        f"as saved; bfloat16: cast, as serving engines run a drafter beside a bf16 verifier).")
+    return getattr(torch, str(value))
+
+
 def check_proposals(cfg: DictConfig, name: str) -> None:
     """Refuse sampled_drafts=true for family `name` when it drafts from no export (nothing to sample proposals from)."""
     if bool(cfg.get("sampled_drafts", False)) and name != "export" and not FAMILIES[name].needs_export:
@@ -173,10 +189,13 @@ def build_drafter(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifie
     `sampled_drafts`, the families that draft from an export also get the warped sampling settings for their
     proposals (the others draft as they always do)."""
     factory = instantiate(drafter_cfg, _convert_="all")
-    proposals = {}
+    proposals: dict[str, Any] = {}
     # A family that drafts from no export has no distribution to sample proposals from: a one-family run refuses
     # sampled_drafts for it before loading (check_proposals, from eval.harness), method=all drafts it as it is.
-    if bool(cfg.get("sampled_drafts", False)) and (family == "export" or FAMILIES[family].needs_export):
+    from_export = family == "export" or FAMILIES[family].needs_export
+    if from_export and str(cfg.get("drafter_dtype", "float32")) != "float32":
+        proposals["dtype"] = str(cfg.drafter_dtype)
+    if bool(cfg.get("sampled_drafts", False)) and from_export:
         proposals = {"sampling": sampling_config(cfg),
                      "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
     try:
