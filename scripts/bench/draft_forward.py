@@ -65,26 +65,23 @@ def _verifier_step(verifier, prefix: torch.Tensor) -> Callable[[], None]:
 
 
 def _drafter(verifier, tree, folder: Path, family: str):
-    """The export's drafter under `tree`; for 'eagle3-bf16' with its weights cast to bf16 first."""
-    drafter = export(verifier, tree, folder)
-    if family == "eagle3-bf16":
-        drafter.net.to(torch.bfloat16)
-    return drafter
+    """The export's drafter under `tree`; for '<family>-bf16' with its weights in bf16 (eval's drafter_dtype)."""
+    return export(verifier, tree, folder, dtype="bfloat16" if family.endswith("-bf16") else None)
 
 
 def _callables(verifier, prefix: torch.Tensor, folders: dict[str, Path]) -> dict[str, Callable[[], object]]:
     """name -> a timed call: '<family> forward', 'eagle3 chain <k>', '<family> round <s>', 'verifier step'. Family
-    'eagle3-bf16' is the EAGLE-3 export with its weights cast to bf16 (other drafts than the export's fp32 weights
-    give, so not today's drafter: what that would cost)."""
+    '<family>-bf16' is the export with its weights in bf16 (`python -m eval drafter_dtype=bfloat16`: other drafts
+    than the export's fp32 weights give)."""
     fns: dict[str, Callable[[], object]] = {"verifier step": _verifier_step(verifier, prefix)}
     for family, folder in folders.items():
 
-        if family == "medusa":
+        if family.startswith("medusa"):
             drafter = _drafter(verifier, AutoTree(size=max(SIZES) - 1), folder, family)
             cache = _Verify(verifier, "auto", prefix.shape[1] + 1, 1, 1)
             hidden = cache.forward(prefix, layers=drafter.feature_layers).hidden
             seq = torch.cat([prefix, prefix[:, -1:]], dim=1)
-            fns["medusa forward"] = lambda d=drafter, s=seq, h=hidden: d.propose(s, h)
+            fns[f"{family} forward"] = lambda d=drafter, s=seq, h=hidden: d.propose(s, h)
             continue
         one = _drafter(verifier, Chain(5) if family.startswith("eagle3") else AutoTree(size=1), folder, family)
         seq, new = _steady(verifier, one, prefix)
@@ -104,16 +101,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--peagle", default=None, help="a P-EAGLE export for the default verifier (none ships)")
-    ap.add_argument("--bf16-drafter", action="store_true", help="also EAGLE-3 with its weights cast to bf16 (a "
-                    "what-if: other drafts than the export's fp32 weights give)")
+    ap.add_argument("--bf16-drafter", action="store_true", help="also every export with its weights in bf16 "
+                    "(drafter_dtype=bfloat16: other drafts than the export's fp32 weights give)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folders = {f: ROOT / "pretrained" / name for f, name in SHIPPED.items() if name}
     if args.peagle:
         folders["peagle"] = Path(args.peagle)
     folders = {f: p for f, p in folders.items() if (p / "config.json").is_file()}
-    if args.bf16_drafter and "eagle3" in folders:
-        folders["eagle3-bf16"] = folders["eagle3"]
+    if args.bf16_drafter:
+        folders |= {f"{f}-bf16": p for f, p in folders.items()}
     missing = [f for f in SHIPPED if f not in folders]
     for dtype in args.dtype:
         verifier = load_smollm2(dtype=dtype, device="cpu")
@@ -129,15 +126,21 @@ def main() -> None:
               f"{args.rounds} interleaved rounds (least of 3 each); no export for: {', '.join(missing) or 'none'}")
         print(f"  verifier one-token step {ms['verifier step']:7.2f} ms")
         head = "".join(f" {'round ' + str(s):>9}" for s in SIZES)
-        print(f"  {'family':<11} {'forward ms':>10} {'/medusa':>8}{head}")
+        print(f"  {'family':<12} {'forward ms':>10} {'/medusa':>8} {'/same dt':>8}{head}")
+
+        def same(x: float, family: str) -> str:  # against Medusa's forward with drafter weights of the same dtype
+            m = ms.get("medusa-bf16 forward" if family.endswith("-bf16") else "medusa forward")
+            return f"{x / m:5.2f}x" if m else "  -  "
+
         for family in folders:
             rounds = "".join(f" {ms.get(f'{family} round {s}', ms[f'{family} forward']):9.2f}" for s in SIZES)
-            print(f"  {family:<11} {ms[f'{family} forward']:10.2f} {ratio(ms[f'{family} forward']):>8}{rounds}")
+            fwd = ms[f"{family} forward"]
+            print(f"  {family:<12} {fwd:10.2f} {ratio(fwd):>8} {same(fwd, family):>8}{rounds}")
         for family in ("eagle3", "eagle3-bf16"):
             if f"{family} chain 5" in ms:
                 depth = (ms[f"{family} chain 5"] - ms[f"{family} forward"]) / 4
                 print(f"  {family} one more drafted depth (Chain(5): (trial 5 - trial 1) / 4) {depth:6.2f} ms, "
-                      f"{ratio(depth).strip()} Medusa's forward")
+                      f"{ratio(depth).strip()} Medusa's forward, {same(depth, family).strip()} with the same dtype")
 
 
 if __name__ == "__main__":
