@@ -77,7 +77,7 @@ def train(args: argparse.Namespace) -> None:
             print(f"[objectives] {name}: export exists, skipped")
             continue
         cmd = [sys.executable, "train.py", *ARMS[arm], f"model.loss={loss}", f"data.limit={args.limit}",
-               f"trainer.max_epochs={args.epochs}", f"name={name}", "logger=csv"]
+               f"trainer.max_epochs={args.epochs}", f"name={name}", "logger=csv", *args.extra]
         if (ROOT / "outputs" / name / "checkpoints" / "last.ckpt").exists():
             cmd.append("ckpt_path=last")
         print("[objectives]", " ".join(cmd[1:]), flush=True)
@@ -241,6 +241,9 @@ def main() -> None:
     ap.add_argument("--reference", nargs="*", default=[str(ROOT / "pretrained" / "eagle3-smollm2")],
                     help="exports decoded beside the arms in the timed run (the target: the shipped EAGLE-3's speedup)")
     ap.add_argument("--arms", nargs="*", default=None, help="train these arms, in order (arm:loss, e.g. dspark:kl)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides for these arms, recorded in "
+                    "training.json (e.g. data.batch_size=8 trainer.accumulate_grad_batches=2: the same batch in "
+                    "half the memory)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts from each set")
     ap.add_argument("--sets", nargs="+", default=["builtin", "humaneval", str(MT_BENCH)],
                     help="prompt sets (eval's prompts=): builtin, humaneval, a question.jsonl")
