@@ -39,7 +39,7 @@ from eval.drafters.build import (
     family_of,
     method_name,
 )
-from eval.engine.block_verify import check_chain_drafters
+from eval.engine.block_verify import check_chain_drafters, may_branch
 from eval.engine.decode import ENGINES, engine_of, use_engine
 from eval.engine.protocol import Drafter
 from eval.engine.sampling import sampling_config
@@ -317,7 +317,7 @@ def chains_only(run: Any) -> list[str]:
     """method=all under verify=block: the methods whose drafters propose trees (block verification is defined on
     chains) leave the run, each named on the console and in report.json's sampling record; a one-family run is
     refused instead (check_chain_drafters)."""
-    trees = [m for m, d in run.drafters.items() if d.max_nodes > d.max_depth + 1]
+    trees = [m for m, d in run.drafters.items() if may_branch(d)]
     for m in trees:
         print(f"[eval] verify=block: {m} left out, its drafter proposes trees (block verification is defined on "
               f"chains; verify=token runs it)")

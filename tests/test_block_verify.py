@@ -347,8 +347,8 @@ def test_method_all_sampled_under_block_verification(medusa_export, tmp_path, on
     common = [f"checkpoint={medusa_export}", "num_prompts=1", "max_new_tokens=8", "dtype=float32"]
     report = _run_eval([*common, "method=all", "tree=chain", "tree.depth=3", "temperature=0.7",
                         "sampled_drafts=true", "verify=block"], tmp_path / "all")
-    left = report["sampling"]["left_out_as_trees"]
-    assert left and all(m.startswith("lookahead/") for m in left) and not set(left) & set(report["methods"])
+    left = report["sampling"]["left_out_as_trees"]  # lookahead, and the hybrid: lookup grafted beside the drafter
+    assert sorted(m.split("/")[0] for m in left) == ["hybrid", "lookahead"] and not set(left) & set(report["methods"])
     medusa = next(m for m in report["methods"] if m.startswith("medusa/"))
     assert report["trees"][medusa]["proposals"] == "sampled"
     assert any(m.startswith("prompt_lookup/") for m in report["methods"])

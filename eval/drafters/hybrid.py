@@ -179,6 +179,8 @@ class HybridDrafter:
         self._part = (0.0, 0.0)  # this round's prediction: (lookup, drafter)
         self.set_primary(primary)
 
+    branches = True  # lookup chains grafted beside the drafter's: a tree, even within a chain's node count
+
     def set_primary(self, primary: Drafter) -> None:
         """Draft with `primary` (the planner hands its planned drafter here, eval.adaptive.plan), and size the
         rounds for it: `budget`, else its max_nodes, and with a planned primary room for the chain on top."""

@@ -59,13 +59,19 @@ def check_chain(parents: tuple[int, ...] | list[int]) -> None:
                             f"{max(_depths(parents))} deep, parents {tuple(parents)}")
 
 
+def may_branch(drafter: Drafter) -> bool:
+    """Whether `drafter`'s rounds can be trees: more nodes than a chain of its depth holds (eval.engine.protocol's
+    max_nodes / max_depth), or a drafter that says so (`branches = True`: one that grafts chains side by side within
+    a chain's node count, as the hybrid does)."""
+    return bool(getattr(drafter, "branches", False)) or drafter.max_nodes > drafter.max_depth + 1
+
+
 def check_chain_drafters(verify: str, drafters: Iterable[Drafter]) -> None:
-    """verify=block: refuse, before decoding, a drafter whose rounds can hold more nodes than a chain of its depth
-    (eval.engine.protocol.Drafter's max_nodes / max_depth)."""
+    """verify=block: refuse, before decoding, a drafter whose rounds can be trees (`may_branch`)."""
     if verify != "block":
         return
     for drafter in drafters:
-        if drafter.max_nodes > drafter.max_depth + 1:
+        if may_branch(drafter):
             policy = drafter.describe().get("policy") or type(drafter).__name__
             raise chain_refusal(f"the drafter (policy {policy}) proposes trees of up to {drafter.max_nodes} nodes, "
                                 f"{drafter.max_depth} deep")
