@@ -221,7 +221,11 @@ def test_python_m_eval_runs_every_export_family_as_it_builds_it_alone(method, tr
     if method == "all":
         labels = list(report["methods"])
         assert all(any(label.startswith(f"{n}/") for label in labels) for n in names), labels
-        assert all(r["greedy_match"] in (None, 1.0) for r in report["methods"].values()), report["methods"]
+        # our decoding loops (a tau): the verifier's own output; Hugging Face's rows (no tau) are exact only in fp32
+        ours = {m: r["greedy_match"] for m, r in report["methods"].items() if r["tau"] is not None or m == "baseline"}
+        assert all(g in (None, 1.0) for g in ours.values()), report["methods"]
+        if dtypes == ["dtype=float32"]:
+            assert all(r["greedy_match"] in (None, 1.0) for r in report["methods"].values()), report["methods"]
     else:
         assert report["greedy_match"] == 1.0 and report["drafter_alone"]["greedy_match"] == 1.0
 
