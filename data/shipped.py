@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -110,6 +111,7 @@ def load_shipped(where: str | Path | Sequence[str | Path], verifier: Verifier) -
         # The joined set's fingerprint from its parts' (each from its files' digests): one hidden-state cache key.
         digest = hashlib.sha256("".join(p._fingerprint for p in parts).encode()).hexdigest()[:16]
         return datasets.Dataset(pa.concat_tables([p.data.table for p in parts]), fingerprint=f"shipped-{digest}")
+    where, rows = split_rows(where)
     folder = resolve(where)
     manifest = read_manifest(folder)
     verify(folder, manifest)
@@ -130,7 +132,27 @@ def load_shipped(where: str | Path | Sequence[str | Path], verifier: Verifier) -
     if len(ds) != counts["conversations"]:
         raise UserError(f"shipped set {folder}: {len(ds)} rows, the manifest says {counts['conversations']}; the set "
                         f"is damaged. Restore it or rebuild it with scripts/tools/ship_data.py.")
-    return ds
+    if rows is None:
+        return ds
+    if not 1 <= rows <= len(ds):
+        raise UserError(f"data.shipped: '{where}@{rows}' asks for {rows} rows of a set of {len(ds)}; give 1 to "
+                        f"{len(ds)}, or drop '@{rows}' for the whole set.")
+    # The first `rows` of the same fixed permutation data.limit takes (datamodule): name@N is data.limit=N's subset
+    picked = ds.select(np.random.default_rng(0).permutation(len(ds))[:rows]).flatten_indices()
+    return datasets.Dataset(picked.data.table, fingerprint=f"shipped-{digest}-{rows}")
+
+
+def split_rows(where: str | Path) -> tuple[str | Path, int | None]:
+    """A data.shipped entry and the rows it asks for: `name@N` is the set's first N rows of its fixed permutation (a
+    replay sample of an older set beside a new one), `name` the whole set."""
+    text = str(where)
+    if "@" not in text:
+        return where, None
+    name, _, count = text.rpartition("@")
+    if not count.isdigit():
+        raise UserError(f"data.shipped: '{text}' ends in '@{count}', which is not a row count; write name@N (N rows "
+                        f"of the set) or the name alone.")
+    return name, int(count)
 
 
 def check_replaceable(out: str | Path, force: bool = False) -> None:

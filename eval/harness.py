@@ -34,10 +34,10 @@ from eval import adaptive, compare, cost
 from eval.drafters.build import (
     build_drafter,
     check_proposals,
-    drafter_dtype,
     family_config,
     family_of,
     method_name,
+    resolve_drafter_dtype,
 )
 from eval.engine.block_verify import check_chain_drafters, may_branch
 from eval.engine.decode import ENGINES, engine_of, use_engine
@@ -348,7 +348,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine.forward where it "
                         f"is exact and faster, hf: Hugging Face's forward).")
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k fail before anything loads
-    drafter_dtype(cfg.get("drafter_dtype", "float32"))  # and a drafter dtype not in the list
+    cfg.drafter_dtype = resolve_drafter_dtype(cfg.get("drafter_dtype", "auto"), str(cfg.dtype))  # before loading
     peers = check_peers(cfg.get("engine_peers") or [], bool(cfg.multi_turn), str(cfg.get("method", "single")))
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))

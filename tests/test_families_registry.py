@@ -199,13 +199,14 @@ def test_python_m_eval_runs_every_export_family_as_it_builds_it_alone(method, tr
     drafter (the hybrid, with the export's drafter decoded alone beside it). Both build each export's drafter from its
     conf/drafter/<family>.yaml, as a one-family run does; a DSpark export crashed both (its factory was handed a
     `kind` it does not take). Greedy output equals plain greedy for every method. `all-bf16`: a bf16 verifier with
-    every export's drafter in bf16 too (`drafter_dtype=bfloat16`), still the verifier's own output."""
+    every export's drafter in bf16 too (`drafter_dtype=auto`, the default: the verifier's dtype), still the verifier's
+    own output."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from eval.harness import evaluate
 
-    dtypes = ["dtype=bfloat16", "drafter_dtype=bfloat16"] if method == "all-bf16" else ["dtype=float32"]
+    dtypes = ["dtype=bfloat16"] if method == "all-bf16" else ["dtype=float32"]
     method = method.split("-")[0]
     names = list(EXPORT_FAMILIES) if method == "all" else ["dspark"]
     checkpoint = f"[{','.join(str(trained[n]) for n in names)}]" if method == "all" else str(trained["dspark"])
@@ -216,8 +217,7 @@ def test_python_m_eval_runs_every_export_family_as_it_builds_it_alone(method, tr
             "max_new_tokens=6", "threads=1", *dtypes, "warmup=false", "wandb.mode=disabled",
             f"output_dir={tmp_path}"])
     report = evaluate(cfg, progress=False)
-    expected = "bfloat16" if "drafter_dtype=bfloat16" in dtypes else "float32"
-    assert report["drafter_dtype"] == expected
+    assert report["drafter_dtype"] == dtypes[0].removeprefix("dtype=")  # auto: the verifier's dtype
     if method == "all":
         labels = list(report["methods"])
         assert all(any(label.startswith(f"{n}/") for label in labels) for n in names), labels
@@ -233,7 +233,7 @@ def test_python_m_eval_runs_every_export_family_as_it_builds_it_alone(method, tr
 def test_drafter_dtype_casts_a_copy_of_the_exports_network(trained, varied):
     """make_drafter(dtype=...) runs the drafter's network in that dtype, on a copy: the export's network (shared by
     every drafter built from it) keeps its weights; a dtype not in the list is one message."""
-    from eval.drafters.build import drafter_dtype, make_drafter
+    from eval.drafters.build import drafter_dtype, make_drafter, resolve_drafter_dtype
     from eval.engine.tree import Chain
     from models.export import load_export
     from runtime.errors import UserError
@@ -244,6 +244,8 @@ def test_drafter_dtype_casts_a_copy_of_the_exports_network(trained, varied):
     assert {p.dtype for p in exp.net.parameters()} == {torch.float32}
     with pytest.raises(UserError, match="drafter_dtype='float16': choose one of"):
         drafter_dtype("float16")
+    assert [resolve_drafter_dtype("auto", v) for v in ("bfloat16", "float32")] == ["bfloat16", "float32"]
+    assert resolve_drafter_dtype("float32", "bfloat16") == "float32"  # set: as given
     from eval.drafters.build import build_drafter, family_config
     from models.export import read_info
 

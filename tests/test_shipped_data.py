@@ -242,3 +242,23 @@ def test_second_turns_extend_the_verifiers_own_ids(smollm2, tmp_path, monkeypatc
     again = mt.second_turn_rows(smollm2, ds, 2, tmp_path, seed=0, max_length=512, max_new_tokens=24, user_tokens=64,
                                 batch_size=4, quality=quality)
     assert again["input_ids"] == out["input_ids"]
+
+
+def test_a_row_count_takes_the_sets_replay_sample(tiny, packed):
+    """`name@N` (data.shipped) is the set's first N rows of the fixed permutation data.limit=N takes, joined beside a
+    whole set as a replay sample of an older set; its own fingerprint (cache key); a bad count is one message."""
+    import numpy as np
+
+    ds, folder, _ = packed
+    whole = load_shipped(folder, tiny)
+    five = load_shipped(f"{folder}@5", tiny)
+    assert five["id"] == [ds["id"][i] for i in np.random.default_rng(0).permutation(len(ds))[:5]]
+    assert five["input_ids"] == [ds["input_ids"][ds["id"].index(i)] for i in five["id"]]
+    assert len({whole._fingerprint, five._fingerprint, load_shipped(f"{folder}@6", tiny)._fingerprint}) == 3
+    assert load_shipped(f"{folder}@5", tiny)._fingerprint == five._fingerprint
+    joined = load_shipped([f"{folder}@5", str(folder)], tiny)
+    assert list(joined["id"]) == list(five["id"]) + list(whole["id"])
+    for bad, match in ((f"{folder}@0", "asks for 0 rows of a set of 24"), (f"{folder}@25", "asks for 25 rows"),
+                       (f"{folder}@x", "not a row count")):
+        with pytest.raises(UserError, match=match):
+            load_shipped(bad, tiny)

@@ -170,9 +170,20 @@ DRAFTER_DTYPES = ("float32", "bfloat16")
 def drafter_dtype(value: Any) -> torch.dtype:
     """eval's `drafter_dtype`, checked: the torch dtype an export's drafter runs in."""
     if value not in DRAFTER_DTYPES:
-        raise UserError(f"drafter_dtype={value!r}: choose one of {list(DRAFTER_DTYPES)} (float32: the export's weights "
-                        f"as saved; bfloat16: cast, as serving engines run a drafter beside a bf16 verifier).")
+        raise UserError(f"drafter_dtype={value!r}: choose one of {['auto', *DRAFTER_DTYPES]} (auto: the verifier's "
+                        f"dtype; float32: the export's weights as saved; bfloat16: cast, as serving engines run a "
+                        f"drafter beside a bf16 verifier).")
     return getattr(torch, str(value))
+
+
+def resolve_drafter_dtype(value: Any, verifier_dtype: str) -> str:
+    """eval's `drafter_dtype` for this run: `auto` is the verifier's dtype (a bf16 verifier drafts with bf16 weights,
+    as serving engines run a drafter beside it; an fp32 verifier with the export's fp32 weights); others checked."""
+    if value == "auto":
+        value = verifier_dtype if verifier_dtype in DRAFTER_DTYPES else "float32"
+        print(f"drafter_dtype: {value} (auto: the verifier's dtype)")
+    drafter_dtype(value)
+    return str(value)
 
 
 def check_proposals(cfg: DictConfig, name: str) -> None:
