@@ -125,7 +125,7 @@ def test_ship_data_manifest_records_the_lists_checked_and_not(tiny, tmp_path, ca
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "long_tasks.jsonl.decontam.json").write_text(json.dumps({"licences": {"PSF-2.0": 3}}))
     out = tmp_path / "set"
-    cfg = compose_train(["experiment=ship_data_long", "verifier=tiny", f"data.source=[{src}]",
+    cfg = compose_train(["experiment=ship_data_long", "verifier=tiny", f"data.source=[{src}]", "data.generator=hf",
                          "data.max_new_tokens=3", "data.gen_batch_size=3", f"cache_dir={tmp_path / 'c'}",
                          f"ship.out={out}", "ship.name=t", f"ship.benchmarks.gsm8k={lists}"], tmp_path)
     cfg.verifier.cache_dir = cache_dir  # the tiny verifier's tokenizer is cached there
