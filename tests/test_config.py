@@ -127,11 +127,12 @@ def test_every_hydra_command_finds_its_config(module):
     assert proc.returncode == 0 and "cache_dir:" in proc.stdout, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name, export", [("ship_eagle3_long", "eagle3-smollm2"), ("ship_medusa_long", "medusa-smollm2")])
+@pytest.mark.parametrize("name, export", [("ship_eagle3_long", "eagle3-smollm2"),
+                                          ("ship_medusa_long", "medusa-smollm2")])
 def test_the_long_input_fine_tunes_start_from_the_shipped_export_with_its_shape(name, export, tmp_path):
-    """experiment=ship_<family>_long fine-tunes the shipped export (init_from) on the long-input part beside a replay
-    sample of the short-prompt set: its drafter options are the export's recipe's (init_from refuses another shape),
-    and both recipes read one hidden-state cache (the same sets, rows and cached layers)."""
+    """experiment=ship_<family>_long fine-tunes the shipped export (init_from) on the long-input part beside a
+    replay sample of the short-prompt set: its drafter options are the export's recipe's (init_from refuses another
+    shape), and both recipes read one hidden-state cache (the same sets, rows and cached layers)."""
     from omegaconf import OmegaConf
 
     cfg = compose_train([f"experiment={name}"], tmp_path)
