@@ -172,3 +172,33 @@ def test_a_benchmark_passage_among_others_or_cut_or_holding_a_question_is_droppe
     assert kept and not any(question in r["prompt"] for r in kept)
     control, _ = build_tasks(docs, num=5, seed=0, tasks=single)
     assert any(question in r["prompt"] for r in control)
+
+
+def test_ship_data_keeps_the_prompts_as_the_verifier_renders_them(tmp_path, cache_dir):
+    """A plain-rendering verifier (a base model: Gemma 3) sees shorter prompts than the chat template makes. ship_data
+    keeps the rows the build kept by the verifier's own rendering: a prompt under max_length as plain text but over it
+    through the chat template is packed, with plain ids (it was refused as 'the build and its sources differ')."""
+    from helpers import compose_train
+    from models.verifier import build_tiny
+    from scripts.tools.ship_data import ship
+
+    tok = build_tiny(cache_dir=cache_dir).tokenizer
+    text = "Summarise: " + _prose(3)[:300]
+    messages = [{"role": "user", "content": text}]
+    plain, chat = len(prompt_ids(tok, messages, "plain")), len(prompt_ids(tok, messages))
+    assert plain < chat
+    src = tmp_path / "long_tasks.jsonl"
+    src.write_text(json.dumps({"id": "p1", "category": "summarise", "prompt": text}) + "\n")
+    (tmp_path / "long_tasks.jsonl.decontam.json").write_text(json.dumps({"licences": {}}))
+    out = tmp_path / "set"
+    cfg = compose_train(["experiment=ship_data_long", "verifier=tiny", "+verifier.rendering=plain",
+                         f"data.source=[{src}]", "data.generator=hf", "data.max_new_tokens=2",
+                         f"data.max_length={plain + 2}", f"cache_dir={tmp_path / 'c'}", f"ship.out={out}", "ship.name=t",
+                         "ship.decontaminate.long_tasks=none"], tmp_path)
+    assert chat >= cfg.data.max_length > plain
+    cfg.verifier.cache_dir = cache_dir
+    ship(cfg)
+    from data.shipped import load_shipped
+
+    row = load_shipped(out, build_tiny(cache_dir=cache_dir, rendering="plain"))[0]
+    assert row["input_ids"][:plain] == prompt_ids(tok, messages, "plain")

@@ -129,7 +129,8 @@ def ship(cfg: DictConfig) -> None:
     # max_length tokens or more.
     tok = verifier.tokenizer
     labels = [_label(s) for s, n in zip(sources, groups) for _ in range(n)]
-    kept = [i for i, c in enumerate(convs) if len(prompt_ids(tok, first_turn(c))) < cfg.data.max_length]
+    kept = [i for i, c in enumerate(convs)
+            if len(prompt_ids(tok, first_turn(c), verifier.rendering)) < cfg.data.max_length]
     if len(kept) != len(ds) or any(ds[j]["id"] != convs[i].id for j, i in enumerate(kept[:50])):
         raise RuntimeError(f"{len(ds)} rows against {len(kept)} kept conversations: the build and its sources differ")
     ds = ds.add_column("source", [labels[i] for i in kept])
