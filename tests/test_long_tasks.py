@@ -193,8 +193,8 @@ def test_ship_data_keeps_the_prompts_as_the_verifier_renders_them(tmp_path, cach
     out = tmp_path / "set"
     cfg = compose_train(["experiment=ship_data_long", "verifier=tiny", "+verifier.rendering=plain",
                          f"data.source=[{src}]", "data.generator=hf", "data.max_new_tokens=2",
-                         f"data.max_length={plain + 2}", f"cache_dir={tmp_path / 'c'}", f"ship.out={out}", "ship.name=t",
-                         "ship.decontaminate.long_tasks=none"], tmp_path)
+                         f"data.max_length={plain + 2}", f"cache_dir={tmp_path / 'c'}", f"ship.out={out}",
+                         "ship.name=t", "ship.decontaminate.long_tasks=none"], tmp_path)
     assert chat >= cfg.data.max_length > plain
     cfg.verifier.cache_dir = cache_dir
     ship(cfg)
