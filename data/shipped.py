@@ -116,7 +116,13 @@ def load_shipped(where: str | Path | Sequence[str | Path], verifier: Verifier) -
     manifest = read_manifest(folder)
     verify(folder, manifest)
     check_fingerprint(manifest["verifier_fingerprint"], verifier, f"shipped set {folder}")
-    template = template_sha256(verifier.tokenizer)
+    rendering = manifest.get("rendering", "chat")  # sets packed before the field were all chat-rendered
+    if rendering != verifier.rendering:
+        raise UserError(f"shipped set {folder} was rendered {rendering} but the verifier renders "
+                        f"{verifier.rendering} (verifier.rendering): its prompts and loss masks would not be what the "
+                        f"verifier sees. Use the set made for this rendering, or rebuild it "
+                        f"(scripts/tools/ship_data.py).")
+    template = template_sha256(verifier.tokenizer) if rendering == "chat" else None
     if manifest["chat_template_sha256"] != template:
         raise UserError(f"shipped set {folder} was rendered with another chat template (sha256 "
                         f"{manifest['chat_template_sha256'][:16]}...) than the verifier's tokenizer has "
@@ -218,7 +224,8 @@ def pack(ds: datasets.Dataset, out: str | Path, verifier: Verifier, info: dict[s
             "format": FORMAT, "version": VERSION, "name": out.name,
             "verifier": verifier.source, "verifier_name": verifier.name,
             "verifier_fingerprint": verifier.fingerprint,
-            "chat_template_sha256": template_sha256(verifier.tokenizer),
+            "rendering": verifier.rendering,  # plain: a base model's text, no chat template to record
+            "chat_template_sha256": template_sha256(verifier.tokenizer) if verifier.rendering == "chat" else None,
             "eos_token_id": verifier.tokenizer.eos_token_id,
             "counts": {"conversations": len(ds),
                        "assistant_tokens": sum(c["assistant_tokens"] for c in by_source.values()),

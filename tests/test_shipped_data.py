@@ -262,3 +262,21 @@ def test_a_row_count_takes_the_sets_replay_sample(tiny, packed):
                        (f"{folder}@x", "not a row count")):
         with pytest.raises(UserError, match=match):
             load_shipped(bad, tiny)
+
+
+def test_a_plain_rendered_set_packs_without_a_chat_template_and_loads_only_as_plain(tiny, cache_dir, tmp_path):
+    """A base model (Gemma 3) has no chat template: its set records `rendering: plain` and no template hash (packing
+    one raised 'no chat template'); a chat-rendering verifier is refused it, and a plain one a chat-rendered set."""
+    from models.verifier import build_tiny
+
+    plain = build_tiny(cache_dir=cache_dir, rendering="plain")
+    plain.tokenizer.chat_template = None  # as a base model's tokenizer
+    ds = _small_set(tiny, 6)
+    manifest = pack(ds, tmp_path / "plain", plain, {}, rows_per_part=10)
+    assert manifest["rendering"] == "plain" and manifest["chat_template_sha256"] is None
+    assert load_shipped(tmp_path / "plain", plain)["input_ids"] == ds["input_ids"]
+    with pytest.raises(UserError, match="was rendered plain but the verifier renders chat"):
+        load_shipped(tmp_path / "plain", tiny)
+    pack(ds, tmp_path / "chat", tiny, {}, rows_per_part=10)
+    with pytest.raises(UserError, match="was rendered chat but the verifier renders plain"):
+        load_shipped(tmp_path / "chat", plain)
