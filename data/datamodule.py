@@ -8,7 +8,6 @@ from typing import Any
 
 import datasets
 import lightning as L
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -20,7 +19,7 @@ from data.prompts import Conversation, eval_prompt_texts, load_conversations, se
 from data.sampler import EpochSampler
 from data.selfdistill import GENERATORS, build_selfdistill, build_sharegpt, check_has_targets
 from data.selfgen import selfgen_conversations
-from data.shipped import load_shipped
+from data.shipped import fixed_order, load_shipped
 from models.verifier import Verifier
 from runtime.distributed import world
 from runtime.errors import UserError
@@ -178,7 +177,7 @@ class DistillDataModule(L.LightningDataModule):
             # Nested subsets: the first `limit` rows of one fixed permutation. The hidden-state cache is the whole
             # set's in that order, so every subset of the learning curve reads the one cache, and a subset needs
             # (and builds) only its leading shards.
-            self._whole = ds.select(np.random.default_rng(0).permutation(len(ds)))
+            self._whole = ds.select(fixed_order(len(ds)))
             self._rows = list(range(len(ds) if self.limit is None else min(self.limit, len(ds))))
             return self._whole if self.limit is None else self._whole.select(self._rows)
         convs, groups = self.conversations(with_groups=True)

@@ -143,9 +143,14 @@ def load_shipped(where: str | Path | Sequence[str | Path], verifier: Verifier) -
     if not 1 <= rows <= len(ds):
         raise UserError(f"data.shipped: '{where}@{rows}' asks for {rows} rows of a set of {len(ds)}; give 1 to "
                         f"{len(ds)}, or drop '@{rows}' for the whole set.")
-    # The first `rows` of the same fixed permutation data.limit takes (datamodule): name@N is data.limit=N's subset
-    picked = ds.select(np.random.default_rng(0).permutation(len(ds))[:rows]).flatten_indices()
+    picked = ds.select(fixed_order(len(ds))[:rows]).flatten_indices()  # name@N: the rows data.limit=N takes
     return datasets.Dataset(picked.data.table, fingerprint=f"shipped-{digest}-{rows}")
+
+
+def fixed_order(n: int) -> np.ndarray:
+    """The one fixed shuffle of a shipped set's n rows: data.limit=N (datamodule) and name@N both take its first N,
+    so smaller subsets nest in larger ones and share the whole set's hidden-state cache."""
+    return np.random.default_rng(0).permutation(n)
 
 
 def split_rows(where: str | Path) -> tuple[str | Path, int | None]:
