@@ -93,4 +93,9 @@ def vllm():
         if os.environ.get("SPECDRAFT_REQUIRE_VLLM") == "1" or os.environ.get("CI") == "true":
             pytest.fail(str(e))
         pytest.skip(str(e))
+    # vLLM's engine core in the worker's own process (its VLLM_ENABLE_V1_MULTIPROCESSING=0, as vLLM's own tests run
+    # it): the same engine, scheduler, model runner and drafting, without a second process that imports torch and
+    # vLLM again at every launch (a launch of the default verifier: ~4 s against 22-65 s). The tests assert what
+    # the engine drafts and accepts, never its speed. Outside the tests vLLM keeps its default (a user's timed peer).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return vllm_engine

@@ -6,8 +6,10 @@ global layers, Phi-3), each cell from a test:
 - exact decode: the export is read back through the registry and decodes exactly (speculative output = plain
   greedy, greedy_match 1.0), in fp32 through the exact engine where it runs the architecture, else through Hugging
   Face's forward (exact in fp32 on a CPU);
-- vLLM serve: vLLM 0.32 loads the verifier and drafts with the EAGLE-3 export (one launch per architecture), or
-  refuses it with its own message.
+- vLLM serve: vLLM 0.32 loads the verifier and drafts with the export, for every family it serves (Medusa, EAGLE-1,
+  EAGLE-3, P-EAGLE, DFlash: one launch per cell, its engine core in the test's worker process, see tests/conftest.py),
+  or refuses it with its own message. DSpark is refused on every CPU (tests/test_engine_vllm_dspark.py), whatever the
+  architecture, so it has no cell here.
 
 `python -m scripts.tools.conformance_table <junit.xml>` turns a run of this file into docs/results/conformance.md.
 """
@@ -22,6 +24,7 @@ from archs import ARCHS, arch_verifier, checkpoint
 
 from helpers import compose_train, run_shared
 from models.families import FAMILIES
+from serve.vllm_engine import methods
 
 TRAINED = [n for n, f in FAMILIES.items() if f.training is not None]
 TRAIN = ["data.limit=4", "data.max_new_tokens=8", "data.gen_batch_size=4", "data.batch_size=2",
@@ -35,7 +38,9 @@ EXTRA = {"eagle3": ["model.draft_vocab_size=64", "model.ttt_steps=2", "model.val
          "dspark": ["model.aux_layer_ids=[0,1]", "model.block_size=4", "model.markov_rank=16"]}
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 MAX_NEW = 16
-VLLM_FAMILY = "eagle3"
+# The families vLLM serves (serve/vllm_engine.py, from the registry) but DSpark, which vLLM 0.32 runs only on its
+# Model Runner V2 (Triton: no CPU), refused for every architecture alike.
+VLLM_FAMILIES = [f for f in methods() if f != "dspark"]
 # (architecture, family) pairs vLLM 0.32 will not draft, and its own words. Gemma 3 has no aux-hidden-states
 # interface there, so every family that reads the verifier's intermediate layers is refused, not only EAGLE-3.
 VLLM_REFUSES = {("gemma3", "eagle3"): "does not support EAGLE3 interface",
@@ -153,15 +158,16 @@ def test_exact_decode(runs, verifiers, hf_greedy, arch, family):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", [a for a in ARCHS if (a, VLLM_FAMILY) not in VLLM_REFUSES])
-def test_vllm_serve(vllm, runs, verifiers, archs_dir, arch):
-    """vLLM loads the tiny verifier and drafts with its EAGLE-3 export (fp32), or refuses with its own message."""
-    export = _export(runs, arch, VLLM_FAMILY)
+@pytest.mark.parametrize("arch,family", [(a, f) for a in ARCHS for f in VLLM_FAMILIES if (a, f) not in VLLM_REFUSES])
+def test_vllm_serve(vllm, runs, verifiers, archs_dir, arch, family):
+    """vLLM loads the tiny verifier and drafts with the family's export (fp32): drafts proposed and counted."""
+    export = _export(runs, arch, family)
     v = verifiers(arch)
     ids = v.tokenizer(PROMPT)["input_ids"]
     run = vllm.serve(str(checkpoint(arch, archs_dir)), [ids], MAX_NEW, dtype="float32",
-                     spec=vllm.speculative_config(VLLM_FAMILY, export, 3))
-    assert run.spec["num_drafts"] > 0, run.spec
+                     spec=vllm.speculative_config(family, export, 3))
+    assert run.spec is not None and run.spec["num_drafts"] > 0, run.spec
+    assert len(run.spec["accepted_per_pos"]) == 3, run.spec  # the 3 tokens asked for, position by position
 
 
 @pytest.mark.engine

@@ -4,8 +4,9 @@
     python -m scripts.tools.conformance_table /tmp/conformance.xml [more.xml ...] >> docs/results/conformance.md
 
 Rows: the verifier architectures; columns: the drafter families; each cell three marks, train / exact decode / vLLM
-serve (vLLM: the family served per architecture, and each family a refusal test names). pass ✓, fail ✗, skipped s,
-not run -; R: vLLM refuses that family for the architecture with the message the test asserts.
+serve (vLLM: every family it serves, each from its own launch; older runs launched one family per architecture, named
+by --vllm-family). pass ✓, fail ✗, skipped s, not run -; R: vLLM refuses that family for the architecture with the
+message the test asserts.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ def table(cells: dict[tuple[str, str, str], str], vllm_family: str = "eagle3") -
         for fam in families:
             marks = [MARK.get(cells.get(("train", arch, fam), ""), "-"),
                      MARK.get(cells.get(("exact_decode", arch, fam), ""), "-")]
-            # vllm_serve is the vLLM family's (no family in its id); vllm_refuses names its family (older runs: none)
-            refused = cells.get(("vllm_refuses", arch, fam)) or (
-                cells.get(("vllm_refuses", arch, "")) if fam == vllm_family else None)
-            served = cells.get(("vllm_serve", arch, "")) if fam == vllm_family else None
-            if refused or fam == vllm_family:
+            # vllm_serve and vllm_refuses name their family (older runs: none, meaning the one vLLM family)
+            old = fam == vllm_family
+            refused = cells.get(("vllm_refuses", arch, fam)) or (cells.get(("vllm_refuses", arch, "")) if old else None)
+            served = cells.get(("vllm_serve", arch, fam)) or (cells.get(("vllm_serve", arch, "")) if old else None)
+            if refused or served:
                 marks.append("R" if refused == "passed" else MARK.get(refused or served or "", "-"))
             row.append(" ".join(marks))
         lines.append(f"| {arch} | " + " | ".join(row) + " |")
