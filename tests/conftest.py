@@ -49,6 +49,14 @@ def smollm2(cache_dir):
     return load_smollm2(cache_dir=cache_dir, dtype="float32", device="cpu")
 
 
+@pytest.fixture(scope="session")
+def gemma3(cache_dir):
+    """The second embedded verifier (Gemma 3 270M, a base model: plain rendering), in fp32."""
+    from models.verifier import load_gemma3
+
+    return load_gemma3(cache_dir=cache_dir, dtype="float32", device="cpu")
+
+
 @pytest.fixture(autouse=True)
 def _no_thread_count_left_behind():
     """Every test leaves torch's thread count as it found it: memoised kernel probes are keyed by it, and a test

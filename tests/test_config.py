@@ -145,3 +145,14 @@ def test_the_long_input_fine_tunes_start_from_the_shipped_export_with_its_shape(
     other = compose_train([f"experiment={ {'ship_eagle3_long': 'ship_medusa_long'}.get(name, 'ship_eagle3_long') }"],
                           tmp_path)
     assert other.data.shipped == cfg.data.shipped
+
+
+def test_the_gemma3_drafter_recipe_trains_on_the_set_its_data_recipe_builds(tmp_path):
+    """experiment=ship_eagle3_gemma3 reads the set experiment=ship_data_gemma3 writes (under verifier=gemma3: its
+    name follows the verifier), a base model's set: no self-generated user turns, no second turns, the real vLLM."""
+    data = compose_train(["verifier=gemma3", "experiment=ship_data_gemma3"], tmp_path)
+    drafter = compose_train(["verifier=gemma3", "experiment=ship_eagle3_gemma3"], tmp_path)
+    assert data.ship.name == drafter.data.shipped == "gemma3-selfdistill-v1"
+    assert data.verifier.rendering == "plain" and data.ship.second_turns == 0 and data.data.generator == "vllm"
+    assert "selfgen" not in list(data.data.source) and set(data.ship.decontaminate) == {"builtin", "registry3"}
+    assert drafter.model.kind == "eagle3" and drafter.data.cache_hidden_states

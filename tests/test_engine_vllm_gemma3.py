@@ -34,13 +34,6 @@ EAGLE3_REFUSAL = "Model does not support EAGLE3 interface but aux_hidden_state_o
 
 
 @pytest.fixture(scope="module")
-def gemma3(cache_dir):
-    from models.verifier import load_gemma3
-
-    return load_gemma3(cache_dir=cache_dir, dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
 def prompts(gemma3):
     from data.chat import prompt_ids
 

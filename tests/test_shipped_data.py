@@ -18,6 +18,7 @@ from helpers import ROOT, varied_llama
 from runtime.errors import UserError, VerifierMismatchError
 
 DEFAULT_SET = "smollm2-selfdistill-v1"
+GEMMA3_SET = "gemma3-selfdistill-v1"
 
 
 def _small_set(verifier, n: int = 24):
@@ -280,3 +281,41 @@ def test_a_plain_rendered_set_packs_without_a_chat_template_and_loads_only_as_pl
     pack(ds, tmp_path / "chat", tiny, {}, rows_per_part=10)
     with pytest.raises(UserError, match="was rendered chat but the verifier renders plain"):
         load_shipped(tmp_path / "chat", plain)
+
+
+@pytest.mark.skipif(not (SHIPPED / GEMMA3_SET / MANIFEST).is_file(), reason="the Gemma 3 set is not in this checkout")
+def test_the_gemma3_set_is_the_base_models_plain_continuations(gemma3):
+    """The set the shipped Gemma 3 drafter trained on: intact, for Gemma 3 270M with plain rendering (no chat
+    template: `<bos>`, the prompt's messages joined by a blank line, a blank line, then the model's continuation with
+    the loss mask on exactly it), each answer run to `<eos>` or the answer cap, no prompt twice and none matching an
+    evaluation prompt."""
+    from data.chat import PLAIN_SEPARATOR
+    from data.filters import EvalGuard
+    from data.prompts import eval_prompt_texts
+
+    folder = SHIPPED / GEMMA3_SET
+    manifest = read_manifest(folder)
+    verify(folder, manifest)
+    assert manifest["verifier"] == {"loader": "gemma3", "rendering": "plain"}
+    assert manifest["rendering"] == "plain" and manifest["chat_template_sha256"] is None
+    ds = load_shipped(GEMMA3_SET, gemma3)
+    tok = gemma3.tokenizer
+    cap, longest = manifest["generation"]["max_new_tokens"], manifest["generation"]["max_length"]
+    prompts, answers, texts = set(), 0, []
+    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+        start = mask.index(1)
+        assert all(mask[start:]) and not any(mask[:start])  # one answer, to the end of the row
+        assert ids[0] == tok.bos_token_id and tok.bos_token_id not in ids[1:start]
+        prompt = tok.decode(ids[1:start])
+        assert prompt.endswith(PLAIN_SEPARATOR) and "<start_of_turn>" not in prompt
+        assert ids[-1] == tok.eos_token_id or len(ids) - start == cap or len(ids) == longest
+        assert tuple(ids[:start]) not in prompts
+        prompts.add(tuple(ids[:start]))
+        answers += len(ids) - start
+        texts.append(prompt)
+    assert len(ds) == manifest["counts"]["conversations"] and answers == manifest["counts"]["assistant_tokens"]
+    guard = EvalGuard(eval_prompt_texts())
+    # A row's prompt is its messages joined by blank lines: each message is checked (a system line before the user's)
+    contaminated = [t for t in texts if guard.contaminated(t.strip())
+                    or any(guard.contaminated(m) for m in t.split(PLAIN_SEPARATOR) if m.strip())]
+    assert not contaminated, contaminated[:3]
