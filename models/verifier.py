@@ -96,6 +96,16 @@ class Verifier:
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
+    @property
+    def token_embedding(self) -> nn.Module:
+        """The verifier's token embedding as every drafter reads it (trained and drafting alike): its table's rows
+        as they are. A model that scales its embedding inside the module (Gemma: x sqrt(hidden), 25.3 for Gemma 3
+        270M) is read without that scale, as serving engines read it: vLLM's drafters share the target's embedding
+        table, and its Gemma models apply the scale outside the table (`gemma3.py`: `embed_tokens(ids) *
+        normalizer`), so a drafter trained on the scaled rows would be served inputs 25x smaller than it learned."""
+        table = self.model.get_input_embeddings()
+        return table if type(table).forward is nn.Embedding.forward else RawEmbedding(table)
+
     def to(self, device: torch.device | str) -> Verifier:
         self.model.to(device)
         return self
@@ -175,6 +185,21 @@ def _resolve_device(device: str) -> str:
 
 
 RENDERINGS = ("chat", "plain")
+
+
+class RawEmbedding(nn.Module):
+    """An embedding module's table looked up as it is, without what the module's own forward adds (a scale)."""
+
+    def __init__(self, table: nn.Embedding) -> None:
+        super().__init__()
+        self.table = table
+
+    @property
+    def weight(self) -> Tensor:
+        return self.table.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return nn.functional.embedding(ids, self.table.weight)
 
 
 def check_rendering(rendering: str, tokenizer: PreTrainedTokenizerBase, name: str) -> str:

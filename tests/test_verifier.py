@@ -49,3 +49,24 @@ def test_bad_verifier_path(path, message):
 def test_bad_dtype(cache_dir):
     with pytest.raises(UserError, match="verifier.dtype"):
         build_tiny(cache_dir=cache_dir, dtype="float8")
+
+
+def test_drafters_read_the_embedding_table_as_serving_engines_do(tmp_path):
+    """Gemma scales its embedding inside the module (x sqrt(hidden)); vLLM's drafters share the target's table and
+    read it without that scale (its Gemma models apply it outside the table). Verifier.token_embedding, what every
+    EAGLE-family drafter reads in training and in drafting, is the table's rows as they are; for a model without a
+    scale, the module itself."""
+    from archs import arch_verifier
+
+    from eval.drafters.eagle import EagleDrafter
+    from models.eagle import build_eagle
+
+    gemma = arch_verifier("gemma3", tmp_path)
+    ids = torch.tensor([[5, 17, 99]])
+    table = gemma.model.get_input_embeddings()
+    raw = table.weight[ids]
+    assert torch.equal(gemma.token_embedding(ids), raw) and gemma.token_embedding.weight is table.weight
+    assert torch.allclose(table(ids), raw * gemma.config.hidden_size ** 0.5)  # what Hugging Face's module returns
+    assert torch.equal(EagleDrafter(build_eagle("eagle", gemma), gemma).embed(ids), raw)
+    llama = arch_verifier("llama", tmp_path)
+    assert llama.token_embedding is llama.model.get_input_embeddings()

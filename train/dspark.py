@@ -99,7 +99,7 @@ class DSparkModule(DFlashModule):
         states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
         final = states[-1]
         feats = self.net.features(states)[:, :n]
-        embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
+        embed, lm_head = self.verifier.token_embedding, self.verifier.lm_head
         terms, correct, valid_at, ranks, confs, alphas = [], [], [], [], [], []
         for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
             valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets

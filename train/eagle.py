@@ -192,7 +192,7 @@ class EagleModule(DrafterModule):
         feats = self.net.features(states)[:, :n]  # (B, n, D): F_t
         if train and isinstance(self.net, Eagle1Net) and self.hparams.noise > 0:
             feats = feats + (torch.rand_like(feats) - 0.5) * self.hparams.noise
-        embed, lm_head = self.verifier.model.get_input_embeddings(), self.verifier.lm_head
+        embed, lm_head = self.verifier.token_embedding, self.verifier.lm_head
         targets = (self.draft_vocab_targets(final, loss_mask, batch.get("verifier_argmax"))
                    if isinstance(self.net, Eagle3Net) else None)  # EAGLE-3 and P-EAGLE (a subclass)
         rows = None if self.head_ids is None else self.head_rows(lm_head.weight)  # EAGLE-1's kept rows (train_vocab)

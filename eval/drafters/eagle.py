@@ -72,7 +72,7 @@ class EagleDrafter:
                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
                  head_ids: Tensor | None = None, table: list[list[float]] | None = None) -> None:
         self.net = net.eval().requires_grad_(False)
-        self.embed, self.lm_head = verifier.model.get_input_embeddings(), packed_head(verifier.lm_head)
+        self.embed, self.lm_head = verifier.token_embedding, packed_head(verifier.lm_head)
         # EAGLE-1 drafting over a subset of the vocabulary (`head_ids`, verifier ids): the head is those rows of the
         # verifier's lm_head, so a depth reads |head_ids| x D weights instead of V x D (FR-Spec, Zhao et al. 2025).
         # Draft ids index head_ids. Exactness is the verifier's: only which tokens get drafted changes.
@@ -413,7 +413,7 @@ def eagle_ranks(net: EagleNet, verifier: Verifier, batch: dict[str, Tensor], dep
     states = gather_layers(batch, layers, verifier, layers)
     ids, n = batch["input_ids"], batch["input_ids"].shape[1] - 1
     q_arg = verifier.lm_head(states[-1]).argmax(-1)  # (B, T): M_q's greedy token after each position
-    embed, vocab = verifier.model.get_input_embeddings(), verifier.vocab_size
+    embed, vocab = verifier.token_embedding, verifier.vocab_size
     ranks, valids, confs = [], [], []
     steps = unroll(net, net.features(states)[:, :n], ids, batch["attention_mask"], batch["loss_mask"].bool(), embed,
                    depth)
