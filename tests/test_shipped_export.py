@@ -181,21 +181,30 @@ def _shipped() -> list[Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("export", _shipped() or [pytest.param(None, marks=pytest.mark.skip(
     reason="no drafter in pretrained/ yet"))], ids=lambda p: p.name if p else "none")
-def test_every_shipped_drafter_is_the_default_verifiers_and_decodes_exactly(export, smollm2, one_thread):
-    """Each folder of pretrained/: compact, its fingerprint the embedded default verifier's (checked by load_export,
-    which refuses another), with the recipe, training figures and eval report it ships with, and speculative
-    decoding through it equal to plain greedy decoding token for token."""
-    from models.export import load_export
+def test_every_shipped_drafter_is_its_embedded_verifiers_and_decodes_exactly(export, cache_dir, one_thread):
+    """Each folder of pretrained/: compact, made for one of the embedded verifiers (its `verifier` entry names the
+    loader, its fingerprint is that verifier's: load_export refuses another), with the recipe, training figures and
+    eval report it ships with, and speculative decoding through it equal to plain greedy decoding token for token."""
+    from models.export import export_verifier, load_export
+    from models.verifier import load_verifier
 
     config = json.loads((export / "config.json").read_text())
-    assert config.get(COMPACT_KEY) and sum(f.stat().st_size for f in export.rglob("*") if f.is_file()) <= 20 * 2**20
-    assert config["verifier_fingerprint"] == smollm2.fingerprint
-    load_export(export, smollm2)
+    assert config.get(COMPACT_KEY) and sum(f.stat().st_size for f in export.rglob("*") if f.is_file()) <= 32 * 2**20
+    source = export_verifier(config)
+    assert source is not None and source["loader"] in ("smollm2", "gemma3"), source
+    verifier = load_verifier(source, "float32", "cpu", cache_dir)
+    # compact: the drafter's own tensors only, in bf16; nothing as wide as the verifier's vocabulary (its embedding
+    # and head are put back from the verifier, never stored)
+    stored = load_file(str(export / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in stored.values() if t.is_floating_point())
+    assert not [k for k, t in stored.items() if t.is_floating_point() and verifier.vocab_size in t.shape], export.name
+    assert config["verifier_fingerprint"] == verifier.fingerprint
+    load_export(export, verifier)
     manifest = json.loads((export / "specdraft" / "manifest.json").read_text())
     assert manifest == file_manifest(export), f"{export.name} differs from its specdraft/manifest.json"
     for name in ("recipe.yaml", "training.json", "eval_report.json"):
         assert (export / "specdraft" / name).is_file(), f"{export.name} ships without specdraft/{name}"
-    _decode_exactly(smollm2, export)
+    _decode_exactly(verifier, export)
 
 
 @pytest.mark.slow
