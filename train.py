@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from models.export import load_export
-from runtime.cpu_memory import keep_freed_memory
+from runtime.cpu_memory import bound_onednn_cache, keep_freed_memory
 from runtime.distributed import is_primary
 from runtime.errors import UserError, exit_on_user_error
 from train.distributed import RanksAgree
@@ -92,6 +92,7 @@ def run(cfg: DictConfig) -> Path:
 def _run(cfg: DictConfig) -> Path:
     if cfg.get("keep_freed_memory", True):
         keep_freed_memory()
+    bound_onednn_cache()  # before the first tensor work: a step's changing shapes would fill oneDNN's cache
     L.seed_everything(cfg.seed, workers=True)
     ckpt_path = resolve_ckpt(cfg)
     check_output_locations(cfg)

@@ -55,3 +55,21 @@ def test_large_tensors_come_from_the_heap_and_stay_there():
     assert kept["applied"] is True
     assert kept["mapped_mb"] < 1 and kept["heap_grew_mb"] >= 64  # from the heap
     assert kept["heap_kept_mb"] >= 64  # and kept there once freed
+
+
+def test_training_bounds_onednns_primitive_cache_unless_the_user_set_it(train_script, tmp_path, monkeypatch):
+    """A training step's bf16 matmuls change shape with every batch, and oneDNN keeps a primitive per shape (1,024 by
+    default): DFlash over the full vocabulary grew ~0.5 GB a step until the kernel killed it. train.py bounds the
+    cache before its first tensor work; a capacity the user set is kept."""
+    import os
+
+    from helpers import compose_train
+    from runtime.cpu_memory import ONEDNN_CACHE, ONEDNN_CACHE_ENTRIES, bound_onednn_cache
+
+    monkeypatch.delenv(ONEDNN_CACHE, raising=False)
+    tiny = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
+            "model=medusa", "logger=csv", "+trainer.fast_dev_run=true"]
+    train_script.run(compose_train(tiny, tmp_path))
+    assert os.environ[ONEDNN_CACHE] == str(ONEDNN_CACHE_ENTRIES)
+    monkeypatch.setenv(ONEDNN_CACHE, "7")
+    assert bound_onednn_cache() == "7" and os.environ[ONEDNN_CACHE] == "7"
