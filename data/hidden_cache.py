@@ -79,15 +79,17 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
     processes, computes them. The build is refused when the shards still to write cannot fit the free disk.
     """
     path = hidden_cache_dir(verifier, ds, layers, cache_dir)
+    lengths = [len(ids) for ids in ds["input_ids"]]
     if (path / "done.json").is_file():
+        check_finished_cache(path, lengths, verifier.hidden_size)
         return path
     wider = superset_cache(verifier, ds, layers, cache_dir)
     if wider is not None:
+        check_finished_cache(wider, lengths, verifier.hidden_size)
         if rank == 0:
             print(f"[data] hidden-state cache: layers {layers} are in the finished cache of layers "
                   f"{cache_layers(wider)} ({wider}); reading them from it, nothing to build")
         return wider
-    lengths = [len(ids) for ids in ds["input_ids"]]
     per_token = len(layers) * verifier.hidden_size * torch.finfo(DTYPE).bits // 8
     if rank == 0:
         print(f"[data] caching verifier hidden states of layers {layers} for {len(ds)} sequences ({sum(lengths)} "
@@ -101,10 +103,20 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
         write_json_atomic(meta, {"shard_rows": shard_rows, "layers": layers, "verifier": verifier.fingerprint})
     starts = list(range(0, len(ds), shard_rows))
     needed = starts if rows is None else sorted({r // shard_rows * shard_rows for r in rows})
-    done = {s for s in starts if (path / f"{s // shard_rows:05d}").is_dir()}
+    present = [s for s in starts if (path / f"{s // shard_rows:05d}").is_dir()]
     expected = {"verifier": verifier.fingerprint, "layers": list(layers)}
-    for s in done:
-        check_shard(path / f"{s // shard_rows:05d}", expected, s, min(s + shard_rows, len(ds)))
+    damaged = {}
+    for s in present:
+        folder, end = path / f"{s // shard_rows:05d}", min(s + shard_rows, len(ds))
+        check_shard(folder, expected, s, end)
+        damage = shard_damage(folder, s, end, lengths, len(layers), verifier.hidden_size)
+        if damage is not None:
+            damaged[s] = damage
+    done = {s for s in present if s not in damaged}
+    if damaged and rank == 0:
+        for s, damage in sorted(damaged.items()):
+            print(f"[data] hidden-state cache: shard {s // shard_rows:05d} {damage}: computing it again"
+                  + ("" if s in needed else " when a run reads its rows"))
     todo = [s for s in needed if s not in done]
     need = sum(sum(lengths[s: s + shard_rows]) for s in todo) * per_token
     free = shutil.disk_usage(path).free
@@ -125,14 +137,17 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
         end = min(start + shard_rows, len(ds))
         with atomic_dir(path / f"{start // shard_rows:05d}") as tmp:
             rows = ds[start:end]["input_ids"]
+            sizes = {}  # file -> bytes, so a later read finds a truncated file without opening its tensors
             for offset, ids in enumerate(rows):  # one sequence at a time: no padding to store or strip
                 out = decoder(input_ids=torch.tensor([ids], device=verifier.device), output_hidden_states=True,
                               use_cache=False)
                 stacked = torch.stack([out.hidden_states[i][0] for i in layers])  # (L, T, D)
-                save_file({"hidden": stacked.to("cpu", DTYPE).contiguous()}, str(tmp / f"{start + offset}.safetensors"))
+                file = tmp / f"{start + offset}.safetensors"
+                save_file({"hidden": stacked.to("cpu", DTYPE).contiguous()}, str(file))
+                sizes[file.name] = file.stat().st_size
                 bar.update(1)
             (tmp / "shard.json").write_text(json.dumps(expected | {"rows": [start, end], "rank": rank,
-                                                                    "world": world}))
+                                                                    "world": world, "sizes": sizes}))
     bar.close()
     barrier()
     missing = [s // shard_rows for s in needed if not (path / f"{s // shard_rows:05d}").is_dir()]
@@ -140,7 +155,8 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
         raise UserError(f"the hidden-state cache {path} lacks {len(missing)} of {len(needed)} shards (e.g. "
                         f"{missing[:5]}): a process building them stopped. Run again: the finished shards are kept "
                         f"and the missing ones are computed.")
-    if rank == 0 and all((path / f"{s // shard_rows:05d}").is_dir() for s in starts):
+    still_damaged = [s for s in damaged if s not in needed]  # outside this run's rows: rebuilt when read
+    if rank == 0 and not still_damaged and all((path / f"{s // shard_rows:05d}").is_dir() for s in starts):
         write_json_atomic(path / "done.json", {"layers": layers, "sequences": len(ds), "tokens": sum(lengths),
                                                "verifier": verifier.fingerprint})
     barrier()
@@ -149,16 +165,91 @@ def build_hidden_cache(verifier: Verifier, ds: datasets.Dataset, layers: list[in
 
 def check_shard(folder: Path, expected: dict, start: int, end: int) -> None:
     """Refuse a finished shard written for another verifier, layer set or row range (shards from before shard.json
-    existed are taken as they are)."""
-    info = folder / "shard.json"
-    if not info.is_file():
+    existed are taken as they are; an unreadable shard.json is left to `shard_damage`)."""
+    got = _shard_info(folder)
+    if not got:
         return
-    got = json.loads(info.read_text())
     for key, want in (*expected.items(), ("rows", [start, end])):
         if got.get(key) != want:
             raise UserError(f"hidden-state cache shard {folder} was written with {key}={got.get(key)!r}, but this "
                             f"cache is for {key}={want!r}: it was copied from another cache. Delete {folder} (it is "
                             f"computed again) or the whole cache folder {folder.parent}.")
+
+
+def _shard_info(folder: Path) -> dict | None:
+    """A shard's shard.json, {} when it has none (written before it existed), None when it cannot be read."""
+    info = folder / "shard.json"
+    if not info.is_file():
+        return {}
+    try:
+        got = json.loads(info.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def _header_damage(file: Path, size: int, shape: tuple[int, int, int]) -> str | None:
+    """What is wrong with a row file, from its safetensors header alone (8 bytes of length, then JSON), or None:
+    a header that does not parse, a tensor of another shape, or data that ends before or after the file does."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= size - 8:
+            return f"{file.name} has {size} bytes, too few for its header (truncated)"
+        try:
+            header = json.loads(f.read(n))
+            entry = header["hidden"]
+            got, end = tuple(entry["shape"]), int(entry["data_offsets"][1])
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError):
+            return f"{file.name} has an unreadable safetensors header"
+    if got != shape:
+        return f"{file.name} holds a tensor of shape {list(got)}, {list(shape)} expected (layers, tokens, hidden)"
+    if 8 + n + end != size:
+        return f"{file.name} has {size} bytes, its header describes {8 + n + end} (truncated or overwritten)"
+    return None
+
+
+def shard_damage(folder: Path, start: int, end: int, lengths: list[int], num_layers: int,
+                 hidden_size: int) -> str | None:
+    """Why the shard `folder` (rows start..end-1) cannot be read, or None when it can: its folder or a row's file
+    missing, a file whose size differs from the one recorded when it was written (shard.json `sizes`, absent in
+    older caches), or a header that does not describe the file (`_header_damage`). Reads headers, not tensors."""
+    if not folder.is_dir():
+        return "is missing (its folder is gone)"
+    info = _shard_info(folder)
+    if info is None:
+        return "has an unreadable shard.json"
+    sizes = info.get("sizes") or {}
+    for row in range(start, end):
+        file = folder / f"{row}.safetensors"
+        if not file.is_file():
+            return f"lacks {file.name}"
+        size = file.stat().st_size
+        if sizes.get(file.name) not in (None, size):
+            return f"{file.name} has {size} bytes, {sizes[file.name]} when it was written (truncated or overwritten)"
+        damage = _header_damage(file, size, (num_layers, lengths[row], hidden_size))
+        if damage is not None:
+            return damage
+    return None
+
+
+def check_finished_cache(path: Path, lengths: list[int], hidden_size: int) -> None:
+    """Refuse a finished cache (done.json) with a missing or damaged shard before training reads it: one message
+    naming the shard, what is wrong and the command that rebuilds just it (the build then keeps the good shards and
+    computes the damaged one again). Cheap: file sizes and safetensors headers, no tensor is read."""
+    rows = _shard_rows(path)
+    num_layers = len(cache_layers(path))
+    spans = [(path, 0, len(lengths))] if rows is None else [
+        (path / f"{s // rows:05d}", s, min(s + rows, len(lengths))) for s in range(0, len(lengths), rows)]
+    for folder, start, end in spans:
+        damage = shard_damage(folder, start, end, lengths, num_layers, hidden_size)
+        if damage is None:
+            continue
+        fix = (f"rm -rf '{folder}' '{path / 'done.json'}', then run the same command again: it computes this shard "
+               f"({end - start} rows) and keeps the other {len(spans) - 1}" if rows is not None else
+               f"rm -rf '{path}' and run the same command again (this cache, written before shards, is rebuilt whole)")
+        raise UserError(f"the hidden-state cache {path} is damaged: shard {folder.name} {damage}. Rebuild just it: "
+                        f"{fix}.")
 
 
 def write_json_atomic(path: Path, value: dict) -> None:

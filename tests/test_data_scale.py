@@ -509,3 +509,56 @@ def test_a_hidden_cache_that_cannot_fit_the_free_disk_is_refused_before_any_work
     with pytest.raises(UserError, match=r"needs 0\.\d+ GiB more in .* has 0\.00 GiB free.*cache_dir="):
         hc.build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2)
     assert not any((tmp_path / "c").glob("hidden/*/0000*"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "folder deleted"])
+def test_a_damaged_finished_hidden_cache_is_refused_naming_the_shard_and_the_rebuild(tiny, tmp_path, damage):
+    """A finished cache (done.json) with a truncated row file or a deleted shard folder is refused before training
+    reads it (sizes and headers only), naming the shard and the command that rebuilds it; that command computes the
+    damaged shard again and keeps the good ones, and the rebuilt cache equals a fresh one."""
+    import os
+    import shutil
+
+    from data.hidden_cache import build_hidden_cache, load_hidden
+    from runtime.errors import UserError
+
+    ds = _small_set(tiny, tmp_path, n=5)
+    path = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2)
+    shard = path / "00001"
+    if damage == "truncated":
+        file = shard / "3.safetensors"
+        os.truncate(file, file.stat().st_size // 2)
+        said = r"shard 00001 3\.safetensors has \d+ bytes, \d+ when it was written"
+    else:
+        shutil.rmtree(shard)
+        said = r"shard 00001 is missing"
+    with pytest.raises(UserError, match=said) as err:
+        build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2)
+    message = str(err.value)
+    assert "damaged: shard 00001" in message and "keeps the other 2" in message
+    command = message.split("Rebuild just it: ")[1].split(", then")[0]
+    subprocess.run(command, shell=True, check=True)  # the command the message gives
+    kept = (path / "00000" / "0.safetensors").stat().st_mtime_ns
+    assert build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2) == path
+    assert (path / "00000" / "0.safetensors").stat().st_mtime_ns == kept and (path / "done.json").is_file()
+    fresh = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "fresh", shard_rows=2)
+    for row in range(len(ds)):
+        assert torch.equal(load_hidden(path, row), load_hidden(fresh, row))
+
+
+def test_a_damaged_shard_found_while_building_is_computed_again(tiny, tmp_path, capsys):
+    """With no done.json (a resumed build), a shard whose file was cut is treated as missing: computed again."""
+    import os
+
+    from data.hidden_cache import build_hidden_cache, load_hidden
+
+    ds = _small_set(tiny, tmp_path, n=5)
+    path = build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2)
+    (path / "done.json").unlink()
+    file = path / "00002" / "4.safetensors"
+    os.truncate(file, 20)
+    capsys.readouterr()
+    build_hidden_cache(tiny, ds, [0, -1], tmp_path / "c", shard_rows=2)
+    out = capsys.readouterr().out
+    assert "shard 00002 4.safetensors has 20 bytes" in out and "computing it again" in out
+    assert load_hidden(path, 4).shape == (2, len(ds[4]["input_ids"]), tiny.hidden_size)
