@@ -392,6 +392,14 @@ def to_reference(kind: str | None, export_dir: str | Path, out_dir: str | Path, 
     return Path(out_dir)
 
 
+def check_speculative_tokens(value: Any, setting: str) -> None:
+    """A chain length an engine drafts (`setting` names the option in the message): None (the default) or >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise UserError(f"{setting}={value!r}: the tokens vLLM drafts per step must be a whole number >= 1 (0 would "
+                        f"draft nothing); give e.g. {spec.DEFAULT_SPECULATIVE_TOKENS}, or leave it out for the "
+                        f"export's own (else {spec.DEFAULT_SPECULATIVE_TOKENS}).")
+
+
 # Keys of a flattened export config that save_export writes anew (the layer's and the formats' own).
 REWRITTEN_KEYS = ("eagle_config", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "speculative_tokens",
                   "speculators_verifier", "converted_from")
@@ -402,6 +410,7 @@ def from_reference(ref_dir: str | Path, out_dir: str | Path, verifier: Verifier,
     """A reference-layout checkpoint (or an older export) -> this project's export for `verifier`, written by
     save_export (so it gets the fingerprint and every engine fix). Returns `out_dir`. A folder holding anything but
     an export of the same family is refused (check_replaceable) unless `force`."""
+    check_speculative_tokens(speculative_tokens, "speculative_tokens")
     loaded = load_export(ref_dir, verifier)
     check_replaceable(out_dir, loaded.kind, "export", force)  # before converting, as save_export checks again
     kept = {}

@@ -354,3 +354,17 @@ def test_read_weights_names_a_corrupt_pt(tmp_path):
 
 
 assert os.environ.get("SPECDRAFT_CACHE")  # conftest sets it
+
+
+@pytest.mark.parametrize("tokens", ["0", "-2"])
+def test_convert_refuses_a_chain_of_no_tokens_before_loading_the_verifier(tmp_path, capsys, tokens):
+    """`--speculative-tokens 0` once became the default 3 without a word: refused, naming the flag and the value."""
+    from scripts.tools.convert import main
+
+    ref = tmp_path / "ref"
+    assert main(["from-reference", str(ref), str(tmp_path / "out"), "--speculative-tokens", tokens]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --speculative-tokens={tokens}: the tokens vLLM drafts per step must be a whole number >= 1" in err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match=rf"speculative_tokens={tokens}: .*>= 1"):
+        from_reference(ref, tmp_path / "out", verifier=None, speculative_tokens=int(tokens))

@@ -27,7 +27,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from models.export import check_replaceable, export_kind, export_verifier, from_reference, read_config, to_reference
+from models.export import (
+    check_replaceable,
+    check_speculative_tokens,
+    export_kind,
+    export_verifier,
+    from_reference,
+    read_config,
+    to_reference,
+)
 from models.shipped_export import engine_ready, ship
 from models.verifier import load_verifier
 from runtime.errors import UserError
@@ -87,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "to-reference":
             out = to_reference(None, args.export_dir, args.out_dir, args.weights, force=args.force)
         else:
+            check_speculative_tokens(args.speculative_tokens, "--speculative-tokens")  # before the verifier loads
             source = args.verifier or export_verifier(read_config(args.ref_dir))
             if not source:
                 raise UserError(f"{args.ref_dir} names no verifier; pass --verifier <the verifier it was trained on>.")
