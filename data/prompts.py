@@ -237,6 +237,11 @@ def load_conversations(source: str, split: str | None = "train", limit: int | No
             records = _read_json_records(path)
             where = f"prompt file {source!r}"
     convs = [_from_record(rec, i, where) for i, rec in enumerate(records)]
+    uncategorised = [i for i, rec in enumerate(records) if isinstance(rec, dict) and rec.get("category") is None]
+    if uncategorised:
+        print(f"[prompts] {where}: {len(uncategorised)} of {len(records)} rows have no `category` (e.g. record "
+              f"{uncategorised[0]}); they are reported under category 'default'. Give each row a \"category\" to "
+              f"group them your way.")
     if limit is not None:
         convs = select_prompts(convs, limit)
     if not convs:

@@ -108,16 +108,37 @@ def verifier_source_of(cfg: DictConfig, family: str, export: ExportInfo | None) 
     return source or "smollm2"
 
 
-def check_before_loading(cfg: DictConfig, family: str, export: ExportInfo | None, method_all: bool) -> None:
-    """Refuse what the config and the export's config.json settle alone, before the verifier loads and any cost
+def check_exports_agree(exports: list[ExportInfo]) -> None:
+    """method=all over several exports: one verifier decodes them all, so every export must have been made for the
+    same one (their config.json fingerprints agree); refused before anything loads."""
+    first = exports[0] if exports else None
+    for other in exports[1:]:
+        a, b = first.config.get("verifier_fingerprint"), other.config.get("verifier_fingerprint")
+        if isinstance(a, dict) and isinstance(b, dict) and a != b:
+            key = next(k for k in sorted({*a, *b}) if a.get(k) != b.get(k))
+            raise UserError(f"checkpoint=[...]: {str(first.path)!r} was made for the verifier {first.verifier} and "
+                            f"{str(other.path)!r} for {other.verifier} (verifier_fingerprint {key}: {a.get(key)!r} "
+                            f"vs {b.get(key)!r}); one run decodes with one verifier. Evaluate them in separate runs, "
+                            f"or pass exports of the same verifier.")
+
+
+def check_before_loading(cfg: DictConfig, family: str, exports: list[ExportInfo], method_all: bool) -> None:
+    """Refuse what the config and the exports' config.json settle alone, before the verifier loads and any cost
     curve is measured (minutes): `drafter=<family>` of another family than the export holds, sampled_drafts for a
-    family that drafts from no export, and plan=adaptive where there is nothing to adapt."""
+    family that drafts from no export, tree.size=0 (plain decoding under a drafter's label), exports of different
+    verifiers under method=all, and plan=adaptive where there is nothing to adapt."""
+    export = exports[0] if exports else None
     if not method_all and export is not None and FAMILIES[family].has_export and family != export.kind:
         raise UserError(f"checkpoint={str(export.path)!r} is {a_title(export.kind)} export but drafter={family} asks "
                         f"for {a_title(family)} one. Use drafter={export.kind} (or leave drafter= out: the export's "
                         f"own family), or pass {a_title(family)} export.")
     if not method_all:
         check_proposals(cfg, family)
+    if getattr(instantiate(cfg.tree, _convert_="all"), "size", None) == 0:
+        raise UserError("tree.size=0 drafts nothing: the run would be plain decoding labelled as speculative "
+                        "(report.json measures plain decoding as `baseline` already). Give tree.size >= 1 draft "
+                        "nodes per round, or tree.size=auto to plan it from the verifier's cost curve.")
+    check_exports_agree(exports)
     adaptive.plan_mode(cfg.get("plan"), instantiate(cfg.tree, _convert_="all"), family, export, not method_all)
 
 
@@ -267,7 +288,7 @@ def setup(cfg: DictConfig) -> Setup:
     exports = read_exports(cfg, named, method_all)
     export = exports[0] if exports else None
     family = export.kind if named == "export" and export is not None else named
-    check_before_loading(cfg, family, export, method_all)
+    check_before_loading(cfg, family, exports, method_all)
     convs = load_prompt_sets(cfg.prompts, cfg.num_prompts)
     source = verifier_source_of(cfg, family, export)
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
@@ -326,8 +347,25 @@ def chains_only(run: Any) -> list[str]:
     return trees
 
 
+def _group_choice(group: str, value: Any) -> str:
+    """The option a config group was given on the command line (`gemma3`), else its `_target_`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        choice = HydraConfig.get().runtime.choices.get(group)
+        if choice:
+            return str(choice)
+    return str(value.get("_target_", value)) if OmegaConf.is_dict(value) else str(value)
+
+
 def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     """Run `python -m eval` as configured by conf/eval.yaml; returns report.json's content."""
+    if "verifier" in cfg:  # `+verifier=<name>`: train.py's config group, which eval would ignore
+        raise UserError(f"verifier={_group_choice('verifier', cfg.verifier)}: python -m eval does not read the "
+                        f"`verifier` group (train.py's); it decodes with the verifier the export names (its "
+                        f"config.json `verifier`), or verifier_path= when given. Pass verifier_path=<smollm2, gemma3, "
+                        f"a Hub id or a checkpoint directory> instead (an export made for another verifier is "
+                        f"refused by its fingerprint).")
     if isinstance(cfg.threads, int) and int(cfg.threads) < 1:
         raise UserError(f"threads={cfg.threads} must be >= 1 (torch.set_num_threads).")
     for key in ("threads", "max_new_tokens", "seed", "prompt_lookup_num_tokens"):

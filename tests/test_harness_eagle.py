@@ -47,13 +47,10 @@ def test_medusa_trees_are_refused_for_eagle(eagle_exports, tmp_path):
         run_eval([f"checkpoint={eagle_exports['eagle']}", "tree=medusa_choices", *FAST], tmp_path)
 
 
-def test_tree_size_zero_is_plain_decoding_and_the_report_records_the_real_tree(eagle_exports, tmp_path):
-    report, profile = run_eval([f"checkpoint={eagle_exports['eagle3']}", "num_prompts=1", "tree=auto", "tree.size=0",
-                                *FAST], tmp_path)
-    assert report["method"] == "eagle3/auto-0" and report["tau"] == 1.0 and report["greedy_match"] == 1.0
-    assert profile["tree"] == {"policy": "auto", "dynamic": True, "size": 0, "depth": 0, "topk": 16, "max_nodes": 1,
-                               "proposals": "topk"}
-    assert report["tree"] == profile["tree"]
+def test_tree_size_zero_is_refused_and_the_report_records_the_real_tree(eagle_exports, tmp_path):
+    with pytest.raises(UserError, match="tree.size=0 drafts nothing"):  # once plain decoding labelled eagle3/auto-0
+        run_eval([f"checkpoint={eagle_exports['eagle3']}", "num_prompts=1", "tree=auto", "tree.size=0", *FAST],
+                 tmp_path)
     report, profile = run_eval([f"checkpoint={eagle_exports['eagle']}", "num_prompts=1", "tree=dynamic",
                                 "tree.size=12", "tree.depth=3", "tree.topk=4", *FAST], tmp_path)
     assert profile["tree"] == {"policy": "dynamic", "dynamic": True, "size": 12, "depth": 3, "topk": 4,

@@ -178,3 +178,50 @@ def test_another_familys_drafter_is_refused_before_the_verifier_loads(export, tm
     with pytest.raises(UserError, match=r"is a Medusa export but drafter=eagle3.*Use drafter=medusa"):
         evaluate(cfg, progress=False)
     assert not (out / "cost_curve.json").exists()
+
+
+def test_exports_of_two_verifiers_are_refused_before_any_cost_curve(export, tmp_path):
+    """method=all over exports of different verifiers: once refused after the cost curve (~94 s on the default
+    verifier); now from the two config.json fingerprints alone, before the verifier loads."""
+    other = tmp_path / "other"
+    __import__("shutil").copytree(export, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["verifier_fingerprint"] = cfg["verifier_fingerprint"] | {"weights_sha256": "0" * 16}
+    (other / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "eval"
+    cfg = _compose([f"checkpoint=[{export},{other}]", "method=all", f"verifier_path={tmp_path / 'no-verifier-here'}",
+                    f"output_dir={out}"])
+    with pytest.raises(UserError, match=r"was made for the verifier .* \(verifier_fingerprint weights_sha256: .*"
+                                        r"one run decodes with one verifier. Evaluate them in separate runs"):
+        evaluate(cfg, progress=False)
+    assert not (out / "cost_curve.json").exists()
+
+
+@pytest.mark.parametrize("drafter", ["export", "hybrid"])
+def test_tree_size_zero_is_refused_naming_the_key(export, tmp_path, drafter):
+    """tree.size=0 once ran plain decoding labelled `auto-0` (the hybrid: "raise drafter.budget", a key never set)."""
+    cfg = _compose([f"checkpoint={export}", f"drafter={drafter}", "tree.size=0",
+                    f"verifier_path={tmp_path / 'no-verifier-here'}", f"output_dir={tmp_path / 'eval'}"])
+    with pytest.raises(UserError, match=r"tree.size=0 drafts nothing.*Give tree.size >= 1 .*or tree.size=auto") as e:
+        evaluate(cfg, progress=False)
+    assert "drafter.budget" not in str(e.value)
+
+
+def test_an_eval_verifier_group_it_would_ignore_is_refused(export, tmp_path):
+    """`python -m eval ... +verifier=gemma3` once decoded with the export's verifier without a word."""
+    cfg = _compose([f"checkpoint={export}", "+verifier=gemma3", f"output_dir={tmp_path / 'eval'}"])
+    with pytest.raises(UserError, match=r"verifier=models.verifier.load_gemma3: python -m eval does not read the "
+                                        r"`verifier` group .*Pass verifier_path="):
+        evaluate(cfg, progress=False)
+
+
+def test_rows_without_a_category_are_named(tmp_path, capsys):
+    from data.prompts import load_conversations
+
+    file = tmp_path / "q.jsonl"
+    file.write_text("\n".join(json.dumps(r) for r in ({"turns": ["hi"], "category": "chat"}, {"turns": ["a"]},
+                                                      {"turns": ["b"]})))
+    convs = load_conversations(str(file))
+    assert [c.category for c in convs] == ["chat", "default", "default"]
+    assert "2 of 3 rows have no `category` (e.g. record 1); they are reported under category 'default'" in \
+        capsys.readouterr().out
