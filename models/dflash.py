@@ -263,6 +263,16 @@ def dflash_layout(net: DFlashNet, verifier: Any) -> tuple[dict[str, Any], dict[s
     return config, {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
 
 
+
+def dflash_weights_agree(config: dict[str, Any], shapes: parts.Shapes) -> list[parts.Disagreement]:
+    """A DFlash (or DSpark) export's draft layers and feature layers (dflash_config.target_layer_ids, written as
+    aux_hidden_state_layer_ids) against its tensors (models.format_parts.layer_stack_disagreements)."""
+    section = config.get("dflash_config")
+    ids = section.get("target_layer_ids") if isinstance(section, dict) else None
+    ok = isinstance(ids, list) and ids and all(isinstance(k, int) for k in ids)
+    features = ("aux_hidden_state_layer_ids", [k + 1 for k in ids], len(ids)) if ok else None
+    return parts.layer_stack_disagreements(config, shapes, features)
+
 def dflash_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Any,
                        reference: bool) -> tuple[DFlashNet, None]:
     """The DFlash network an export holds, checked against the verifier's shapes and the settings an engine reads:

@@ -32,13 +32,14 @@ from runtime.errors import UserError
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low / middle / high feature layers: the inputs of layers 2, L//2 and L-3 (the engines' own default,
     distinct from L = 7 on); a 3..6-layer verifier gets [0, L//2, L-1]; fewer than 3 layers is refused (no three
-    distinct layers: pass `aux_layer_ids` explicitly, e.g. [0, 1], or use a deeper verifier)."""
+    distinct layers: use a deeper verifier, or pass `model.aux_layer_ids` with fewer features)."""
     if num_layers < 3:
         raise UserError(f"EAGLE-3 needs three distinct verifier layers for its default features, but the verifier has "
                         f"only {num_layers} layers (the default [2, L//2, L-3] would be "
-                        f"{[2, num_layers // 2, num_layers - 3]}). Pass aux_layer_ids explicitly (strictly increasing "
-                        f"ids below {num_layers}, e.g. {list(range(num_layers))}), or use a verifier with >= 3 layers "
-                        f"(verifier=tiny: verifier.num_layers=4).")
+                        f"{[2, num_layers // 2, num_layers - 3]}). Use a verifier with >= 3 layers (verifier=tiny: "
+                        f"verifier.num_layers=4), or pass model.aux_layer_ids=[...] with fewer feature layers "
+                        f"(strictly increasing ids below {num_layers}; the export then records num_aux_hidden_states "
+                        f"in transformer_layer_config, where vLLM sizes the drafter's fc from it).")
     engine = [2, num_layers // 2, num_layers - 3]
     return engine if engine[0] < engine[1] < engine[2] else [0, num_layers // 2, num_layers - 1]
 

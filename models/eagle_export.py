@@ -316,8 +316,11 @@ def eagle3_to_speculators(flat: dict[str, Any], algorithm: str, verifier_name_or
     options = {k: bool(flat.get(k, False)) for k in OPTION_FLAGS}
     layer = {k: flat[k] for k in parts.LAYER_KEYS if k in flat} | options
     layer["architectures"] = ["LlamaForCausalLM"]
-    own = {k: v for k, v in flat.items()
-           if k not in parts.LAYER_KEYS and k not in ("architectures", "eagle_config", *OPTION_FLAGS)}
+    aux = len(flat["eagle_aux_hidden_state_layer_ids"])
+    if aux != vllm_aux_count({}):  # vLLM sizes fc from this key (vllm_aux_count), not from the ids
+        layer["num_aux_hidden_states"] = aux
+    own = {k: v for k, v in flat.items() if k not in parts.LAYER_KEYS
+           and k not in ("architectures", "eagle_config", "num_aux_hidden_states", *OPTION_FLAGS)}
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": algorithm,
@@ -436,3 +439,51 @@ def eagle3_to_reference(config: dict[str, Any], tensors: dict[str, Tensor], base
     cfg["draft_vocab_size"] = draft
     cfg["architectures"] = ["LlamaForCausalLMEagle3"]
     return cfg, out
+
+
+# -- the config against its weights (models.export.check_weights_agree), as this toolkit and as vLLM read it --------
+
+def eagle1_weights_agree(config: dict[str, Any], shapes: parts.Shapes) -> list[parts.Disagreement]:
+    """An EAGLE-1 export's draft layer against its tensors; fc reads two hidden states (the token's and the feature)."""
+    return parts.layer_stack_disagreements(config, shapes, ("hidden_size", config.get("hidden_size"), 2))
+
+
+def eagle3_weights_agree(config: dict[str, Any], shapes: parts.Shapes) -> list[parts.Disagreement]:
+    """An EAGLE-3 (or P-EAGLE) export's draft layer, feature layers and draft vocabulary against its tensors."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    features = ("eagle_aux_hidden_state_layer_ids", ids, len(ids)) if isinstance(ids, list) and ids else None
+    return parts.layer_stack_disagreements(config, shapes, features) + parts.draft_vocab_disagreements(config, shapes)
+
+
+def vllm_aux_count(layer: dict[str, Any]) -> int:
+    """The feature layers vLLM's EAGLE-3 drafter sizes fc for (models/llama_eagle3.py `LlamaModel.__init__`):
+    transformer_layer_config's num_aux_hidden_states, else its eagle_config ids' count, else 3. The top-level ids,
+    which the runners capture, do not size fc."""
+    ids = (layer.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return int(layer.get("num_aux_hidden_states") or (len(ids) if ids else 3))
+
+
+def eagle3_engine_disagreements(config: dict[str, Any], shapes: parts.Shapes) -> list[parts.Disagreement]:
+    """What vLLM's `eagle3` / `peagle` reader would build from a speculators config (docs/engine_loaders.md) against
+    the tensors it would load: fc's width, and the draft-to-target maps for the draft vocabulary it takes."""
+    layer = config.get("transformer_layer_config") or {}
+    out = []
+    n = vllm_aux_count(layer)
+    target = config.get("target_hidden_size") or layer.get("hidden_size")
+    fc = shapes.get("fc.weight")
+    if fc and isinstance(target, int) and fc[1] != n * target:
+        out.append(parts.Disagreement("transformer_layer_config.num_aux_hidden_states",
+                                      layer.get("num_aux_hidden_states"), "fc.weight", fc,
+                                      f"vLLM sizes fc for {n} hidden states x {target} = {n * target} columns"))
+    vocab = layer.get("vocab_size")
+    draft = config.get("draft_vocab_size") or vocab
+    if draft == vocab and "d2t" in shapes:
+        out.append(parts.Disagreement("draft_vocab_size", draft, "d2t", shapes["d2t"], "no d2t: vLLM builds no "
+                                      "draft-to-target map for a full vocabulary and refuses the tensor"))
+    if draft != vocab and shapes.get("d2t", [None])[0] != draft:
+        out.append(parts.Disagreement("draft_vocab_size", draft, "d2t", shapes.get("d2t", "missing"),
+                                      f"{draft} entries (without it vLLM maps draft ids to themselves)"))
+    if isinstance(vocab, int) and "t2d" in shapes and shapes["t2d"][0] != vocab:
+        out.append(parts.Disagreement("transformer_layer_config.vocab_size", vocab, "t2d", shapes["t2d"],
+                                      f"{vocab} entries, one per verifier token"))
+    return out

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -33,6 +33,7 @@ from models import speculators_format as spec
 from models.export_folder import check_replaceable
 from models.export_folder import is_project_export as _is_project_export
 from models.families import FAMILIES, a_title, family_of_config, family_of_net, title
+from models.format_parts import LAYER_KEYS
 from models.io import atomic_dir
 from models.shipped_export import check_manifest, expand
 from models.verifier import EMBEDDED, Verifier, check_fingerprint, from_file, verifier_source
@@ -180,7 +181,37 @@ def read_info(path: str | Path | ExportInfo) -> ExportInfo:
         raise UserError(f"{path / CONFIG_NAME}: model_type={config.get('model_type')!r}, architectures="
                         f"{config.get('architectures')}: no drafter family's export (expected architectures naming "
                         f"one of {known}, or model_type 'medusa').")
+    if _is_project_export(config) and (path / WEIGHTS_NAME).is_file():
+        check_weights_agree(kind, config, header_shapes(path / WEIGHTS_NAME), path / CONFIG_NAME,
+                            spec.is_speculators(json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))))
     return ExportInfo(path, kind, config)
+
+
+def header_shapes(file: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from a safetensors file's header alone (no tensor is read)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{file} is corrupt, truncated or not a safetensors file ({e}); re-export the "
+                        f"checkpoint.") from e
+
+
+def check_weights_agree(kind: str, config: dict[str, Any], shapes: dict[str, list[int]], file: Path,
+                        speculators: bool) -> None:
+    """Refuse an export whose config.json disagrees with its weights (the family's `agrees`, models/families.py:
+    layers, hidden and intermediate sizes, heads, feature layers, draft vocabulary), naming the field and the tensor
+    with its shape: an engine builds the drafter from the config, so such an export would run other weights than
+    the ones trained (a layer left uninitialised, a head cut short). `speculators`: the layer's fields sit in
+    transformer_layer_config."""
+    check = FAMILIES[kind].export.agrees
+    for d in check(config, shapes) if check is not None else []:
+        field = f"transformer_layer_config.{d.field}" if speculators and d.field in LAYER_KEYS else d.field
+        held = f"{d.tensor} of shape {d.shape}" if isinstance(d.shape, list) else f"{d.tensor} ({d.shape})"
+        raise UserError(f"{file}: {field}={d.value!r} disagrees with the weights: {WEIGHTS_NAME} holds {held}, "
+                        f"where {field}={d.value!r} means {d.expected}. An engine builds the drafter from "
+                        f"the config, so it would not run the trained weights: restore this export's own "
+                        f"{CONFIG_NAME} (copy the export again, or re-export it), or set {field} to match.")
 
 
 def read_weights(path: str | Path) -> dict[str, Tensor]:
@@ -310,12 +341,19 @@ def save_export(net: nn.Module, verifier: Verifier, path: str | Path,
     fmt = _format(kind)
     layout, tensors = fmt.write(net, verifier)
     config = {"architectures": list(fmt.architectures), **layout} | _verifier_keys(verifier) | (extra or {})
+    flat = config
     if fmt.speculators_type is not None:
         architectures = list(getattr(verifier.config, "architectures", None) or [type(verifier.model).__name__])
         if speculative_tokens is None:  # a parallel drafter's K, else the default chain
             speculative_tokens = int(getattr(net, "parallel", spec.DEFAULT_SPECULATIVE_TOKENS))
         config = spec.to_speculators(config, fmt.speculators_type, served or served_verifier(verifier),
                                      architectures, speculative_tokens)
+    shapes = {name: list(t.shape) for name, t in tensors.items()}
+    check_weights_agree(kind, flat, shapes, Path(path) / CONFIG_NAME, speculators=False)
+    for d in fmt.engine_reads(config, shapes) if fmt.engine_reads is not None else []:
+        raise UserError(f"{Path(path) / CONFIG_NAME}: vLLM would not serve this {title(kind)} export: {d.field}="
+                        f"{d.value!r} but {d.tensor} is {d.shape}: {d.expected}. Nothing was written; this is a "
+                        f"writer bug, or a setting the engine cannot serve (docs/engine_loaders.md).")
     text = json.dumps(config, indent=2)  # before any file is written: a value that is not JSON fails here
     with atomic_dir(path) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -402,7 +440,7 @@ def check_speculative_tokens(value: Any, setting: str) -> None:
 
 # Keys of a flattened export config that save_export writes anew (the layer's and the formats' own).
 REWRITTEN_KEYS = ("eagle_config", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "speculative_tokens",
-                  "speculators_verifier", "converted_from")
+                  "speculators_verifier", "converted_from", "num_aux_hidden_states")
 
 
 def from_reference(ref_dir: str | Path, out_dir: str | Path, verifier: Verifier, served: str | None = None,

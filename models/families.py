@@ -20,7 +20,15 @@ from typing import Any
 from torch import Tensor, nn
 
 from models import eagle_export as eagle_io
-from models.dflash import DFlashNet, dflash_from_layout, dflash_from_speculators, dflash_layout, dflash_to_speculators
+from models import format_parts as parts
+from models.dflash import (
+    DFlashNet,
+    dflash_from_layout,
+    dflash_from_speculators,
+    dflash_layout,
+    dflash_to_speculators,
+    dflash_weights_agree,
+)
 from models.dspark import DSparkNet, dspark_from_layout, dspark_from_speculators, dspark_layout, dspark_to_speculators
 from models.eagle import Eagle1Net, Eagle3Net
 from models.medusa import (
@@ -30,6 +38,7 @@ from models.medusa import (
     medusa_from_reference,
     medusa_layout,
     medusa_to_reference,
+    medusa_weights_agree,
 )
 from models.peagle import PEagleNet
 from runtime.errors import UserError
@@ -45,6 +54,8 @@ Reader = Callable[[dict[str, Any], dict[str, Tensor], Any, Path, bool], tuple[nn
 SpeculatorsWriter = Callable[[dict[str, Any], str, str, list[str], int], dict[str, Any]]
 # (speculators config, file, family name, the architecture to write) -> the flat config the family's Reader reads
 SpeculatorsReader = Callable[[dict[str, Any], str, str, str], dict[str, Any]]
+# (config, tensor shapes by name) -> the config fields that disagree with the tensors (models.format_parts)
+WeightsCheck = Callable[[dict[str, Any], "parts.Shapes"], list["parts.Disagreement"]]
 # (reference config, the weight file's tensor names) -> whether they are the family's reference layout
 ReferenceDetector = Callable[[dict[str, Any], list[str]], bool]
 
@@ -66,6 +77,12 @@ class ExportFormat:
     speculators_type: str | None = None  # vLLM's `speculators_model_type`: the export is in that format
     to_speculators: SpeculatorsWriter | None = None  # with speculators_type: the flat config in that format
     from_speculators: SpeculatorsReader | None = None  # with speculators_type: that format's config as the flat one
+    # (flat config, the weight file's tensor shapes by name) -> the fields that disagree with the weights
+    # (models.export.check_weights_agree reads the shapes from the safetensors header on every read and at save)
+    agrees: WeightsCheck | None = None
+    # (the config as written, shapes) -> what the serving engine would build otherwise than the weights are
+    # (checked at save: an export that trains but cannot serve is refused)
+    engine_reads: WeightsCheck | None = None
 
     def __post_init__(self) -> None:
         speculators = (self.speculators_type, self.to_speculators, self.from_speculators)
@@ -136,7 +153,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            export=ExportFormat(("MedusaModel",), medusa_layout, medusa_from_layout, model_type="medusa",
                                reference_weights=("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
                                is_reference=is_medusa_reference, to_reference=medusa_to_reference,
-                               from_reference=medusa_from_reference)),
+                               from_reference=medusa_from_reference, agrees=medusa_weights_agree)),
     Family("eagle", "EAGLE-1", drafter="eval.drafters.build.export", decoder="eval.drafters.eagle.eagle_drafter",
            training="train.eagle.EagleModule", network=Eagle1Net, needs_export=True, tree="dynamic",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle",
@@ -144,7 +161,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            export=ExportFormat(_EAGLE_ARCHS, eagle_io.eagle_layout, partial(eagle_io.eagle_from_layout, "eagle"),
                                reference_weights=("pytorch_model.bin", "model.safetensors"),
                                is_reference=eagle_io.is_eagle1_reference, to_reference=eagle_io.eagle1_to_reference,
-                               from_reference=eagle_io.eagle1_from_reference)),
+                               from_reference=eagle_io.eagle1_from_reference,
+                               agrees=eagle_io.eagle1_weights_agree)),
     Family("eagle3", "EAGLE-3", drafter="eval.drafters.build.export", decoder="eval.drafters.eagle.eagle_drafter",
            training="train.eagle.EagleModule", network=Eagle3Net, needs_export=True, tree="dynamic",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
@@ -155,7 +173,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                                is_reference=eagle_io.is_eagle3_reference, to_reference=eagle_io.eagle3_to_reference,
                                from_reference=eagle_io.eagle3_from_reference,
                                speculators_type="eagle3", to_speculators=eagle_io.eagle3_to_speculators,
-                               from_speculators=eagle_io.eagle3_from_speculators)),
+                               from_speculators=eagle_io.eagle3_from_speculators,
+                               agrees=eagle_io.eagle3_weights_agree,
+                               engine_reads=eagle_io.eagle3_engine_disagreements)),
     Family("peagle", "P-EAGLE", drafter="eval.drafters.build.export", decoder="eval.drafters.peagle.peagle_drafter",
            training="train.peagle.PEagleModule", network=PEagleNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
@@ -163,19 +183,23 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            serve_options=(("parallel_drafting", True),),
            export=ExportFormat(("PeagleLlamaForCausalLM",), eagle_io.peagle_layout, eagle_io.peagle_from_layout,
                                speculators_type="peagle", to_speculators=eagle_io.eagle3_to_speculators,
-                               from_speculators=eagle_io.peagle_from_speculators)),
+                               from_speculators=eagle_io.peagle_from_speculators,
+                               agrees=eagle_io.eagle3_weights_agree,
+                               engine_reads=eagle_io.eagle3_engine_disagreements)),
     Family("dflash", "DFlash", drafter="eval.drafters.build.export", decoder="eval.drafters.dflash.dflash_drafter",
            training="train.dflash.DFlashModule", network=DFlashNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="dflash",
            teacher_forced="eval.drafters.eagle.eagle_ranks",
            export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash",
-                               to_speculators=dflash_to_speculators, from_speculators=dflash_from_speculators)),
+                               to_speculators=dflash_to_speculators, from_speculators=dflash_from_speculators,
+                               agrees=dflash_weights_agree)),
     Family("dspark", "DSpark", drafter="eval.drafters.dspark.dspark", decoder="eval.drafters.dspark.dspark_drafter",
            training="train.dspark.DSparkModule", network=DSparkNet, needs_export=True, tree="fixed",
            acceptance=("dspark_confidence_table", "eagle_topk_accuracy", "val_step_top1"), serve="dspark",
            teacher_forced="eval.drafters.eagle.eagle_ranks",
            export=ExportFormat(("DSparkDraftModel",), dspark_layout, dspark_from_layout, speculators_type="dspark",
-                               to_speculators=dspark_to_speculators, from_speculators=dspark_from_speculators)),
+                               to_speculators=dspark_to_speculators, from_speculators=dspark_from_speculators,
+                               agrees=dflash_weights_agree)),
     Family("draft_model", "draft model", drafter="eval.drafters.build.draft_model",
            training="train.draft_model.DraftModelModule", stored_verifier="eval.drafters.draft_model.stored_verifier"),
     Family("prompt_lookup", "prompt lookup", drafter="eval.drafters.build.prompt_lookup"),

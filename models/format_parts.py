@@ -6,6 +6,7 @@ builds on these; models/speculators_format.py and models/reference_formats.py fi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import UserError
@@ -92,3 +93,82 @@ def speculative_tokens(config: dict[str, Any]) -> int | None:
     chosen = next((m for m in methods if isinstance(m, dict) and m.get("proposal_type") == default),
                   methods[0] if methods else None)
     return chosen.get("speculative_tokens") if isinstance(chosen, dict) else None
+
+
+# -- a config against its weights (the safetensors header's shapes; models.export.check_weights_agree) ----------------
+
+Shapes = dict[str, list[int]]  # tensor name -> shape, as the weight file's header lists them
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A config.json field that disagrees with the weights: the field, its value, the tensor (name and shape, or a
+    count of layers or heads) and what the field would make of it."""
+
+    field: str
+    value: Any
+    tensor: str
+    shape: Any
+    expected: str
+
+
+def _int(config: dict[str, Any], key: str) -> int | None:
+    """A count the config holds, or None when it holds none (a value of another type or below 1 is left to the
+    family's ExportConfig, whose message names the bounds)."""
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def layer_ids(shapes: Shapes) -> dict[int, str]:
+    """Layer index -> its tensors' prefix, for a stack written as `layers.{i}.` or as one `midlayer.` (layer 0)."""
+    found: dict[int, str] = {}
+    for name in shapes:
+        if name.startswith("midlayer."):
+            found[0] = "midlayer."
+        elif name.startswith("layers.") and name.split(".")[1].isdigit():
+            found[int(name.split(".")[1])] = f"layers.{name.split('.')[1]}."
+    return dict(sorted(found.items()))
+
+
+def layer_stack_disagreements(config: dict[str, Any], shapes: Shapes,
+                              features: tuple[str, Any, int] | None = None) -> list[Disagreement]:
+    """The draft layers' config (num_hidden_layers, hidden_size, intermediate_size) against a Llama / Qwen3 stack's
+    tensors, and fc's input against `features` = (the config field that sets how many hidden states fc reads, its
+    value, that number). Tensors absent (a compact export's) are not checked. The attention heads are left to
+    models.eagle_export.check_draft_layer, which holds them to the verifier's (the weights' own)."""
+    out: list[Disagreement] = []
+    layers = layer_ids(shapes)
+    count = _int(config, "num_hidden_layers")
+    if count is not None and layers and count != len(layers):
+        prefixes = sorted(set(layers.values()))
+        out.append(Disagreement("num_hidden_layers", count, f"{prefixes[0]}*" if len(prefixes) == 1 else
+                                f"{{{', '.join(p.rstrip('.') for p in prefixes)}}}.*",
+                                f"{len(layers)} layer{'s' if len(layers) > 1 else ''}", f"{count} layers"))
+    first = next(iter(layers.values()), None)
+    hidden = _int(config, "hidden_size")
+
+    def dim(key: str, value: int | None, tensor: str, axis: int, want: int | None, what: str) -> None:
+        shape = shapes.get(tensor)
+        if value is not None and want is not None and shape is not None and len(shape) > axis and shape[axis] != want:
+            out.append(Disagreement(key, value, tensor, shape, what))
+
+    dim("hidden_size", hidden, "fc.weight", 0, hidden, f"{hidden} output rows")
+    dim("hidden_size", hidden, "norm.weight", 0, hidden, f"{hidden} values")
+    if first is not None:
+        dim("intermediate_size", _int(config, "intermediate_size"), f"{first}mlp.gate_proj.weight", 0,
+            _int(config, "intermediate_size"), f"{_int(config, 'intermediate_size')} rows")
+    if features is not None and hidden:
+        key, value, n = features
+        dim(key, value, "fc.weight", 1, n * hidden, f"{n} hidden states x {hidden} = {n * hidden} input columns")
+    return out
+
+
+def draft_vocab_disagreements(config: dict[str, Any], shapes: Shapes) -> list[Disagreement]:
+    """draft_vocab_size against the draft head's rows and the draft-to-target map d2t (when the file has them)."""
+    draft = _int(config, "draft_vocab_size")
+    out = []
+    for tensor in ("lm_head.weight", "d2t"):
+        shape = shapes.get(tensor)
+        if draft is not None and shape and shape[0] != draft:
+            out.append(Disagreement("draft_vocab_size", draft, tensor, shape, f"{draft} draft tokens"))
+    return out

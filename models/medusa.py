@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from models import format_parts as parts
 from models.export_config import ExportConfig
 from models.io import load_state
 from runtime.errors import UserError
@@ -162,6 +163,22 @@ def medusa_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
     lm_head = tensors.pop("lm_head.weight", None) if shared else None
     load_state(net, tensors, file)
     return net, lm_head
+
+
+def medusa_weights_agree(config: dict[str, Any], shapes: parts.Shapes) -> list[parts.Disagreement]:
+    """A Medusa export's num_heads, num_hidden_layers and hidden_size against its `blocks.{h}.layers.{l}` tensors."""
+    heads = sorted({int(k.split(".")[1]) for k in shapes if k.startswith("blocks.")})
+    layers = sorted({int(k.split(".")[3]) for k in shapes if k.startswith("blocks.0.layers.")})
+    out = []
+    for key, found, tensor, noun in (("num_heads", heads, "blocks.{h}", "heads"),
+                                     ("num_hidden_layers", layers, "blocks.0.layers.{l}", "layers per head")):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1 and found and value != len(found):
+            out.append(parts.Disagreement(key, value, f"{tensor}.*", f"{len(found)} {noun}", f"{value} {noun}"))
+    hidden, w = config.get("hidden_size"), shapes.get("blocks.0.layers.0.weight")
+    if isinstance(hidden, int) and not isinstance(hidden, bool) and w is not None and w != [hidden, hidden]:
+        out.append(parts.Disagreement("hidden_size", hidden, "blocks.0.layers.0.weight", w, f"[{hidden}, {hidden}]"))
+    return out
 
 
 # -- the reference layout (models/reference_formats.py): FasterDecoding/Medusa ---------------------------------------

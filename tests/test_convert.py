@@ -312,7 +312,8 @@ def test_head_count_disagreeing_with_config(tiny, tmp_path):
     path = save_export(heads, tiny, tmp_path / "ours")
     cfg = json.loads((path / "config.json").read_text()) | {"num_heads": 4}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match=r"model.safetensors: config.json num_heads=4 but the weights hold 3 heads"):
+    with pytest.raises(UserError, match=r"config.json: num_heads=4 disagrees with the weights: model.safetensors "
+                                        r"holds blocks.\{h\}.\* \(3 heads\)"):
         load_export(path, tiny)
 
 
@@ -328,7 +329,8 @@ def test_hidden_size_disagreeing_with_config(tiny, tmp_path):
     path = save_export(heads, tiny, tmp_path / "ours")
     cfg = json.loads((path / "config.json").read_text()) | {"hidden_size": 32}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match=r"model.safetensors: config.json hidden_size=32 but blocks.0.layers.0.weight"):
+    with pytest.raises(UserError, match=r"config.json: hidden_size=32 disagrees with the weights: model.safetensors "
+                                        r"holds blocks.0.layers.0.weight of shape \[64, 64\]"):
         load_export(path, tiny)
 
 

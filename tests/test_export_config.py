@@ -163,3 +163,106 @@ def test_the_checks_themselves():
                             ({"count": 2, "inner": {"ids": ["0"]}}, "inner.ids=['0']")]:
         with pytest.raises(UserError, match=re.escape(message)):
             Demo.from_config(config, "f.json")
+
+
+# -- the config against its weights, on every read and at save (issue 64) ----------------------------------------------
+
+def _layer_key(key: str, value):
+    return lambda c: (c["transformer_layer_config"] if "transformer_layer_config" in c else c).__setitem__(key, value)
+
+
+AGAINST_WEIGHTS = [
+    ("medusa", _set("num_heads", 3), r"num_heads=3 disagrees with the weights: model.safetensors holds blocks.\{h\}.\* "
+                                     r"\(2 heads\)"),
+    ("medusa", _set("num_hidden_layers", 2), r"num_hidden_layers=2 disagrees .* blocks.0.layers.\{l\}.\* \(1 layers "
+                                             r"per head\)"),
+    ("eagle", _set("num_hidden_layers", 2), r"num_hidden_layers=2 disagrees .* layers.0.\* \(1 layer\)"),
+    ("eagle", _set("intermediate_size", 128), r"intermediate_size=128 disagrees .* layers.0.mlp.gate_proj.weight of "
+                                              r"shape \[256, 64\]"),
+    ("eagle3", _layer_key("num_hidden_layers", 2), r"transformer_layer_config.num_hidden_layers=2 disagrees .* "
+                                                   r"midlayer.\* \(1 layer\)"),
+    ("eagle3", _set("draft_vocab_size", 32), r"draft_vocab_size=32 disagrees .* lm_head.weight of shape \[64, 64\]"),
+    ("eagle3", _set("eagle_aux_hidden_state_layer_ids", [1, 2]), r"eagle_aux_hidden_state_layer_ids=\[1, 2\] "
+                                                                 r"disagrees .* fc.weight of shape \[64, 192\]"),
+    ("peagle", _layer_key("intermediate_size", 512), r"transformer_layer_config.intermediate_size=512 disagrees"),
+    ("peagle", _set("draft_vocab_size", 128), r"draft_vocab_size=128 disagrees .* lm_head.weight of shape \[64, 64\]"),
+    ("dflash", _layer_key("num_hidden_layers", 3), r"transformer_layer_config.num_hidden_layers=3 disagrees .* "
+                                                   r"layers.0.\* \(1 layer\)"),
+    ("dflash", _layer_key("hidden_size", 32), r"transformer_layer_config.hidden_size=32 disagrees"),
+    ("dflash", _set("aux_hidden_state_layer_ids", [1, 2, 3]), r"aux_hidden_state_layer_ids=\[1, 2, 3\] disagrees .* "
+                                                              r"fc.weight of shape \[64, 128\]"),
+]
+
+
+@pytest.mark.parametrize("family,edit,said", AGAINST_WEIGHTS, ids=[f"{a[0]}:{a[2][:40]}" for a in AGAINST_WEIGHTS])
+def test_a_config_that_disagrees_with_its_weights_is_refused_naming_field_and_tensor(exports, tmp_path, family, edit,
+                                                                                      said):
+    """A config.json edited against its weights (a layer count vLLM would build, a draft vocabulary the head does
+    not have) once loaded, or was blamed on the verifier: refused from the safetensors header when the export is
+    read, before any verifier loads, naming the field, the tensor and its shape."""
+    from models.export import read_info
+
+    bad = _edited(exports[family], tmp_path, edit)
+    with pytest.raises(UserError, match=said) as info:
+        read_info(bad)
+    assert str(bad / "config.json") in str(info.value) and "restore this export's own config.json" in str(info.value)
+
+
+def test_dspark_layers_disagreeing_with_the_weights_are_refused(tiny4, tmp_path):
+    from models.dspark import build_dspark
+    from models.export import read_info
+
+    path = save_export(build_dspark(tiny4, 16, block_size=4, num_layers=2), tiny4, tmp_path / "ds")
+    (tmp_path / "edited").mkdir()
+    bad = _edited(path, tmp_path / "edited", _layer_key("num_hidden_layers", 1))
+    with pytest.raises(UserError, match=r"num_hidden_layers=1 disagrees .* \{layers.0, layers.1\}.\* \(2 layers\)"):
+        read_info(bad)
+
+
+@pytest.mark.parametrize("name,edit,said", [
+    ("eagle3-smollm2", _layer_key("num_hidden_layers", 2),
+     r"transformer_layer_config.num_hidden_layers=2 disagrees with the weights: model.safetensors holds midlayer.\* "
+     r"\(1 layer\)"),
+    ("eagle3-smollm2", _set("draft_vocab_size", 2048),
+     r"draft_vocab_size=2048 disagrees with the weights: model.safetensors holds lm_head.weight of shape "
+     r"\[4096, 576\]"),
+])
+def test_a_shipped_export_copied_without_its_manifest_and_edited_is_refused(tmp_path, name, edit, said):
+    """The issue's probes: a copy of pretrained/<name> without specdraft/ (no manifest) and one field edited."""
+    import shutil
+
+    from helpers import ROOT
+    from models.export import read_info
+
+    shipped = ROOT / "pretrained" / name
+    if not (shipped / "model.safetensors").is_file():
+        pytest.skip(f"no {shipped}")
+    copy = tmp_path / name
+    shutil.copytree(shipped, copy, ignore=shutil.ignore_patterns("specdraft"))
+    read_info(copy)  # as copied: reads
+    cfg = json.loads((copy / "config.json").read_text())
+    edit(cfg)
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=said) as info:
+        read_info(copy)
+    assert "does not fit the verifier" not in str(info.value)
+
+
+def test_an_eagle3_export_of_two_feature_layers_tells_vllm_how_wide_fc_is(tiny, tmp_path):
+    """EAGLE-3 on a 2-layer verifier with model.aux_layer_ids=[0,1]: vLLM sizes fc from transformer_layer_config's
+    num_aux_hidden_states, else 3 (llama_eagle3.py), so the export once could not be served (fc 128 wide against
+    192). Now the export records it, and the check of what vLLM reads refuses a config without it."""
+    from models.eagle import build_eagle
+    from models.eagle_export import eagle3_engine_disagreements
+    from models.export import header_shapes
+
+    path = save_export(build_eagle("eagle3", tiny, draft_vocab_size=64, aux_layer_ids=[0, 1]), tiny, tmp_path / "e3")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["num_aux_hidden_states"] == 2
+    shapes = header_shapes(path / "model.safetensors")
+    assert shapes["fc.weight"] == [64, 128] and eagle3_engine_disagreements(cfg, shapes) == []
+    del cfg["transformer_layer_config"]["num_aux_hidden_states"]  # what the writer wrote before
+    (d,) = eagle3_engine_disagreements(cfg, shapes)
+    assert (d.field, d.tensor, d.shape) == ("transformer_layer_config.num_aux_hidden_states", "fc.weight", [64, 128])
+    assert "vLLM sizes fc for 3 hidden states x 64 = 192 columns" in d.expected
+    assert load_export(path, tiny).net.aux_layer_ids == [0, 1]  # and it reads back
