@@ -4,16 +4,18 @@
     python train.py experiment=smoke             # two minutes end to end
     python train.py ckpt_path=last               # resume the run named `name`
 
-compose -> check the settings -> lock the run directory, refuse to replace a finished run of the same name (unless
-resumed or overwrite=true), record the config in .hydra/, check checkpoint/export locations -> instantiate verifier,
-data, model, logger, callbacks, trainer -> fit (a divergence guard keeps checkpoints/last-good.ckpt; checkpoints are
-renamed into place) -> export (printed last).
+compose -> check the settings -> lock the run directory, refuse a resume that would train another run than the one
+recorded (train/resume.py) and a new run over a finished one of the same name (unless overwrite=true), record the
+config in .hydra/, check checkpoint/export locations -> instantiate verifier, data, model, logger, callbacks, trainer
+-> fit (a divergence guard keeps checkpoints/last-good.ckpt; checkpoints are renamed into place; Ctrl-C prints the
+command that resumes) -> export (printed last).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import sys
 from pathlib import Path
 
 import hydra
@@ -29,6 +31,7 @@ from runtime.errors import UserError, exit_on_user_error
 from train.distributed import RanksAgree
 from train.memory import plan_memory
 from train.preflight import check_reused_name, check_settings, record_run_config
+from train.resume import check_resume, resume_command
 from train.safety import (
     LAST_GOOD,
     AtomicCheckpointIO,
@@ -79,22 +82,34 @@ def check_output_locations(cfg: DictConfig) -> None:
         check_writable(Path(cfg.callbacks.export.dirpath).expanduser().parent, "the export location")
 
 
+def interrupted(cfg: DictConfig, trainer: L.Trainer) -> str:
+    """What a run stopped by Ctrl-C says: the checkpoint it keeps and the command that resumes it."""
+    last = Path(cfg.callbacks.checkpoint.dirpath) / "last.ckpt" if cfg.callbacks.get("checkpoint") else None
+    if last is None or not last.is_file():
+        return (f"interrupted at step {trainer.global_step}, before the first checkpoint: nothing to resume. Run "
+                f"the same command again to start over.")
+    step = torch.load(last, map_location="cpu", weights_only=True).get("global_step")
+    return (f"interrupted at step {trainer.global_step}; {last} keeps step {step}. Resume with:\n"
+            f"  {resume_command(cfg)}")
+
+
 def run(cfg: DictConfig) -> Path:
     """Fit the drafter described by `cfg`; returns the export directory. Holds a lock on the run directory."""
     check_settings(cfg)  # before anything is written or loaded
     with RunLock(cfg.output_dir):
+        ckpt_path = resolve_ckpt(cfg)
         if is_primary():  # the ranks a DDP run launches are this run
+            check_resume(cfg, ckpt_path)  # a resume that would train another run: refused with the run's recipe kept
             check_reused_name(cfg)
             record_run_config(cfg)  # only now: a run refused above leaves the running one's recipe as it was
-        return _run(cfg)
+        return _run(cfg, ckpt_path)
 
 
-def _run(cfg: DictConfig) -> Path:
+def _run(cfg: DictConfig, ckpt_path: str | None) -> Path:
     if cfg.get("keep_freed_memory", True):
         keep_freed_memory()
     bound_onednn_cache()  # before the first tensor work: a step's changing shapes would fill oneDNN's cache
     L.seed_everything(cfg.seed, workers=True)
-    ckpt_path = resolve_ckpt(cfg)
     check_output_locations(cfg)
     verifier = instantiate(cfg.verifier)
     datamodule = instantiate(cfg.data, verifier=verifier)
@@ -121,7 +136,12 @@ def _run(cfg: DictConfig) -> Path:
     safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
     if cfg.get("validate_only"):
         return revalidate(cfg, trainer, model, datamodule, ckpt_path, safe)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **safe)
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **safe)
+    except SystemExit:  # Lightning's answer to Ctrl-C (SIGINT): a graceful stop, then sys.exit(1)
+        if trainer.interrupted and is_primary():
+            print(interrupted(cfg, trainer), file=sys.stderr, flush=True)
+        raise
     if trainer.checkpoint_callback is not None and not trainer.fast_dev_run:
         # ModelCheckpoint saves every N steps; also keep the final state, so `ckpt_path=last` with a larger
         # max_epochs / max_steps continues from where this run ended. A run stopped by max_steps has it already

@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+)
 
 from models.io import atomic_dir
 from runtime.errors import UserError, VerifierMismatchError
@@ -299,6 +306,9 @@ def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: 
                             f"is never loaded with code. {yourself}; it then loads without that code "
                             f"(trust_remote_code=False), or use the default verifier_path=smollm2.")
     try:
+        config = AutoConfig.from_pretrained(target, trust_remote_code=False, local_files_only=named_by is not None)
+        check_causal_lm(config, f"{named_by} names the verifier {path!r}, which" if named_by else
+                        f"verifier.path={path!r}")
         tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=False,
                                                   local_files_only=named_by is not None)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=_resolve_dtype(dtype), trust_remote_code=False,
@@ -317,6 +327,22 @@ def load_hf(path: str, dtype: str = "float32", name: str | None = None, device: 
     source = {"loader": "hf", "path": path} | ({"rendering": rendering} if rendering != "chat" else {})
     return _finish(model.to(_resolve_device(device)), tokenizer, source, name or Path(path).name,
                    str(local.resolve()) if looks_local else path, rendering)
+
+
+def check_causal_lm(config: Any, what: str) -> None:
+    """A verifier is a decoder-only causal LM: q is its next-token distribution given the tokens before. An encoder
+    (BERT: bidirectional attention) or an encoder-decoder (T5, BART) is refused from its config, before any weights
+    load (transformers would load BERT as BertLMHeadModel, an encoder the drafters and the engine cannot read)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
+
+    kind = getattr(config, "model_type", None)
+    if kind in CAUSAL and kind not in MASKED and not getattr(config, "is_encoder_decoder", False):
+        return
+    archs = list(getattr(config, "architectures", None) or [])
+    raise UserError(f"{what} is not a causal language model (model_type={kind!r}, architectures={archs}). Give a "
+                    f"decoder-only causal LM (an architecture named *ForCausalLM: Llama, Mistral, Qwen2, Qwen3, "
+                    f"Phi-3, Gemma 3), or use the default verifier=smollm2.")
 
 
 def smollm2_gguf_path() -> Path:

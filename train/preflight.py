@@ -10,6 +10,7 @@ once the lock is held.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable
@@ -54,7 +55,25 @@ RULES: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("trainer.log_every_n_steps", lambda v: _int(v) and v >= 1, "a whole number of steps >= 1", "5"),
     ("callbacks.checkpoint.every_n_train_steps", lambda v: v is None or (_int(v) and v >= 0),
      "a whole number of steps >= 1 (0 or null: only the last)", "50"),
+    # drafter settings that leave nothing to train (a loss of 0 and an untrained export): each key means the same in
+    # every family that has it
+    ("model.num_layers", lambda v: _int(v) and v >= 1, "a whole number of draft layers >= 1", "1"),
+    ("model.num_heads", lambda v: _int(v) and v >= 1, "a whole number of heads >= 1", "4"),
+    ("model.block_size", lambda v: _int(v) and v >= 2, "a whole number >= 2 (the root token and its drafts)", "8"),
+    ("model.num_anchors", lambda v: v is None or (_int(v) and v >= 1),
+     "a whole number of blocks per sequence >= 1 (null: every anchor)", "64"),
+    ("model.max_anchors", lambda v: v is None or (_int(v) and v >= 1),
+     "a whole number of chains per sequence >= 1 (null: every anchor)", "256"),
+    ("model.parallel_tokens", lambda v: _int(v) and v >= 1, "a whole number of drafts per forward >= 1", "4"),
+    ("model.ttt_steps", lambda v: _int(v) and v >= 1, "a whole number of training steps unrolled >= 1", "1"),
+    ("model.val_steps", lambda v: _int(v) and v >= 1, "a whole number of steps validation unrolls >= 1", "5"),
+    ("model.draft_vocab_size", lambda v: v is None or (_int(v) and v >= 2),
+     "a whole number of draft tokens >= 2, or null (the verifier's vocabulary)", "8192"),
+    ("model.markov_rank", lambda v: _int(v) and v >= 1, "a rank >= 1", "256"),
 ]
+
+# Keys Hydra's instantiate handles itself, never passed to the target as arguments.
+_HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
 def check_settings(cfg: DictConfig) -> None:
@@ -75,6 +94,35 @@ def check_settings(cfg: DictConfig) -> None:
     if cfg.get("validate_only") and cfg.get("ckpt_path") is None:
         raise UserError("validate_only=true validates a trained checkpoint: add ckpt_path=last (this run's) or "
                         "ckpt_path=<file.ckpt>.")
+    for group in ("model", "data", "verifier"):
+        check_keys(cfg, group)
+
+
+def check_keys(cfg: DictConfig, group: str) -> None:
+    """Refuse a key the group's `_target_` does not take (`+model.loss=tv` for Medusa), before the verifier loads:
+    instantiate would stop on a TypeError. The message names the key, the family and the keys it takes."""
+    from hydra._internal.utils import _locate
+
+    node = cfg.get(group)
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return
+    try:
+        target = _locate(node._target_)
+        params = inspect.signature(target).parameters
+    except Exception:  # an unknown target is instantiate's own message; a C callable has no signature
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = [k for k in node.keys() if k not in _HYDRA_KEYS and k not in params]
+    if not unknown:
+        return
+    from hydra.core.hydra_config import HydraConfig
+
+    choice = HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
+    family = f"{group}={choice}" if choice else getattr(target, "__name__", str(node._target_))
+    takes = [k for k, p in params.items() if k not in ("self", "verifier", "net") and p.kind is p.POSITIONAL_OR_KEYWORD]
+    raise UserError(f"{group}.{unknown[0]}: {family} takes no such key. Remove it from the command line (and from "
+                    f"any experiment= file); {family} takes {', '.join(takes)}.")
 
 
 def earlier_run(cfg: DictConfig) -> list[Path]:

@@ -301,4 +301,9 @@ class WritableRunDir(HydraCallback):
     be written is one message (exit status 2), not Hydra's traceback."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        # The default `name` reads ${hydra:runtime.choices...}: resolvable once the config is Hydra's current one (as
+        # Hydra itself sets it next, before making the directory).
+        HydraConfig.instance().set_config(config)
         exit_on_user_error(lambda: check_writable(config.hydra.run.dir, "the run directory"))
