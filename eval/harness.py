@@ -37,6 +37,7 @@ from eval.drafters.build import (
     family_config,
     family_of,
     method_name,
+    ran_dtype,
     resolve_drafter_dtype,
 )
 from eval.engine.block_verify import check_chain_drafters, may_branch
@@ -49,7 +50,7 @@ from eval.report import ALONE, SPECULATIVE, write_outputs
 from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
 from models.export import ExportInfo, read_info
 from models.families import FAMILIES, a_title, resolve
-from models.verifier import Verifier, load_verifier
+from models.verifier import Verifier, check_fingerprint, load_verifier
 from runtime.errors import UserError
 
 EVAL_DTYPES = ("float32", "bfloat16")
@@ -292,6 +293,9 @@ def setup(cfg: DictConfig) -> Setup:
     convs = load_prompt_sets(cfg.prompts, cfg.num_prompts)
     source = verifier_source_of(cfg, family, export)
     verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
+    for e in exports:  # an export for another verifier (verifier_path= given): refused before any cost curve
+        if isinstance(e.config.get("verifier_fingerprint"), dict) and not e.config.get("reference_layout"):
+            check_fingerprint(e.config["verifier_fingerprint"], verifier, f"{a_title(e.kind)} export {str(e.path)!r}")
 
     def prefix() -> list[int]:  # a real prefix for the cost curve, checked before anything runs on it
         ids = prompt_ids(verifier.tokenizer, user_turns(convs[0])[0], verifier.rendering)
@@ -410,12 +414,14 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         return compare.report(cfg, run.verifier, run.drafters, run.exports, samples, record,
                               "engine" if use_engine(run.verifier, engine) else "hf",
                               {m: asdict(p) for m, p in run.plans.items()})
+    # the dtype the drafter's weights ran in, read from the drafter (the setting where it has no weights of its own)
+    ran = ran_dtype(run.drafter.describe()) or str(cfg.get("drafter_dtype", "float32"))
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
-            "drafter_dtype": str(cfg.get("drafter_dtype", "float32")),
+            "drafter_dtype": ran,
             "checkpoint": None if cfg.checkpoint is None else str(cfg.checkpoint), "sampling": sampling_record(cfg),
             "prompt_sets": None if isinstance(cfg.prompts, str) else [prompt_set_label(str(p)) for p in cfg.prompts]}
     setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype),
-               "drafter_dtype": str(cfg.get("drafter_dtype", "float32")), "device": str(run.verifier.device),
+               "drafter_dtype": ran, "device": str(run.verifier.device),
                "dtype_reason": dtype_reason, "engine": "engine" if use_engine(run.verifier, engine) else "hf",
                "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
                "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}

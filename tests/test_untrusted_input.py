@@ -225,3 +225,12 @@ def test_rows_without_a_category_are_named(tmp_path, capsys):
     assert [c.category for c in convs] == ["chat", "default", "default"]
     assert "2 of 3 rows have no `category` (e.g. record 1); they are reported under category 'default'" in \
         capsys.readouterr().out
+
+
+def test_an_export_for_another_verifier_is_refused_before_the_cost_curve(export, tmp_path):
+    """verifier_path= naming another verifier than the export's: refused as soon as it loads. max_new_tokens beyond
+    the tiny verifier's positions makes the cost curve's prefix check refuse first if the curve came first."""
+    cfg = _compose([f"checkpoint={export}", "verifier_path={loader: tiny, seed: 1}", "max_new_tokens=100000",
+                    f"output_dir={tmp_path / 'eval'}"])
+    with pytest.raises(UserError, match=r"a Medusa export .* was trained for a different verifier"):
+        evaluate(cfg, progress=False)
