@@ -110,3 +110,21 @@ def test_export_for_another_verifier_is_refused(varied, tmp_path):
                  progress=False)
     message = str(err.value)
     assert "drafter.path=" in message and "weights_sha256" in message and "verifier_path=" in message, message
+
+
+def test_a_draft_model_whose_config_builds_layers_it_lacks_is_refused(varied, tmp_path):
+    """The draft-model family's probe of issue 64: its config.json's num_hidden_layers raised by hand (1 -> 2) once
+    loaded with a randomly initialised second layer; refused naming the field and a missing tensor."""
+    import json
+
+    from runtime.errors import UserError
+
+    export = _module(varied).export(tmp_path / "export")
+    load_draft_model(varied, str(export))  # as written: loads
+    cfg = json.loads((export / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    (export / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"its config.json disagrees with its weights: it builds \d+ tensors the "
+                                        rf"checkpoint lacks \(e.g. model.layers.{cfg['num_hidden_layers'] - 1}\..*"
+                                        rf"num_hidden_layers={cfg['num_hidden_layers']}"):
+        load_draft_model(varied, str(export))

@@ -71,11 +71,19 @@ def load_draft_model(verifier: Verifier, path: str | None = None, layers: int = 
     try:
         # never the checkpoint's own code (auto_map): the architectures transformers ships only
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=verifier.dtype, attn_implementation="sdpa",
-                                                     trust_remote_code=False)
-    except (OSError, ValueError) as e:
+        model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=verifier.dtype, attn_implementation="sdpa",
+                                                              trust_remote_code=False, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"drafter.path={path!r} could not be loaded as a causal LM with a tokenizer ({e}). Give a "
                         f"Hub id or a local checkpoint directory.") from None
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in loading.get("missing_keys", []) if k not in tied]
+    if missing:  # the config builds weights the file lacks (a layer count raised by hand): they would be random
+        config = model.config
+        raise UserError(f"drafter.path={path!r}: its config.json disagrees with its weights: it builds "
+                        f"{len(missing)} tensors the checkpoint lacks (e.g. {missing[0]}; num_hidden_layers="
+                        f"{config.num_hidden_layers}, hidden_size={config.hidden_size}), which would draft with "
+                        f"random values. Restore the checkpoint's own config.json, or save the model again.")
     check_vocabulary(verifier, model, tokenizer, repr(path))
     info = read_draft_info(path)
     if info is not None:  # distilled by train.py for one verifier: refuse it for another
