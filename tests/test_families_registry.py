@@ -249,7 +249,27 @@ def test_drafter_dtype_casts_a_copy_of_the_exports_network(trained, varied):
     from eval.drafters.build import build_drafter, family_config
     from models.export import read_info
 
-    for name in ("eagle3", "dflash"):  # the harness's one builder passes eval's drafter_dtype on
-        cfg = OmegaConf.create({"drafter_dtype": "bfloat16", "sampled_drafts": False, "seed": 0})
+    for name, sampled in (("eagle3", False), ("dflash", False), ("eagle3", True), ("medusa", True)):
+        # the harness's one builder passes eval's drafter_dtype on, sampled proposals or not (sampled_drafts once
+        # replaced the options and the drafter ran in fp32 while the report said bf16)
+        cfg = OmegaConf.create({"drafter_dtype": "bfloat16", "sampled_drafts": sampled, "seed": 0,
+                                "temperature": 0.7, "top_p": 1.0, "top_k": 0})
         built = build_drafter(cfg, name, family_config(name), varied, read_info(trained[name]), Chain(2))
-        assert {p.dtype for p in built.net.parameters()} == {torch.bfloat16}, name
+        assert built.describe()["weights"] == "bfloat16", (name, sampled)
+
+
+def test_the_report_records_the_dtype_the_drafter_ran_in(trained, tmp_path, one_thread):
+    """report.json's drafter_dtype is read from the drafter that decoded (its weights), not from the setting."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[
+            f"checkpoint={trained['eagle3']}", "drafter=export", "tree=chain", "tree.depth=2", "num_prompts=1",
+            "max_new_tokens=6", "threads=1", "dtype=float32", "drafter_dtype=bfloat16", "temperature=0.7",
+            "sampled_drafts=true", "warmup=false", "wandb.mode=disabled", f"output_dir={tmp_path}"])
+    report = evaluate(cfg, progress=False)
+    assert report["drafter_dtype"] == report["tree"]["weights"] == "bfloat16"

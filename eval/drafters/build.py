@@ -207,8 +207,8 @@ def build_drafter(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifie
     if from_export and str(cfg.get("drafter_dtype", "float32")) != "float32":
         proposals["dtype"] = str(cfg.drafter_dtype)
     if bool(cfg.get("sampled_drafts", False)) and from_export:
-        proposals = {"sampling": sampling_config(cfg),
-                     "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
+        proposals |= {"sampling": sampling_config(cfg),
+                      "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
     try:
         return factory(verifier, policy, export, **proposals)
     except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`
@@ -219,3 +219,12 @@ def method_name(family: str, drafter: Drafter) -> str:
     """The method label report.json records, e.g. `medusa/auto-16`, `prompt_lookup/chain-10`."""
     policy = drafter.describe().get("policy", "tree")
     return f"{family}/{policy}-{drafter.max_nodes - 1}"
+
+
+def ran_dtype(description: dict[str, Any]) -> str | None:
+    """The dtype the drafter's weights ran in, from its `describe()` (a combination's: its primary's), or None where
+    the drafter has no weights of its own: what report.json records as `drafter_dtype`."""
+    for part in (description, description.get("primary") or {}):
+        if part.get("weights") is not None:
+            return str(part["weights"])
+    return None

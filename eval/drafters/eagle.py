@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters.heads import row_head
+from eval.drafters.heads import row_head, weights_dtype
 from eval.engine.forward import packed_head
 from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
@@ -111,7 +111,8 @@ class EagleDrafter:
 
     def describe(self) -> dict[str, Any]:
         policy = {Chain: "chain", AutoTree: "auto", DynamicTree: "dynamic"}[type(self.policy)]
-        return {"policy": policy, "proposals": "sampled" if self.sampling else "topk", "dynamic": self.topk > 1,
+        return {"policy": policy, "proposals": "sampled" if self.sampling else "topk",
+                "weights": weights_dtype(self.net), "dynamic": self.topk > 1,
                 "size": self.size, "depth": self.max_depth, "topk": self.topk, "max_nodes": self.max_nodes}
 
     @property

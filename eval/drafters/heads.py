@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torch import nn
+
 from models.packed import Linear, can_pack
 from models.verifier import Verifier
 
@@ -25,3 +27,10 @@ def row_head(verifier: Verifier, ids: Tensor) -> Linear | _Rows:
     reading |ids| x D weights instead of V x D."""
     rows = verifier.lm_head.weight.detach()[ids]
     return Linear(rows, None, True) if can_pack(rows) else _Rows(rows)
+
+
+def weights_dtype(net: nn.Module) -> str | None:
+    """The dtype a drafter's own weights run in (its `describe()["weights"]`, what the report records as
+    `drafter_dtype`), or None for a network with no weights of its own (Medusa heads that are the verifier's head)."""
+    param = next(net.parameters(), None)
+    return None if param is None else str(param.dtype).removeprefix("torch.")

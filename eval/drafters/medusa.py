@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from eval.drafters.heads import row_head
+from eval.drafters.heads import row_head, weights_dtype
 from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig, warp
 from eval.engine.tree import AutoTree, Chain, Tree, TreePolicy, auto_tree, chain, describe, tree_buffers
@@ -69,7 +69,8 @@ class MedusaDrafter:
         self._topk = max(tree.ranks[1:], default=-1) + 1
 
     def describe(self) -> dict[str, Any]:
-        return {"policy": self.policy, "proposals": "sampled" if self.sampling else "topk", **describe(self.tree)}
+        return {"policy": self.policy, "proposals": "sampled" if self.sampling else "topk",
+                "weights": weights_dtype(self.heads), **describe(self.tree)}
 
     @torch.no_grad()
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
@@ -133,8 +134,9 @@ def medusa_tree(policy: TreePolicy, heads: MedusaHeads, topk_accuracy: list[list
     if isinstance(policy, AutoTree):
         if not topk_accuracy:
             raise UserError("tree=auto needs the per-head top-k accuracies the export records "
-                            "(medusa_topk_accuracy), and this export has none. Use tree=chain or "
-                            "tree=medusa_choices, or re-export.")
+                            "(medusa_topk_accuracy), and this export has none: no validation of its final weights "
+                            "wrote them. Use tree=chain or tree=medusa_choices, or write them: python train.py "
+                            "<the run's overrides> ckpt_path=last validate_only=true.")
         return auto_tree(topk_accuracy[: heads.num_heads], policy.size), "auto"
     raise UserError(f"tree={type(policy).__name__} does not fit a Medusa drafter, whose tree is the same every round; "
                     f"use tree=chain, tree=auto or tree=medusa_choices.")

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from eval.drafters.eagle import EagleDrafter
+from eval.drafters.heads import weights_dtype
 from eval.drafters.medusa import medusa_tree
 from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig, warp
@@ -56,7 +57,7 @@ class PEagleDrafter(EagleDrafter):
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.tree_policy, "proposals": "sampled" if self.sampling else "topk",
-                "parallel_tokens": self.net.parallel, **describe(self.tree)}
+                "weights": weights_dtype(self.net), "parallel_tokens": self.net.parallel, **describe(self.tree)}
 
     def _depth_logits(self, root_out: Tensor, depth: int | None = None) -> Tensor:
         """The drafter's logits for depths 1..depth (the tree's max_depth by default): the root's output, then the
