@@ -351,21 +351,11 @@ def chains_only(run: Any) -> list[str]:
     return trees
 
 
-def _group_choice(group: str, value: Any) -> str:
-    """The option a config group was given on the command line (`gemma3`), else its `_target_`."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        choice = HydraConfig.get().runtime.choices.get(group)
-        if choice:
-            return str(choice)
-    return str(value.get("_target_", value)) if OmegaConf.is_dict(value) else str(value)
-
-
 def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     """Run `python -m eval` as configured by conf/eval.yaml; returns report.json's content."""
     if "verifier" in cfg:  # `+verifier=<name>`: train.py's config group, which eval would ignore
-        raise UserError(f"verifier={_group_choice('verifier', cfg.verifier)}: python -m eval does not read the "
+        given = cfg.verifier.get("_target_", cfg.verifier) if OmegaConf.is_dict(cfg.verifier) else cfg.verifier
+        raise UserError(f"+verifier= was given (it loads with {given}): python -m eval does not read the "
                         f"`verifier` group (train.py's); it decodes with the verifier the export names (its "
                         f"config.json `verifier`), or verifier_path= when given. Pass verifier_path=<smollm2, gemma3, "
                         f"a Hub id or a checkpoint directory> instead (an export made for another verifier is "

@@ -210,8 +210,8 @@ def test_tree_size_zero_is_refused_naming_the_key(export, tmp_path, drafter):
 def test_an_eval_verifier_group_it_would_ignore_is_refused(export, tmp_path):
     """`python -m eval ... +verifier=gemma3` once decoded with the export's verifier without a word."""
     cfg = _compose([f"checkpoint={export}", "+verifier=gemma3", f"output_dir={tmp_path / 'eval'}"])
-    with pytest.raises(UserError, match=r"verifier=models.verifier.load_gemma3: python -m eval does not read the "
-                                        r"`verifier` group .*Pass verifier_path="):
+    with pytest.raises(UserError, match=r"\+verifier= was given \(it loads with models.verifier.load_gemma3\): "
+                                        r"python -m eval does not read the `verifier` group .*Pass verifier_path="):
         evaluate(cfg, progress=False)
 
 
