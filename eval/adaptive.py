@@ -108,11 +108,13 @@ class PlannedDrafter:
     (a BudgetDrafter: `size` and `depth`). curve / draft: the verifier's cost curve and the drafter's draft curve
     (ms at curve.sizes, or None) the static plan was made on. size: that plan's budget. An adaptive drafter is
     built at the largest budget (eval.cost.PROBE_SIZE), so its depth is the deepest any budget may reach, and it
-    declares that budget and depth to the decode loop (`max_nodes`, `max_depth`: the cache is sized for them)."""
+    declares that budget and depth to the decode loop (`max_nodes`, `max_depth`: the cache is sized for them).
+    learn_times: whether measured round times move the drafting's price (`draft_scale`); False plans on the curves
+    alone."""
 
     def __init__(self, drafter: Any, table: Sequence[Sequence[float]], kind: str, curve: cost.Curve,
                  draft: Sequence[float] | None, size: int, adaptive: bool, min_drafts: int = 0,
-                 max_drafts: int = cost.PROBE_SIZE) -> None:
+                 max_drafts: int = cost.PROBE_SIZE, learn_times: bool = True) -> None:
         self.inner, self.kind, self.adaptive = drafter, kind, adaptive
         self.feature_layers = drafter.feature_layers
         limit = drafter.depth_limit if kind == "fixed" else drafter.depth
@@ -120,8 +122,12 @@ class PlannedDrafter:
         self.estimate = AcceptanceEstimate(self.table)
         ms = cost.monotone(curve.ms)
         spent = None if draft is None else cost.monotone(draft)
-        self.min_drafts, self.max_drafts = min_drafts, max_drafts
-        self._plans = [cost._plan(curve.sizes, ms, 1.0, s, spent) for s in range(max_drafts + 1)]
+        # The floor of a re-plan: a run whose static plan drafts keeps drafting at least one node. At zero drafts
+        # nothing is offered, so nothing is observed, and an estimate that fell on a hard stretch could never rise
+        # again for the rest of the run (DFlash on unseen prompts planned itself to 0 drafts within a few rounds).
+        # Switching drafting off is the static plan's call, made on the export's table.
+        self.min_drafts, self.max_drafts = max(min_drafts, 1 if size > 0 else 0), max_drafts
+        self._plans = [cost.plan_monotone(curve.sizes, ms, 1.0, s, spent) for s in range(max_drafts + 1)]
         self.step_ms = self._plans[0].step_ms
         if adaptive:
             self.max_nodes, self.max_depth = 1 + max_drafts, len(self.table)
@@ -141,9 +147,12 @@ class PlannedDrafter:
         # curves' own times as the prior, TIME_PRIOR rounds of them
         d0, v0 = max(self._plans[size].draft_ms, 1e-3), self._plans[size].verify_ms
         self._times = [TIME_PRIOR * d0, TIME_PRIOR * d0, TIME_PRIOR * v0, TIME_PRIOR * v0]
-        self._timed = adaptive and draft is not None  # a drafter whose drafting is not timed is planned as free
+        # a drafter whose drafting is not timed is planned as free; learn_times=False keeps the curves' own times
+        # (a plan that depends on acceptance alone: the tests that compare plans by it)
+        self._timed = adaptive and draft is not None and learn_times
         self._predicted = (0.0, 0.0)  # this round's predicted draft and verify ms
-        self._clock = 0.0
+        self._clock, self._draft_ms = 0.0, 0.0
+        self._time_round = False  # whether this round's times are evidence on the curves (`_timed_round`)
 
     @property
     def draft_scale(self) -> float:
@@ -154,6 +163,22 @@ class PlannedDrafter:
             return 1.0
         d_measured, d_predicted, r_measured, r_predicted = self._times
         return (d_measured / d_predicted) / (r_measured / r_predicted)
+
+    def _timed_round(self, new_decode: bool) -> bool:
+        """Whether a round's measured times say how drafting compares with its curve. Not the first round of a
+        decode: the drafter then takes in the whole prompt (EAGLE's and DFlash's context caches), a prefill the draft
+        curve, timed in steady state, never priced. Not a round planned with no drafts: the curve has no time for
+        it (a drafter still takes in the new positions), and counting those rounds against a predicted 0 ms would
+        make drafting look dearer each round until no budget paid."""
+        return self._timed and not new_decode and self.size > 0
+
+    def observe_times(self, draft_ms: float, rest_ms: float) -> None:
+        """A timed round: its drafting and the rest of it (verify, accept, commit), measured, each beside what the
+        plan predicted for it (`draft_scale` reads the four sums)."""
+        self._times[0] += draft_ms
+        self._times[1] += self._predicted[0]
+        self._times[2] += rest_ms
+        self._times[3] += self._predicted[1]
 
     # -- the plan -------------------------------------------------------------------------------------------------
     def _resize(self, size: int, table: list[list[float]]) -> None:
@@ -224,7 +249,8 @@ class PlannedDrafter:
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
         start = time.perf_counter()  # the planner's own work counts as drafting
         # 1. A new decode (not the continuation the last round announced): the prompt's counts start from the run's.
-        if self._expect != (input_ids.shape[1], hidden.shape[1]):
+        new_decode = self._expect != (input_ids.shape[1], hidden.shape[1])
+        if new_decode:
             self.estimate.new_prompt()
             self._planned = [[-1.0]]  # re-plan for the new prompt from the run's estimate
         # 2. Re-plan on the estimate so far; 3. predict this round before it runs; 4. draft.
@@ -236,11 +262,11 @@ class PlannedDrafter:
         p.tokens += 1.0 + sum(self._round_values)
         p.ms += self.round_ms(self.planned_nodes)
         self._predicted = (self._plans[self.size].draft_ms, self._plans[self.size].verify_ms)
+        self._time_round = self._timed_round(new_decode)
         draft = self.inner.propose(input_ids, hidden)
         self._tree, self._length = draft.tree, input_ids.shape[1]
         self._clock = time.perf_counter()
-        self._times[0] += 1e3 * (self._clock - start)
-        self._times[1] += self._predicted[0]
+        self._draft_ms = 1e3 * (self._clock - start)
         return draft
 
     def verified_nodes(self, nodes: Sequence[int]) -> None:
@@ -252,8 +278,8 @@ class PlannedDrafter:
         """Observe the round, then tell the drafter. `nodes` (1, 1+A) in this drafter's tree; -1 where the path
         took a node this drafter did not propose (a hybrid's grafted one): its offered children there all missed."""
         accepted = int(num_accepted[0])
-        self._times[2] += 1e3 * (time.perf_counter() - self._clock)  # verify, accept, commit (a hybrid: its graft)
-        self._times[3] += self._predicted[1]
+        if self._time_round:  # the rest of the round: verify, accept, commit (a hybrid: its graft)
+            self.observe_times(self._draft_ms, 1e3 * (time.perf_counter() - self._clock))
         self._expect = (self._length + accepted + 1, accepted + 1)
         if self.adaptive and self._tree is not None:
             self._observe(self._tree, nodes[0].tolist(), accepted)

@@ -39,6 +39,9 @@ from runtime.errors import UserError
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)  # measured; the rest interpolated
 FALLBACK_SIZE = 16  # tree.size=auto's budget where it cannot be planned (no acceptance estimates; method=all)
+# What writes an export's acceptance estimates: a validation of its final weights (train.py runs one at the end of
+# every run; an older run stopped inside an epoch, or an export converted from another format, may have none).
+VALIDATE_EXPORT = "python train.py <the run's overrides> ckpt_path=last validate_only=true"
 SHAPE_TABLE = [[0.6, 0.75, 0.8, 0.85]] * 4  # the shape of the measured trees: bushy, 4 deep, like a Medusa tree
 
 
@@ -84,12 +87,12 @@ def forward_curve(verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int] =
     """Least ms (of `reps` interleaved rounds) of one verifier forward over n tokens (a one-token step for n = 1, a
     tree of n nodes otherwise) after the prefix `prefix_ids` (1, P), for each n in `sizes`, through the decode loops'
     path (eval.engine.decode)."""
-    from eval.engine.decode import _Verify  # eval.engine.decode imports nothing from here
+    from eval.engine.decode import VerifierSession  # eval.engine.decode imports nothing from here
 
     if max(sizes) > 64 or min(sizes) < 1:
         raise UserError(f"profile sizes must lie in 1..64; got {list(sizes)}.")
     prefix = prefix_ids.shape[1]
-    cache = _Verify(verifier, engine, prefix + 1, max(sizes), _tree(max(sizes)).max_depth)
+    cache = VerifierSession(verifier, engine, prefix + 1, max(sizes), _tree(max(sizes)).max_depth)
     cache.forward(prefix_ids)
     tokens = prefix_ids[:, -1:].repeat(1, max(sizes))  # which tokens does not change the cost
     empty = torch.zeros(1, 0, dtype=torch.long)
@@ -190,10 +193,10 @@ def plan(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int
     """The prediction for `drafts` drafts: verify time t(drafts + 1) and, with a draft curve `draft` (ms at the same
     `sizes`, as n = drafts + 1 nodes), the round's drafting time d(drafts); no drafting at 0 drafts. Both curves are
     read through `monotone`."""
-    return _plan(sizes, monotone(ms), expected, drafts, None if draft is None else monotone(draft))
+    return plan_monotone(sizes, monotone(ms), expected, drafts, None if draft is None else monotone(draft))
 
 
-def _plan(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int,
+def plan_monotone(sizes: Sequence[int], ms: Sequence[float], expected: float, drafts: int,
           draft: Sequence[float] | None) -> Plan:
     """`plan` on curves already read non-decreasing."""
     verify = interpolate(sizes, ms, drafts + 1)
@@ -209,7 +212,7 @@ def best_size(sizes: Sequence[int], ms: Sequence[float], table: Sequence[Sequenc
     smaller s); without a draft curve, d = 0."""
     ms, draft = monotone(ms), (None if draft is None else monotone(draft))
     expected = expected_curve(table, max_nodes - 1)
-    plans = [_plan(sizes, ms, expected[s], s, draft) for s in range(min_drafts, max_nodes)]
+    plans = [plan_monotone(sizes, ms, expected[s], s, draft) for s in range(min_drafts, max_nodes)]
     return max(plans, key=lambda p: (p.predicted_speedup, -p.size))
 
 
@@ -283,7 +286,8 @@ def auto_size(family: str, export: ExportInfo, curve: Curve, draft: Sequence[flo
     if table is None:
         need = " or ".join(FAMILIES[export.kind].acceptance)
         raise UserError(f"tree.size=auto needs the export's acceptance estimates ({need} in its config.json), and "
-                        f"this export has none. Give a number (tree.size=16), or re-export with a current train.py.")
+                        f"this export has none: no validation of its final weights wrote them. Give a "
+                        f"number (tree.size=16), or write them: {VALIDATE_EXPORT}.")
     return best_size(curve.sizes, curve.ms, table, draft=draft, min_drafts=FAMILIES[family].min_drafts)
 
 
@@ -317,8 +321,8 @@ def budget_policy(policy: Any, family: str, export: ExportInfo | None) -> tuple[
     if auto and (export is None or export.acceptance is None or FAMILIES[family].tree == "own"):
         if export is not None and FAMILIES[family].tree in ("dynamic", "primary"):
             print(f"[eval] tree.size=auto: this export records no acceptance estimates (medusa_topk_accuracy, or "
-                  f"eagle_topk_accuracy / val_step_top1: re-export it with a current train.py), so it drafts "
-                  f"{FALLBACK_SIZE} nodes. Give tree.size=N to choose.")
+                  f"eagle_topk_accuracy / val_step_top1): no validation of its final weights wrote them. "
+                  f"It drafts {FALLBACK_SIZE} nodes; give tree.size=N to choose, or write them: {VALIDATE_EXPORT}.")
         return AutoTree(size=FALLBACK_SIZE), False
     return policy, auto
 

@@ -101,13 +101,13 @@ def check_settings(cfg: DictConfig) -> None:
 def check_keys(cfg: DictConfig, group: str) -> None:
     """Refuse a key the group's `_target_` does not take (`+model.loss=tv` for Medusa), before the verifier loads:
     instantiate would stop on a TypeError. The message names the key, the family and the keys it takes."""
-    from hydra._internal.utils import _locate
+    from hydra.utils import get_object
 
     node = cfg.get(group)
     if not isinstance(node, DictConfig) or "_target_" not in node:
         return
     try:
-        target = _locate(node._target_)
+        target = get_object(node._target_)
         params = inspect.signature(target).parameters
     except Exception:  # an unknown target is instantiate's own message; a C callable has no signature
         return

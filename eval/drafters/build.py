@@ -82,7 +82,7 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy,
 CONF = Path(__file__).resolve().parents[2] / "conf" / "drafter"
 
 
-def _export(checkpoint: ExportInfo | str | Path | None, family: str) -> ExportInfo | Path:
+def export_of(checkpoint: ExportInfo | str | Path | None, family: str) -> ExportInfo | Path:
     if checkpoint is None:
         no_export = [n for n, f in FAMILIES.items() if not f.needs_export]
         raise UserError(f"drafter={family} needs checkpoint=<export dir>: the `export/` directory train.py printed, "
@@ -96,7 +96,7 @@ def export(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | 
     """The drafter of a family with an export (Medusa, EAGLE-1, EAGLE-3: models/families.py); `kind` None takes the
     export's own, else refuses another kind. `proposals`: sampling= and generator= for sampled drafts, draft_vocab=
     (eval.drafters.build.make_drafter)."""
-    return make_drafter(kind, verifier, tree, checkpoint=_export(checkpoint, kind or "export"), **proposals)
+    return make_drafter(kind, verifier, tree, checkpoint=export_of(checkpoint, kind or "export"), **proposals)
 
 
 def draft_model(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, depth: int = 4,
@@ -143,7 +143,7 @@ def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | 
                         f">= 1 and a node beside the root, budget >= 2). Give drafter.num_tokens >= 1 (null: "
                         f"{LOOKUP_TOKENS}) and drafter.budget >= 2 (null: the export drafter's own), or run the "
                         f"export's drafter alone (drafter=export).")
-    primary = make_drafter(None, verifier, tree, checkpoint=_export(checkpoint, "hybrid"), **proposals)
+    primary = make_drafter(None, verifier, tree, checkpoint=export_of(checkpoint, "hybrid"), **proposals)
     if num_tokens is None:
         num_tokens = max(min(LOOKUP_TOKENS, (primary.max_nodes if budget is None else budget) - 1), 1)
     return HybridDrafter(primary, PromptLookupDrafter(Chain(num_tokens), num_tokens, max_ngram_size, min_ngram_size),

@@ -197,10 +197,10 @@ def dspark(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | 
            confidence_threshold: float = 0.2, **proposals: Any) -> Drafter:
     """conf/drafter/dspark.yaml: the DSpark drafter of an export, each round cut where the predicted cumulative
     acceptance falls below `confidence_threshold`."""
-    from eval.drafters.build import _export, make_drafter
+    from eval.drafters.build import export_of, make_drafter
 
     threshold = check_threshold(confidence_threshold)
-    drafter = make_drafter("dspark", verifier, tree, checkpoint=_export(checkpoint, "dspark"), **proposals)
+    drafter = make_drafter("dspark", verifier, tree, checkpoint=export_of(checkpoint, "dspark"), **proposals)
     assert isinstance(drafter, DSparkDrafter)
     drafter.threshold = threshold
     return drafter

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
-from torch import nn
+from torch import Tensor, nn
 
 from models.packed import Linear, can_pack
 from models.verifier import Verifier

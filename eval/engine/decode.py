@@ -124,7 +124,7 @@ def use_engine(verifier: Verifier, engine: str = "auto") -> bool:
     return not (dtype == torch.float32 and verifier.device.type == "cpu")
 
 
-class _Verify:
+class VerifierSession:
     """The verifier's forward and KV cache for one decode, through eval.engine.forward or eval.engine.hf_forward (same
     calls)."""
 
@@ -223,7 +223,7 @@ def sample_decode(
     sampling = _sampled(sampling)
     _check_inputs(verifier, input_ids, max_new_tokens, 1, engine)
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
-    cache, forwards, lengths = _Verify(verifier, engine, input_ids.shape[1] + max_new_tokens, 1, 0), 0, []
+    cache, forwards, lengths = VerifierSession(verifier, engine, input_ids.shape[1] + max_new_tokens, 1, 0), 0, []
     token = input_ids
     while not out.done:
         # 1. One forward over the new token (the whole prompt the first time: the prefill); 2. the next token: the
@@ -264,7 +264,7 @@ def speculative_decode(
         check_chain_drafters(sampling.verify, [drafter])
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     length = input_ids.shape[1] + max_new_tokens
-    cache, lengths = _Verify(verifier, engine, length, drafter.max_nodes, drafter.max_depth), []
+    cache, lengths = VerifierSession(verifier, engine, length, drafter.max_nodes, drafter.max_depth), []
     buffers: dict[Tree, TreeBuffers] = {}
     layers = drafter.feature_layers  # the verifier hidden states the drafter reads (EAGLE-3: three layers)
     if out.done:

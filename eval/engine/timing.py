@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
-from eval.engine.decode import _Verify
+from eval.engine.decode import VerifierSession
 from models.verifier import Verifier
 
 
@@ -36,4 +36,4 @@ def prefix_cache(verifier: Verifier, prefix_ids: Tensor, engine: str = "auto") -
     """An empty verifier cache through the decode loops' path (eval.engine.decode), room for the prefix
     `prefix_ids` (1, P) and one more token: what a drafter's `draft_cost` feeds the prefix through to get M_q's
     features."""
-    return _Verify(verifier, engine, prefix_ids.shape[1] + 1, 1, 1)
+    return VerifierSession(verifier, engine, prefix_ids.shape[1] + 1, 1, 1)

@@ -18,7 +18,7 @@ import torch
 from data.prompts import load_conversations
 from data.selfdistill import prompt_ids
 from eval.drafters.build import export
-from eval.engine.decode import _Verify
+from eval.engine.decode import VerifierSession
 from eval.engine.timing import interleaved
 from eval.engine.tree import DynamicTree
 from models.verifier import load_smollm2
@@ -40,7 +40,7 @@ def main() -> None:
     conv = load_conversations("builtin", split="eval", limit=1)[0]
     prefix = torch.tensor([prompt_ids(verifier.tokenizer, conv.messages)])
     drafter = export(verifier, DynamicTree(size=max(SIZES), depth=args.depth, topk=args.topk), args.export)
-    cache = _Verify(verifier, "auto", prefix.shape[1] + 1, 1, 1)
+    cache = VerifierSession(verifier, "auto", prefix.shape[1] + 1, 1, 1)
     hidden = cache.forward(prefix, layers=drafter.feature_layers).hidden
     seq = torch.cat([prefix, prefix[:, -1:]], dim=1)
     root_out = drafter._extend(seq, hidden)

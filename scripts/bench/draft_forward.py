@@ -30,7 +30,7 @@ import torch
 from data.prompts import load_conversations
 from data.selfdistill import prompt_ids
 from eval.drafters.build import export
-from eval.engine.decode import _Verify
+from eval.engine.decode import VerifierSession
 from eval.engine.timing import interleaved
 from eval.engine.tree import AutoTree, Chain
 from models.verifier import load_smollm2
@@ -44,7 +44,7 @@ def _steady(verifier, drafter, prefix: torch.Tensor) -> tuple[torch.Tensor, torc
     """The drafter in steady state after `prefix` (as its draft_cost sets it up): (the sequence with the root, the
     verifier's features of the one new position)."""
     layers = drafter.feature_layers
-    cache = _Verify(verifier, "auto", prefix.shape[1] + 1, 1, 1)
+    cache = VerifierSession(verifier, "auto", prefix.shape[1] + 1, 1, 1)
     drafter.propose(prefix, cache.forward(prefix[:, :-1], layers=layers).hidden)  # the prefill
     drafter.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     new = cache.forward(prefix[:, -1:], layers=layers).hidden  # (1, 1, D)
@@ -53,7 +53,7 @@ def _steady(verifier, drafter, prefix: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def _verifier_step(verifier, prefix: torch.Tensor) -> Callable[[], None]:
     """One one-token verifier step after the prefix, rolled back after (eval.cost.forward_curve's)."""
-    cache = _Verify(verifier, "auto", prefix.shape[1] + 1, 1, 1)
+    cache = VerifierSession(verifier, "auto", prefix.shape[1] + 1, 1, 1)
     cache.forward(prefix)
     empty = torch.zeros(1, 0, dtype=torch.long)
 
@@ -78,7 +78,7 @@ def _callables(verifier, prefix: torch.Tensor, folders: dict[str, Path]) -> dict
 
         if family.startswith("medusa"):
             drafter = _drafter(verifier, AutoTree(size=max(SIZES) - 1), folder, family)
-            cache = _Verify(verifier, "auto", prefix.shape[1] + 1, 1, 1)
+            cache = VerifierSession(verifier, "auto", prefix.shape[1] + 1, 1, 1)
             hidden = cache.forward(prefix, layers=drafter.feature_layers).hidden
             seq = torch.cat([prefix, prefix[:, -1:]], dim=1)
             fns[f"{family} forward"] = lambda d=drafter, s=seq, h=hidden: d.propose(s, h)

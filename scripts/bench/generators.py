@@ -15,7 +15,7 @@ import time
 from data.chat import prompt_ids
 from data.generate import generate_refill
 from data.prompts import load_conversations
-from data.selfdistill import _stop_at, first_turn
+from data.selfdistill import first_turn, stop_at
 from models.verifier import load_smollm2
 from serve import vllm_engine
 
@@ -43,7 +43,7 @@ def main() -> None:
     run = vllm_engine.serve(verifier.checkpoint, prompts, args.max_new_tokens, dtype=args.dtype, warmup=False,
                             batch=True, max_model_len=max(map(len, prompts)) + args.max_new_tokens + 8)
     total_s = time.perf_counter() - start
-    ours = [_stop_at(a, eos) for a in run.outputs]
+    ours = [stop_at(a, eos) for a in run.outputs]
     hf_tokens, vllm_tokens = sum(map(len, hf)), sum(map(len, ours))
     same = sum(a == b for a, b in zip(hf, ours))
     print(f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, {args.dtype}, greedy")
