@@ -54,7 +54,7 @@ def test_tree_size_zero_is_refused_and_the_report_records_the_real_tree(eagle_ex
     report, profile = run_eval([f"checkpoint={eagle_exports['eagle']}", "num_prompts=1", "tree=dynamic",
                                 "tree.size=12", "tree.depth=3", "tree.topk=4", *FAST], tmp_path)
     assert profile["tree"] == {"policy": "dynamic", "dynamic": True, "size": 12, "depth": 3, "topk": 4,
-                               "max_nodes": 13, "proposals": "topk"}
+                               "max_nodes": 13, "proposals": "topk", "weights": "float32"}
     assert "medusa_choices" not in profile["tree"] and len(report["accept_rate_per_position"]) == 3
 
 
