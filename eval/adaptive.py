@@ -41,8 +41,11 @@ from models.families import FAMILIES
 from runtime.errors import UserError
 
 TIME_PRIOR = 5.0  # rounds' worth of trust in the curves' own times before measured ones move them
-RUN_PRIOR = 8.0  # pseudo-observations the export's table is worth in each (depth, rank) cell, against the run's
-PROMPT_PRIOR = 4.0  # pseudo-observations the run's estimate is worth against the current prompt's counts
+# Pseudo-observations the export's table is worth in each (depth, rank) cell against the run's counts, and the run's
+# estimate against the current prompt's. Lighter priors (8 and 4) chased a few rounds' luck: on the eval split the
+# re-planned trees gave Medusa and DFlash 6-7% fewer tokens per modelled ms than the static plan (docs/results/planner.md).
+RUN_PRIOR = 64.0
+PROMPT_PRIOR = 16.0
 MOVED = 0.02  # re-plan when a cell's estimate moved by more than this (absolute probability) since the last plan
 
 
@@ -153,6 +156,7 @@ class PlannedDrafter:
         self._predicted = (0.0, 0.0)  # this round's predicted draft and verify ms
         self._clock, self._draft_ms = 0.0, 0.0
         self._time_round = False  # whether this round's times are evidence on the curves (`_timed_round`)
+        self.timed_rounds = 0  # rounds whose measured times moved `draft_scale`, over the drafter's life
 
     @property
     def draft_scale(self) -> float:
@@ -280,6 +284,7 @@ class PlannedDrafter:
         accepted = int(num_accepted[0])
         if self._time_round:  # the rest of the round: verify, accept, commit (a hybrid: its graft)
             self.observe_times(self._draft_ms, 1e3 * (time.perf_counter() - self._clock))
+            self.timed_rounds += 1
         self._expect = (self._length + accepted + 1, accepted + 1)
         if self.adaptive and self._tree is not None:
             self._observe(self._tree, nodes[0].tolist(), accepted)

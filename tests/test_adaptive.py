@@ -67,10 +67,11 @@ def planned_medusa(verifier: Verifier, heads: MedusaHeads, table: list[list[floa
     return PlannedDrafter(drafter, table, "fixed", curve(), None, size, adaptive)
 
 
-def decode_all(verifier: Verifier, drafter) -> list[tuple[list[int], list[int], float, float]]:
+def decode_all(verifier: Verifier, drafter, prompts: list[str] = PROMPTS
+               ) -> list[tuple[list[int], list[int], float, float]]:
     """Each prompt: (speculative tokens, plain greedy tokens, measured tau, predicted E[tokens] per round)."""
     out = []
-    for text in PROMPTS:
+    for text in prompts:
         ids = verifier.tokenizer(text, return_tensors="pt").input_ids
         got = speculative_decode(verifier, drafter, ids, MAX_NEW)
         want = greedy_decode(verifier, ids, MAX_NEW)
@@ -101,10 +102,11 @@ def test_a_too_pessimistic_table_grows_the_plan(base):
     # whose drafts the repetitive tiny verifier always accepts
     adaptive = planned_medusa(base, heads, PESSIMISTIC, adaptive=True)
     first_size, first_depth = adaptive.size, adaptive.inner.tree.max_depth
-    rows = decode_all(base, adaptive)
+    rows = decode_all(base, adaptive, PROMPTS * 3)  # the table is worth RUN_PRIOR rounds a cell: it takes a few
     assert all(got == want for got, want, _, _ in rows)
     assert adaptive.inner.tree.max_depth > first_depth and adaptive.inner.tree.max_depth == 4
-    assert rows[-1][2] > 3.0 and rows[-1][3] > 3.0  # measured and predicted alike: long accepted chains
+    # measured: long accepted chains; predicted: far above the table's 1.05 (the deep cells, offered least, move last)
+    assert rows[-1][2] > 3.0 and rows[-1][3] > 2.0 and rows[-1][3] > rows[0][3] + 0.8
     assert first_size <= 2
 
 
@@ -138,7 +140,7 @@ def test_a_hybrid_follows_its_planned_primary(varied):
 
 def test_the_estimate_counts_offered_ranks_and_moves_unoffered_ones_with_them():
     est = AcceptanceEstimate([[0.5, 0.7], [0.5, 0.7]])
-    for _ in range(40):  # rank 0 of depth 0 offered and never right; rank 1 never offered
+    for _ in range(400):  # rank 0 of depth 0 offered and never right; rank 1 never offered (the table: RUN_PRIOR)
         est.observe(0, [0], None)
     probs = est.probs()
     assert probs[0][0] < 0.1  # measured

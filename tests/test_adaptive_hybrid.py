@@ -29,7 +29,7 @@ def test_lookup_that_predicts_the_answer_takes_the_round(base: Verifier):  # noq
     primary = planned_medusa(base, random_heads(base), OPTIMISTIC, adaptive=True)
     hybrid = HybridDrafter(primary, PromptLookupDrafter(Chain(10), 10))
     taus = []
-    for text in PROMPTS:
+    for text in PROMPTS * 3:  # the export's table is worth RUN_PRIOR rounds a cell: the run takes a few to refute it
         ids = base.tokenizer(text, return_tensors="pt").input_ids
         got = speculative_decode(base, hybrid, ids, MAX_NEW)
         assert got.tokens[0].tolist() == greedy_decode(base, ids, MAX_NEW).tokens[0].tolist()
@@ -37,8 +37,7 @@ def test_lookup_that_predicts_the_answer_takes_the_round(base: Verifier):  # noq
         p = hybrid.prediction()
         assert p is not None and p.rounds == len(got.accept_lengths)
     k, m = hybrid.last_split
-    assert hybrid.lookup.rate(0) > 0.8 and k >= 5  # the chain verified ...
-    assert k + m + 1 > primary.planned_nodes  # ... beyond the drafter's own budget, not in place of its nodes
+    assert hybrid.lookup.rate(0) > 0.8 and k >= 5  # the chain verified, the drafter's nodes beside it only as they pay
     assert m < k and taus[-1] > 4.0
 
 
