@@ -43,7 +43,8 @@ from runtime.errors import UserError
 TIME_PRIOR = 5.0  # rounds' worth of trust in the curves' own times before measured ones move them
 # Pseudo-observations the export's table is worth in each (depth, rank) cell against the run's counts, and the run's
 # estimate against the current prompt's. Lighter priors (8 and 4) chased a few rounds' luck: on the eval split the
-# re-planned trees gave Medusa and DFlash 6-7% fewer tokens per modelled ms than the static plan (docs/results/planner.md).
+# re-planned trees gave Medusa and DFlash 6-7% fewer tokens per modelled ms than the static plan
+# (docs/results/planner.md).
 RUN_PRIOR = 64.0
 PROMPT_PRIOR = 16.0
 MOVED = 0.02  # re-plan when a cell's estimate moved by more than this (absolute probability) since the last plan
