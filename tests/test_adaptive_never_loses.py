@@ -102,6 +102,7 @@ def eval_prompts(smollm2) -> list[list[int]]:
             for c in convs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(SHIPPED))
 def test_adaptive_keeps_a_shipped_drafters_gain(kind, smollm2, eval_prompts):
     path = ROOT / "pretrained" / SHIPPED[kind]
