@@ -34,7 +34,7 @@ from typing import Any
 from torch import Tensor
 
 from eval import cost
-from eval.engine.protocol import Draft, Drafter, Prediction
+from eval.engine.protocol import Draft, Drafter, Prediction, Skippable
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, auto_tree, best_first, rank_probs
 from models.export import ExportInfo
 from models.families import FAMILIES
@@ -158,6 +158,7 @@ class PlannedDrafter:
         self._clock, self._draft_ms = 0.0, 0.0
         self._time_round = False  # whether this round's times are evidence on the curves (`_timed_round`)
         self.timed_rounds = 0  # rounds whose measured times moved `draft_scale`, over the drafter's life
+        self._catching_up = False  # the coming round takes in the positions of rounds it sat out (`skipped`)
 
     @property
     def draft_scale(self) -> float:
@@ -174,8 +175,9 @@ class PlannedDrafter:
         decode: the drafter then takes in the whole prompt (EAGLE's and DFlash's context caches), a prefill the draft
         curve, timed in steady state, never priced. Not a round planned with no drafts: the curve has no time for
         it (a drafter still takes in the new positions), and counting those rounds against a predicted 0 ms would
-        make drafting look dearer each round until no budget paid."""
-        return self._timed and not new_decode and self.size > 0
+        make drafting look dearer each round until no budget paid. Not a round after rounds it sat out (`skipped`):
+        it takes in all their positions."""
+        return self._timed and not new_decode and self.size > 0 and not self._catching_up
 
     def observe_times(self, draft_ms: float, rest_ms: float) -> None:
         """A timed round: its drafting and the rest of it (verify, accept, commit), measured, each beside what the
@@ -243,6 +245,31 @@ class PlannedDrafter:
         verify = self._plans[min(max(nodes - 1, 0), self.max_drafts)].verify_ms
         return verify + self.draft_scale * self._plans[self.size].draft_ms
 
+    def verify_ms(self, nodes: int) -> float:
+        """The verifier's forward over `nodes` nodes alone (a round that runs no drafting: a hybrid's lookup-only)."""
+        return self._plans[min(max(nodes - 1, 0), self.max_drafts)].verify_ms
+
+    def coming_values(self) -> list[float]:
+        """The next round's drafts' predicted values, best first, before it drafts (re-planned first, as `propose`
+        does): what a hybrid weighs against lookup's chain to decide whether the drafter runs at all. A decode's
+        first round is `propose`'s to plan."""
+        if self.adaptive:
+            self._replan()
+        return self._values()
+
+    @property
+    def can_skip(self) -> bool:
+        """Whether the planned drafter can sit a round out (eval.engine.protocol.Skippable)."""
+        return isinstance(self.inner, Skippable)
+
+    def skipped(self, positions: int) -> None:
+        """eval.engine.protocol.Skippable: a round without this drafter committed `positions` positions; the next
+        `propose` continues the decode with their features too."""
+        if self._expect is not None:
+            self._expect = (self._expect[0] + positions, self._expect[1] + positions)
+        self._catching_up = True
+        self.inner.skipped(positions)
+
     # -- the drafter protocol ---------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         inner = self.inner.describe()
@@ -268,6 +295,7 @@ class PlannedDrafter:
         p.ms += self.round_ms(self.planned_nodes)
         self._predicted = (self._plans[self.size].draft_ms, self._plans[self.size].verify_ms)
         self._time_round = self._timed_round(new_decode)
+        self._catching_up = False
         draft = self.inner.propose(input_ids, hidden)
         self._tree, self._length = draft.tree, input_ids.shape[1]
         self._clock = time.perf_counter()

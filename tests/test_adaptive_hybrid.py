@@ -128,3 +128,77 @@ def test_a_hybrid_with_no_lookup_source_is_refused(base, tmp_path, tmp_path_fact
     assert report["method"].startswith("hybrid/hybrid-") and report["greedy_match"] == 1.0
     assert report["predicted_speedup"] is not None and report["tree"]["split"] == "per round"
     assert cost.PROBE_SIZE + 1 == report["tree"]["primary"]["max_nodes"]
+
+
+def planned_eagle(verifier: Verifier, draft_ms: float):
+    """A planned EAGLE-1 with random weights (its drafts nearly never accepted) whose drafting costs `draft_ms` a
+    round on the test curve, priced as the curve says (not re-timed)."""
+    from test_adaptive import curve
+    from test_eagle_decode import random_net
+
+    from eval.adaptive import PlannedDrafter
+    from eval.drafters.build import make_drafter
+    from eval.engine.tree import AutoTree
+
+    table = [[0.3, 0.4, 0.45, 0.5]] * 4
+    draft = [draft_ms] * len(cost.SIZES)
+    size = cost.best_size(curve().sizes, curve().ms, table, draft=draft).size
+    inner = make_drafter("eagle", verifier, AutoTree(size=cost.PROBE_SIZE), net=random_net("eagle", verifier))
+    return PlannedDrafter(inner, table, "dynamic", curve(), draft, size, True, learn_times=False)
+
+
+def test_a_round_lookup_wins_alone_runs_no_drafter_forward(base: Verifier):  # noqa: F811
+    """Lookup's chains are right (the tiny verifier repeats itself), the drafter's nodes are not, and drafting costs
+    half a verify: most rounds verify lookup's chain alone, with no drafter forward, and the drafter catches up on
+    the positions it sat out (its cache fed every committed position: EAGLE refuses a round out of step). Shallow
+    chains (right for two tokens) bring the drafter back between such rounds. Output: plain greedy's."""
+    for prompts, num_tokens in ((PROMPTS, 10), (None, 3)):
+        hybrid = HybridDrafter(planned_eagle(base, 5.0), PromptLookupDrafter(Chain(num_tokens), num_tokens))
+        rounds = 0
+        for ids in ([base.tokenizer(t, return_tensors="pt").input_ids for t in prompts] if prompts
+                    else shallow_prompts(base)):
+            got = speculative_decode(base, hybrid, ids, MAX_NEW)
+            assert got.tokens[0].tolist() == greedy_decode(base, ids, MAX_NEW).tokens[0].tolist()
+            p = hybrid.prediction()
+            assert p is not None and p.rounds == len(got.accept_lengths)
+            rounds += p.rounds
+        assert 0 < hybrid.lookup_rounds, num_tokens
+        if prompts:
+            assert hybrid.lookup_rounds > rounds // 2
+    free = HybridDrafter(planned_eagle(base, 0.0), PromptLookupDrafter(Chain(10), 10))  # drafting free: it always runs
+    ids = base.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    speculative_decode(base, free, ids, MAX_NEW)
+    assert free.lookup_rounds == 0
+
+
+class EveryOtherRound(HybridDrafter):
+    """A hybrid that sits its drafter out every other round lookup has a chain: the drafter catches up on one to
+    several rounds' positions again and again."""
+
+    turn = 0
+
+    def _lookup_alone(self, extra):
+        wins = super()._lookup_alone(extra)  # sets the chain length such a round verifies
+        self.turn += 1
+        return extra.tree.num_drafts > 0 and (self.turn % 3 != 0 or wins)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_drafter_catches_up_on_the_rounds_it_sat_out(base: Verifier, kind):  # noqa: F811
+    """After rounds of lookup alone, the drafter is handed every position committed meanwhile and drafts on from
+    there (EAGLE refuses a round out of step with its cache); output stays plain greedy's."""
+    from test_adaptive import curve
+    from test_eagle_decode import random_net
+
+    from eval.adaptive import PlannedDrafter
+    from eval.drafters.build import make_drafter
+    from eval.engine.tree import AutoTree
+
+    table = [[0.3, 0.4, 0.45, 0.5]] * 4
+    inner = make_drafter(kind, base, AutoTree(size=cost.PROBE_SIZE), net=random_net(kind, base))
+    primary = PlannedDrafter(inner, table, "dynamic", curve(), None, 4, True)
+    hybrid = EveryOtherRound(primary, PromptLookupDrafter(Chain(3), 3))
+    for ids in shallow_prompts(base):
+        got = speculative_decode(base, hybrid, ids, MAX_NEW)
+        assert got.tokens[0].tolist() == greedy_decode(base, ids, MAX_NEW).tokens[0].tolist()
+    assert 0 < hybrid.lookup_rounds

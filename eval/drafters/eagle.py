@@ -353,6 +353,11 @@ class EagleDrafter:
         enter it), so this records that the next round brings 1 + num_accepted new positions."""
         self._next = 1 + int(num_accepted[0])
 
+    def skipped(self, positions: int) -> None:
+        """eval.engine.protocol.Skippable: a round this drafter sat out committed `positions` more positions; the
+        next `propose` brings their features too (a hybrid holds them), and extends the cache over all of them."""
+        self._next = (self._next or 0) + positions
+
 
 class _Fed:
     """The drafted nodes fed to the drafter within one `propose`: their keys (in the drafter's buffers after the

@@ -24,6 +24,14 @@ node counted once:
 The round verifies the n best of both lists, n maximising (1 + their values) / (the round's ms at n + 1 nodes): a
 prompt that copies its input gets long lookup chains beside a few drafter nodes, or on top of them, a prompt that
 does not gets the drafter's tree alone.
+
+Lookup drafts first (a string search), and before the drafter runs the round is priced twice: lookup's chain alone
+(the verifier's forward over it, no drafting) and the best round with the drafter (its planned nodes at their
+planner's values, undiscounted: an upper bound, and the drafting's price). When the chain alone is the better round
+the drafter sits it out (eval.engine.protocol.Skippable): no drafter forward, so a round that lookup carries costs
+what a lookup round costs. The verifier features of the positions committed meanwhile are held, and the drafter's
+next round takes them all in at once (EAGLE and the block drafters extend their caches over them; Medusa reads the
+last position only). A decode's first round always drafts (the drafter takes in the prompt).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from eval.engine.protocol import Draft, Drafter, Planned, Prediction
+from eval.engine.protocol import Draft, Drafter, Planned, Prediction, Skippable
 from eval.engine.tree import Tree, chain
 from runtime.errors import UserError
 
@@ -177,6 +185,10 @@ class HybridDrafter:
         # (lookup: the chain's nodes, shared ones included; drafter: the rest), for the rounds' predicted split
         self.tally = {"lookup": [0.0, 0.0], "drafter": [0.0, 0.0]}
         self._part = (0.0, 0.0)  # this round's prediction: (lookup, drafter)
+        self._held: Tensor | None = None  # verifier features of the positions committed while the primary sat out
+        self._skipping = False  # this round is lookup's alone (the primary did not draft)
+        self._alone_k = 0  # the chain nodes such a round verifies
+        self.lookup_rounds = 0  # rounds of lookup's chain alone, over the drafter's life
         self.set_primary(primary)
 
     branches = True  # lookup chains grafted beside the drafter's: a tree, even within a chain's node count
@@ -198,7 +210,8 @@ class HybridDrafter:
     def describe(self) -> dict[str, Any]:
         return {"policy": "hybrid", "max_nodes": self.max_nodes, "max_depth": self.max_depth,
                 "split": "per round" if isinstance(self.primary, Planned) else "lookup first",
-                "primary": self.primary.describe(), "grafted": self.extra.describe()}
+                "primary": self.primary.describe(), "grafted": self.extra.describe(),
+                "lookup_only_rounds": self.lookup_rounds}
 
     def round_budget(self) -> int:
         """This round's node budget without a planned primary: `budget`, else the primary's own max_nodes."""
@@ -207,14 +220,28 @@ class HybridDrafter:
         return int(getattr(self.primary, "planned_nodes", self.primary.max_nodes))
 
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
-        # 1. A new decode: the prompt's lookup rate starts from the run's.
-        if self._expect != (input_ids.shape[1], hidden.shape[1]):
+        # 1. A new decode: the prompt's lookup rate starts from the run's, and no features are held for the drafter.
+        new_decode = self._expect != (input_ids.shape[1], hidden.shape[1])
+        if new_decode:
             self.lookup.new_prompt()
+            self._held = None
         self._length = input_ids.shape[1]
-        # 2. Both sources draft; 3. the split: how many of each this round verifies; 4. graft.
-        base = self.primary.propose(input_ids, hidden)
-        start = time.perf_counter()  # the hybrid's own work: lookup, split, graft
+        self._skipping = False
+        # 2. Lookup drafts (a string search, timed as the hybrid's own work).
+        start = time.perf_counter()
         extra = self.extra.propose(input_ids, hidden)
+        lookup_s = time.perf_counter() - start
+        # 3. A planned primary sits the round out when lookup's chain alone is the better round (module docstring):
+        # its forward is saved, and the features of the positions this round commits are held for its next round.
+        if self._held is not None:
+            hidden = torch.cat([self._held, hidden], dim=1)  # (1, S, D): every position since it last drafted
+            self._held = None
+        if not new_decode and self._lookup_alone(extra):
+            self._held = hidden
+            return self._lookup_round(extra, start)
+        # 4. The drafter drafts; 5. the split: how many of each this round verifies; 6. graft.
+        base = self.primary.propose(input_ids, hidden)
+        start = time.perf_counter() - lookup_s  # the hybrid's own work: lookup, split, graft
         if isinstance(self.primary, Planned):
             return self._planned_round(base, extra, start)
         budget = self.round_budget()
@@ -263,10 +290,52 @@ class HybridDrafter:
         primary.restart_clock()  # the planner times the verify from here: this work is priced above
         return draft
 
+    def _lookup_alone(self, extra: Draft) -> bool:
+        """Whether this round verifies lookup's chain alone, decided before the drafter runs: only under a planned
+        primary that can sit a round out, and only when lookup's best round beats the best round with the drafter
+        even with the drafter's nodes valued as its planner says, none of them discounted for the chain beside them
+        (an upper bound on what drafting adds), and the drafting's price paid."""
+        primary: Any = self.primary
+        if (self.budget is not None or extra.tree.num_drafts == 0 or not isinstance(primary, Planned)
+                or not isinstance(primary, Skippable) or not getattr(primary, "can_skip", True)):
+            return False
+        own = self._own[0] / self._own[1] if self._own[1] else 0.0
+        chain_values = self.lookup.values([False] * extra.tree.num_drafts)
+        cap = self.max_nodes - 1
+        k, _ = split(chain_values, [], cap, lambda n: primary.verify_ms(n) + own)
+        alone = (1.0 + sum(chain_values[:k])) / (primary.verify_ms(k + 1) + own)
+        drafter_values = primary.coming_values()
+        kk, m = split(chain_values, drafter_values, cap, lambda n: primary.round_ms(n) + own)
+        merged = sorted(chain_values + drafter_values, reverse=True)[: kk + m]
+        both = (1.0 + sum(merged)) / (primary.round_ms(kk + m + 1) + own)
+        self._alone_k = k
+        return alone > both
+
+    def _lookup_round(self, extra: Draft, start: float) -> Draft:
+        """A round of lookup's chain alone (its first `_lookup_alone` nodes), predicted as such: the verifier's
+        forward over them and the hybrid's own work, no drafting."""
+        primary: Any = self.primary
+        k = self._alone_k
+        chain_values = self.lookup.values([False] * k)
+        draft = Draft(tree=chain(k), tokens=extra.tokens[:, : k + 1])
+        self._origin = [0] + [-1] * k
+        self._chain, self._kinds = list(range(1, k + 1)), [False] * k
+        self.last_split, self._part, self._skipping = (k, 0), (sum(chain_values), 0.0), True
+        self.lookup_rounds += 1
+        own = self._own[0] / self._own[1] if self._own[1] else 0.0
+        self._own[0] += 1e3 * (time.perf_counter() - start)
+        self._own[1] += 1
+        p = self._prediction
+        p.rounds, p.step_ms = p.rounds + 1, primary.step_ms
+        p.tokens += 1.0 + self._part[0]
+        p.ms += primary.verify_ms(k + 1) + own
+        return draft
+
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         """Each part is told the count; the nodes in the primary's tree (-1 where a node was grafted), and a primary
         that learns from its rounds (eval.adaptive) which of its nodes were verified. The grafted drafter (prompt
-        lookup) is stateless and is told the count alone; the hybrid counts what its chain offered and got."""
+        lookup) is stateless and is told the count alone; the hybrid counts what its chain offered and got. A round
+        the primary sat out: it is told the positions committed (`skipped`), nothing else."""
         accepted = int(num_accepted[0])
         self._expect = (self._length + accepted + 1, accepted + 1)
         path = nodes[0].tolist()
@@ -275,6 +344,12 @@ class HybridDrafter:
             hits += 1
         for depth in range(min(hits + 1, len(self._chain))):  # offered: each chain node whose parent was accepted
             self.lookup.observe(depth, self._kinds[depth], depth < hits)
+        if self._skipping:
+            self.tally["lookup"][0] += self._part[0]
+            self.tally["lookup"][1] += hits
+            self.primary.skipped(accepted + 1)  # type: ignore[attr-defined]  # Skippable, checked when it skipped
+            self.extra.accepted(num_accepted, torch.full_like(nodes, -1))
+            return
         origin = torch.tensor(self._origin, device=nodes.device)
         if isinstance(self.primary, Planned):
             for part, predicted, got in zip(("lookup", "drafter"), self._part, (hits, accepted - hits)):

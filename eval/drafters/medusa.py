@@ -113,6 +113,9 @@ class MedusaDrafter:
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         pass  # Medusa heads keep no state between rounds
 
+    def skipped(self, positions: int) -> None:
+        """eval.engine.protocol.Skippable: nothing to catch up (the heads read the last position only)."""
+
     def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
                    reps: int = 3) -> list[float]:
         """eval.engine.protocol.CostProbe: one `propose`, the same ms for every size (the heads run once a round

@@ -150,6 +150,16 @@ class Planned(Protocol):
 
 
 @runtime_checkable
+class Skippable(Protocol):
+    """A drafter that can sit a round out (a hybrid whose round is lookup's alone skips its drafter's forward) and
+    catch up on the next: `skipped` is told, in place of `propose` and `accepted`, how many positions the round
+    committed; the next `propose` is handed the features of all of them."""
+
+    def skipped(self, positions: int) -> None:
+        ...
+
+
+@runtime_checkable
 class Assistant(Protocol):
     """A drafter that Hugging Face assisted generation can run as well (a draft model): the harness adds HF's
     `generate(assistant_model=...)` as a reference beside it (eval.runner.assistant_of)."""
