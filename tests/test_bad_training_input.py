@@ -110,6 +110,9 @@ def test_ctrl_c_prints_the_command_that_resumes(train_script, tmp_path, capsys):
             "+callbacks.interrupt._target_=test_bad_training_input.Interrupt", "+callbacks.interrupt.at_step=3"]
     cfg = compose_train(args, tmp_path)
     handler = signal.getsignal(signal.SIGINT)
+    # Ctrl-C as a terminal delivers it: Python's own handler (an xdist worker, or a test before, may have left SIGINT
+    # ignored in this process)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(SystemExit):
             train_script.run(cfg)
