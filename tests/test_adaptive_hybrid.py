@@ -153,7 +153,8 @@ def test_a_round_lookup_wins_alone_runs_no_drafter_forward(base: Verifier):  # n
     the positions it sat out (its cache fed every committed position: EAGLE refuses a round out of step). Shallow
     chains (right for two tokens) bring the drafter back between such rounds. Output: plain greedy's."""
     for prompts, num_tokens in ((PROMPTS, 10), (None, 3)):
-        hybrid = HybridDrafter(planned_eagle(base, 5.0), PromptLookupDrafter(Chain(num_tokens), num_tokens))
+        hybrid = HybridDrafter(planned_eagle(base, 5.0), PromptLookupDrafter(Chain(num_tokens), num_tokens),
+                               sit_out=True)
         rounds = 0
         for ids in ([base.tokenizer(t, return_tensors="pt").input_ids for t in prompts] if prompts
                     else shallow_prompts(base)):
@@ -165,10 +166,13 @@ def test_a_round_lookup_wins_alone_runs_no_drafter_forward(base: Verifier):  # n
         assert 0 < hybrid.lookup_rounds, num_tokens
         if prompts:
             assert hybrid.lookup_rounds > rounds // 2
-    free = HybridDrafter(planned_eagle(base, 0.0), PromptLookupDrafter(Chain(10), 10))  # drafting free: it always runs
     ids = base.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    free = HybridDrafter(planned_eagle(base, 0.0), PromptLookupDrafter(Chain(10), 10), sit_out=True)
     speculative_decode(base, free, ids, MAX_NEW)
-    assert free.lookup_rounds == 0
+    assert free.lookup_rounds == 0  # drafting free: it always runs
+    off = HybridDrafter(planned_eagle(base, 5.0), PromptLookupDrafter(Chain(10), 10))  # the default: never sits out
+    speculative_decode(base, off, ids, MAX_NEW)
+    assert off.lookup_rounds == 0
 
 
 class EveryOtherRound(HybridDrafter):
@@ -197,7 +201,7 @@ def test_a_drafter_catches_up_on_the_rounds_it_sat_out(base: Verifier, kind):  #
     table = [[0.3, 0.4, 0.45, 0.5]] * 4
     inner = make_drafter(kind, base, AutoTree(size=cost.PROBE_SIZE), net=random_net(kind, base))
     primary = PlannedDrafter(inner, table, "dynamic", curve(), None, 4, True)
-    hybrid = EveryOtherRound(primary, PromptLookupDrafter(Chain(3), 3))
+    hybrid = EveryOtherRound(primary, PromptLookupDrafter(Chain(3), 3), sit_out=True)
     for ids in shallow_prompts(base):
         got = speculative_decode(base, hybrid, ids, MAX_NEW)
         assert got.tokens[0].tolist() == greedy_decode(base, ids, MAX_NEW).tokens[0].tolist()

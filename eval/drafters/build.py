@@ -129,10 +129,11 @@ def lookahead(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, wind
 
 def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None,
            num_tokens: int | None = None, max_ngram_size: int = 3, min_ngram_size: int = 1,
-           budget: int | None = None, **proposals: Any) -> Drafter:
+           budget: int | None = None, sit_out: bool = False, **proposals: Any) -> Drafter:
     """The export's drafter (Medusa / EAGLE, under `tree`) with prompt-lookup chains of up to `num_tokens` grafted
     in, within `budget` nodes (null: the export drafter's own node count). num_tokens null: as long as prompt
-    lookup's own chain (LOOKUP_TOKENS), or what the budget holds beside the root when that is less."""
+    lookup's own chain (LOOKUP_TOKENS), or what the budget holds beside the root when that is less. `sit_out`: the
+    drafter skips the rounds lookup's chain carries alone (eval.drafters.hybrid)."""
     from eval.drafters.hybrid import HybridDrafter
     from eval.drafters.lookup import PromptLookupDrafter
 
@@ -147,7 +148,7 @@ def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | 
     if num_tokens is None:
         num_tokens = max(min(LOOKUP_TOKENS, (primary.max_nodes if budget is None else budget) - 1), 1)
     return HybridDrafter(primary, PromptLookupDrafter(Chain(num_tokens), num_tokens, max_ngram_size, min_ngram_size),
-                         budget)
+                         budget, sit_out=bool(sit_out))
 
 
 def family_config(name: str) -> Any:

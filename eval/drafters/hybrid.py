@@ -25,7 +25,8 @@ The round verifies the n best of both lists, n maximising (1 + their values) / (
 prompt that copies its input gets long lookup chains beside a few drafter nodes, or on top of them, a prompt that
 does not gets the drafter's tree alone.
 
-Lookup drafts first (a string search), and before the drafter runs the round is priced twice: lookup's chain alone
+With `sit_out` (drafter.sit_out=true; off by default: measured no better overall, docs/results/planner.md), lookup
+drafts first (a string search), and before the drafter runs the round is priced twice: lookup's chain alone
 (the verifier's forward over it, no drafting) and the best round with the drafter (its planned nodes at their
 planner's values, undiscounted: an upper bound, and the drafting's price). When the chain alone is the better round
 the drafter sits it out (eval.engine.protocol.Skippable): no drafter forward, so a round that lookup carries costs
@@ -162,16 +163,17 @@ class HybridDrafter:
     """`drafter=hybrid`: `primary` (Medusa, EAGLE, a draft model) with `extra`'s tree (prompt lookup) grafted in,
     within `budget` nodes (root included; default the primary's own max_nodes, i.e. the same verifier cost). A
     planned primary (eval.engine.protocol.Planned) has the split chosen each round (module docstring): within
-    `budget` when it is given, else within as many nodes as pay."""
+    `budget` when it is given, else within as many nodes as pay. `sit_out`: the drafter skips the rounds lookup's
+    chain carries alone (module docstring)."""
 
-    def __init__(self, primary: Drafter, extra: Drafter, budget: int | None = None) -> None:
+    def __init__(self, primary: Drafter, extra: Drafter, budget: int | None = None, sit_out: bool = False) -> None:
         if getattr(extra, "reads_hidden", True) and tuple(extra.feature_layers) != tuple(primary.feature_layers):
             raise UserError(f"A hybrid hands both drafters the same verifier features; {type(extra).__name__} reads "
                             f"layers {extra.feature_layers} and {type(primary).__name__} {primary.feature_layers}.")
         if hasattr(extra, "observe") or hasattr(primary, "observe"):
             raise UserError("Lookahead learns from the verifier's outputs on its own nodes and cannot be a hybrid "
                             "part; use prompt_lookup as the grafted drafter.")
-        self.extra, self.budget = extra, budget
+        self.extra, self.budget, self.sit_out = extra, budget, sit_out
         self._origin: list[int] = []
         self._chain: list[int] = []  # this round's grafted lookup nodes, in the merged tree
         self._kinds: list[bool] = []  # per node of that chain: whether the primary proposed it too
@@ -296,8 +298,9 @@ class HybridDrafter:
         even with the drafter's nodes valued as its planner says, none of them discounted for the chain beside them
         (an upper bound on what drafting adds), and the drafting's price paid."""
         primary: Any = self.primary
-        if (self.budget is not None or extra.tree.num_drafts == 0 or not isinstance(primary, Planned)
-                or not isinstance(primary, Skippable) or not getattr(primary, "can_skip", True)):
+        if (not self.sit_out or self.budget is not None or extra.tree.num_drafts == 0
+                or not isinstance(primary, Planned) or not isinstance(primary, Skippable)
+                or not getattr(primary, "can_skip", True)):
             return False
         own = self._own[0] / self._own[1] if self._own[1] else 0.0
         chain_values = self.lookup.values([False] * extra.tree.num_drafts)
