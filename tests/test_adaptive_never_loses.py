@@ -25,7 +25,10 @@ from models.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TOLERANCE = 0.03  # adaptive at least static's tokens per modelled ms, less 3%
+# adaptive at least static's tokens per modelled ms, less 5%: on these 3 prompts the default priors measured 1.024
+# (DFlash), 0.977 (Medusa), 1.008 (EAGLE-3), the light ones they replaced 0.965 and 0.931 (DFlash, Medusa); the
+# margin leaves room for a tie in a draft's top-k falling the other way on another CPU's fp32 kernels
+TOLERANCE = 0.05
 SHIPPED = {"medusa": "medusa-smollm2", "eagle3": "eagle3-smollm2", "dflash": "dflash-smollm2"}
 MAX_NEW = 40
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]
