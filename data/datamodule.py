@@ -20,7 +20,7 @@ from data.sampler import EpochSampler
 from data.selfdistill import GENERATORS, build_selfdistill, build_sharegpt, check_has_targets
 from data.selfgen import selfgen_conversations
 from data.shipped import fixed_order, load_shipped
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.distributed import world
 from runtime.errors import UserError
 

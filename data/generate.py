@@ -48,7 +48,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from models.packed import packed_linears
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 
 
 def row_generator(seed: int, key: int, device: torch.device | str = "cpu") -> torch.Generator:

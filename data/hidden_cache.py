@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from models.io import atomic_dir, write_new_files
 from models.packed import Linear
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.distributed import barrier
 from runtime.errors import UserError
 

@@ -27,7 +27,7 @@ from data.chat import control_tokens, encode_rendered, render, rewrites_earlier_
 from data.filters import EvalGuard, QualityFilter, apply_filters
 from data.generate import generate_refill
 from models.io import atomic_dir
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 SENT_A, SENT_U = "@@SPECDRAFT_ANSWER@@", "@@SPECDRAFT_USER_TURN@@"

@@ -24,7 +24,7 @@ from data.chat import encode_turns, prompt_ids
 from data.generate import generate_refill
 from data.prompts import Conversation
 from models.io import atomic_dir
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 FEATURES = datasets.Features(

@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from data.filters import QualityFilter, apply_filters
 from data.generate import generate_refill
 from data.prompts import Conversation
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 SENTINEL = "@@SPECDRAFT_USER_TURN@@"

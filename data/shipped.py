@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from data.selfdistill import FEATURES
 from models.io import atomic_dir
-from models.verifier import Verifier, check_fingerprint
+from models.verifiers.core import Verifier, check_fingerprint
 from runtime.errors import UserError
 
 FORMAT = "specdraft-shipped-data"

@@ -36,8 +36,8 @@ from torch import Tensor
 from eval import cost
 from eval.engine.protocol import Draft, Drafter, Prediction, Skippable
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, auto_tree, best_first, rank_probs
-from models.export import ExportInfo
 from models.families import FAMILIES
+from models.formats.export import ExportInfo
 from runtime.errors import UserError
 
 TIME_PRIOR = 5.0  # rounds' worth of trust in the curves' own times before measured ones move them

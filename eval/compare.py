@@ -31,8 +31,8 @@ from eval.report import (
     prompt_set_of,
     write_samples,
 )
-from models.export import ExportInfo
-from models.verifier import Verifier
+from models.formats.export import ExportInfo
+from models.verifiers.core import Verifier
 
 REFERENCES = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 

@@ -32,9 +32,9 @@ from torch import Tensor
 from eval.engine.protocol import BudgetDrafter, CostProbe, FixedTreeDrafter
 from eval.engine.timing import interleaved, timed
 from eval.engine.tree import Tree, auto_tree, best_first, rank_probs, tree_buffers
-from models.export import ExportInfo
 from models.families import FAMILIES
-from models.verifier import Verifier
+from models.formats.export import ExportInfo
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)  # measured; the rest interpolated

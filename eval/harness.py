@@ -1,5 +1,6 @@
 """The evaluation harness behind `python -m eval`, one pass: resolve the config -> read the export(s) once
-(models.export.ExportInfo: kind, verifier, acceptance estimates) -> load the verifier -> plan the tree and build the
+(models.formats.export.ExportInfo: kind, verifier, acceptance estimates) -> load the verifier -> plan the tree and
+build the
 drafter(s) -> decode every prompt (eval.runner) -> report. Methods, interleaved in one process so that they share
 the machine's state:
 
@@ -48,9 +49,10 @@ from eval.engine.tree import AutoTree
 from eval.peers import check_peers, vllm_peer
 from eval.report import ALONE, SPECULATIVE, write_outputs
 from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
-from models.export import ExportInfo, read_info
 from models.families import FAMILIES, a_title, resolve
-from models.verifier import Verifier, check_fingerprint, load_verifier
+from models.formats.export import ExportInfo, read_info
+from models.verifiers.core import Verifier, check_fingerprint
+from models.verifiers.load import load_verifier
 from runtime.errors import UserError
 
 EVAL_DTYPES = ("float32", "bfloat16")

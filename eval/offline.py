@@ -21,7 +21,7 @@ from torch import Tensor
 from data.datamodule import collate
 from data.hidden_cache import gather_layers
 from models.families import FAMILIES, family, resolve
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 TOPK = (1, 2, 4, 8, 16)

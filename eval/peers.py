@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 PEERS = ("vllm",)
@@ -42,7 +42,7 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts
 
     if not verifier.checkpoint:
         raise UserError(f"engine_peers=[vllm]: the verifier {verifier.name} was built in memory and vLLM loads "
-                        f"from a directory; save it with models.verifier.save_checkpoint, or use a "
+                        f"from a directory; save it with models.verifiers.hf.save_checkpoint, or use a "
                         f"checkpoint verifier.")
     tokens = int(tokens or DEFAULT_TOKENS)
     common = dict(dtype=dtype, threads=threads, temperature=temperature, top_p=top_p, seed=seed,

@@ -23,7 +23,7 @@ from eval.engine.decode import DecodeResult, sample_decode, speculative_decode
 from eval.engine.protocol import Assistant, Drafter
 from eval.engine.sampling import SamplingConfig, sampling_config
 from eval.report import SPECULATIVE, Sample
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 

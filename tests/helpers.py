@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def varied_llama(seed: int = 1):
     """A tiny verifier with large random layer weights: unlike the plain tiny one, it does not repeat one token,
     so its greedy output exercises the cache and the masks."""
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
 
     return build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu", seed=seed,
                       layer_std=0.3)

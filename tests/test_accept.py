@@ -17,7 +17,7 @@ from eval.engine.accept import greedy_accept, mean_accept_length, per_position_a
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Tree, chain, from_medusa_choices, tree_buffers
 from helpers import varied_llama
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 
 V = 16  # a small vocabulary is enough: the rule only compares token ids
 

@@ -20,9 +20,10 @@ from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, Chain, auto_tree
 from helpers import ROOT, varied_llama
 from models.eagle import build_eagle
-from models.export import save_export
+from models.formats.export import save_export
 from models.medusa import MedusaHeads
-from models.verifier import Verifier, build_tiny
+from models.verifiers.core import Verifier
+from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

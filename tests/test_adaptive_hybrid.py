@@ -17,7 +17,7 @@ from eval.drafters.lookup import PromptLookupDrafter
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Chain
 from models.medusa import MedusaHeads
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,7 +117,7 @@ def test_the_split_follows_the_values():
 
 
 def test_a_hybrid_with_no_lookup_source_is_refused(base, tmp_path, tmp_path_factory):  # noqa: F811
-    from models.export import save_export
+    from models.formats.export import save_export
 
     export = save_export(random_heads(base), base, tmp_path_factory.mktemp("e") / "medusa",
                          {"medusa_topk_accuracy": OPTIMISTIC})

@@ -323,7 +323,7 @@ def _run_eval(overrides: list[str], out) -> dict:
 
 @pytest.fixture(scope="module")
 def medusa_export(tiny, tmp_path_factory):
-    from models.export import save_export
+    from models.formats.export import save_export
     from models.medusa import MedusaHeads
 
     heads = MedusaHeads(tiny.hidden_size, tiny.vocab_size, num_heads=3)  # zero-initialised: the verifier's own head

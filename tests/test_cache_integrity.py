@@ -14,16 +14,15 @@ import pytest
 import torch
 
 from helpers import ROOT
-from models.verifier import (
+from models.verifiers.core import check_fingerprint, fingerprint
+from models.verifiers.embedded import (
     MANIFEST,
     SMOLLM2_CACHE_NAME,
-    build_tiny,
-    check_fingerprint,
     ensure_smollm2_checkpoint,
-    fingerprint,
     load_smollm2,
     write_manifest,
 )
+from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError, VerifierMismatchError
 
 

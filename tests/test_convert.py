@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.export import from_reference, load_export, read_config, read_weights, save_export, to_reference
+from models.formats.export import from_reference, load_export, read_config, read_weights, save_export, to_reference
 from models.medusa import MedusaHeads
 from runtime.errors import UserError
 
@@ -21,7 +21,7 @@ H, NH, HD, KV, INTER = 64, 4, 16, 2, 256  # build_tiny's shapes
 
 @pytest.fixture(scope="module")
 def tiny4(cache_dir):
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
 
     return build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", num_layers=4)
 

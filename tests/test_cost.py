@@ -11,7 +11,7 @@ import pytest
 from eval import cost
 from eval.engine.tree import AutoTree, auto_tree, chain
 from helpers import ROOT
-from models.export import ExportInfo, save_export
+from models.formats.export import ExportInfo, save_export
 from models.medusa import MedusaHeads
 from runtime.errors import UserError
 

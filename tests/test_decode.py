@@ -24,9 +24,10 @@ from eval.engine import hf_forward as kv
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, Tree, TreeBuffers, auto_tree, chain, from_medusa_choices
 from helpers import varied_llama
-from models.export import save_export
+from models.formats.export import save_export
 from models.medusa import MedusaHeads
-from models.verifier import Verifier, build_tiny, fingerprint, freeze
+from models.verifiers.core import Verifier, fingerprint, freeze
+from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError
 
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]

@@ -233,7 +233,7 @@ def test_the_gpu_recipe_composes_into_the_objects_it_names(cache_dir):
     from hydra.utils import instantiate
 
     from helpers import compose_train
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
 
     tiny = build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", num_layers=4)
     cfg = compose_train(["experiment=gpu_8b", "verifier=tiny", "trainer.accelerator=cpu", "trainer.devices=1"])

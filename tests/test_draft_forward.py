@@ -21,7 +21,7 @@ from eval.engine.tree import Chain, DynamicTree, Tree
 from helpers import ROOT
 from models.eagle import build_eagle
 from models.peagle import build_peagle
-from models.verifier import build_tiny
+from models.verifiers.tiny import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return"]
@@ -230,8 +230,8 @@ SHIPPED = ROOT / "pretrained" / "eagle3-smollm2"
 @pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="no shipped EAGLE-3 export")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_shipped_eagle3_drafts_as_before_bit_for_bit(dtype, cache_dir):
-    from models.export import load_export
-    from models.verifier import load_smollm2
+    from models.formats.export import load_export
+    from models.verifiers.embedded import load_smollm2
 
     verifier = load_smollm2(cache_dir=cache_dir, dtype=dtype, device="cpu")
     export = load_export(Path(SHIPPED), verifier)

@@ -22,8 +22,9 @@ from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Chain, DynamicTree
 from helpers import varied_llama
 from models.eagle import EagleNet, build_eagle, unroll_mask
-from models.export import save_export
-from models.verifier import Verifier, build_tiny
+from models.formats.export import save_export
+from models.verifiers.core import Verifier
+from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError
 
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]

@@ -69,7 +69,7 @@ def test_fp32_logits_and_hidden_layers_match_hugging_face(which, tiny, varied):
 def test_one_forward_over_n_tokens_gives_the_bits_of_n_steps(which, tiny, varied, varied_bf16):
     v = {"tiny": tiny, "varied": varied, "varied_bf16": varied_bf16}.get(which)
     if which == "tiny_bf16":
-        from models.verifier import build_tiny
+        from models.verifiers.tiny import build_tiny
 
         v = build_tiny(dtype="bfloat16", device="cpu")
     ids = _ids(v, 30, seed=1)
@@ -308,7 +308,7 @@ def test_bf16_prepacked_weights_compute_the_same_layer_with_biases():
 
 @pytest.mark.slow
 def test_default_verifier_bf16_chain_and_tree_are_bitwise_the_steps(cache_dir):
-    from models.verifier import load_smollm2
+    from models.verifiers.embedded import load_smollm2
 
     v = load_smollm2(cache_dir=cache_dir, dtype="bfloat16", device="cpu")
     ids = v.tokenizer(

@@ -155,7 +155,7 @@ def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, expor
     """The failure users met: an EAGLE export with the target counts beside its weights (as exports were written
     before side data moved to specdraft/). vLLM refuses it; our loader names the file and the fix; the rewrite
     that message proposes (python -m scripts.tools.convert from-reference) is served."""
-    from models.export import check_engine_ready, from_reference, load_export
+    from models.formats.export import check_engine_ready, from_reference, load_export
     from runtime.errors import UserError
 
     old = tmp_path / "old"

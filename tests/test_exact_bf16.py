@@ -23,7 +23,8 @@ from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, auto_tree, chai
 from helpers import varied_llama
 from models.eagle import build_eagle
 from models.medusa import MedusaHeads
-from models.verifier import Verifier, build_tiny
+from models.verifiers.core import Verifier
+from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError
 
 PROMPTS = ["Hello, my name is", "def fib(n):\n    return", "The capital of France is Paris. The capital of"]
@@ -179,7 +180,7 @@ def test_engine_refuses_what_it_cannot_verify_exactly(bf16, references):
 
 @pytest.mark.slow
 def test_bf16_default_verifier_speculative_equals_plain_greedy(cache_dir):
-    from models.verifier import load_smollm2
+    from models.verifiers.embedded import load_smollm2
 
     verifier = load_smollm2(cache_dir=cache_dir, dtype="bfloat16", device="cpu")
     prompts = ["Write a short poem about the sea.", "Explain what a hash table is.", "List three uses of copper.",

@@ -29,10 +29,10 @@ from eval.engine.accept import greedy_accept
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices, tree_buffers
 from helpers import ROOT, varied_llama
-from models.export import save_export
 from models.families import FAMILIES
+from models.formats.export import save_export
 from models.medusa import MedusaHeads
-from models.verifier import build_tiny
+from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError
 
 TEXT = ["The quick brown fox jumps over the lazy dog.", "Write a short poem about rivers and the sea, please."]

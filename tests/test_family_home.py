@@ -1,4 +1,4 @@
-"""A family has one home (docs: /work/shared/GUIDE.md, "A family's home"): what differs between drafter families
+"""A family has one home (the design note "A family's home"): what differs between drafter families
 lives in the family's own modules and is reached through its registry entry (models/families.py) or a method a
 contract declares (eval/engine/protocol.py, train/base.py). Shared code never branches on which family it holds.
 
@@ -20,18 +20,14 @@ from models.families import FAMILIES, resolve
 
 FAMILY_NAMES = frozenset(FAMILIES) | {"eagle1"}
 
-# Each family's own modules: they may name their family and their classes. Every other module of eval/ (its
-# subpackages too), train/, models/, data/, runtime/ and serve/ is shared and checked, and train.py;
-# models/families.py is the registry, where families are named.
-FAMILY_MODULES = {
-    "eval/drafters": ("medusa", "eagle", "peagle", "dflash", "draft_model", "lookup", "lookahead", "hybrid"),
-    "train": ("medusa", "eagle", "peagle", "dflash", "draft_model"),
-    "models": ("medusa", "eagle", "eagle_export", "eagle_layers", "peagle", "dflash", "draft_model"),
-}
+# Each family's own modules, as the registry reaches them (models.families.Family.modules): they may name their
+# family and their classes. Every other module of eval/ (its subpackages too), train/, models/, data/, runtime/ and
+# serve/ is shared and checked, and train.py; models/families.py is the registry, where families are named.
+FAMILY_FILES = frozenset(ROOT / (m.replace(".", "/") + ".py") for f in FAMILIES.values() for m in f.modules)
 REGISTRY = ROOT / "models" / "families.py"
 SHARED = sorted(
     {p for folder in ("eval", "train", "models", "data", "runtime", "serve") for p in (ROOT / folder).rglob("*.py")
-     if p.stem not in FAMILY_MODULES.get(p.parent.relative_to(ROOT).as_posix(), ()) and p != REGISTRY}
+     if p not in FAMILY_FILES and p != REGISTRY}
     | {ROOT / "train.py"}
 )
 
@@ -46,15 +42,12 @@ def _family_classes() -> frozenset[str]:
     """The names of every class a family's own module defines (networks, training modules, drafters), and of the
     unions of them it names (`EagleNet = Eagle1Net | Eagle3Net`)."""
     names = {f.network.__name__ for f in FAMILIES.values() if f.network is not None}
-    for folder, stems in FAMILY_MODULES.items():
-        for stem in stems:
-            path = ROOT / folder / f"{stem}.py"
-            if path.is_file():
-                tree = ast.parse(path.read_text())
-                names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
-                names |= {n.targets[0].id for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
-                          and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.BinOp)
-                          and isinstance(n.value.op, ast.BitOr)}
+    for path in FAMILY_FILES:
+        tree = ast.parse(path.read_text())
+        names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        names |= {n.targets[0].id for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
+                  and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.BinOp)
+                  and isinstance(n.value.op, ast.BitOr)}
     return frozenset(names)
 
 
@@ -184,10 +177,13 @@ def test_the_walk_covers_the_shared_modules():
     names = {str(p.relative_to(ROOT)) for p in SHARED}
     assert {"eval/cost.py", "eval/offline.py", "eval/harness.py", "eval/drafters/build.py", "eval/engine/decode.py",
             "train/base.py", "train/memory.py", "train/export.py",
-            "models/export.py", "models/speculators_format.py", "data/chat.py", "train.py"} <= names
+            "models/formats/export.py", "models/formats/speculators.py", "data/chat.py", "train.py"} <= names
     assert set(PENDING) <= names
-    family_files = {f"{folder}/{stem}.py" for folder, stems in FAMILY_MODULES.items() for stem in stems}
-    assert not names & family_files
+    assert not names & {str(p.relative_to(ROOT)) for p in FAMILY_FILES}
+    assert all(p.is_file() for p in FAMILY_FILES), sorted(str(p) for p in FAMILY_FILES if not p.is_file())
+    # every family's modules in every layer its entry names: a family module missed here would be checked as shared
+    assert {"eval/drafters/dspark.py", "train/dspark.py", "models/dspark.py", "models/formats/dspark.py",
+            "eval/drafters/lookup.py"} <= {str(p.relative_to(ROOT)) for p in FAMILY_FILES}
 
 
 def test_every_family_keeps_the_declared_contracts():
@@ -203,11 +199,12 @@ def test_every_family_keeps_the_declared_contracts():
             assert not inspect.isabstract(module), (name, sorted(module.__abstractmethods__))
         if fam.has_export:
             assert fam.teacher_forced is not None and callable(resolve(fam.teacher_forced)), name
-    for stem in FAMILY_MODULES["eval/drafters"]:
-        mod = importlib.import_module(f"eval.drafters.{stem}")
+    decoders = {m for f in FAMILIES.values() for m in f.modules if m.startswith("eval.drafters.")}
+    for name in sorted(decoders):
+        mod = importlib.import_module(name)
         drafters = [c for _, c in inspect.getmembers(mod, inspect.isclass)
                     if c.__module__ == mod.__name__ and callable(getattr(c, "propose", None))]
-        assert drafters, stem
+        assert drafters, name
         for cls in drafters:
             assert issubclass(cls, CostProbe), (f"{cls.__qualname__} declares no draft_cost "
                                                 f"(eval.engine.protocol.CostProbe)")

@@ -28,9 +28,9 @@ from eval.harness import evaluate
 from eval.report import REPORT_KEYS, write_outputs
 from eval.runner import Runner, run_prompts
 from helpers import ROOT, varied_llama
-from models.export import save_export
+from models.formats.export import save_export
 from models.medusa import MedusaHeads
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
 METRIC_KEYS = set(REPORT_KEYS) - {"method", "tree", "verifier", "checkpoint", "drafter_dtype", "sampling",

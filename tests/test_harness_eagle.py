@@ -15,7 +15,7 @@ from eval.engine import decode
 from eval.engine.tree import Chain, DynamicTree
 from helpers import varied_llama
 from models.eagle import build_eagle
-from models.export import save_export
+from models.formats.export import save_export
 from runtime.errors import UserError
 
 

@@ -11,7 +11,7 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from eval.engine import hf_forward as kv
 from eval.engine.tree import chain, from_medusa_choices, tree_buffers
-from models.verifier import build_tiny
+from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,7 +16,8 @@ from eval.drafters.lookup import PromptLookupDrafter
 from eval.engine import forward as engine
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices
-from models.verifier import Verifier, build_tiny
+from models.verifiers.core import Verifier
+from models.verifiers.tiny import build_tiny
 
 MAX_NEW = 24
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -179,7 +179,7 @@ def test_ship_data_keeps_the_prompts_as_the_verifier_renders_them(tmp_path, cach
     keeps the rows the build kept by the verifier's own rendering: a prompt under max_length as plain text but over it
     through the chat template is packed, with plain ids (it was refused as 'the build and its sources differ')."""
     from helpers import compose_train
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
     from scripts.tools.ship_data import ship
 
     tok = build_tiny(cache_dir=cache_dir).tokenizer

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.export import load_export, save_export
+from models.formats.export import load_export, save_export
 from models.medusa import MedusaHeads, medusa_targets
-from models.verifier import build_tiny
+from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError, VerifierMismatchError
 
 

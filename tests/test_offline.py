@@ -84,7 +84,7 @@ def test_verifier_top1_is_the_mean_top1_probability_where_the_answer_is_predicte
     """Brute force through the model's own forward: at each t whose next token is an assistant token, the max of
     softmax(logits[t]); a sharper head (logits x 3) raises it."""
     from eval.offline import verifier_top1
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
 
     v = build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", layer_std=0.3, initializer_range=0.2)
     gen = torch.Generator().manual_seed(0)

@@ -268,7 +268,7 @@ def test_a_row_count_takes_the_sets_replay_sample(tiny, packed):
 def test_a_plain_rendered_set_packs_without_a_chat_template_and_loads_only_as_plain(tiny, cache_dir, tmp_path):
     """A base model (Gemma 3) has no chat template: its set records `rendering: plain` and no template hash (packing
     one raised 'no chat template'); a chat-rendering verifier is refused it, and a plain one a chat-rendered set."""
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
 
     plain = build_tiny(cache_dir=cache_dir, rendering="plain")
     plain.tokenizer.chat_template = None  # as a base model's tokenizer

@@ -97,7 +97,7 @@ def tiny_q():
     initializer_range 0.5: peaky enough (top-1 about 0.3) that graded drafts span a wide range of alpha."""
     import os
 
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
 
     verifier = build_tiny(cache_dir=os.environ.get("SPECDRAFT_CACHE"), dtype="float32", device="cpu", seed=1,
                           layer_std=0.3, initializer_range=0.5)

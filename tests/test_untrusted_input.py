@@ -21,9 +21,10 @@ from data.chat import encode_turns, prompt_ids, render
 from data.multiturn import continuation_ids
 from eval.harness import evaluate
 from helpers import ROOT
-from models.export import export_verifier, read_config, save_export
+from models.formats.export import export_verifier, read_config, save_export
 from models.medusa import MedusaHeads
-from models.verifier import ensure_smollm2_checkpoint, load_verifier, local_tokenizer
+from models.verifiers.embedded import ensure_smollm2_checkpoint, local_tokenizer
+from models.verifiers.load import load_verifier
 from runtime.errors import UserError
 
 EVIL = '''import pathlib
@@ -210,7 +211,8 @@ def test_tree_size_zero_is_refused_naming_the_key(export, tmp_path, drafter):
 def test_an_eval_verifier_group_it_would_ignore_is_refused(export, tmp_path):
     """`python -m eval ... +verifier=gemma3` once decoded with the export's verifier without a word."""
     cfg = _compose([f"checkpoint={export}", "+verifier=gemma3", f"output_dir={tmp_path / 'eval'}"])
-    with pytest.raises(UserError, match=r"\+verifier= was given \(it loads with models.verifier.load_gemma3\): "
+    with pytest.raises(UserError, match=r"\+verifier= was given \(it loads with "
+                                        r"models.verifiers.embedded.load_gemma3\): "
                                         r"python -m eval does not read the `verifier` group .*Pass verifier_path="):
         evaluate(cfg, progress=False)
 

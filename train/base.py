@@ -17,13 +17,13 @@ import torch
 from lightning.fabric.utilities.data import AttributeDict
 from torch import Tensor
 
-from models.export import Export, frequent_ids
 from models.families import a_title, title
+from models.formats.export import Export, frequent_ids
 from runtime.distributed import token_share, world
 from runtime.errors import UserError
 
 if TYPE_CHECKING:
-    from models.verifier import Verifier
+    from models.verifiers.core import Verifier
 
 TOPK = 10  # top-k accuracies exports record per head or depth, for tree construction: top-1 .. top-10
 

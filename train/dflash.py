@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from models.dflash import block_rows, build_dflash
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 from train.eagle import EagleModule
 from train.losses import dpace_weights

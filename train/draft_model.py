@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from data.hidden_cache import gather_layers
 from models.draft_model import save_draft_model, truncate
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import NonFiniteLossError, UserError
 from train.base import DrafterModule
 from train.export import data_record

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from data.hidden_cache import gather_layers
 from models.dspark import DSparkNet, build_dspark
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 from train.dflash import DFlashModule
 from train.losses import chunked_loss

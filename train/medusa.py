@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.export import check_vocab_size, save_export
+from models.formats.export import check_vocab_size, save_export
 from models.medusa import MedusaHeads, medusa_targets
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import NonFiniteLossError, UserError
 from train.base import TOPK, DrafterModule
 from train.export import data_record

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from train.fused_head import CHUNK
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from models.peagle import build_peagle, parallel_rows
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 from train.eagle import EagleModule
 

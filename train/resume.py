@@ -63,6 +63,16 @@ def recorded_run(cfg: DictConfig, ckpt_path: str | None) -> Path | None:
     return run if (run / RUN_CONFIG / "config.yaml").is_file() else None
 
 
+# Hydra targets that moved since a run may have been recorded: the same code under its new name, so a run recorded
+# before the move resumes (models/verifier.py became the models/verifiers/ folder; drafter factories moved home).
+MOVED_TARGETS = {
+    "models.verifier.load_smollm2": "models.verifiers.embedded.load_smollm2",
+    "models.verifier.load_gemma3": "models.verifiers.embedded.load_gemma3",
+    "models.verifier.load_hf": "models.verifiers.hf.load_hf",
+    "models.verifier.build_tiny": "models.verifiers.tiny.build_tiny",
+}
+
+
 def _value(node: DictConfig, key: str) -> Any:
     """A leaf's value, resolved where it can be (a recorded recipe's `${hydra:...}` cannot be: its text then)."""
     try:
@@ -104,6 +114,7 @@ def _settings(cfg: DictConfig) -> dict[str, Any]:
             out |= _leaves(parent[leaf], key)
         else:
             out[key] = _value(parent, leaf)
+    out = {k: MOVED_TARGETS.get(v, v) if k.endswith("._target_") else v for k, v in out.items()}
     return {k: v for k, v in out.items() if not any(k == m or k.startswith(m + ".") for m in MAY_CHANGE)}
 
 

@@ -21,10 +21,10 @@ from torch import nn
 
 from eval.engine.protocol import Draft, Drafter  # noqa: F401  (the protocol, importable from here as before)
 from eval.engine.sampling import SamplingConfig, sampling_config
-from eval.engine.tree import Chain, TreePolicy
-from models.export import Export, ExportInfo, frequent_ids, load_export
+from eval.engine.tree import TreePolicy
 from models.families import FAMILIES, export_families, family_of_net, resolve, title
-from models.verifier import Verifier
+from models.formats.export import Export, ExportInfo, frequent_ids, load_export
+from models.verifiers.core import Verifier
 from runtime.errors import UserError, VerifierMismatchError
 
 
@@ -97,58 +97,6 @@ def export(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | 
     export's own, else refuses another kind. `proposals`: sampling= and generator= for sampled drafts, draft_vocab=
     (eval.drafters.build.make_drafter)."""
     return make_drafter(kind, verifier, tree, checkpoint=export_of(checkpoint, kind or "export"), **proposals)
-
-
-def draft_model(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, depth: int = 4,
-                path: str | None = None, layers: int | None = None) -> Drafter:
-    """A chain of `depth` drafts from `path` (a small model with the verifier's tokenizer), else from the verifier's
-    first `layers` layers (null: half of them)."""
-    from eval.drafters.draft_model import make_draft_model_drafter
-
-    if layers is None:
-        layers = max(verifier.num_layers // 2, 1)
-    return make_draft_model_drafter(verifier, Chain(depth), path=path, layers=layers)
-
-
-LOOKUP_TOKENS = 10  # prompt lookup's chain length (conf/drafter/prompt_lookup.yaml), and the hybrid's by default
-
-
-def prompt_lookup(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, num_tokens: int = LOOKUP_TOKENS,
-                  max_ngram_size: int = 3, min_ngram_size: int = 1) -> Drafter:
-    from eval.drafters.lookup import PromptLookupDrafter
-
-    return PromptLookupDrafter(Chain(num_tokens), num_tokens, max_ngram_size, min_ngram_size)
-
-
-def lookahead(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, window: int = 5, ngram: int = 4,
-              guesses: int = 5, pool_from_prompt: bool = False) -> Drafter:
-    from eval.drafters.lookahead import LookaheadDrafter
-
-    return LookaheadDrafter(window, ngram, guesses, pool_from_prompt)
-
-
-def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None,
-           num_tokens: int | None = None, max_ngram_size: int = 3, min_ngram_size: int = 1,
-           budget: int | None = None, sit_out: bool = False, **proposals: Any) -> Drafter:
-    """The export's drafter (Medusa / EAGLE, under `tree`) with prompt-lookup chains of up to `num_tokens` grafted
-    in, within `budget` nodes (null: the export drafter's own node count). num_tokens null: as long as prompt
-    lookup's own chain (LOOKUP_TOKENS), or what the budget holds beside the root when that is less. `sit_out`: the
-    drafter skips the rounds lookup's chain carries alone (eval.drafters.hybrid)."""
-    from eval.drafters.hybrid import HybridDrafter
-    from eval.drafters.lookup import PromptLookupDrafter
-
-    if (num_tokens is not None and num_tokens < 1) or (budget is not None and budget < 2):
-        what = f"drafter.num_tokens={num_tokens}" if budget is None or budget >= 2 else f"drafter.budget={budget}"
-        raise UserError(f"drafter=hybrid verifies prompt-lookup chains beside the export's drafts, and {what} leaves "
-                        f"no lookup source usable (no token of a chain can be verified: a chain needs num_tokens "
-                        f">= 1 and a node beside the root, budget >= 2). Give drafter.num_tokens >= 1 (null: "
-                        f"{LOOKUP_TOKENS}) and drafter.budget >= 2 (null: the export drafter's own), or run the "
-                        f"export's drafter alone (drafter=export).")
-    primary = make_drafter(None, verifier, tree, checkpoint=export_of(checkpoint, "hybrid"), **proposals)
-    if num_tokens is None:
-        num_tokens = max(min(LOOKUP_TOKENS, (primary.max_nodes if budget is None else budget) - 1), 1)
-    return HybridDrafter(primary, PromptLookupDrafter(Chain(num_tokens), num_tokens, max_ngram_size, min_ngram_size),
-                         budget, sit_out=bool(sit_out))
 
 
 def family_config(name: str) -> Any:

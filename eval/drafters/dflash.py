@@ -19,7 +19,7 @@ from eval.drafters.peagle import PEagleDrafter
 from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import TreePolicy
 from models.dflash import DFlashNet
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 
 
 class DFlashDrafter(PEagleDrafter):

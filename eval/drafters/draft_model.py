@@ -25,7 +25,9 @@ from eval.engine import hf_forward as kv
 from eval.engine.protocol import Draft
 from eval.engine.tree import Chain, TreePolicy, chain
 from models.draft_model import read_draft_info, truncate
-from models.verifier import Verifier, check_fingerprint, from_file, verifier_source
+from models.verifiers.core import Verifier, check_fingerprint
+from models.verifiers.hf import from_file
+from models.verifiers.load import verifier_source
 from runtime.errors import UserError
 
 DEFAULT_DEPTH = 4
@@ -33,7 +35,7 @@ DEFAULT_DEPTH = 4
 
 def stored_verifier(drafter_cfg: Any) -> Any:
     """The verifier a distilled draft model's export names (`drafter.path=`), as a description read from a file: loaded
-    from this machine only, without running code (models.verifier.from_file); None where it names none."""
+    from this machine only, without running code (models.verifiers.hf.from_file); None where it names none."""
     path = drafter_cfg.get("path")
     described = (read_draft_info(path) or {}).get("verifier") if path else None
     return from_file(verifier_source(described), f"drafter.path={str(path)!r}'s `verifier`") if described else None
@@ -172,3 +174,13 @@ def make_draft_model_drafter(verifier: Verifier, tree: TreePolicy, path: str | N
     `layers` layers."""
     model, name = load_draft_model(verifier, path, layers)
     return DraftModelDrafter(model, verifier, tree, name)
+
+
+# conf/drafter/draft_model.yaml's factory (eval.drafters.build.build_drafter calls it)
+def draft_model(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, depth: int = 4,
+                path: str | None = None, layers: int | None = None) -> DraftModelDrafter:
+    """A chain of `depth` drafts from `path` (a small model with the verifier's tokenizer), else from the verifier's
+    first `layers` layers (null: half of them)."""
+    if layers is None:
+        layers = max(verifier.num_layers // 2, 1)
+    return make_draft_model_drafter(verifier, Chain(depth), path=path, layers=layers)

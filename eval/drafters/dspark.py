@@ -29,8 +29,8 @@ from eval.engine.protocol import Draft, Drafter
 from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import TreePolicy, truncate
 from models.dspark import DSparkNet
-from models.export import ExportInfo
-from models.verifier import Verifier
+from models.formats.export import ExportInfo
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 

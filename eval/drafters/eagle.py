@@ -35,7 +35,7 @@ from eval.engine.sampling import SamplingConfig, sibling_proposals, warp, withou
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy, auto_tree
 from models.eagle import EagleNet, unroll
 from models.eagle_decode import DecodeStep, DraftKV
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 DEFAULT = DynamicTree()  # depth 5, topk 16, 24 nodes
@@ -400,8 +400,8 @@ def eagle_drafter(net: EagleNet, config: dict[str, Any], verifier: Verifier, tre
                   head_ids: Tensor | None = None) -> EagleDrafter:
     """The drafter for a loaded EAGLE-1 / EAGLE-3 network (models/families.py names it the families' decoder), its
     tree=auto depth capped by the export's acceptance table."""
-    from models.export import acceptance_table
     from models.families import family_of_net
+    from models.formats.export import acceptance_table
 
     return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids,
                         table=acceptance_table(config, family_of_net(net)))

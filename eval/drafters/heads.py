@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from models.packed import Linear, can_pack
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 
 
 class _Rows:

@@ -39,17 +39,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from eval.drafters.build import export_of, make_drafter
+from eval.drafters.lookup import LOOKUP_TOKENS, PromptLookupDrafter
 from eval.engine.protocol import Draft, Drafter, Planned, Prediction, Skippable
-from eval.engine.tree import Tree, chain
+from eval.engine.tree import Chain, Tree, TreePolicy, chain
+from models.formats.export import ExportInfo
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 if TYPE_CHECKING:
-    from models.verifier import Verifier
+    from models.verifiers.core import Verifier
 
 LOOKUP_PRIOR = 0.5  # the rate a run's lookup starts from at its chain's first node (a deeper one: the one above's)
 LOOKUP_STRENGTH = 4.0  # pseudo-observations the run's prior rate is worth against the run's counts
@@ -418,3 +423,25 @@ def _worth(value: float, leaves: int, kinds: Sequence[bool], lookup: LookupDepth
     if leaves >= k:
         return value
     return value * (1.0 - lookup.rate(leaves, kinds[leaves]))
+
+
+# conf/drafter/hybrid.yaml's factory (eval.drafters.build.build_drafter calls it)
+def hybrid(verifier: Verifier, tree: TreePolicy, checkpoint: ExportInfo | str | Path | None,
+           num_tokens: int | None = None, max_ngram_size: int = 3, min_ngram_size: int = 1,
+           budget: int | None = None, sit_out: bool = False, **proposals: Any) -> HybridDrafter:
+    """The export's drafter (Medusa / EAGLE, under `tree`) with prompt-lookup chains of up to `num_tokens` grafted
+    in, within `budget` nodes (null: the export drafter's own node count). num_tokens null: as long as prompt
+    lookup's own chain (LOOKUP_TOKENS), or what the budget holds beside the root when that is less. `sit_out`: the
+    drafter skips the rounds lookup's chain carries alone (eval.drafters.hybrid)."""
+    if (num_tokens is not None and num_tokens < 1) or (budget is not None and budget < 2):
+        what = f"drafter.num_tokens={num_tokens}" if budget is None or budget >= 2 else f"drafter.budget={budget}"
+        raise UserError(f"drafter=hybrid verifies prompt-lookup chains beside the export's drafts, and {what} leaves "
+                        f"no lookup source usable (no token of a chain can be verified: a chain needs num_tokens "
+                        f">= 1 and a node beside the root, budget >= 2). Give drafter.num_tokens >= 1 (null: "
+                        f"{LOOKUP_TOKENS}) and drafter.budget >= 2 (null: the export drafter's own), or run the "
+                        f"export's drafter alone (drafter=export).")
+    primary = make_drafter(None, verifier, tree, checkpoint=export_of(checkpoint, "hybrid"), **proposals)
+    if num_tokens is None:
+        num_tokens = max(min(LOOKUP_TOKENS, (primary.max_nodes if budget is None else budget) - 1), 1)
+    return HybridDrafter(primary, PromptLookupDrafter(Chain(num_tokens), num_tokens, max_ngram_size, min_ngram_size),
+                         budget, sit_out=bool(sit_out))

@@ -35,13 +35,13 @@ import torch
 from torch import Tensor
 
 from eval.engine.protocol import Draft
-from eval.engine.tree import Tree
+from eval.engine.tree import Tree, TreePolicy
 from runtime.errors import UserError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from models.verifier import Verifier
+    from models.verifiers.core import Verifier
 
 
 class LookaheadDrafter:
@@ -154,3 +154,9 @@ class LookaheadDrafter:
         """eval.engine.protocol.CostProbe: not timed, planned as free. Its guesses come from the verifier's own forward
         (`observe`) and a pool look-up, no drafter forward; its window and n-grams are its own options, which
         tree.size=auto does not plan."""
+
+
+# conf/drafter/lookahead.yaml's factory (eval.drafters.build.build_drafter calls it)
+def lookahead(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, window: int = 5, ngram: int = 4,
+              guesses: int = 5, pool_from_prompt: bool = False) -> LookaheadDrafter:
+    return LookaheadDrafter(window, ngram, guesses, pool_from_prompt)

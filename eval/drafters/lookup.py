@@ -21,7 +21,7 @@ from runtime.errors import UserError
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from models.verifier import Verifier
+    from models.verifiers.core import Verifier
 
 
 def lookup(tokens: list[int], num_tokens: int, max_ngram_size: int = 3, min_ngram_size: int = 1) -> list[int]:
@@ -77,3 +77,14 @@ class PromptLookupDrafter:
                    reps: int = 3) -> None:
         """eval.engine.protocol.CostProbe: not timed, planned as free. A string search over the tokens so far, no model
         forward; its chain is its own (drafter.num_tokens), which tree.size=auto does not plan."""
+
+
+LOOKUP_TOKENS = 10  # prompt lookup's chain length (conf/drafter/prompt_lookup.yaml), and the hybrid's by default
+
+
+
+
+# conf/drafter/prompt_lookup.yaml's factory (eval.drafters.build.build_drafter calls it)
+def prompt_lookup(verifier: Verifier, tree: TreePolicy, checkpoint: Any = None, num_tokens: int = LOOKUP_TOKENS,
+                  max_ngram_size: int = 3, min_ngram_size: int = 1) -> PromptLookupDrafter:
+    return PromptLookupDrafter(Chain(num_tokens), num_tokens, max_ngram_size, min_ngram_size)

@@ -16,7 +16,7 @@ from eval.engine.sampling import SamplingConfig, warp
 from eval.engine.tree import AutoTree, Chain, Tree, TreePolicy, auto_tree, chain, describe, tree_buffers
 from models.eagle import target_rank
 from models.medusa import MedusaHeads, medusa_targets
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 

@@ -23,7 +23,7 @@ from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig, warp
 from eval.engine.tree import Chain, Tree, TreePolicy, auto_tree, describe, tree_buffers
 from models.peagle import PEagleNet
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 

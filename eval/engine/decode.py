@@ -27,7 +27,7 @@ from eval.engine.block_verify import block_accept, check_chain_drafters
 from eval.engine.protocol import Draft, Drafter
 from eval.engine.sampling import SamplingConfig, check_draft_p, sample_accept, typical_accept, warp
 from eval.engine.tree import Tree, TreeBuffers, tree_buffers, truncate
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 

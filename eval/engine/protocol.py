@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from eval.engine.tree import Tree
 
 if TYPE_CHECKING:
-    from models.verifier import Verifier
+    from models.verifiers.core import Verifier
 
 
 @dataclass

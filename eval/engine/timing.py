@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from eval.engine.decode import VerifierSession
-from models.verifier import Verifier
+from models.verifiers.core import Verifier
 
 
 def timed(fn, reps: int) -> float:

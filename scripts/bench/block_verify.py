@@ -28,7 +28,7 @@ from eval.engine.decode import speculative_decode
 from eval.engine.sampling import SamplingConfig, outcome_distribution, rejection_plan, warp
 from eval.engine.tree import Chain
 from eval.runner import user_turns
-from models.verifier import load_smollm2
+from models.verifiers.embedded import load_smollm2
 
 ROOT = Path(__file__).resolve().parents[2]
 

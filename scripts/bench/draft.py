@@ -21,7 +21,7 @@ from eval.drafters.build import export
 from eval.engine.decode import VerifierSession
 from eval.engine.timing import interleaved
 from eval.engine.tree import DynamicTree
-from models.verifier import load_smollm2
+from models.verifiers.embedded import load_smollm2
 
 SIZES = (2, 4, 8, 16, 24, 32)
 

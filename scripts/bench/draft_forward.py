@@ -33,7 +33,7 @@ from eval.drafters.build import export
 from eval.engine.decode import VerifierSession
 from eval.engine.timing import interleaved
 from eval.engine.tree import AutoTree, Chain
-from models.verifier import load_smollm2
+from models.verifiers.embedded import load_smollm2
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"medusa": "medusa-smollm2", "eagle3": "eagle3-smollm2", "peagle": None, "dflash": "dflash-smollm2"}

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from models.verifier import build_tiny, load_smollm2
+from models.verifiers.embedded import load_smollm2
+from models.verifiers.tiny import build_tiny
 from runtime.cpu_memory import keep_freed_memory
 from train.eagle import EagleModule
 from train.medusa import MedusaModule

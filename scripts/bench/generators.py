@@ -16,7 +16,7 @@ from data.chat import prompt_ids
 from data.generate import generate_refill
 from data.prompts import load_conversations
 from data.selfdistill import first_turn, stop_at
-from models.verifier import load_smollm2
+from models.verifiers.embedded import load_smollm2
 from serve import vllm_engine
 
 

@@ -25,7 +25,8 @@ from data.datamodule import collate
 from data.generate import generate_refill
 from data.prompts import load_conversations
 from data.selfdistill import generate_answers
-from models.verifier import build_tiny, load_smollm2
+from models.verifiers.embedded import load_smollm2
+from models.verifiers.tiny import build_tiny
 from train.medusa import MedusaModule
 
 GEN_PATHS = {

@@ -23,7 +23,7 @@ import torch
 from eval.engine import forward as engine
 from eval.engine import hf_forward as kv
 from eval.engine.tree import auto_tree, tree_buffers
-from models.verifier import load_smollm2
+from models.verifiers.embedded import load_smollm2
 
 PREFIX, NODES = 128, 17
 

@@ -139,7 +139,7 @@ def evaluate_sampled(args: argparse.Namespace) -> None:
     from eval.engine.tree import Chain
     from eval.harness import load_prompt_sets
     from eval.runner import user_turns
-    from models.verifier import load_smollm2
+    from models.verifiers.embedded import load_smollm2
     from scripts.bench.block_verify import paired_rules
 
     torch.set_num_threads(args.threads)

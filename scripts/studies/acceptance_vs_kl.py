@@ -26,7 +26,9 @@ from data.chat import prompt_ids
 from data.prompts import load_conversations
 from eval.engine.sampling import warp
 from eval.theory import acceptance_rate, kl_divergence, measure_acceptance, mix_uniform, perturb
-from models.verifier import Verifier, build_tiny, load_verifier
+from models.verifiers.core import Verifier
+from models.verifiers.load import load_verifier
+from models.verifiers.tiny import build_tiny
 
 SIGMAS = [0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
 LAMS = [0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 0.95]

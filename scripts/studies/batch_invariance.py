@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from eval.engine import forward as engine
 from eval.engine import hf_forward as kv
-from models.verifier import load_smollm2
+from models.verifiers.embedded import load_smollm2
 
 PROMPT = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle. The keeper had lived alone on "

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from models.verifier import ensure_gemma3_checkpoint, ensure_smollm2_checkpoint, local_tokenizer
+from models.verifiers.embedded import ensure_gemma3_checkpoint, ensure_smollm2_checkpoint, local_tokenizer
 
 SHIPPED = Path(__file__).resolve().parents[2] / "shipped" / "data" / "smollm2-selfdistill-v1"
 

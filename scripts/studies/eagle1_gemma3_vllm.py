@@ -20,7 +20,7 @@ from data.prompts import load_conversations
 from eval.drafters.build import make_drafter
 from eval.engine.decode import speculative_decode
 from eval.engine.tree import Chain
-from models.verifier import load_gemma3
+from models.verifiers.embedded import load_gemma3
 from serve import vllm_engine
 
 K, MAX_NEW, PROMPTS = 3, 64, 6

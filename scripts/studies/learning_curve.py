@@ -38,9 +38,9 @@ from eval.engine.accept import mean_accept_length
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree
 from eval.offline import score_export, verifier_top1
-from models.export import export_kind, export_verifier, load_export, read_config
 from models.families import title
-from models.verifier import load_verifier
+from models.formats.export import export_kind, export_verifier, load_export, read_config
+from models.verifiers.load import load_verifier
 
 MIN_SATURATING_B = 0.05  # a fitted exponent below this: the curve is about log-linear over its range, no limit
 

@@ -29,8 +29,9 @@ from eval.engine.accept import per_position_acceptance
 from eval.engine.tree import Chain
 from eval.runner import Runner, run_prompts
 from models.draft_model import read_draft_info
-from models.export import export_verifier, read_config
-from models.verifier import default_cache_dir, load_verifier
+from models.formats.export import export_verifier, read_config
+from models.verifiers.core import default_cache_dir
+from models.verifiers.load import load_verifier
 from runtime.errors import UserError, exit_on_user_error
 
 

@@ -17,7 +17,8 @@ import torch
 
 from data.filters import QualityFilter, apply_filters, count_clusters, distinct_ngrams
 from data.selfgen import TOPICS, generate_prompts
-from models.verifier import build_tiny, load_smollm2
+from models.verifiers.embedded import load_smollm2
+from models.verifiers.tiny import build_tiny
 
 
 def main() -> None:

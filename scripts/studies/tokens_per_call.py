@@ -40,7 +40,7 @@ def measure_c(layers: int, context: int, reps: int, cache_dir: str | None) -> di
     """Median time of one cached one-token forward of the draft model and of the verifier, after `context` tokens."""
     from eval.drafters.draft_model import truncated_copy
     from eval.engine import hf_forward as kv
-    from models.verifier import load_verifier
+    from models.verifiers.load import load_verifier
 
     verifier = load_verifier("smollm2", "float32", "cpu", cache_dir)
     draft = truncated_copy(verifier, layers)

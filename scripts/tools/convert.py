@@ -1,4 +1,4 @@
-"""Convert between this project's exports and the public reference layouts (models/reference_formats.py).
+"""Convert between this project's exports and the public reference layouts (models/formats/reference.py).
 
     # export -> reference (Medusa repository: medusa_lm_head.safetensors|.pt; EAGLE-1: pytorch_model.bin;
     # EAGLE-3: SpecForge's model.safetensors with d2t/t2d)
@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from models.export import (
+from models.formats.export import (
     check_replaceable,
     check_speculative_tokens,
     export_kind,
@@ -36,8 +36,8 @@ from models.export import (
     read_config,
     to_reference,
 )
-from models.shipped_export import engine_ready, ship
-from models.verifier import load_verifier
+from models.formats.shipped import engine_ready, ship
+from models.verifiers.load import load_verifier
 from runtime.errors import UserError
 
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     fr.add_argument("--speculative-tokens", type=int, default=None,
                     help="EAGLE-3: tokens vLLM drafts per step when it serves the export as it is (default: the "
                          "export's own, else 3)")
-    sh = sub.add_parser("ship", help="an export -> its compact form for pretrained/ (models/shipped_export.py)")
+    sh = sub.add_parser("ship", help="an export -> its compact form for pretrained/ (models/formats/shipped.py)")
     sh.add_argument("export_dir")
     sh.add_argument("out_dir")
     sh.add_argument("--recipe", default=None, help="the run's config (its .hydra/config.yaml)")

@@ -17,7 +17,7 @@ import torch
 from data.chat import prompt_ids
 from data.prompts import load_conversations, select_prompts
 from eval import cost
-from models.verifier import load_verifier
+from models.verifiers.load import load_verifier
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from rich.table import Table
 from data.prompts import load_conversations, select_prompts
 from data.selfdistill import build_selfdistill
 from eval.offline import TOPK, score_export
-from models.export import export_verifier, load_export, read_config
-from models.verifier import load_verifier
+from models.formats.export import export_verifier, load_export, read_config
+from models.verifiers.load import load_verifier
 
 
 def main() -> None:

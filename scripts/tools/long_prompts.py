@@ -23,7 +23,7 @@ from pathlib import Path
 from data.chat import prompt_ids
 from data.filters import EvalGuard, near_duplicates
 from data.prompts import BUILTIN_PATH, load_conversations
-from models.verifier import load_smollm2
+from models.verifiers.embedded import load_smollm2
 
 CATEGORY = "long_context"
 MIN_TOKENS, MAX_TOKENS = 700, 1600  # after the chat template

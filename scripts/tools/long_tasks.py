@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> None:
     names = [] if args.lists == "none" else [n.strip() for n in args.lists.split(",") if n.strip()]
     guard, report = guard_for(names, files) if names else (None, {})
     records, dropped = build_tasks(default_documents(), int(args.num * 1.1) + 20, seed=args.seed, guard=guard)
-    from models.verifier import load_smollm2
+    from models.verifiers.embedded import load_smollm2
 
     tok = load_smollm2(dtype="float32", device="cpu").tokenizer
     lengths = [len(prompt_ids(tok, [{"role": "user", "content": r["prompt"]}])) for r in records]

@@ -21,7 +21,7 @@ SPECS = {
 
 @pytest.fixture(scope="session")
 def tiny4(cache_dir):
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
 
     return build_tiny(cache_dir=cache_dir, dtype="float32", device="cpu", num_layers=4)
 

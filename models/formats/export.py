@@ -6,9 +6,9 @@ family.
 An export is a directory an engine loads as it is: `config.json` and `model.safetensors`, and nothing else an
 engine globs (vLLM loads every `*.safetensors` at the top of the folder). Its layout is the family's `ExportFormat`:
 vLLM's own layout for a family it serves (Medusa's, EAGLE-1's Llama drafter), or, for a family with a
-`speculators_type` (EAGLE-3, P-EAGLE, DFlash), the `speculators` format (models/speculators_format.py), which
+`speculators_type` (EAGLE-3, P-EAGLE, DFlash), the `speculators` format (models/formats/speculators.py), which
 `vllm serve EXPORT_DIR` serves as it is.
-Every config also carries this project's keys: `verifier` (the description `models.verifier.load_verifier` takes),
+Every config also carries this project's keys: `verifier` (the description `models.verifiers.load.load_verifier` takes),
 `verifier_path` (a display name, and what older exports stored), `verifier_fingerprint`, and what training adds
 (accuracy tables, trained steps). Side data that is not the drafter's weights lives in the `specdraft/` subfolder
 (SIDE_DIR), where no engine looks.
@@ -28,15 +28,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from models import reference_formats as ref
-from models import speculators_format as spec
-from models.export_folder import check_replaceable
-from models.export_folder import is_project_export as _is_project_export
 from models.families import FAMILIES, a_title, family_of_config, family_of_net, title
-from models.format_parts import LAYER_KEYS
+from models.formats import reference as ref
+from models.formats import speculators as spec
+from models.formats.folder import check_replaceable
+from models.formats.folder import is_project_export as _is_project_export
+from models.formats.parts import LAYER_KEYS
+from models.formats.shipped import check_manifest, expand
 from models.io import atomic_dir
-from models.shipped_export import check_manifest, expand
-from models.verifier import EMBEDDED, Verifier, check_fingerprint, from_file, verifier_source
+from models.verifiers.core import Verifier, check_fingerprint
+from models.verifiers.hf import from_file
+from models.verifiers.load import EMBEDDED, verifier_source
 from runtime.errors import UserError
 
 CONFIG_NAME = "config.json"
@@ -122,7 +124,7 @@ def _read_reference(path: Path, config: dict[str, Any]) -> tuple[dict[str, Any],
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """An export's config.json, with a clear error for a missing or corrupt one. A reference-layout checkpoint
-    (Medusa, EAGLE-1, EAGLE-3: models/reference_formats.py) is returned as this project's config, with
+    (Medusa, EAGLE-1, EAGLE-3: models/formats/reference.py) is returned as this project's config, with
     `reference_layout` set and `verifier_path` taken from `base_model_name_or_path` when it has one."""
     path = Path(path).expanduser()
     config = _raw_config(path)
@@ -239,7 +241,7 @@ def export_kind(config: dict[str, Any]) -> str | None:
 def export_verifier(config: dict[str, Any]) -> dict[str, Any] | None:
     """The verifier description an export stores (older exports: the `verifier_path` string), or None. Named by a
     file, not by the user, it loads from this machine only and never with the checkpoint's own code
-    (models.verifier.from_file): a user who trusts it passes it themselves (verifier_path=, --verifier)."""
+    (models.verifiers.hf.from_file): a user who trusts it passes it themselves (verifier_path=, --verifier)."""
     if config.get("verifier"):
         return from_file(verifier_source(config["verifier"]), "the export's config.json `verifier`")
     if config.get("verifier_path"):
@@ -250,8 +252,8 @@ def export_verifier(config: dict[str, Any]) -> dict[str, Any] | None:
 def load_export(path: str | Path | ExportInfo, verifier: Verifier, kind: str | None = None) -> Export:
     """Rebuild the drafter an export holds (a directory, or its ExportInfo already read), refusing one of another
     kind than `kind` (when given) or one made for another verifier. A reference-layout checkpoint
-    (models/reference_formats.py) loads too; having no fingerprint, it is checked against the verifier by shape
-    only. A shipped export's files are checked against its manifest first (models.shipped_export.check_manifest)."""
+    (models/formats/reference.py) loads too; having no fingerprint, it is checked against the verifier by shape
+    only. A shipped export's files are checked against its manifest first (models.formats.shipped.check_manifest)."""
     check_manifest(path.path if isinstance(path, ExportInfo) else path)
     info = read_info(path)
     path, found, config = info.path, info.kind, dict(info.config)
@@ -321,7 +323,7 @@ def _verifier_keys(verifier: Verifier) -> dict[str, Any]:
 
 def served_verifier(verifier: Verifier) -> str:
     """What an engine serving the export loads as its verifier: the verifier's checkpoint (a local directory or a
-    Hub id), else its display name (a verifier built in memory: `models.verifier.save_checkpoint` writes one)."""
+    Hub id), else its display name (a verifier built in memory: `models.verifiers.hf.save_checkpoint` writes one)."""
     return verifier.checkpoint or verifier.name
 
 
@@ -387,7 +389,7 @@ def check_engine_ready(path: str | Path) -> None:
                         f"{path}: {fix}.")
 
 
-# -- the reference layouts (models/reference_formats.py), both ways ----------------------------------------------------
+# -- the reference layouts (models/formats/reference.py), both ways ----------------------------------------------------
 
 def _format(name: str) -> Any:
     """The export format of family `name` (models/families.py)."""

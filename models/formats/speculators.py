@@ -13,9 +13,9 @@ This project's own keys (the verifier description and fingerprint, accuracy tabl
 vLLM keeps them as plain attributes and reads nothing from them. `flatten` turns such a config into the flat one the
 rest of the project reads (the layout the older EAGLE-3 exports have), so one reader serves both.
 
-What each algorithm writes and checks is its family's own (models/eagle_export.py for eagle3 and peagle,
+What each algorithm writes and checks is its family's own (models/formats/eagle.py for eagle3 and peagle,
 models/dflash.py for dflash), reached through the registry entry's `to_speculators` / `from_speculators`
-(models/families.py); they build on the parts the format shares (models/format_parts.py), and this module finds the
+(models/families.py); they build on the parts the format shares (models/formats/parts.py), and this module finds the
 family by `speculators_model_type`.
 """
 

@@ -1,4 +1,4 @@
-"""The EAGLE-1 and EAGLE-3 export layouts (models/families.py registers them; models/export.py does the files).
+"""The EAGLE-1 and EAGLE-3 export layouts (models/families.py registers them; models/formats/export.py does the files).
 
 Both are the Llama-drafter layouts vLLM and SGLang load: a Llama config for one decoder layer (`architectures`
 names the family), `fc.weight`, `layers.0.*` (EAGLE-1) or `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d` (EAGLE-3).
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models import format_parts as parts
 from models.eagle import Eagle1Net, Eagle3Net, EagleNet, check_aux_layers, layer_config
-from models.export_config import ExportConfig
+from models.formats import parts
+from models.formats.config import ExportConfig
 from models.io import load_state
 from runtime.errors import UserError
 
@@ -138,15 +138,7 @@ class Eagle3Config(EagleConfig):
                                                                "back as the next step's feature"})
 
 
-@dataclass(frozen=True, kw_only=True)
-class PEagleConfig(Eagle3Config):
-    """A P-EAGLE export's own config.json keys: EAGLE-3's, its mask token and K."""
-
-    mask_token_id: int = field(metadata={"help": "the token each parallel draft slot is embedded as", "min": 0})
-    parallel_tokens: int = field(default=4, metadata={"help": "K, the drafts one forward makes", "min": 1})
-
-
-def _eagle3_keys(net: Eagle3Net, verifier: Any) -> dict[str, Any]:
+def eagle3_keys(net: Eagle3Net, verifier: Any) -> dict[str, Any]:
     """Eagle3Config's fields of `net` (and PEagleConfig's, for a P-EAGLE network)."""
     lc = layer_config(verifier)
     ids = list(net.aux_layer_ids)
@@ -165,7 +157,7 @@ def eagle_layout(net: EagleNet, verifier: Any) -> tuple[dict[str, Any], dict[str
     lc = layer_config(verifier)
     tensors = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
     if isinstance(net, Eagle3Net):
-        own: EagleConfig = Eagle3Config(**_eagle3_keys(net, verifier))
+        own: EagleConfig = Eagle3Config(**eagle3_keys(net, verifier))
     else:
         own = EagleConfig(eagle_kind=net.kind, verifier_num_hidden_layers=lc["num_verifier_layers"])
         if "fc.bias" not in tensors:
@@ -207,7 +199,7 @@ def aux_layer_ids(config: dict[str, Any], num_layers: int, file: str | Path = "c
     return default
 
 
-def _draft_vocab(tensors: dict[str, Tensor], draft: int, vocab: int, file: Path) -> None:
+def check_draft_vocab(tensors: dict[str, Tensor], draft: int, vocab: int, file: Path) -> None:
     """Check EAGLE-3's d2t / t2d against the verifier's vocabulary, derive a missing t2d, in place."""
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     if draft == vocab:
@@ -250,7 +242,7 @@ def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tens
         own = Eagle3Config.from_config(config, file.parent / "config.json")
         aux = aux_layer_ids(config, lc["num_verifier_layers"], file.parent / "config.json", required=not reference)
         draft = min(own.draft_vocab_size or lc["vocab_size"], lc["vocab_size"])
-        _draft_vocab(tensors, draft, lc["vocab_size"], file)
+        check_draft_vocab(tensors, draft, lc["vocab_size"], file)
         net: EagleNet = Eagle3Net(draft_vocab_size=draft, aux_layer_ids=aux, fc_norm=own.fc_norm,
                                   norm_output=own.norm_output, **lc)
     else:
@@ -262,43 +254,7 @@ def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tens
     return net, None
 
 
-def peagle_layout(net: Any, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """P-EAGLE's export (vLLM's `peagle` speculators type): EAGLE-3's layout, `mask_hidden` (the mask slots' feature
-    before fc, n_aux * H) and `mask_token_id`; `parallel_tokens` is K, the drafts one forward makes."""
-    _, tensors = eagle_layout(net, verifier)
-    own = PEagleConfig(**_eagle3_keys(net, verifier), mask_token_id=net.mask_token_id, parallel_tokens=net.parallel)
-    return draft_layer_config(verifier, "llama", 1) | own.to_config(), tensors
-
-
-def peagle_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Path,
-                       reference: bool) -> tuple[Any, None]:
-    """The P-EAGLE network an export holds (its mask token and K from config.json, checked against the verifier)."""
-    from models.peagle import PEagleNet, check_mask_token, check_parallel
-
-    lc = layer_config(verifier)
-    if "mask_hidden" not in tensors:
-        raise UserError(f"{file}: no mask_hidden tensor, so this is not a P-EAGLE export (an EAGLE-3 one, maybe: load "
-                        f"it as drafter=eagle3).")
-    where = file.parent / "config.json"
-    own = PEagleConfig.from_config(config, where)
-    mask = check_mask_token(own.mask_token_id, lc["vocab_size"], f"{where}: mask_token_id")
-    parallel = check_parallel(own.parallel_tokens, f"{where}: parallel_tokens")
-    check_draft_layer(config, verifier, where, required=not reference)
-    aux = aux_layer_ids(config, lc["num_verifier_layers"], where, required=not reference)
-    draft = min(own.draft_vocab_size or lc["vocab_size"], lc["vocab_size"])
-    _draft_vocab(tensors, draft, lc["vocab_size"], file)
-    hidden = tensors["mask_hidden"].reshape(-1)
-    if hidden.numel() != len(aux) * lc["hidden_size"]:
-        raise UserError(f"{file}: mask_hidden has {hidden.numel()} values; {len(aux)} feature layers x hidden size "
-                        f"{lc['hidden_size']} = {len(aux) * lc['hidden_size']} expected. Re-export the drafter.")
-    tensors["mask_hidden"] = hidden
-    net = PEagleNet(mask_token_id=mask, parallel=parallel, draft_vocab_size=draft, aux_layer_ids=aux,
-                    fc_norm=own.fc_norm, **lc)
-    load_state(net, tensors, file)
-    return net, None
-
-
-# -- the speculators format (models/speculators_format.py): vLLM's eagle3 and peagle -----------------------------------
+# -- the speculators format (models/formats/speculators.py): vLLM's eagle3 and peagle ----------------------------------
 
 # The algorithm's flags whose defaults differ between vLLM's reader and the `speculators` library, or whose
 # meaning our network fixes: written explicitly, and checked on reading. Our EAGLE-3 layer keeps the un-normed
@@ -338,7 +294,7 @@ def eagle3_to_speculators(flat: dict[str, Any], algorithm: str, verifier_name_or
     }
 
 
-def _from_speculators(config: dict[str, Any], file: str, name: str, architecture: str,
+def eagle_from_speculators(config: dict[str, Any], file: str, name: str, architecture: str,
                       options_in_layer: bool, own: type[Eagle3Config]) -> dict[str, Any]:
     """The flat config of an EAGLE-3-style speculators config: the format's parts and the family's keys (`own`)
     checked, the layer config moved to the top level, the fixed flags dropped."""
@@ -372,16 +328,10 @@ def _from_speculators(config: dict[str, Any], file: str, name: str, architecture
 
 def eagle3_from_speculators(config: dict[str, Any], file: str, name: str, architecture: str) -> dict[str, Any]:
     """vLLM's `eagle3` speculators config as the flat EAGLE-3 config (`name`'s, written as `architecture`)."""
-    return _from_speculators(config, file, name, architecture, options_in_layer=False, own=Eagle3Config)
+    return eagle_from_speculators(config, file, name, architecture, options_in_layer=False, own=Eagle3Config)
 
 
-def peagle_from_speculators(config: dict[str, Any], file: str, name: str, architecture: str) -> dict[str, Any]:
-    """vLLM's `peagle` speculators config as the flat P-EAGLE config: EAGLE-3's, with EAGLE-3.1's options read from
-    the layer config (where vLLM's peagle reads them, and only there)."""
-    return _from_speculators(config, file, name, architecture, options_in_layer=True, own=PEagleConfig)
-
-
-# -- the reference layouts (models/reference_formats.py): the EAGLE repository's EAGLE-1, SpecForge's EAGLE-3 --------
+# -- the reference layouts (models/formats/reference.py): the EAGLE repository's EAGLE-1, SpecForge's EAGLE-3 --------
 
 def is_eagle1_reference(config: dict[str, Any], names: list[str]) -> bool:
     """The EAGLE repository's EAGLE-1 weights: `fc.weight` and one decoder layer `layers.0.*` (no EAGLE-3 midlayer)."""
@@ -441,7 +391,7 @@ def eagle3_to_reference(config: dict[str, Any], tensors: dict[str, Tensor], base
     return cfg, out
 
 
-# -- the config against its weights (models.export.check_weights_agree), as this toolkit and as vLLM read it --------
+# -- the config against its weights (models.formats.export.check_weights_agree), as this toolkit and as vLLM read it ---
 
 def eagle1_weights_agree(config: dict[str, Any], shapes: parts.Shapes) -> list[parts.Disagreement]:
     """An EAGLE-1 export's draft layer against its tensors; fc reads two hidden states (the token's and the feature)."""

@@ -1,7 +1,7 @@
 """What the export formats share, below the registry (models/families.py): the parts and checks of a `speculators`
-config (models/speculators_format.py describes the format) and the keys a reference-layout config does not carry
-(models/reference_formats.py). Each family's own layout (models/eagle_export.py, models/dflash.py, models/medusa.py)
-builds on these; models/speculators_format.py and models/reference_formats.py find the family through the registry.
+config (models/formats/speculators.py describes the format) and the keys a reference-layout config does not carry
+(models/formats/reference.py). Each family's own layout (models/formats/eagle.py, models/dflash.py, models/medusa.py)
+builds on these; models/formats/speculators.py and models/formats/reference.py find the family through the registry.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_h
               "head_dim", "num_hidden_layers", "rms_norm_eps", "rope_theta", "attention_bias", "hidden_act",
               "vocab_size", "max_position_embeddings", "tie_word_embeddings", "torch_dtype", "dtype")
 # What vLLM reads from transformer_layer_config and fills with its own default when absent (the family's reader checks
-# the values against the verifier: models.eagle_export.check_draft_layer).
+# the values against the verifier: models.formats.eagle.check_draft_layer).
 ENGINE_LAYER_KEYS = ("num_attention_heads", "rope_theta", "rms_norm_eps")
 # The parts of a speculators config that are the format's, not the flat config's: a reader drops them.
 FORMAT_KEYS = ("speculators_config", "transformer_layer_config", "speculators_model_type", "architectures")
@@ -95,7 +95,7 @@ def speculative_tokens(config: dict[str, Any]) -> int | None:
     return chosen.get("speculative_tokens") if isinstance(chosen, dict) else None
 
 
-# -- a config against its weights (the safetensors header's shapes; models.export.check_weights_agree) ----------------
+# -- a config against its weights (the safetensors header's shapes; models.formats.export.check_weights_agree) ---------
 
 Shapes = dict[str, list[int]]  # tensor name -> shape, as the weight file's header lists them
 
@@ -135,7 +135,7 @@ def layer_stack_disagreements(config: dict[str, Any], shapes: Shapes,
     """The draft layers' config (num_hidden_layers, hidden_size, intermediate_size) against a Llama / Qwen3 stack's
     tensors, and fc's input against `features` = (the config field that sets how many hidden states fc reads, its
     value, that number). Tensors absent (a compact export's) are not checked. The attention heads are left to
-    models.eagle_export.check_draft_layer, which holds them to the verifier's (the weights' own)."""
+    models.formats.eagle.check_draft_layer, which holds them to the verifier's (the weights' own)."""
     out: list[Disagreement] = []
     layers = layer_ids(shapes)
     count = _int(config, "num_hidden_layers")

@@ -26,10 +26,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from models.export_folder import COMPACT_KEY, check_replaceable
 from models.families import family_of_config
+from models.formats.folder import COMPACT_KEY, check_replaceable
 from models.io import atomic_dir
-from models.verifier import check_fingerprint
+from models.verifiers.core import check_fingerprint
 from runtime.errors import UserError
 
 CONFIG_NAME, WEIGHTS_NAME, SIDE_DIR = "config.json", "model.safetensors", "specdraft"

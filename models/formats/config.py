@@ -1,6 +1,6 @@
 """A family's export config as a typed, validated class: one field per config.json key the family writes, each with
 its description (`help`) and bounds, written by `to_config` and read back by `from_config`, the one place that says
-what the key may hold. Each family declares its class beside its layout (models/medusa.py, models/eagle_export.py,
+what the key may hold. Each family declares its class beside its layout (models/medusa.py, models/formats/eagle.py,
 models/dflash.py); the keys every export shares (the verifier's, the draft layer's) are checked where they are shared.
 
     @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The public reference layouts, read into and written from this project's export layout (docs/engine_loaders.md,
-"Reference layouts"). Pure functions over (config dict, tensor dict); models/export.py does the file I/O.
+"Reference layouts"). Pure functions over (config dict, tensor dict); models/formats/export.py does the file I/O.
 
 - `medusa`: FasterDecoding/Medusa: `config.json` {medusa_num_heads, medusa_num_layers, base_model_name_or_path} +
   `medusa_lm_head.safetensors` or `.pt`; keys `{h}.{l}.linear.weight|bias`, `{h}.{L}.weight` (the Medusa-2 file
@@ -11,7 +11,7 @@
   if any, in `eagle_config.eagle_aux_hidden_state_layer_ids` in SGLang's convention (id k = output of layer k, i.e.
   this project's k + 1); none = the engines' default [2, L//2, L-3] in this project's convention.
 
-Each layout is its family's own (models/medusa.py, models/eagle_export.py), reached through the registry entry's
+Each layout is its family's own (models/medusa.py, models/formats/eagle.py), reached through the registry entry's
 `is_reference`, `from_reference` and `to_reference` (models/families.py); this module finds the layout of a folder.
 """
 

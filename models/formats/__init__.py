@@ -1,0 +1,1 @@
+"""Export formats: each family's layout, the speculators and reference formats, and the export files."""

@@ -1,0 +1,1 @@
+"""The frozen verifier M_q and its loaders (conf/verifier/ names them as Hydra targets)."""
