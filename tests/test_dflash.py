@@ -109,6 +109,19 @@ def test_bad_input_is_refused_with_a_message(varied):
         build_dflash(varied, 49152, aux_layer_ids=[0, 1])
 
 
+def test_a_tree_shape_it_cannot_draft_names_dflash(varied):
+    """The shared fixed-tree builder (eval.engine.tree.fixed_tree) speaks of the drafter it builds for."""
+    from eval.drafters.dflash import dflash_drafter
+    from eval.engine.tree import AutoTree, Chain, DynamicTree
+
+    net = _net(varied)
+    with pytest.raises(UserError, match="does not fit a DFlash drafter"):
+        dflash_drafter(net, {}, varied, DynamicTree())
+    with pytest.raises(UserError, match="eagle_topk_accuracy.*this DFlash export has none"):
+        dflash_drafter(net, {}, varied, AutoTree())
+    assert dflash_drafter(net, {}, varied, Chain()).max_nodes == 5
+
+
 @torch.no_grad()
 def test_an_export_trained_over_frequent_rows_drafts_over_them_exactly(varied, tmp_path):
     """An export trained with `model.train_vocab=N` (the N most frequent targets' rows of the verifier's head) drafts

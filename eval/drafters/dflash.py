@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters.medusa import medusa_tree
 from eval.drafters.peagle import PEagleDrafter
 from eval.engine.sampling import SamplingConfig
-from eval.engine.tree import TreePolicy
+from eval.engine.tree import TreePolicy, fixed_tree
 from models.dflash import DFlashNet
 from models.verifiers.core import Verifier
 
@@ -61,10 +60,8 @@ def dflash_drafter(net: DFlashNet, config: dict[str, Any], verifier: Verifier, t
     over those rows of the verifier's head only (`drafter.draft_vocab`, or the rows an export trained on with
     `model.train_vocab`)."""
 
-    class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
-        num_heads = net.parallel
 
     table = config.get("eagle_topk_accuracy")
-    shape, name = medusa_tree(tree, _Depths, table)
+    shape, name = fixed_tree(tree, net.parallel, table, "DFlash", "eagle_topk_accuracy")
     return DFlashDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, head_ids=head_ids,
                          table=table)

@@ -23,11 +23,10 @@ import torch
 from torch import Tensor
 
 from eval.drafters.dflash import DFlashDrafter
-from eval.drafters.medusa import medusa_tree
 from eval.engine.forward import packed_head
 from eval.engine.protocol import Draft, Drafter
 from eval.engine.sampling import SamplingConfig
-from eval.engine.tree import TreePolicy, truncate
+from eval.engine.tree import TreePolicy, fixed_tree, truncate
 from models.dspark import DSparkNet
 from models.formats.export import ExportInfo
 from models.verifiers.core import Verifier
@@ -184,11 +183,9 @@ def dspark_drafter(net: DSparkNet, config: dict[str, Any], verifier: Verifier, t
         raise UserError("drafter.draft_vocab cuts the verifier's head, but DSpark's Markov bias spans the whole "
                         "vocabulary; leave drafter.draft_vocab=null for a DSpark export.")
 
-    class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
-        num_heads = net.parallel
 
     table = config.get("dspark_confidence_table") or config.get("eagle_topk_accuracy")
-    shape, name = medusa_tree(tree, _Depths, table)
+    shape, name = fixed_tree(tree, net.parallel, table, "DSpark", "eagle_topk_accuracy")
     return DSparkDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table,
                          threshold=threshold)
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from eval.drafters.heads import row_head, weights_dtype
 from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig, warp
-from eval.engine.tree import AutoTree, Chain, Tree, TreePolicy, auto_tree, chain, describe, tree_buffers
+from eval.engine.tree import Tree, TreePolicy, describe, fixed_tree, tree_buffers
 from models.eagle import target_rank
 from models.medusa import MedusaHeads, medusa_targets
 from models.verifiers.core import Verifier
@@ -128,23 +128,6 @@ class MedusaDrafter:
         return [round(one, 3)] * len(sizes)
 
 
-def medusa_tree(policy: TreePolicy, heads: MedusaHeads, topk_accuracy: list[list[float]] | None) -> tuple[Tree, str]:
-    """The fixed tree a Medusa drafter proposes under `policy`, and the policy's name."""
-    if isinstance(policy, Tree):
-        return policy, "tree"
-    if isinstance(policy, Chain):
-        return chain(heads.num_heads if policy.depth is None else policy.depth), "chain"
-    if isinstance(policy, AutoTree):
-        if not topk_accuracy:
-            raise UserError("tree=auto needs the per-head top-k accuracies the export records "
-                            "(medusa_topk_accuracy), and this export has none: no validation of its final weights "
-                            "wrote them. Use tree=chain or tree=medusa_choices, or write them: python train.py "
-                            "<the run's overrides> ckpt_path=last validate_only=true.")
-        return auto_tree(topk_accuracy[: heads.num_heads], policy.size), "auto"
-    raise UserError(f"tree={type(policy).__name__} does not fit a Medusa drafter, whose tree is the same every round; "
-                    f"use tree=chain, tree=auto or tree=medusa_choices.")
-
-
 def medusa_drafter(net: MedusaHeads, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,
                    sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
                    head_ids: Tensor | None = None) -> MedusaDrafter:
@@ -152,7 +135,7 @@ def medusa_drafter(net: MedusaHeads, config: dict[str, Any], verifier: Verifier,
     shared head is the verifier's own lm_head: the export's copy is the same weights (fingerprint-checked)."""
     from eval.engine.forward import packed_head  # prepacked in bf16 on CPU
 
-    shape, name = medusa_tree(tree, net, config.get("medusa_topk_accuracy"))
+    shape, name = fixed_tree(tree, net.num_heads, config.get("medusa_topk_accuracy"), "Medusa", "medusa_topk_accuracy")
     lm_head = None
     if net.share_lm_head:
         lm_head = packed_head(verifier.lm_head) if head_ids is None else row_head(verifier, head_ids)

@@ -18,10 +18,9 @@ from torch import Tensor
 
 from eval.drafters.eagle import EagleDrafter
 from eval.drafters.heads import weights_dtype
-from eval.drafters.medusa import medusa_tree
 from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig, warp
-from eval.engine.tree import Chain, Tree, TreePolicy, auto_tree, describe, tree_buffers
+from eval.engine.tree import Chain, Tree, TreePolicy, auto_tree, describe, fixed_tree, tree_buffers
 from models.peagle import PEagleNet
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -124,9 +123,7 @@ def peagle_drafter(net: PEagleNet, config: dict[str, Any], verifier: Verifier, t
         raise UserError("drafter.draft_vocab cuts a drafting head shared with the verifier; P-EAGLE drafts over its "
                         "own trained draft vocabulary. Leave drafter.draft_vocab=null.")
 
-    class _Depths:  # medusa_tree reads num_heads: the depths one forward drafts
-        num_heads = net.parallel
 
     table = config.get("eagle_topk_accuracy")
-    shape, name = medusa_tree(tree, _Depths, table)
+    shape, name = fixed_tree(tree, net.parallel, table, "P-EAGLE", "eagle_topk_accuracy")
     return PEagleDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table)

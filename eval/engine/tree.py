@@ -254,6 +254,27 @@ def best_first(topk_accuracy: Sequence[Sequence[float]], size: int) -> tuple[lis
     return chosen, values
 
 
+def fixed_tree(policy: TreePolicy, depths: int, table: Sequence[Sequence[float]] | None, drafter: str,
+               table_key: str) -> tuple[Tree, str]:
+    """The tree of a drafter that drafts `depths` positions in one forward and proposes the same tree every round
+    (Medusa's heads, a block drafter's slots, P-EAGLE's parallel tokens) under `policy`, and the policy's name.
+    `table` is the export's top-k acceptance per depth (`table_key`, which tree=auto plans on); `drafter` names the
+    drafter in messages."""
+    if isinstance(policy, Tree):
+        return policy, "tree"
+    if isinstance(policy, Chain):
+        return chain(depths if policy.depth is None else policy.depth), "chain"
+    if isinstance(policy, AutoTree):
+        if not table:
+            raise UserError(f"tree=auto needs the top-k accuracies per depth the export records ({table_key}), and "
+                            f"this {drafter} export has none: no validation of its final weights wrote them. Use "
+                            f"tree=chain or tree=medusa_choices, or write them: python train.py <the run's overrides> "
+                            f"ckpt_path=last validate_only=true.")
+        return auto_tree(table[:depths], policy.size), "auto"
+    raise UserError(f"tree={type(policy).__name__} does not fit a {drafter} drafter, whose tree is the same every "
+                    f"round; use tree=chain, tree=auto or tree=medusa_choices.")
+
+
 def tree_buffers(tree: Tree, device: torch.device | str | None = None) -> TreeBuffers:
     """Attention mask, position offsets and retrieve indices for one verifier forward over `tree`."""
     n = tree.num_nodes
