@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
-from eval import adaptive, compare, cost
+from eval import compare
 from eval.drafters.build import (
     build_drafter,
     check_proposals,
@@ -47,6 +47,7 @@ from eval.engine.protocol import Drafter
 from eval.engine.sampling import sampling_config
 from eval.engine.tree import AutoTree
 from eval.peers import check_peers, vllm_peer
+from eval.planner import adaptive, cost
 from eval.report import ALONE, SPECULATIVE, write_outputs
 from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
 from models.families import FAMILIES, a_title, resolve
@@ -203,7 +204,8 @@ def plan_and_build(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifi
                    export: ExportInfo | None, prefix: Callable[[], list[int]], curve: cost.Curve | None = None,
                    profile: bool | None = None) -> Built:
     """Build `family`'s drafter under cfg.tree. tree.size=auto: a probe drafter with the largest budget is built and
-    its drafting timed, eval.cost chooses the budget on the verifier's cost curve (`curve`, else measured now on a
+    its drafting timed, eval.planner.cost chooses the budget on the verifier's cost curve (`curve`, else measured now
+    on a
     real prefix), then the drafter is built with it. profile=true: the drafter's draft curve beside the curve."""
     tree = instantiate(cfg.tree, _convert_="all")
     adapt = adaptive.plan_mode(cfg.get("plan"), tree, family, export, str(cfg.get("method", "single")) != "all")
@@ -251,7 +253,7 @@ def profile_curves(cfg: DictConfig, source: Any, verifier: Verifier, prefix: Cal
 
 
 def plan_of(drafter: Drafter) -> str:
-    """`adaptive` or `static`: how a planned drafter's budget followed the run (eval.adaptive)."""
+    """`adaptive` or `static`: how a planned drafter's budget followed the run (eval.planner.adaptive)."""
     described = drafter.describe()
     return str(described.get("plan") or described.get("primary", {}).get("plan") or "static")
 

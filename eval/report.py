@@ -49,7 +49,7 @@ class Sample:
     seconds / outputs: per method. lengths: per drafter, (R,) drafts accepted per speculative round, bonus excluded.
     forwards: verifier forwards of our loops; times: their DecodeResult.times (for the time breakdown).
     predicted: per planned drafter (tree.size=auto), what the planner predicted for this decode's rounds, each
-        before it ran (eval.adaptive.Prediction: rounds, E[tokens] and ms summed, the plain step's ms).
+        before it ran (eval.planner.adaptive.Prediction: rounds, E[tokens] and ms summed, the plain step's ms).
     """
 
     id: str

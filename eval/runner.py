@@ -18,10 +18,10 @@ from transformers import GenerationConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation
-from eval.adaptive import prediction_of
 from eval.engine.decode import DecodeResult, sample_decode, speculative_decode
 from eval.engine.protocol import Assistant, Drafter
 from eval.engine.sampling import SamplingConfig, sampling_config
+from eval.planner.adaptive import prediction_of
 from eval.report import SPECULATIVE, Sample
 from models.verifiers.core import Verifier
 from runtime.errors import UserError

@@ -1,4 +1,5 @@
-"""plan=adaptive (eval/adaptive.py): the planner re-plans tree.size=auto's budget from the acceptance measured on the
+"""plan=adaptive (eval/planner/adaptive.py): the planner re-plans tree.size=auto's budget from the acceptance measured
+on the
 prompts being decoded. On tiny real verifiers: the output stays plain greedy's token for token, the tree shrinks
 when the export's table is far too optimistic and grows when it is too pessimistic (and does neither with
 adaptation off), the round-by-round prediction follows what comes, and a run with nothing to adapt is refused."""
@@ -11,13 +12,13 @@ import os
 import pytest
 import torch
 
-from eval import cost
-from eval.adaptive import AcceptanceEstimate, PlannedDrafter
 from eval.drafters.build import make_drafter
 from eval.drafters.hybrid import HybridDrafter
 from eval.drafters.lookup import PromptLookupDrafter
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, Chain, auto_tree
+from eval.planner import cost
+from eval.planner.adaptive import AcceptanceEstimate, PlannedDrafter
 from helpers import ROOT, varied_llama
 from models.eagle import build_eagle
 from models.formats.export import save_export

@@ -1,4 +1,5 @@
-"""The hybrid's split chosen per round (eval/drafters/hybrid.py under a planned primary, eval/adaptive.py): lookup
+"""The hybrid's split chosen per round (eval/drafters/hybrid.py under a planned primary, eval/planner/adaptive.py):
+lookup
 chains and the drafter's nodes verified as what each has been accepting on the prompt says they are worth. On tiny
 real verifiers: the output stays plain greedy's, a prompt whose answer lookup predicts verifies its chains beyond
 the drafter's own budget and drops the drafter's worthless nodes, each round's prediction tracks what each part of
@@ -11,11 +12,11 @@ import pytest
 import torch
 from test_adaptive import OPTIMISTIC, PROMPTS, base, planned_medusa, random_heads, run_eval  # noqa: F401
 
-from eval import cost
 from eval.drafters.hybrid import LOOKUP_STRENGTH, HybridDrafter, LookupDepths, split
 from eval.drafters.lookup import PromptLookupDrafter
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Chain
+from eval.planner import cost
 from models.medusa import MedusaHeads
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -136,9 +137,9 @@ def planned_eagle(verifier: Verifier, draft_ms: float):
     from test_adaptive import curve
     from test_eagle_decode import random_net
 
-    from eval.adaptive import PlannedDrafter
     from eval.drafters.build import make_drafter
     from eval.engine.tree import AutoTree
+    from eval.planner.adaptive import PlannedDrafter
 
     table = [[0.3, 0.4, 0.45, 0.5]] * 4
     draft = [draft_ms] * len(cost.SIZES)
@@ -194,9 +195,9 @@ def test_a_drafter_catches_up_on_the_rounds_it_sat_out(base: Verifier, kind):  #
     from test_adaptive import curve
     from test_eagle_decode import random_net
 
-    from eval.adaptive import PlannedDrafter
     from eval.drafters.build import make_drafter
     from eval.engine.tree import AutoTree
+    from eval.planner.adaptive import PlannedDrafter
 
     table = [[0.3, 0.4, 0.45, 0.5]] * 4
     inner = make_drafter(kind, base, AutoTree(size=cost.PROBE_SIZE), net=random_net(kind, base))

@@ -1,4 +1,5 @@
-"""The default plan never loses to the static one (eval/adaptive.py): for every family whose budget is planned, the
+"""The default plan never loses to the static one (eval/planner/adaptive.py): for every family whose budget is planned,
+the
 same prompts decoded under plan=static and plan=adaptive, compared by what the rounds recorded (tokens emitted per
 millisecond of the same fixed cost model), not by a timing.
 
@@ -15,10 +16,10 @@ import pytest
 import torch
 from test_eagle_decode import random_net
 
-from eval import adaptive, cost
 from eval.drafters.build import make_drafter
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, auto_tree
+from eval.planner import adaptive, cost
 from helpers import ROOT, varied_llama
 from models.families import FAMILIES
 from models.formats.export import read_info

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from eval import cost
 from eval.engine.tree import AutoTree, auto_tree, chain
+from eval.planner import cost
 from helpers import ROOT
 from models.formats.export import ExportInfo, save_export
 from models.medusa import MedusaHeads

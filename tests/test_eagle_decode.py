@@ -266,7 +266,7 @@ def test_bounded_frontier_grows_the_same_dynamic_tree(varied, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_trial_drafts_like_propose_and_leaves_the_cache(varied, kind):
-    """EagleDrafter.trial (what eval.cost.draft_curve times) grows the tree the next propose grows with the same
+    """EagleDrafter.trial (what eval.planner.cost.draft_curve times) grows the tree the next propose grows with the same
     features, for any budget, and leaves the drafter's cache as it was, so that decoding continues after it."""
     net = random_net(kind, varied, seed=3)
     ids = varied.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
@@ -292,7 +292,8 @@ def test_tree_auto_grows_and_prices_the_depth_its_table_buys(varied, monkeypatch
     """Under tree=auto with the export's acceptance table, an EAGLE round grows no deeper than the tree that table
     buys for the budget (the tree tree.size=auto priced), however confident the drafter: a sharpened drafter grows a
     5-deep chain from 5 drafts without the table, 3 deep with it (auto_tree of this table). And `trial` (what
-    eval.cost.draft_curve times) feeds every depth of that tree at its widest whatever the scores: the same drafter
+    eval.planner.cost.draft_curve times) feeds every depth of that tree at its widest whatever the scores: the same
+    drafter
     rows on any prefix, and never fewer than a real round feeds."""
     from eval.engine.tree import AutoTree, auto_tree
 

@@ -371,8 +371,8 @@ def test_method_all_plans_each_export_familys_budget_on_the_run_curve(varied, tm
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from eval import cost
     from eval.harness import evaluate
+    from eval.planner import cost
 
     table = [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4]]
     export = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3), varied, tmp_path / "m",

@@ -175,8 +175,8 @@ def test_the_walk_sees_every_kind_of_branch():
 
 def test_the_walk_covers_the_shared_modules():
     names = {str(p.relative_to(ROOT)) for p in SHARED}
-    assert {"eval/cost.py", "eval/offline.py", "eval/harness.py", "eval/drafters/build.py", "eval/engine/decode.py",
-            "train/base.py", "train/memory.py", "train/export.py",
+    assert {"eval/planner/cost.py", "eval/offline.py", "eval/harness.py", "eval/drafters/build.py",
+            "eval/engine/decode.py", "train/base.py", "train/memory.py", "train/export.py",
             "models/formats/export.py", "models/formats/speculators.py", "data/chat.py", "train.py"} <= names
     assert set(PENDING) <= names
     assert not names & {str(p.relative_to(ROOT)) for p in FAMILY_FILES}
@@ -189,7 +189,8 @@ def test_the_walk_covers_the_shared_modules():
 def test_every_family_keeps_the_declared_contracts():
     """What shared code calls instead of branching: every training module implements DrafterModule's abstract
     members (train.py, train/export.py, train/memory.py), every drafter class of a family's eval/ module answers the
-    planner (eval.engine.protocol.CostProbe: eval.cost.draft_cost), and every export family names its teacher-forced
+    planner (eval.engine.protocol.CostProbe: eval.planner.cost.draft_cost), and every export family names its
+    teacher-forced
     scoring (eval/offline.py)."""
     from eval.engine.protocol import CostProbe
 

@@ -9,10 +9,10 @@ import torch
 from test_eagle_decode import random_net
 from test_harness import FAST, off_by_one, run_eval, run_objects
 
-from eval import cost
 from eval.drafters.build import make_drafter
 from eval.engine import decode
 from eval.engine.tree import Chain, DynamicTree
+from eval.planner import cost
 from helpers import varied_llama
 from models.eagle import build_eagle
 from models.formats.export import save_export

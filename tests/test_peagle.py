@@ -109,14 +109,15 @@ def test_bad_input_is_refused_with_a_message(varied, tmp_path):
 
 @torch.no_grad()
 def test_the_planner_times_one_forward_over_the_depth_the_budget_buys(varied, monkeypatch):
-    """A P-EAGLE round's drafting (its `trial`, which eval.cost.draft_curve times) is the new features' forward, then
+    """A P-EAGLE round's drafting (its `trial`, which eval.planner.cost.draft_curve times) is the new features'
+    forward, then
     one mask forward as deep as the tree tree.size=auto builds for the budget (none for a one-deep tree), whatever the
     probe drafter's own tree; EAGLE-3's grows a forward per depth. With the flatter draft curve that gives,
     tree.size=auto plans a tree at least as large as with a growing one on the same verifier curve and table."""
-    from eval.cost import best_size
     from eval.drafters.eagle import EagleDrafter
     from eval.drafters.peagle import PEagleDrafter
     from eval.engine.tree import DynamicTree, auto_tree
+    from eval.planner.cost import best_size
     from models.eagle import build_eagle
 
     ids = torch.randint(20, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
@@ -127,7 +128,8 @@ def test_the_planner_times_one_forward_over_the_depth_the_budget_buys(varied, mo
     for name, drafter in (("peagle", PEagleDrafter(_net(varied), varied, auto_tree(table, 63), table=table)),
                           ("eagle3", EagleDrafter(build_eagle("eagle3", varied, aux_layer_ids=[0, 1]), varied,
                                                   DynamicTree(size=12, depth=4, topk=4)))):
-        drafter.propose(ids, hidden[:, :-1])  # the prefill, then a round that accepted nothing (eval.cost.draft_curve)
+        # the prefill, then a round that accepted nothing (eval.planner.cost.draft_curve)
+        drafter.propose(ids, hidden[:, :-1])
         drafter.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
         seq = torch.cat([ids, ids[:, -1:]], dim=1)
         calls = []

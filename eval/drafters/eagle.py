@@ -64,7 +64,8 @@ class EagleDrafter:
         through d2t, every other token 0). Without it, top-k drafts, which the sampling rule treats as one-hot p.
     table: the export's acceptance estimates (a per-depth cumulative top-k table, ExportInfo.acceptance). Under an
         AutoTree budget the tree grows no deeper than `auto_tree(table, size)`, the tree tree.size=auto plans and
-        prices (eval.cost.best_size over `trial`'s times): without the cap a confident drafter grows a size-deep chain
+        prices (eval.planner.cost.best_size over `trial`'s times): without the cap a confident drafter grows a
+        size-deep chain
         each round, a drafter forward per depth the plan never paid for.
     """
 
@@ -320,7 +321,8 @@ class EagleDrafter:
     def trial(self, input_ids: Tensor, hidden: Tensor, drafts: int) -> Tree | None:
         """One round's drafting as a drafter of `drafts` drafts does it (feed the new features, grow `drafts` nodes
         as deep as `planned_depth(drafts)`), at its most: every depth's frontier as wide as the budget lets it be,
-        however the scores fall (`_expand(worst_case=True)`), so what eval.cost.draft_curve times is the round the
+        however the scores fall (`_expand(worst_case=True)`), so what eval.planner.cost.draft_curve times is the round
+        the
         plan pays for, not however deep this one prefix happens to grow. Leaves the drafter's cache as it was."""
         keys = self._k, self._v
         try:

@@ -201,7 +201,7 @@ class HybridDrafter:
     branches = True  # lookup chains grafted beside the drafter's: a tree, even within a chain's node count
 
     def set_primary(self, primary: Drafter) -> None:
-        """Draft with `primary` (the planner hands its planned drafter here, eval.adaptive.plan), and size the
+        """Draft with `primary` (the planner hands its planned drafter here, eval.planner.adaptive.plan), and size the
         rounds for it: `budget`, else its max_nodes, and with a planned primary room for the chain on top."""
         extra, budget = self.extra, self.budget
         self.primary = primary
@@ -341,7 +341,8 @@ class HybridDrafter:
 
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         """Each part is told the count; the nodes in the primary's tree (-1 where a node was grafted), and a primary
-        that learns from its rounds (eval.adaptive) which of its nodes were verified. The grafted drafter (prompt
+        that learns from its rounds (eval.planner.adaptive) which of its nodes were verified. The grafted drafter
+        (prompt
         lookup) is stateless and is told the count alone; the hybrid counts what its chain offered and got. A round
         the primary sat out: it is told the positions committed (`skipped`), nothing else."""
         accepted = int(num_accepted[0])

@@ -46,7 +46,8 @@ class MedusaDrafter:
         self.generator = generator
 
     def set_tree(self, tree: Tree) -> None:
-        """Draft `tree` from the next round on: the hook through which the adaptive planner (eval.adaptive) re-plans
+        """Draft `tree` from the next round on: the hook through which the adaptive planner (eval.planner.adaptive)
+        re-plans
         a fixed tree between rounds. The heads run once a round whatever the tree; it only says which of their
         top-k tokens fill which node (and how many heads run: as many as it is deep)."""
         heads = self.heads

@@ -39,7 +39,8 @@ class PEagleDrafter(EagleDrafter):
         self.set_tree(tree)
 
     def set_tree(self, tree: Tree) -> None:
-        """Draft `tree` from the next round on: the hook through which the adaptive planner (eval.adaptive) re-plans
+        """Draft `tree` from the next round on: the hook through which the adaptive planner (eval.planner.adaptive)
+        re-plans
         a fixed tree between rounds (the mask forward runs as deep as the tree)."""
         if tree.max_depth > self.net.parallel:
             raise UserError(f"The tree is {tree.max_depth} drafts deep but the P-EAGLE export drafts "
@@ -100,7 +101,8 @@ class PEagleDrafter(EagleDrafter):
     @torch.no_grad()
     def trial(self, input_ids: Tensor, hidden: Tensor, drafts: int) -> Tree | None:
         """One round's drafting as a drafter planned for `drafts` drafts does it (the new features, then one forward
-        over the mask slots of that tree's depth), leaving the cache as it was: what eval.cost.draft_curve times.
+        over the mask slots of that tree's depth), leaving the cache as it was: what eval.planner.cost.draft_curve
+        times.
         With the export's table the tree is the one tree.size=auto would build for the budget (a one-deep tree needs
         no mask forward); without it, this drafter's own tree. Returns that tree."""
         tree = auto_tree(self.table, drafts) if self.table and drafts else self.tree

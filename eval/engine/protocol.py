@@ -68,11 +68,12 @@ class Drafter(Protocol):
         ...
 
 
-# -- what the planner (eval.cost: tree.size=auto, the predicted speedup) calls on a drafter ------------------------
+# -- what the planner (eval.planner.cost: tree.size=auto, the predicted speedup) calls on a drafter
+# ------------------------
 
 @runtime_checkable
 class CostProbe(Protocol):
-    """A drafter that says what one round's drafting costs: every drafter of this project (eval.cost.draft_curve
+    """A drafter that says what one round's drafting costs: every drafter of this project (eval.planner.cost.draft_curve
     calls nothing else, so no family is planned as free unless its own module says so)."""
 
     def draft_cost(self, verifier: Verifier, prefix_ids: Tensor, sizes: Sequence[int], engine: str = "auto",
@@ -88,19 +89,19 @@ class CostProbe(Protocol):
 
 class FixedTreeDrafter(Protocol):
     """A drafter whose family drafts one tree every round (its registry entry's `tree` is "fixed": Medusa,
-    P-EAGLE, DFlash); eval.cost.predict scores that tree under the export's acceptance table."""
+    P-EAGLE, DFlash); eval.planner.cost.predict scores that tree under the export's acceptance table."""
 
     tree: Tree  # the tree every round fills
     depth_limit: int  # the deepest tree it can fill (Medusa: its heads; P-EAGLE, DFlash: the slots of one forward)
 
     def set_tree(self, tree: Tree) -> None:
-        """Draft `tree` from the next round on: how plan=adaptive (eval.adaptive) re-plans between rounds."""
+        """Draft `tree` from the next round on: how plan=adaptive (eval.planner.adaptive) re-plans between rounds."""
         ...
 
 
 class BudgetDrafter(Protocol):
     """A drafter whose family grows its tree each round within a node budget (registry `tree` "dynamic": EAGLE);
-    eval.cost.predict scores the best tree of that budget under the export's acceptance table, and plan=adaptive
+    eval.planner.cost.predict scores the best tree of that budget under the export's acceptance table, and plan=adaptive
     sets both fields between rounds."""
 
     size: int  # the drafts a round may grow (its node budget, root excluded)
@@ -110,7 +111,7 @@ class BudgetDrafter(Protocol):
 @dataclass
 class Prediction:
     """What a planner predicted for one decode's rounds, each before it ran: the rounds, E[tokens] and ms summed,
-    and the plain step's ms (eval.adaptive; the report puts the predicted speedup beside the measured one)."""
+    and the plain step's ms (eval.planner.adaptive; the report puts the predicted speedup beside the measured one)."""
 
     rounds: int = 0
     tokens: float = 0.0
@@ -125,7 +126,8 @@ class Prediction:
 
 @runtime_checkable
 class Planned(Protocol):
-    """A drafter whose rounds a planner prices (eval.adaptive.PlannedDrafter under tree.size=auto): what a drafter
+    """A drafter whose rounds a planner prices (eval.planner.adaptive.PlannedDrafter under tree.size=auto): what a
+    drafter
     built around it (the hybrid) reads to choose, round by round, what else to verify with its drafts."""
 
     planned_nodes: int  # the nodes the round just proposed drafts, root included

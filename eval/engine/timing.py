@@ -1,4 +1,4 @@
-"""Timing on a shared machine, for the planner (eval.cost) and for what each drafter says its drafting costs
+"""Timing on a shared machine, for the planner (eval.planner.cost) and for what each drafter says its drafting costs
 (eval.engine.protocol.CostProbe): interleaved rounds, the least kept, and an empty verifier cache to time against."""
 
 from __future__ import annotations

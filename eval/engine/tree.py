@@ -109,7 +109,8 @@ class AutoTree:
     `size` nodes each round from its scores (default topk; as deep as `auto_tree` of its export's table for `size`,
     else the default depth). `size=0` drafts nothing: plain decoding.
     `size="auto"`: the budget that maximises expected tokens/s from the verifier's measured cost curve and the
-    drafter's acceptance estimates (eval.cost.best_size; the harness resolves it before building the drafter)."""
+    drafter's acceptance estimates (eval.planner.cost.best_size; the harness resolves it before building the
+    drafter)."""
 
     size: int | str = 16
 
@@ -231,7 +232,7 @@ def auto_tree(topk_accuracy: Sequence[Sequence[float]], size: int) -> Tree:
 def best_first(topk_accuracy: Sequence[Sequence[float]], size: int) -> tuple[list[tuple[int, ...]], list[float]]:
     """auto_tree's nodes in the order it adds them (rank paths) and their values. The growth is the same for every
     size, so the tree of s drafts is the first s of the tree of `size`, and 1 + the cumulative sum of the values is
-    E[tokens per round] of every smaller budget at once (eval.cost.expected_curve)."""
+    E[tokens per round] of every smaller budget at once (eval.planner.cost.expected_curve)."""
     if size < 0:
         raise UserError(f"auto_tree(size={size}): the number of draft nodes must be >= 0.")
     probs = rank_probs(topk_accuracy)

@@ -4,7 +4,7 @@
 
 For each dtype of the default verifier, after a real prompt (the first conversation of the eval split) in steady
 state (the drafter has cached the prefix, the last round accepted nothing, so one new position comes in), as
-eval.cost.draft_curve times them:
+eval.planner.cost.draft_curve times them:
 - forward: one round that drafts a single token. Medusa: one `propose` (its heads run once a round, whatever the
   tree); EAGLE-3: its layer over the new position (fc over the verifier's three layers, the decoder layer) and its head
   over the draft vocabulary, `trial(1)`; P-EAGLE and DFlash: their `trial(1)`;
@@ -52,7 +52,7 @@ def _steady(verifier, drafter, prefix: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _verifier_step(verifier, prefix: torch.Tensor) -> Callable[[], None]:
-    """One one-token verifier step after the prefix, rolled back after (eval.cost.forward_curve's)."""
+    """One one-token verifier step after the prefix, rolled back after (eval.planner.cost.forward_curve's)."""
     cache = VerifierSession(verifier, "auto", prefix.shape[1] + 1, 1, 1)
     cache.forward(prefix)
     empty = torch.zeros(1, 0, dtype=torch.long)

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from eval.cost import SHAPE_TABLE, machine
 from eval.engine import forward as engine
 from eval.engine.tree import auto_tree, tree_buffers
+from eval.planner.cost import SHAPE_TABLE, machine
 from models.verifiers.embedded import load_smollm2
 
 LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048)

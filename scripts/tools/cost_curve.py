@@ -1,4 +1,4 @@
-"""The verifier's forward cost for 1..64 tokens beside this machine's bound, without an export (eval.cost).
+"""The verifier's forward cost for 1..64 tokens beside this machine's bound, without an export (eval.planner.cost).
 
     python -m scripts.tools.cost_curve [--verifier smollm2] [--dtype float32 bfloat16] [--threads 1 2] [--engine auto]
         [--out outputs/cost_curve]
@@ -16,7 +16,7 @@ import torch
 
 from data.chat import prompt_ids
 from data.prompts import load_conversations, select_prompts
-from eval import cost
+from eval.planner import cost
 from models.verifiers.load import load_verifier
 
 

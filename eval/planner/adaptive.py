@@ -1,6 +1,6 @@
 """Planning from the acceptance the run measures (`plan=adaptive`, the default under `tree.size=auto`).
 
-The static planner (eval.cost.auto_size) chooses a budget once, from the export's training-time acceptance table
+The static planner (eval.planner.cost.auto_size) chooses a budget once, from the export's training-time acceptance table
 (ExportInfo.acceptance: per depth, cumulative top-k accuracy). On prompts no one trained on that table is optimistic,
 and the planner promised more speedup than came. Here the table is only where the estimate starts:
 
@@ -14,7 +14,8 @@ and the planner promised more speedup than came. Here the table is only where th
 - `PlannedDrafter` wraps the drafter tree.size=auto built. Before every round it predicts the round (E[tokens] under
   the estimate so far, and verify + draft ms from the run's curves: no extra verifier forward, nothing measured after
   the fact), and with `adaptive` re-plans when the estimate has moved: the budget maximising E[tokens](s) / (t(s+1) +
-  c d(s)) (eval.cost's rule, on the estimate in place of the table; c the drafting's measured time over the draft
+  c d(s)) (eval.planner.cost's rule, on the estimate in place of the table; c the drafting's measured time over the
+  draft
   curve's, against the same ratio for the rest of the round: the curves are timed once, on one prefix, and a
   loaded machine or a real prompt's drafting may cost more), then a fixed tree rebuilt by auto_tree at that
   budget (Medusa, P-EAGLE, DFlash: their `set_tree`) or an EAGLE budget (`size`, and the depth that budget's tree
@@ -33,9 +34,9 @@ from typing import Any
 
 from torch import Tensor
 
-from eval import cost
 from eval.engine.protocol import Draft, Drafter, Prediction, Skippable
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, auto_tree, best_first, rank_probs
+from eval.planner import cost
 from models.families import FAMILIES
 from models.formats.export import ExportInfo
 from runtime.errors import UserError
@@ -100,7 +101,7 @@ class AcceptanceEstimate:
         return _posterior(run, self.hits, self.offered, PROMPT_PRIOR)
 
     def table(self) -> list[list[float]]:
-        """`probs` as a cumulative top-k table, the form eval.engine.tree.auto_tree and eval.cost read."""
+        """`probs` as a cumulative top-k table, the form eval.engine.tree.auto_tree and eval.planner.cost read."""
         return [[min(sum(row[: r + 1]), 1.0) for r in range(len(row))] for row in self.probs()]
 
 
@@ -111,7 +112,7 @@ class PlannedDrafter:
     kind: the family's registry `tree`: "fixed" (a FixedTreeDrafter with `set_tree` and `depth_limit`) or "dynamic"
     (a BudgetDrafter: `size` and `depth`). curve / draft: the verifier's cost curve and the drafter's draft curve
     (ms at curve.sizes, or None) the static plan was made on. size: that plan's budget. An adaptive drafter is
-    built at the largest budget (eval.cost.PROBE_SIZE), so its depth is the deepest any budget may reach, and it
+    built at the largest budget (eval.planner.cost.PROBE_SIZE), so its depth is the deepest any budget may reach, and it
     declares that budget and depth to the decode loop (`max_nodes`, `max_depth`: the cache is sized for them).
     learn_times: whether measured round times move the drafting's price (`draft_scale`); False plans on the curves
     alone."""
@@ -198,7 +199,8 @@ class PlannedDrafter:
             self.inner.depth = min(self._base_depth, auto_tree(table, size).max_depth) if size else self._base_depth
 
     def _replan(self) -> None:
-        """1. The estimate's table; 2. if it moved since the last plan, the budget eval.cost's rule picks on it, and
+        """1. The estimate's table; 2. if it moved since the last plan, the budget eval.planner.cost's rule picks on
+        it, and
         the drafter resized when the budget or the tree changed."""
         probs = self.estimate.probs()
         if max(abs(a - b) for r, s in zip(probs, self._planned) for a, b in zip(r, s)) <= MOVED:

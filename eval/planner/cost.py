@@ -159,7 +159,7 @@ def expected_tokens(table: Sequence[Sequence[float]], size: int) -> float:
 def expected_curve(table: Sequence[Sequence[float]], max_drafts: int) -> list[float]:
     """`expected_tokens(table, s)` for s = 0..max_drafts from one best-first growth (eval.engine.tree.best_first):
     the s-draft tree is the first s nodes of the largest, so one growth prices every budget (what lets the adaptive
-    planner, eval.adaptive, re-plan between rounds for a fraction of a millisecond's work)."""
+    planner, eval.planner.adaptive, re-plan between rounds for a fraction of a millisecond's work)."""
     out, total = [1.0], 1.0
     for v in best_first(table, max_drafts)[1]:
         total += v
