@@ -44,6 +44,7 @@ from eval.drafters.build import (
 from eval.engine.block_verify import check_chain_drafters, may_branch
 from eval.engine.decode import ENGINES, engine_of, use_engine
 from eval.engine.protocol import Drafter
+from eval.engine.rules import named_rule
 from eval.engine.sampling import sampling_config
 from eval.engine.tree import AutoTree
 from eval.load import LoadSettings, load_settings, predictor, sweep
@@ -398,8 +399,9 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
     torch.manual_seed(int(cfg.seed))
     try:
         run = setup(cfg)
-        left_out = chains_only(run) if run.method == "all" and sampling.verify == "block" else []
-        check_chain_drafters(sampling.verify, run.drafters.values())  # verify=block: chains only, before decoding
+        rule = named_rule(sampling)  # the acceptance rule asked for (eval.engine.rules)
+        left_out = chains_only(run) if run.method == "all" and rule.chains_only else []
+        check_chain_drafters(rule, run.drafters.values())  # verify=block: chains only, before decoding
         engine = str(cfg.get("engine", "auto"))
         # HF assisted generation joins the references with the run's first draft model, at its depth
         assistant, depth = next((assistant_of(d) for d in run.drafters.values() if assistant_of(d)[0] is not None),

@@ -20,6 +20,7 @@ from data.chat import prompt_ids
 from data.prompts import Conversation
 from eval.engine.decode import DecodeResult, sample_decode, speculative_decode
 from eval.engine.protocol import Assistant, Drafter
+from eval.engine.rules import rule_for
 from eval.engine.sampling import SamplingConfig, sampling_config
 from eval.planner.adaptive import prediction_of
 from eval.report import SPECULATIVE, Sample
@@ -188,8 +189,7 @@ def sampling_record(cfg: DictConfig) -> dict[str, Any]:
     """report.json's `sampling`: the settings and whether the speculative output keeps the verifier's distribution
     (`exact`); typical acceptance is marked lossy."""
     s = sampling_config(cfg)
-    rule = ("greedy" if s.greedy else "typical (lossy)" if s.typical else
-            "block verification (exact)" if s.verify == "block" else "rejection sampling (exact)")
-    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "rule": rule, "verify": s.verify,
-            "exact": s.greedy or not s.typical, "lossy": not s.greedy and s.typical,
+    rule = rule_for(s)
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "rule": rule.name, "verify": s.verify,
+            "exact": rule.exact, "lossy": not rule.exact,
             "sampled_drafts": bool(cfg.get("sampled_drafts", False)) and not s.greedy}

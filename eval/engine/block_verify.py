@@ -38,10 +38,10 @@ import torch
 from torch import Tensor
 
 from eval.engine.accept import Acceptance
-from eval.engine.protocol import Drafter
+from eval.engine.protocol import Draft, Drafter
+from eval.engine.rules import AcceptanceRule, register
+from eval.engine.sampling import SamplingConfig, check_draft_p, warp
 from runtime.errors import UserError
-
-VERIFY_RULES = ("token", "block")
 
 
 def chain_refusal(what: str) -> UserError:
@@ -66,9 +66,10 @@ def may_branch(drafter: Drafter) -> bool:
     return bool(getattr(drafter, "branches", False)) or drafter.max_nodes > drafter.max_depth + 1
 
 
-def check_chain_drafters(verify: str, drafters: Iterable[Drafter]) -> None:
-    """verify=block: refuse, before decoding, a drafter whose rounds can be trees (`may_branch`)."""
-    if verify != "block":
+def check_chain_drafters(rule: AcceptanceRule, drafters: Iterable[Drafter]) -> None:
+    """A rule defined on chains (verify=block): refuse, before decoding, a drafter whose rounds can be trees
+    (`may_branch`)."""
+    if not rule.chains_only:
         return
     for drafter in drafters:
         if may_branch(drafter):
@@ -167,3 +168,22 @@ def block_accept(retrieve: Tensor, parents: tuple[int, ...], tokens: Tensor, q: 
     check_chain(parents)
     tau, next_token = sample_block(block_plan(tokens, q, p), generator)
     return Acceptance(path=torch.zeros_like(tau), num_accepted=tau, last_node=retrieve[0, tau], next_token=next_token)
+
+
+@dataclass(frozen=True)
+class BlockVerification:
+    """verify=block: `block_accept` on a warped q, exact; chains only."""
+
+    sampling: SamplingConfig
+    name: str = "block verification (exact)"
+    exact: bool = True
+    chains_only: bool = True
+
+    def accept(self, retrieve: Tensor, draft: Draft, logits: Tensor,
+               generator: torch.Generator | None) -> Acceptance:
+        q = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        check_draft_p(draft.p, draft.tokens, q.shape[-1])
+        return block_accept(retrieve, draft.tree.parents, draft.tokens, q, draft.p, generator)
+
+
+register("block", BlockVerification)

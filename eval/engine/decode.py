@@ -21,11 +21,12 @@ from torch import Tensor
 
 from eval.engine import forward as fast
 from eval.engine import hf_forward as kv
-from eval.engine.accept import greedy_accept, mean_accept_length, per_position_acceptance
+from eval.engine.accept import mean_accept_length, per_position_acceptance
 from eval.engine.arch import fallback_note, supported
-from eval.engine.block_verify import block_accept, check_chain_drafters
+from eval.engine.block_verify import check_chain_drafters
 from eval.engine.protocol import Draft, Drafter
-from eval.engine.sampling import SamplingConfig, check_draft_p, sample_accept, typical_accept, warp
+from eval.engine.rules import rule_for
+from eval.engine.sampling import SamplingConfig, warp
 from eval.engine.tree import Tree, TreeBuffers, tree_buffers, truncate
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -256,12 +257,13 @@ def speculative_decode(
     Sampled: recursive rejection sampling (eval.engine.sampling.sample_accept), whose output follows the warped verifier
     distribution exactly, as sample_decode's does (not the same tokens: other random draws); with
     `sampling.verify == "block"`, block verification of the drafted chain (eval.engine.block_verify), exact too. With
-    `sampling.typical`, Medusa's typical acceptance instead: lossy. Fewer verifier forwards when the drafts are good.
+    `sampling.typical`, Medusa's typical acceptance instead: lossy. The rule is chosen once (eval.engine.rules).
+    Fewer verifier forwards when the drafts are good.
     generator: the random source of the acceptance rule and the first token (the drafter has its own)."""
     sampling = _sampled(sampling)
     _check_inputs(verifier, input_ids, max_new_tokens, drafter.max_nodes, engine)
-    if sampling is not None:
-        check_chain_drafters(sampling.verify, [drafter])
+    rule = rule_for(sampling)  # greedy, rejection sampling, typical or block (eval.engine.rules)
+    check_chain_drafters(rule, [drafter])
     start, timer, out = time.perf_counter(), _Timer(verifier.device), _Output(max_new_tokens, eos_token_id)
     length = input_ids.shape[1] + max_new_tokens
     cache, lengths = VerifierSession(verifier, engine, length, drafter.max_nodes, drafter.max_depth), []
@@ -298,21 +300,11 @@ def speculative_decode(
             step = cache.forward(draft.tokens, buf.positions, buf.mask, layers)  # logits (B, N, V)
         forwards += 1
 
-        # 4. Accept: greedy, the longest path that matches the verifier's argmax; sampled, the recursive rejection
-        #    walk over the tree (verify=block: the chain's joint verdict). Either way the verifier adds one token
-        #    after the accepted path.
+        # 4. Accept: the run's rule (greedy: the longest path that matches the verifier's argmax; sampled: the
+        #    recursive rejection walk over the tree, or verify=block's joint verdict on the chain). Either way the
+        #    verifier adds one token after the accepted path.
         with timer("accept"):
-            if sampling is None:
-                acc = greedy_accept(buf.retrieve, draft.tokens, step.logits)
-            else:
-                q = warp(step.logits, sampling.temperature, sampling.top_p, sampling.top_k)  # (B, N, V)
-                if sampling.typical:
-                    acc = typical_accept(buf.retrieve, draft.tokens, q, sampling.posterior_threshold,
-                                         sampling.posterior_alpha, generator)
-                else:
-                    check_draft_p(draft.p, draft.tokens, q.shape[-1])
-                    rule = block_accept if sampling.verify == "block" else sample_accept
-                    acc = rule(buf.retrieve, draft.tree.parents, draft.tokens, q, draft.p, generator)
+            acc = rule.accept(buf.retrieve, draft, step.logits, generator)
             num = int(acc.num_accepted[0])
             nodes = buf.retrieve[acc.path, : num + 1]  # (B, 1+A): root, then the accepted drafts
 

@@ -33,14 +33,17 @@ tried in a fixed order), so `rejection_plan` computes them all at once; `sample_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from eval.engine.accept import Acceptance
-from eval.engine.block_verify import VERIFY_RULES
+from eval.engine.rules import TYPICAL, register, verify_names
 from runtime.errors import UserError
+
+if TYPE_CHECKING:
+    from eval.engine.protocol import Draft
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,12 @@ class SamplingConfig:
             raise UserError(f"top_p={self.top_p} must be in (0, 1]; 1 keeps the whole distribution.")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise UserError(f"top_k={self.top_k!r} must be a whole number >= 0; 0 keeps every token.")
-        if self.verify not in VERIFY_RULES:
-            raise UserError(f"verify={self.verify!r} is not one of {', '.join(VERIFY_RULES)}: token verifies draft "
+        if self.verify not in verify_names():
+            raise UserError(f"verify={self.verify!r} is not one of {', '.join(verify_names())}: token verifies draft "
                             f"by draft (the default), block verifies a drafted chain jointly (tree=chain).")
-        if self.verify == "block" and self.typical:
-            raise UserError("typical=true and verify=block are two acceptance rules; choose one (typical=false for "
-                            "block verification, verify=token for Medusa's typical acceptance).")
+        if self.verify != "token" and self.typical:
+            raise UserError(f"typical=true and verify={self.verify} are two acceptance rules; choose one "
+                            f"(typical=false for verify={self.verify}, verify=token for Medusa's typical acceptance).")
 
     @property
     def greedy(self) -> bool:
@@ -269,3 +272,39 @@ def sampling_config(cfg: Any) -> SamplingConfig:
     return SamplingConfig(float(values["temperature"]), float(values["top_p"]), values["top_k"],
                           bool(cfg.get("typical", False)), float(cfg.get("posterior_threshold", 0.09)),
                           float(cfg.get("posterior_alpha", 0.3)), str(cfg.get("verify", "token")))
+
+
+@dataclass(frozen=True)
+class RejectionSampling:
+    """verify=token: recursive rejection sampling over the tree (`sample_accept`) on a warped q, exact."""
+
+    sampling: SamplingConfig
+    name: str = "rejection sampling (exact)"
+    exact: bool = True
+    chains_only: bool = False
+
+    def accept(self, retrieve: Tensor, draft: Draft, logits: Tensor,
+               generator: torch.Generator | None) -> Acceptance:
+        q = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        check_draft_p(draft.p, draft.tokens, q.shape[-1])
+        return sample_accept(retrieve, draft.tree.parents, draft.tokens, q, draft.p, generator)
+
+
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """typical=true: Medusa's typical acceptance (`typical_accept`), LOSSY."""
+
+    sampling: SamplingConfig
+    name: str = "typical (lossy)"
+    exact: bool = False
+    chains_only: bool = False
+
+    def accept(self, retrieve: Tensor, draft: Draft, logits: Tensor,
+               generator: torch.Generator | None) -> Acceptance:
+        q = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        return typical_accept(retrieve, draft.tokens, q, self.sampling.posterior_threshold,
+                              self.sampling.posterior_alpha, generator)
+
+
+register("token", RejectionSampling)
+register(TYPICAL, TypicalAcceptance)
