@@ -1,6 +1,5 @@
-"""The planner's cost model (eval/planner/cost.py) extended to a batch of B requests: what K a drafter should draft at
-each
-batch size, and the batch size past which speculation stops paying, predicted on this machine.
+"""The planner's cost model (eval/planner/cost.py) extended to a batch of B requests: what K a drafter should draft
+at each batch size, and the batch size past which speculation stops paying, predicted on this machine.
 
 One decode step of B requests, each drafting K tokens, costs one verifier forward over B x (K + 1) tokens, t(B, K+1),
 plus the drafting, d(B, K); plain decoding costs t(B, 1) a token per request. With E(K) = 1 + sum_{k<=K} prod_{j<=k}

@@ -1,0 +1,231 @@
+"""Serving an export under load (issue 67): `python -m serve EXPORT` starts vLLM's OpenAI-compatible server with the
+project's CPU settings; `python -m eval ... engine_peers=[vllm] engine_concurrency=[...]` sweeps concurrency x K
+through it, writes the K per batch size as vLLM's num_speculative_tokens_per_batch_size and measures it; the batch
+cost model predicts the best K and the crossover beside it.
+
+The engine tests start the real server on loopback with the shipped EAGLE-3 export (no training) and send real
+requests; without the vLLM virtualenv they skip (CI=true or SPECDRAFT_REQUIRE_VLLM=1: they fail). No test asserts
+a speed: the figures are in docs/results/serving-under-load.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT
+
+EAGLE3 = ROOT / "pretrained" / "eagle3-smollm2"
+MEDUSA = ROOT / "pretrained" / "medusa-smollm2"
+
+
+def _eval_cfg(overrides):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        return compose(config_name="eval", overrides=["wandb.mode=disabled", "warmup=false", *overrides])
+
+
+# -- bad input: one message each, before anything loads -------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, words", [
+    (["engine_peers=[vllm]", "engine_concurrency=[0,2]"], "0 is not a number of clients"),
+    (["engine_peers=[vllm]", "engine_concurrency=[1,-4]"], "-4 is not a number of clients"),
+    (["engine_concurrency=[1,2]"], "without engine_peers"),
+    ([f"checkpoint={MEDUSA}", "engine_peers=[vllm]", "engine_concurrency=[1,2]", "engine_peer_tokens=[1,5]"],
+     "K=5 is beyond what"),
+    ([f"checkpoint={MEDUSA}", "engine_peers=[vllm]", "engine_peer_tokens=[1,2]"], "a list of K is swept under load"),
+])
+def test_bad_load_settings_are_one_message_before_anything_loads(overrides, words, tmp_path):
+    """A verifier that does not exist is named too: the message must come before it would be loaded."""
+    from eval.harness import evaluate
+    from runtime.errors import UserError
+
+    base = [f"checkpoint={EAGLE3}", f"verifier_path={tmp_path / 'no-such-verifier'}", f"output_dir={tmp_path}"]
+    cfg = _eval_cfg(base + overrides)
+    with pytest.raises(UserError) as e:
+        evaluate(cfg, progress=False)
+    assert words in str(e.value) and "no-such-verifier" not in str(e.value)
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_python_m_serve_refuses_bad_settings_before_loading(capsys):
+    from serve.server import main
+
+    assert main([str(MEDUSA), "--tokens", "5", "--print-command"]) == 2
+    err = capsys.readouterr().err
+    assert "K=5 is beyond what" in err and "4 tokens a step" in err
+    assert main([str(EAGLE3), "--schedule", "2-4:3", "--print-command"]) == 2
+    assert "start it at 1" in capsys.readouterr().err
+    assert main([str(EAGLE3), "--schedule", "1-4:3,3-8:1", "--print-command"]) == 2
+    assert "overlaps" in capsys.readouterr().err
+    assert main([str(EAGLE3), "--tokens", "2", "--schedule", "1-4:3", "--print-command"]) == 2
+    assert "both given" in capsys.readouterr().err
+
+
+# -- the pieces, on real inputs ---------------------------------------------------------------------------------------
+
+def test_the_schedule_takes_each_concurrencys_best_k_and_merges_neighbours():
+    from eval.load import schedule_of
+    from serve.server import format_schedule, parse_schedule
+
+    rows = [{"concurrency": 1, "best_k": 3}, {"concurrency": 2, "best_k": 3}, {"concurrency": 4, "best_k": 1},
+            {"concurrency": 8, "best_k": 0}, {"concurrency": 16, "best_k": 0}]
+    schedule = schedule_of(rows, 16)
+    assert schedule == ((1, 2, 3), (3, 4, 1), (5, 16, 0))
+    assert parse_schedule(format_schedule(schedule)) == schedule
+    assert schedule_of([{"concurrency": 4, "best_k": 2}], 4) == ((1, 4, 2),)
+
+
+def test_what_an_export_drafts_is_read_from_its_config():
+    from serve.server import most_drafts
+
+    assert most_drafts(json.loads((MEDUSA / "config.json").read_text())) == 4  # its heads
+    assert most_drafts(json.loads((ROOT / "pretrained/dflash-smollm2/config.json").read_text())) == 7  # block - 1
+    assert most_drafts(json.loads((EAGLE3 / "config.json").read_text())) is None  # recurrent: any K
+
+
+def test_the_batch_cost_model_finds_the_crossover_where_verifying_gets_dear():
+    """Verify costs flat in width at batch 1 (memory-bound) and linear in tokens at batch 16 (compute-bound): the
+    best K falls with the batch and speculation stops paying; negative control: flat costs everywhere pay at every
+    batch size."""
+    from eval.batch_cost import expected_tokens, predict
+
+    table = [[0.8], [0.8], [0.8]]
+    batches, ks = [1, 4, 16], [1, 2, 3]
+    costs = {(b, w): 10.0 * max(1.0, b * w / 8) for b in batches for w in (1, 2, 3, 4)}
+    pred = predict(costs, batches, ks, table)
+    assert pred.expected_tokens[3] == pytest.approx(expected_tokens([0.8, 0.8, 0.8]))
+    assert pred.best_k[1] == 3 and pred.best_k[16] == 0 and pred.crossover == 16
+    assert pred.best_k[4] < pred.best_k[1]
+    flat = predict({(b, w): 10.0 for b in batches for w in (1, 2, 3, 4)}, batches, ks, table)
+    assert flat.crossover is None and set(flat.best_k.values()) == {3}
+
+
+def test_batched_verify_costs_are_measured_on_the_real_verifier(smollm2):
+    import torch
+
+    from eval.batch_cost import verify_costs
+
+    costs = verify_costs(smollm2.model, torch.arange(1, 33)[None], [1, 2], [1, 3], reps=1)
+    assert set(costs) == {(1, 1), (1, 3), (2, 1), (2, 3)} and all(ms > 0 for ms in costs.values())
+
+
+# -- the real server --------------------------------------------------------------------------------------------------
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_env(monkeypatch):
+    # the `vllm` fixture runs vLLM's engine core in-process for the offline tests; the server keeps its default
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    return {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_python_m_serve_serves_the_shipped_eagle3_with_its_schedule_to_a_real_client(vllm, smollm2, monkeypatch):
+    """The one command, started as a user starts it: it prints the address and the speculative settings, a real
+    client's greedy answers equal plain greedy decoding token for token, and vLLM applies the schedule (K = 2 at
+    batch size 1: two draft tokens per drafting step; K = 1 at 2). Ctrl-C stops it and its server."""
+    import torch
+
+    from data.chat import prompt_ids
+    from serve.client import run_pass
+    from serve.server import spec_counters
+
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "serve", str(EAGLE3), "--port", str(port), "--dtype", "float32",
+                             "--schedule", "1-1:2,2-2:1", "--max-num-seqs", "2", "--max-model-len", "512"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_server_env(monkeypatch))
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 600
+        while not any("ready at" in ln for ln in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-30:])
+            if select.select([proc.stdout], [], [], 5)[0]:
+                lines.append(proc.stdout.readline())
+        started = next(ln for ln in lines if "[serve] starting" in ln)
+        url = f"http://127.0.0.1:{port}"
+        assert f"{url}/v1" in started and "model name 'eagle3-smollm2'" in started
+        assert "K per batch size 1-1:2,2-2:1" in started and "--enforce-eager" in started
+        assert '"num_speculative_tokens_per_batch_size": [[1, 1, 2], [2, 2, 1]]' in started
+        assert '"method": "eagle3"' in started and "smollm2-135m-instruct" in started
+
+        questions = ["What is a prime number?", "Name three colours of the rainbow."]
+        prompts = [prompt_ids(smollm2.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+        before = spec_counters(url)
+        one = run_pass(url, "eagle3-smollm2", prompts, 16, 1)  # one request at a time: batch size 1, K = 2
+        at_one = spec_counters(url)
+        with torch.inference_mode():
+            for ids, answer in zip(prompts, one.outputs):
+                plain = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+                assert answer == plain[0, len(ids):].tolist()
+        drafts = at_one["num_drafts"] - (before or {}).get("num_drafts", 0)
+        assert drafts > 0 and at_one["num_draft_tokens"] - (before or {}).get("num_draft_tokens", 0) == 2 * drafts
+        assert len(at_one["accepted_per_pos"]) == 2
+
+        two = run_pass(url, "eagle3-smollm2", prompts, 16, 2)  # both at once: batch size 2 drafts K = 1 a step
+        after = spec_counters(url)
+        assert two.outputs == one.outputs
+        d, t = after["num_drafts"] - at_one["num_drafts"], after["num_draft_tokens"] - at_one["num_draft_tokens"]
+        assert d > 0 and t < 2 * d
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(120)
+    assert proc.returncode == 0
+    with socket.socket() as s:  # the server went with it
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_the_concurrency_sweep_writes_by_concurrency_schedule_and_prediction(vllm, tmp_path, monkeypatch):
+    """`python -m eval checkpoint=pretrained/eagle3-smollm2 engine_peers=[vllm] engine_concurrency=[1,2]
+    engine_peer_tokens=[1]` on 3 prompts, 8 tokens: report.json's engine_peers.vllm has a row per concurrency with
+    plain and K=1 figures read from the client and from vLLM's counters, a schedule over batch sizes 1-2 measured
+    once more, the prediction beside it, and the plot."""
+    from eval.harness import evaluate
+
+    _server_env(monkeypatch)
+    out = tmp_path / "eval"
+    cfg = _eval_cfg([f"checkpoint={EAGLE3}", "drafter=export", "alone=false", "engine_peers=[vllm]",
+                     "engine_concurrency=[2,1]", "engine_peer_tokens=[1]", "num_prompts=3", "max_new_tokens=8",
+                     "threads=2", f"output_dir={out}"])
+    report = evaluate(cfg, progress=False)
+    peer = json.loads((out / "report.json").read_text())["engine_peers"]["vllm"]
+    assert peer == json.loads(json.dumps(report["engine_peers"]["vllm"]))
+    assert peer["version"] == vllm.VERSION and peer["errors"] == []
+    rows = peer["by_concurrency"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["plain_tokens_per_s"] > 0 and set(r["plain_per_request_tokens_per_s"]) == {"median", "p90"}
+        (spec,) = r["spec"]
+        assert spec["k"] == 1 and spec["tokens_per_s"] > 0
+        assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / r["plain_tokens_per_s"])
+        assert set(spec["per_request_tokens_per_s"]) == {"median", "p90"} and spec["ttft_s"]["median"] > 0
+        counts = spec["counts"]  # vLLM's own counters, read from /metrics around the pass
+        assert counts["num_drafts"] > 0 and counts["num_draft_tokens"] == counts["num_drafts"]
+        assert spec["acceptance_length"] == pytest.approx(1 + counts["num_accepted_tokens"] / counts["num_drafts"])
+        assert len(spec["acceptance_per_position"]) == 1 and spec["greedy_match_plain"] >= 0.5
+        assert r["best_k"] in (0, 1) and r["scheduled_tokens_per_s"] > 0 and r["scheduled_speedup"] > 0
+    ranges = peer["schedule"]["ranges"]
+    assert ranges[0][0] == 1 and ranges[-1][1] == 2 and peer["schedule"]["accepted_by_vllm"]
+    assert peer["schedule"]["as_vllm"]["num_speculative_tokens_per_batch_size"] == ranges
+    pred = peer["prediction"]
+    assert set(pred["best_k"]) == {"1", "2"} and set(pred["speedup"]["1"]) == {"1"}
+    assert (out / "load_speedup.png").is_file() and (out / "vllm_load" / "vllm-plain.log").is_file()
