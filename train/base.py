@@ -72,7 +72,8 @@ class DrafterModule(L.LightningModule, ABC):
     data_target_counts: Tensor | None = None  # the same, counted on this run's training split (differs after init_from)
 
     def configure_optimizers(self) -> Any:
-        opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
+        # named: a factory that splits parameters by role reads the names (train/muon.py); torch's others take them
+        opt = self.optimizer_factory(params=[(n, p) for n, p in self.named_parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return opt
         total = int(self.trainer.estimated_stepping_batches)

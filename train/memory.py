@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from models.verifiers.core import Verifier
 from train.fused_head import CHUNK
+from train.muon import optimizer_state
 
 if TYPE_CHECKING:
     from train.base import DrafterModule
@@ -72,7 +73,8 @@ def plan_memory(verifier: Verifier, module: DrafterModule, batch_size: int, max_
     else:
         verifier_row = ("verifier (frozen)", float(total), f"{sum(p.numel() for p in model.parameters()):,} "
                         f"parameters in {str(verifier.dtype).removeprefix('torch.')}")
-    trainable = [p for p in module.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    trainable = [p for _, p in named]
     n = sum(p.numel() for p in trainable)
     weights = _bytes(trainable)
     cfg = verifier.config
@@ -88,7 +90,7 @@ def plan_memory(verifier: Verifier, module: DrafterModule, batch_size: int, max_
         verifier_row,
         ("drafter weights", float(weights), f"{n:,} trainable parameters"),
         ("drafter gradients", float(weights), "one per trainable weight"),
-        ("AdamW states", 2.0 * n * 4, "two fp32 moments per trainable weight"),
+        optimizer_state(getattr(module, "optimizer_factory", None), named),
         ("verifier activations", float(verifier_act),
          "0: hidden states read from the offline cache" if offline else
          f"~ (L+1) x B x T x H x {b} B + 2 x B x T x I x {b} B, B={batch_size}, T={max_length}"),
