@@ -21,6 +21,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from models.dflash import DFlashNet
+from models.dflash2 import DFlash2Net
 from models.dspark import DSparkNet
 from models.eagle import Eagle1Net, Eagle3Net
 from models.formats import eagle as eagle_io
@@ -32,6 +33,12 @@ from models.formats.dflash import (
     dflash_layout,
     dflash_to_speculators,
     dflash_weights_agree,
+)
+from models.formats.dflash2 import (
+    dflash2_from_layout,
+    dflash2_from_speculators,
+    dflash2_layout,
+    dflash2_to_speculators,
 )
 from models.formats.dspark import dspark_from_layout, dspark_from_speculators, dspark_layout, dspark_to_speculators
 from models.formats.medusa import (
@@ -219,6 +226,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            export=ExportFormat(("DSparkDraftModel",), dspark_layout, dspark_from_layout, speculators_type="dspark",
                                to_speculators=dspark_to_speculators, from_speculators=dspark_from_speculators,
                                agrees=dflash_weights_agree)),
+    Family("dflash2", "DFlash2", drafter="eval.drafters.build.export",
+           decoder="eval.drafters.dflash2.dflash2_drafter", training="train.dflash2.DFlash2Module",
+           network=DFlash2Net, needs_export=True, tree="fixed", acceptance=("eagle_topk_accuracy", "val_step_top1"),
+           serve="dflash", teacher_forced="eval.drafters.dflash2.dflash2_ranks",
+           export=ExportFormat(("DFlash2DraftModel",), dflash2_layout, dflash2_from_layout,
+                               speculators_type="dflash2", to_speculators=dflash2_to_speculators,
+                               from_speculators=dflash2_from_speculators, agrees=dflash_weights_agree)),
     Family("draft_model", "draft model", drafter="eval.drafters.draft_model.draft_model",
            training="train.draft_model.DraftModelModule", stored_verifier="eval.drafters.draft_model.stored_verifier"),
     Family("prompt_lookup", "prompt lookup", drafter="eval.drafters.lookup.prompt_lookup"),

@@ -1,0 +1,142 @@
+"""DFlash2 at decode time (models/dflash2.py): one block forward, then depth by depth through the candidate selector.
+
+Each round: 1. the new committed positions enter the context cache (DFlash's `_extend`); 2. one block forward over
+[root, K masks] (the convolutions inside it) gives slot outputs h_1..h_K and their unary logits lm_head(h_k);
+3. depth by depth, each node's children are the slot's unary top-`selector_top_k` candidates re-scored by the selector
+given the node's token (the root's for depth 1): the node's rank-r child is the r-th best of those scores, or a
+sample from their softmax (warped as the sampling options say); every other token has probability 0. So each draft
+conditions on the one drafted before it, as vLLM's `DFlash2Speculator` walks the same scores. The tree is fixed, as
+DFlash's (tree=auto plans on the export's per-depth table, measured on the re-scored draft). Greedy acceptance keeps
+plain greedy's tokens whatever is proposed, and sampled acceptance reads the same p the draft was sampled from, so the
+output is the verifier's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eval.drafters.dflash import DFlashDrafter
+from eval.engine.protocol import Draft
+from eval.engine.sampling import SamplingConfig
+from eval.engine.tree import Tree, TreePolicy, fixed_tree
+from models.dflash import block_rows
+from models.dflash2 import DFlash2Net
+from models.verifiers.core import Verifier
+from runtime.errors import UserError
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """DFlash2 for the drafter protocol: DFlash's context cache and block forward, the selector per depth."""
+
+    net: DFlash2Net
+
+    def set_tree(self, tree: Tree) -> None:
+        if max(tree.ranks[1:], default=0) >= self.net.selector_top_k:
+            raise UserError(f"The tree asks for rank {max(tree.ranks)} of a depth, but the DFlash2 export re-scores "
+                            f"its top {self.net.selector_top_k} candidates per depth (selector_top_k); use ranks "
+                            f"below {self.net.selector_top_k}.")
+        super().set_tree(tree)
+
+    def _slots(self, depth: int) -> Tensor:
+        """One block forward: the K = `depth` slot outputs (K, D) at positions n+1..n+K."""
+        root, n = self._root, self.cache_length
+        tokens = torch.cat([root, torch.full((1, depth), self.net.mask_token_id, device=root.device)], dim=1)
+        pos = (n + torch.arange(depth + 1, device=root.device))[None]
+        mask = torch.ones(1, 1, depth + 1, n + depth + 1, dtype=torch.bool, device=root.device)
+        return self.net.block(self.embed(tokens), pos, mask, self._k, self._v)[0, 1:]  # (K, D)
+
+    def _children(self, out: Tensor, unary: Tensor, prev: Tensor) -> Tensor:
+        """The re-scored logits (m, V) of the children of parents with tokens `prev` (m,) at one depth: slot output
+        `out` (1, D), its unary logits `unary` (V,)."""
+        return self.net.rescored(unary[None], out, prev)
+
+    def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
+        """The top-1 chain's logits per depth (K, V): each depth re-scored given the token the depth before drafted
+        (its argmax), as a chain round computes them."""
+        k = self.max_depth if depth is None else depth
+        out = self._slots(k)
+        unary = self.net.logits(out, self.lm_head).float()  # (K, V)
+        prev, rows = self._root[0], []
+        for d in range(k):
+            logits = self._children(out[d : d + 1], unary[d], prev)
+            rows.append(logits[0])
+            prev = logits.argmax(-1)
+        return torch.stack(rows)
+
+    @torch.no_grad()
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        if input_ids.shape[0] != 1:
+            raise UserError(f"DFlash2 drafting runs one sequence at a time; got batch size {input_ids.shape[0]}.")
+        self._extend(input_ids, hidden)  # 1. the new committed positions
+        root = input_ids[:, -1:]
+        tree = self.tree
+        if tree.num_drafts == 0:
+            return Draft(tree=tree, tokens=root)
+        out = self._slots(tree.max_depth)  # 2. one block forward
+        unary = self.net.logits(out, self.lm_head).float()  # (K, V)
+        tokens = torch.empty(tree.num_nodes, dtype=root.dtype, device=root.device)
+        tokens[0] = root[0, 0]
+        p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
+        for d in range(1, tree.max_depth + 1):  # 3. depth by depth: each parent's children through the selector
+            kids = [i for i in range(1, tree.num_nodes) if tree.depths[i] == d]
+            parents = sorted({tree.parents[i] for i in kids})
+            at = {q: i for i, q in enumerate(parents)}
+            row = torch.tensor([at[tree.parents[i]] for i in kids], device=root.device)
+            logits = self._children(out[d - 1 : d], unary[d - 1], tokens[parents])  # (m, V)
+            if self.sampling is not None:
+                probs = self._full_probs_of(logits)  # (m, V)
+                draws = torch.multinomial(probs[row], 1, generator=self.generator)[:, 0]
+                tokens[kids] = draws.to(tokens.dtype)
+                p[kids] = probs[row]
+            else:
+                top = logits.topk(max(tree.ranks[i] for i in kids) + 1, dim=-1).indices  # (m, R)
+                rank = torch.tensor([tree.ranks[i] for i in kids], device=root.device)
+                tokens[kids] = top[row, rank].to(tokens.dtype)
+        return Draft(tree=tree, tokens=tokens[None], p=None if p is None else p[None])
+
+
+def dflash2_drafter(net: DFlash2Net, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,
+                    sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
+                    head_ids: Tensor | None = None) -> DFlash2Drafter:
+    """The DFlash2 drafter for a loaded network (models/families.py names it the family's decoder): a fixed tree
+    under `tree` (tree=auto from the export's eagle_topk_accuracy), at most K = block_size - 1 deep."""
+    if head_ids is not None:
+        raise UserError("drafter.draft_vocab cuts the verifier's head, but DFlash2's selector codebooks span the "
+                        "whole vocabulary; leave drafter.draft_vocab=null for a DFlash2 export.")
+    table = config.get("eagle_topk_accuracy")
+    shape, name = fixed_tree(tree, net.parallel, table, "DFlash2", "eagle_topk_accuracy")
+    return DFlash2Drafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table)
+
+
+def dflash2_ranks(net: DFlash2Net, verifier: Verifier, batch: dict[str, Tensor], depth: int,
+                  keep: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Teacher-forced scoring (eval.offline.score_export; the registry's `teacher_forced`): every anchor's block as
+    in validation, each slot re-scored given the previous target token; (D, B, T) ranks of M_q's argmax under the
+    re-scored logits, validity, and the draft's top-1 probability."""
+    from data.hidden_cache import gather_layers
+    from eval.drafters.scoring import rank_rows
+
+    if keep is not None:
+        raise UserError("a kept vocabulary (train_vocab / draft_vocab) does not apply to DFlash2: its selector spans "
+                        "the whole vocabulary.")
+    layers = list(dict.fromkeys([*net.feature_layers, -1]))
+    states = gather_layers(batch, layers, verifier, layers)
+    ids, n = batch["input_ids"], batch["input_ids"].shape[1] - 1
+    q_arg = verifier.lm_head(states[-1]).argmax(-1)  # (B, T): M_q's greedy token after each position
+    vocab = verifier.vocab_size
+    ranks, valids, confs = [], [], []
+    # whole blocks (the convolutions group rows by block_size), the first `depth` slots scored
+    steps = block_rows(net, net.features(states)[:, :n], ids, batch["attention_mask"], batch["loss_mask"].bool(),
+                       verifier.token_embedding, net.parallel, None)
+    for j, step in zip(range(depth), steps):
+        valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets
+        logits = net.rescored(net.logits(h, verifier.lm_head).float(), h, ids[bi, ti + j + 1])
+        rank, conf = rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
+        pad = lambda x, v: torch.cat([x, x.new_full((x.shape[0], 1), v)], dim=1)  # (B, n) -> (B, T)  # noqa: E731
+        ranks.append(pad(rank, vocab))
+        valids.append(pad(valid, False))
+        confs.append(pad(conf, 0.0))
+    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)

@@ -1,0 +1,155 @@
+"""DFlash2Module: trains a DFlash2 drafter (models/dflash2.py) as speculators 0.9's recipe does.
+
+The blocks are DFlash's (`models.dflash.block_rows`, sampled anchors; the convolutions run inside the network's block
+forward). Per slot k (predicting x_{t+k+1}), two terms, both weighted step_decay^(k-1) (or by D-PACE, DFlashModule's
+`slot_weighting`):
+- the unary loss: DFlash's, the cross-entropy to q of lm_head(h_k) (`model.loss` another, train/losses.py);
+- the selector loss, `selector_weight` times a K-way cross-entropy over the slot's top-K unary candidates re-scored by
+  the selector given the previous target token x_{t+k} (teacher-forced; the root x_{t+1} for slot 1), the label the
+  verifier's greedy token; where that token is not among the K, it replaces the K-th candidate (speculators'
+  `selector_training_candidates`), so every row has a label. The candidates' unary logits keep their gradient, as
+  speculators' `score_candidates` reads them.
+Validation scores the draft decoding makes: the best of the unary top-K after re-scoring (no injected target), its
+overlap sum_c min(p, q) over the K candidates (p the softmax of their scores), and ranks under the re-scored logits
+(-inf outside the K): the tables tree planning reads (`eagle_topk_accuracy`, `val_step_top1`). `val/step{j}_unary_top1`
+logs the unary argmax's top-1 beside it, what the selector adds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from data.hidden_cache import gather_layers
+from models.dflash2 import DFlash2Net, build_dflash2
+from models.verifiers.core import Verifier
+from runtime.errors import UserError
+from train.dflash import DFlashModule
+from train.losses import chunked_loss
+
+
+def selector_labels(cand: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The K-way training candidates, the target's place among them, and whether unary top-K held it: where it did
+    not, the target replaces the K-th candidate. cand (N, K), target (N,) -> (N, K), (N,), (N,)"""
+    k = cand.shape[-1]
+    match = cand == target[:, None]
+    inside = match.any(-1)
+    label = torch.where(inside, match.int().argmax(-1), k - 1)
+    train = cand.clone()
+    train[:, -1] = torch.where(inside, cand[:, -1], target)
+    return train, label, inside
+
+
+class DFlash2Module(DFlashModule):
+    """Args: DFlash's (train/dflash.py; no train_vocab: the selector's codebooks span the vocabulary), and
+        conv_kernel_size, conv_group_size: the dynamic convolution's taps and channels per kernel (speculators: 2, 16).
+        selector_rank, selector_top_k: the selector's codebook rank and the candidates it re-scores (256, 16).
+        selector_weight: the selector loss's weight (speculators' selector_loss_alpha, 1.0).
+    """
+
+    def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, block_size: int = 8,
+                 num_layers: int = 1, aux_layer_ids: list[int] | None = None, num_anchors: int | None = 64,
+                 step_decay: float = math.exp(-0.25), warmup_ratio: float = 0.05, loss: str = "kl",
+                 lk_eta: float = 3.0, slot_weighting: str = "exp", dpace_alpha: float = 0.5,
+                 conv_kernel_size: int = 2, conv_group_size: int = 16, selector_rank: int = 256,
+                 selector_top_k: int = 16, selector_weight: float = 1.0) -> None:
+        if isinstance(selector_weight, bool) or not isinstance(selector_weight, (int, float)) \
+                or not selector_weight >= 0:
+            raise UserError(f"model.selector_weight={selector_weight!r}: the selector loss's weight must be a number "
+                            f">= 0 (speculators: 1.0).")
+        super().__init__(verifier, optimizer, scheduler, mask_token_id=mask_token_id, block_size=block_size,
+                         num_layers=num_layers, aux_layer_ids=aux_layer_ids, num_anchors=num_anchors,
+                         step_decay=step_decay, warmup_ratio=warmup_ratio, train_vocab=None, loss=loss,
+                         lk_eta=lk_eta, slot_weighting=slot_weighting, dpace_alpha=dpace_alpha)
+        self.net = build_dflash2(verifier, mask_token_id, block_size, num_layers, aux_layer_ids, conv_kernel_size,
+                                 conv_group_size, selector_rank, selector_top_k)
+        self.hparams.update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                            selector_rank=selector_rank, selector_top_k=selector_top_k,
+                            selector_weight=selector_weight)
+        self._unary: Tensor | None = None  # validation: (hits, rows) of the unary argmax per slot
+
+    @property
+    def reads_alpha(self) -> bool:  # type: ignore[override]
+        return True  # the overlaps are cheap here (K candidates), and D-PACE reads them
+
+    def model_step(self, batch: dict[str, Tensor], steps: int, train: bool) -> dict[str, Any]:
+        """EagleModule.model_step's outputs (per-slot losses, hits, valid targets, alpha; validation: ranks and the
+        draft's top-1 probability) for the selector's draft, the unary and selector losses in each slot's loss."""
+        if self.verifier.device != self.device:
+            self.verifier.to(self.device)
+        hp = self.hparams
+        net: DFlash2Net = self.net
+        ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
+        n = ids.shape[1] - 1
+        states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
+        final = states[-1]
+        feats = net.features(states)[:, :n]
+        embed, lm_head = self.verifier.token_embedding, self.verifier.lm_head
+        terms, correct, valid_at, ranks, confs, alphas = [], [], [], [], [], []
+        unary_hits = torch.zeros(steps, 2, device=ids.device)
+        for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
+            valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets
+            unary = net.logits(h, lm_head).float()  # (N, V)
+            with torch.no_grad():
+                q = lm_head(final[bi, ti + j + 1]).float().softmax(-1)  # (N, V): the verifier's next token after t+j+1
+                q_arg = q.argmax(-1)
+            per_row, unary_arg, _ = chunked_loss(unary, q, None, loss=hp.get("loss", "kl"),
+                                                 eta=hp.get("lk_eta", 3.0), want_alpha=False)
+            prev = ids[bi, ti + j + 1]  # the token before slot j+1: x_{t+j+1} (the root for slot 1)
+            cand = net.candidates(unary.detach())  # (N, K)
+            train_cand, label, _ = selector_labels(cand, q_arg)
+            scores = net.candidate_selector.scores(unary, h, prev, train_cand)  # (N, K)
+            sel = F.cross_entropy(scores, label, reduction="none")  # (N,)
+            with torch.no_grad():  # the draft decoding makes: the best re-scored candidate of the unary top-K
+                served = net.candidate_selector.scores(unary.detach(), h.detach(), prev, cand)  # (N, K)
+                p_sel = served.softmax(-1)
+                accept = torch.minimum(p_sel, q.gather(1, cand)).sum(-1)  # (N,) sum_c min(p, q)
+                draft = cand.gather(1, served.argmax(-1, keepdim=True))[:, 0]
+            zero = (unary.sum() + scores.sum()) * 0.0
+            terms.append((per_row, sel, bi, ti, zero))
+            alpha = torch.zeros(valid.shape, device=valid.device)
+            alpha[bi, ti] = accept
+            alphas.append(alpha)
+            hit = torch.zeros_like(valid)
+            hit[bi, ti] = draft == q_arg
+            correct.append(hit)
+            valid_at.append(valid)
+            if train:
+                continue
+            rows = torch.tensor(float(bi.numel()), device=ids.device)
+            unary_hits[j] += torch.stack([(unary_arg == q_arg).sum().float(), rows])
+            full = torch.full_like(unary, float("-inf")).scatter_(1, cand, served)  # the re-scored logits (N, V)
+            rank = torch.full(valid.shape, net.vocab_size, dtype=torch.long, device=valid.device)
+            rank[bi, ti] = net.target_rank(full, q_arg)
+            ranks.append(rank)
+            conf = torch.zeros(valid.shape, device=valid.device)
+            conf[bi, ti] = p_sel.amax(-1)
+            confs.append(conf)
+        valid_all, alpha_all = torch.stack(valid_at), torch.stack(alphas)
+        weights = self.slot_weights(alpha_all, valid_all)  # (S, B, n) or None: step_decay^j per step (_loss)
+        losses = []
+        for j, (per_row, sel, bi, ti, zero) in enumerate(terms):
+            w = 1.0 if weights is None else weights[j][bi, ti]
+            step_loss = self.global_mean((per_row * w).sum(), per_row.numel()) + \
+                hp.selector_weight * self.global_mean((sel * w).sum(), sel.numel())
+            losses.append(step_loss if bi.numel() else zero)
+        if not train:
+            self._unary = unary_hits if self._unary is None else self._unary + unary_hits
+        out = {"losses": losses, "correct": torch.stack(correct), "valid": valid_all, "alpha": alpha_all}
+        return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        if self._unary is None:
+            return
+        agg = self.trainer.strategy.reduce(self._unary, reduce_op="sum")
+        self._unary = None
+        for j, (hits, rows) in enumerate(agg.tolist()):
+            if rows:
+                self.log(f"val/step{j}_unary_top1", hits / rows)
