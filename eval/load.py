@@ -73,9 +73,16 @@ def load_settings(concurrency: Any, tokens: Any, peers: Sequence[str], export: s
 
 
 def predictor(run: Any, prefix: list[int]) -> Callable[[list[int], list[int]], Any]:
-    """The batch cost model (eval/batch_cost.py) for the run's verifier and export: verify costs measured now on the
-    run's first prompt, the export's acceptance table, the drafter's batch-1 draft curve where the run measured one
-    (tree.size=auto)."""
+    """The batch cost model for a `python -m eval` run (its Setup): its verifier and export, and the drafter's
+    batch-1 draft curve where the run measured one (tree.size=auto)."""
+    sizes = run.curves[0].sizes if run.curves and run.draft_curve else None
+    return batch_predictor(run.verifier.model, run.exports[0].acceptance, prefix, sizes, run.draft_curve)
+
+
+def batch_predictor(model: Any, acceptance: Any, prefix: list[int], sizes: Sequence[int] | None = None,
+                    draft_curve: Sequence[float] | None = None) -> Callable[[list[int], list[int]], Any]:
+    """The batch cost model (eval/batch_cost.py): verify costs of `model` measured when called, on the prefix
+    `prefix`, the export's acceptance table, the draft curve (ms at `sizes` nodes) or no draft cost."""
 
     def predict(levels: list[int], ks: list[int]) -> Any:
         import torch
@@ -83,9 +90,8 @@ def predictor(run: Any, prefix: list[int]) -> Callable[[list[int], list[int]], A
         from eval.batch_cost import draft_ms_per_k, predict, verify_costs
 
         print(f"[load] the batch cost model: verify costs at batch sizes {levels}, widths K + 1", flush=True)
-        costs = verify_costs(run.verifier.model, torch.tensor([prefix]), levels, sorted({1, *(k + 1 for k in ks)}))
-        sizes = run.curves[0].sizes if run.curves and run.draft_curve else None
-        return predict(costs, levels, ks, run.exports[0].acceptance, draft_ms_per_k(sizes, run.draft_curve, ks))
+        costs = verify_costs(model, torch.tensor([prefix]), levels, sorted({1, *(k + 1 for k in ks)}))
+        return predict(costs, levels, ks, acceptance, draft_ms_per_k(sizes, draft_curve, ks))
 
     return predict
 
@@ -156,13 +162,14 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
           cache_dir: str | None = None, predict: Any = None) -> dict[str, Any]:
     """The whole sweep (module docstring); `predict(levels, ks)`: the batch cost model's Prediction, or None."""
     from serve import vllm_engine
-    from serve.server import ServeSettings, format_schedule, prepare, read_export
+    from serve.server import ServeSettings, format_schedule, prepare, read_export, served_name
 
     info = read_export(export)
     verifier, served = prepare(info, cache_dir)
     most = max(load.concurrency)
-    base = dict(max_num_seqs=most, dtype=dtype, threads=threads, name=info.path.name, port=_free_port(PORT),
-                max_model_len=max(len(p) for p in prompts) + max_new_tokens + max(load.ks) + 16)
+    base: dict[str, Any] = dict(max_num_seqs=most, dtype=dtype, threads=threads, name=served_name(info.path),
+                                port=_free_port(PORT),
+                                max_model_len=max(len(p) for p in prompts) + max_new_tokens + max(load.ks) + 16)
     log_dir = out_dir / "vllm_load"
     log_dir.mkdir(parents=True, exist_ok=True)
     errors: list[dict[str, Any]] = []

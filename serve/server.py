@@ -165,6 +165,11 @@ def read_export(export: str | Path) -> Any:
     return info
 
 
+def served_name(path: Path) -> str:
+    """The model name clients send: the export folder's name, or its run's for a train.py `<run>/export`."""
+    return path.parent.name if path.name == "export" else path.name
+
+
 def prepare(info: Any, cache_dir: str | None = None) -> tuple[str, Path]:
     """An export (read_export) as vLLM serves it: (the verifier checkpoint it names, the drafter folder vLLM
     loads). A compact export whose verifier tensors were left out is written back in full once under
@@ -310,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         verifier, served = prepare(info, args.cache_dir)
         settings = ServeSettings(verifier, None if args.plain else served, None if args.plain else info.kind,
                                  args.tokens or info.speculative_tokens, schedule, args.host, args.port,
-                                 args.max_num_seqs, args.max_model_len, args.dtype, args.threads, info.path.name)
+                                 args.max_num_seqs, args.max_model_len, args.dtype, args.threads,
+                                 served_name(info.path))
         if args.print_command:
             env = vllm_engine.engine_env(settings.threads)
             keep = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS")

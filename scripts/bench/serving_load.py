@@ -1,0 +1,70 @@
+"""The concurrency sweep of `python -m eval ... engine_peers=[vllm] engine_concurrency=[...]` (eval/load.py) alone,
+without our own decoder's pass over the prompts first: on a shared CPU that pass (every prompt through our plain and
+speculative decoding and HF's references) can take longer than the sweep itself.
+
+    python -m scripts.bench.serving_load pretrained/eagle3-smollm2 --concurrency 1 2 4 8 16 --tokens 1 2 3 5 \\
+        --num-prompts 16 --max-new-tokens 64 --out outputs/load/eagle3
+
+The same prompts as `python -m eval` takes (`--prompts`, default the built-in eval split, round-robin over its
+categories), the same sweep, schedule and prediction (the batch cost model without a draft cost: no drafter is built
+here), written to <out>/report.json as `{"engine_peers": {"vllm": ...}}` with load_speedup.png and the servers' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    from data.chat import prompt_ids
+    from eval.harness import load_prompt_sets
+    from eval.load import batch_predictor, load_settings, sweep
+    from eval.planner.cost import auto_dtype
+    from eval.runner import user_turns
+    from models.verifiers.load import load_verifier
+    from runtime.errors import UserError
+    from serve.server import read_export
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("export")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="K values (default: the export's own)")
+    parser.add_argument("--prompts", default="builtin")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-predict", action="store_true", help="skip the batch cost model")
+    parser.add_argument("--out", default="outputs/load/run")
+    args = parser.parse_args(argv)
+    try:
+        load = load_settings(args.concurrency, args.tokens, ["vllm"], args.export)
+        assert load is not None
+        dtype = auto_dtype("cpu")[0] if args.dtype == "auto" else args.dtype
+        info = read_export(args.export)
+        torch.set_num_threads(args.threads)
+        verifier = load_verifier(info.verifier, dtype, "cpu")
+        convs = load_prompt_sets(args.prompts, args.num_prompts)
+        prompts = [prompt_ids(verifier.tokenizer, user_turns(c)[0], verifier.rendering) for c in convs]
+        predict = None if args.no_predict else batch_predictor(verifier.model, info.acceptance, prompts[0])
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = sweep(load, args.export, prompts, args.max_new_tokens, dtype, args.threads, 0.0, 0, out,
+                       predict=predict)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = {"engine_peers": {"vllm": result}, "checkpoint": args.export, "num_prompts": len(prompts),
+              "prompt_source": args.prompts, "max_new_tokens": args.max_new_tokens, "dtype": dtype}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(f"report: {out / 'report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
