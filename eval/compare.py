@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
@@ -31,6 +30,7 @@ from eval.report import (
     prompt_set_of,
     write_samples,
 )
+from eval.settings import EvalSettings
 from models.formats.export import ExportInfo
 from models.verifiers.core import Verifier
 
@@ -119,7 +119,7 @@ def save_chart(table: dict[str, dict[str, Any]], title: str, path: Path) -> Path
     return path
 
 
-def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], exports: list[ExportInfo],
+def report(s: EvalSettings, verifier: Verifier, drafters: dict[str, Drafter], exports: list[ExportInfo],
            samples: Sequence[Sample], sampling: dict[str, Any], engine: str,
            plans: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Write report.json, outputs.jsonl and families.png for method=all, print the table; returns the report.
@@ -131,8 +131,8 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
                                                                       for s in samples)]
     report = {
         "method": "all", "verifier": verifier.name, "checkpoint": [str(e.path) for e in exports],
-        "num_prompts": len(samples), "max_new_tokens": int(cfg.max_new_tokens), "threads": int(cfg.threads),
-        "dtype": str(cfg.dtype), "drafter_dtype": str(cfg.get("drafter_dtype", "float32")), "engine": engine,
+        "num_prompts": len(samples), "max_new_tokens": s.max_new_tokens, "threads": s.threads,
+        "dtype": s.dtype, "drafter_dtype": s.drafter_dtype, "engine": engine,
         "sampling": sampling,
         "trees": {m: d.describe() for m, d in drafters.items()}, "plans": plans or {},
         "methods": rows(samples, methods, depths),
@@ -140,11 +140,11 @@ def report(cfg: DictConfig, verifier: Verifier, drafters: dict[str, Drafter], ex
         "by_prompt_length": {g: rows([s for s in samples if length_group(s.prompt_tokens) == g], methods, depths)
                              for g in groups},
     }
-    if not isinstance(cfg.prompts, str):  # prompts=[set, ...]: categories are "<set>/<category>"
+    if not isinstance(s.prompts, str):  # prompts=[set, ...]: categories are "<set>/<category>"
         sets = list(dict.fromkeys(prompt_set_of(s.category) for s in samples))
         report["by_prompt_set"] = {p: rows([s for s in samples if prompt_set_of(s.category) == p], methods, depths)
                                    for p in sets}
-    out_dir = Path(str(cfg.output_dir))
+    out_dir = s.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     write_samples(samples, out_dir)

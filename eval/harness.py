@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_conversations, select_prompts
@@ -39,26 +38,23 @@ from eval.drafters.build import (
     family_of,
     method_name,
     ran_dtype,
-    resolve_drafter_dtype,
 )
 from eval.engine.block_verify import check_chain_drafters, may_branch
-from eval.engine.decode import ENGINES, engine_of, use_engine
+from eval.engine.decode import engine_of, use_engine
 from eval.engine.protocol import Drafter
 from eval.engine.rules import named_rule
-from eval.engine.sampling import sampling_config
 from eval.engine.tree import AutoTree
 from eval.load import LoadSettings, load_settings, predictor, sweep
 from eval.peers import check_peers, vllm_peer
 from eval.planner import adaptive, cost
 from eval.report import ALONE, SPECULATIVE, write_outputs
 from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
+from eval.settings import EvalSettings, parse
 from models.families import FAMILIES, a_title, resolve
 from models.formats.export import ExportInfo, read_info
 from models.verifiers.core import Verifier, check_fingerprint
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError
-
-EVAL_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -83,34 +79,32 @@ class Setup:
         return next(iter(self.drafters.values()))
 
 
-def read_exports(cfg: DictConfig, family: str, method_all: bool) -> list[ExportInfo]:
+def read_exports(s: EvalSettings, family: str) -> list[ExportInfo]:
     """checkpoint=<export dir> (a list only with method=all), each read once; required by the families that need an
     export, and of the kind `drafter=` names when it names one."""
-    value = None if OmegaConf.is_missing(cfg, "checkpoint") else cfg.checkpoint
-    if value is None:
+    if not s.checkpoints:
         if family == "export" or FAMILIES[family].needs_export:
             no_export = [n for n, f in FAMILIES.items() if not f.needs_export]
             raise UserError("checkpoint=<export dir> is required: the `export/` directory train.py printed, e.g. "
                             "python -m eval checkpoint=outputs/medusa-smollm2/export. Drafters that need no export: "
                             f"{', '.join(f'drafter={n}' for n in no_export)}.")
         return []
-    if OmegaConf.is_list(value) and not method_all:
-        raise UserError(f"checkpoint={list(value)} is a list; one run takes one export (a list only with method=all).")
-    return [read_info(Path(str(p)).expanduser()) for p in (value if OmegaConf.is_list(value) else [value])]
+    if s.checkpoint_list and not s.method_all:
+        raise UserError(f"checkpoint={[str(c) for c in s.checkpoints]} is a list; one run takes one export (a list "
+                        f"only with method=all).")
+    return [read_info(c) for c in s.checkpoints]
 
 
-def verifier_source_of(cfg: DictConfig, family: str, export: ExportInfo | None) -> Any:
+def verifier_source_of(s: EvalSettings, family: str, export: ExportInfo | None) -> Any:
     """verifier_path when given, else the verifier the export names (or the one the drafter's own files name: a
     distilled draft model's, through its registry entry's `stored_verifier`), else the default verifier (smollm2)."""
-    source = cfg.verifier_path
+    source = s.verifier_path
     if not source and export is not None:
         source = export.verifier
         if not source:
             raise UserError(f"checkpoint={str(export.path)!r} names no verifier; pass verifier_path=<the verifier>.")
     if not source and FAMILIES[family].stored_verifier:  # named by the drafter's file: local, no code
-        source = resolve(FAMILIES[family].stored_verifier)(cfg.drafter)
-    if OmegaConf.is_config(source):  # verifier_path={loader: tiny, seed: 1} on the command line
-        source = OmegaConf.to_container(source, resolve=True)
+        source = resolve(FAMILIES[family].stored_verifier)(s.drafter)
     return source or "smollm2"
 
 
@@ -128,27 +122,27 @@ def check_exports_agree(exports: list[ExportInfo]) -> None:
                             f"or pass exports of the same verifier.")
 
 
-def check_before_loading(cfg: DictConfig, family: str, exports: list[ExportInfo], method_all: bool) -> None:
+def check_before_loading(s: EvalSettings, family: str, exports: list[ExportInfo]) -> None:
     """Refuse what the config and the exports' config.json settle alone, before the verifier loads and any cost
     curve is measured (minutes): `drafter=<family>` of another family than the export holds, sampled_drafts for a
     family that drafts from no export, tree.size=0 (plain decoding under a drafter's label), exports of different
     verifiers under method=all, and plan=adaptive where there is nothing to adapt."""
     export = exports[0] if exports else None
-    if not method_all and export is not None and FAMILIES[family].has_export and family != export.kind:
+    if not s.method_all and export is not None and FAMILIES[family].has_export and family != export.kind:
         raise UserError(f"checkpoint={str(export.path)!r} is {a_title(export.kind)} export but drafter={family} asks "
                         f"for {a_title(family)} one. Use drafter={export.kind} (or leave drafter= out: the export's "
                         f"own family), or pass {a_title(family)} export.")
-    if not method_all:
-        check_proposals(cfg, family)
-    if getattr(instantiate(cfg.tree, _convert_="all"), "size", None) == 0:
+    if not s.method_all:
+        check_proposals(s.sampled_drafts, family)
+    if getattr(s.tree, "size", None) == 0:
         raise UserError("tree.size=0 drafts nothing: the run would be plain decoding labelled as speculative "
                         "(report.json measures plain decoding as `baseline` already). Give tree.size >= 1 draft "
                         "nodes per round, or tree.size=auto to plan it from the verifier's cost curve.")
     check_exports_agree(exports)
-    adaptive.plan_mode(cfg.get("plan"), instantiate(cfg.tree, _convert_="all"), family, export, not method_all)
+    adaptive.plan_mode(s.plan, s.tree, family, export, not s.method_all)
 
 
-def _every_family(cfg: DictConfig, chosen: str, verifier: Verifier, exports: list[ExportInfo],
+def _every_family(s: EvalSettings, chosen: str, verifier: Verifier, exports: list[ExportInfo],
                   prefix: Callable[[], list[int]]) -> tuple[dict[str, Drafter], dict[str, cost.Plan]]:
     """method=all: every family available, by method label (e.g. `medusa/auto-16`): each export's own family, then
     every family that needs no export, then those that build on one (the hybrid) on the first export. The family
@@ -162,21 +156,22 @@ def _every_family(cfg: DictConfig, chosen: str, verifier: Verifier, exports: lis
     for name, fam in FAMILIES.items():
         if fam.has_export or (fam.needs_export and not exports):
             continue
-        families.append((name, cfg.drafter if name == chosen else family_config(name),
+        families.append((name, s.drafter if name == chosen else family_config(name),
                          exports[0] if exports and fam.needs_export else None))
-    policy = instantiate(cfg.tree, _convert_="all")
+    policy = s.tree
     auto = isinstance(policy, AutoTree) and policy.size == "auto"
     curve = None
     if auto and any(e is not None and e.acceptance is not None and FAMILIES[n].tree != "own" for n, _, e in families):
         ids = torch.tensor([prefix()], device=verifier.device)
-        curve = cost.measure(verifier, ids, int(cfg.threads), str(cfg.get("engine", "auto")))
+        curve = cost.measure(verifier, ids, s.threads, s.engine)
     drafters, plans = {}, {}
     for name, drafter_cfg, export in families:
         if curve is None:
-            drafter, planned = build_drafter(cfg, name, drafter_cfg, verifier, export,
-                                             AutoTree(size=cost.FALLBACK_SIZE) if auto else policy), None
+            drafter, planned = build_drafter(name, drafter_cfg, verifier, export,
+                                             AutoTree(size=cost.FALLBACK_SIZE) if auto else policy,
+                                             **proposals_of(s)), None
         else:  # profile=true's extra curves are not drawn here: one curve plans every family
-            built = plan_and_build(cfg, name, drafter_cfg, verifier, export, prefix, curve, profile=False)
+            built = plan_and_build(s, name, drafter_cfg, verifier, export, prefix, curve, profile=False)
             drafter, planned = built.drafter, built.planned
         label = method_name(name, drafter)
         if export is not None and sum(e.kind == export.kind for e in exports) > 1:
@@ -202,25 +197,24 @@ class Built:
     draft: list[float] | None = None  # ms of one round's drafting at the curve's sizes
 
 
-def plan_and_build(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifier: Verifier,
+def plan_and_build(s: EvalSettings, family: str, drafter_cfg: DictConfig, verifier: Verifier,
                    export: ExportInfo | None, prefix: Callable[[], list[int]], curve: cost.Curve | None = None,
                    profile: bool | None = None) -> Built:
-    """Build `family`'s drafter under cfg.tree. tree.size=auto: a probe drafter with the largest budget is built and
-    its drafting timed, eval.planner.cost chooses the budget on the verifier's cost curve (`curve`, else measured now
-    on a
-    real prefix), then the drafter is built with it. profile=true: the drafter's draft curve beside the curve."""
-    tree = instantiate(cfg.tree, _convert_="all")
-    adapt = adaptive.plan_mode(cfg.get("plan"), tree, family, export, str(cfg.get("method", "single")) != "all")
-    policy, auto = cost.budget_policy(tree, family, export)
-    profile = bool(cfg.get("profile")) if profile is None else profile
+    """Build `family`'s drafter under the tree policy. tree.size=auto: a probe drafter with the largest budget is
+    built and its drafting timed, eval.planner.cost chooses the budget on the verifier's cost curve (`curve`, else
+    measured now on a real prefix), then the drafter is built with it. profile=true: the drafter's draft curve beside
+    the curve."""
+    adapt = adaptive.plan_mode(s.plan, s.tree, family, export, not s.method_all)
+    policy, auto = cost.budget_policy(s.tree, family, export)
+    profile = s.profile if profile is None else profile
 
     def build(p: Any) -> Drafter:
-        return build_drafter(cfg, family, drafter_cfg, verifier, export, p)
+        return build_drafter(family, drafter_cfg, verifier, export, p, **proposals_of(s))
 
     if not (profile or auto):
         return Built(build(policy))
     ids = torch.tensor([prefix()], device=verifier.device)
-    engine, threads = str(cfg.get("engine", "auto")), int(cfg.threads)
+    engine, threads = s.engine, s.threads
     curve = curve if curve is not None else cost.measure(verifier, ids, threads, engine)
     planned, draft = None, None
     if auto:
@@ -239,18 +233,17 @@ def plan_and_build(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifi
     return Built(drafter, curve, planned, draft)
 
 
-def profile_curves(cfg: DictConfig, source: Any, verifier: Verifier, prefix: Callable[[], list[int]]
+def profile_curves(s: EvalSettings, source: Any, verifier: Verifier, prefix: Callable[[], list[int]]
                    ) -> list[cost.Curve]:
     """profile=true: the verifier's cost curve at every other `profile_dtypes` x `profile_threads` (each other dtype's
     verifier loaded for it)."""
     ids = torch.tensor([prefix()], device=verifier.device)
-    engine, threads, dtype = str(cfg.get("engine", "auto")), int(cfg.threads), str(cfg.dtype)
+    engine, threads, dtype = s.engine, s.threads, s.dtype
     curves = []
-    for other_dtype in cfg.get("profile_dtypes") or [dtype]:
-        other = verifier if other_dtype == dtype else load_verifier(source, str(other_dtype), str(cfg.device),
-                                                                    cfg.get("cache_dir"))
-        curves += [cost.measure(other, ids, int(t), engine) for t in cfg.get("profile_threads") or [threads]
-                   if (other_dtype, int(t)) != (dtype, threads)]
+    for other_dtype in s.profile_dtypes:
+        other = verifier if other_dtype == dtype else load_verifier(source, other_dtype, s.device, s.cache_dir)
+        curves += [cost.measure(other, ids, t, engine) for t in s.profile_threads
+                   if (other_dtype, t) != (dtype, threads)]
     return curves
 
 
@@ -286,66 +279,64 @@ def load_prompt_sets(prompts: Any, num: int | None) -> list[Conversation]:
             for c in select_prompts(load_conversations(source, split="eval"), num)]
 
 
-def setup(cfg: DictConfig) -> Setup:
+def setup(s: EvalSettings) -> Setup:
     """Read the export(s) and the prompts first (a bad file fails in a second), then load the verifier (the
     export's, `verifier_path`, else the default), then build the drafter(s) with their tree policy (an export made
     for another verifier, or a tree a drafter cannot draft, is refused there)."""
-    method_all = str(cfg.get("method", "single")) == "all"
-    named = family_of(cfg.drafter)  # the family, resolved once for the run: "export" takes the export's own
-    exports = read_exports(cfg, named, method_all)
+    named = family_of(s.drafter)  # the family, resolved once for the run: "export" takes the export's own
+    exports = read_exports(s, named)
     export = exports[0] if exports else None
     family = export.kind if named == "export" and export is not None else named
-    check_before_loading(cfg, family, exports, method_all)
-    convs = load_prompt_sets(cfg.prompts, cfg.num_prompts)
-    source = verifier_source_of(cfg, family, export)
-    verifier = load_verifier(source, str(cfg.dtype), str(cfg.device), cfg.get("cache_dir"))
+    check_before_loading(s, family, exports)
+    convs = load_prompt_sets(s.prompts, s.num_prompts)
+    source = verifier_source_of(s, family, export)
+    verifier = load_verifier(source, s.dtype, s.device, s.cache_dir)
     for e in exports:  # an export for another verifier (verifier_path= given): refused before any cost curve
         if isinstance(e.config.get("verifier_fingerprint"), dict) and not e.config.get("reference_layout"):
             check_fingerprint(e.config["verifier_fingerprint"], verifier, f"{a_title(e.kind)} export {str(e.path)!r}")
 
     def prefix() -> list[int]:  # a real prefix for the cost curve, checked before anything runs on it
         ids = prompt_ids(verifier.tokenizer, user_turns(convs[0])[0], verifier.rendering)
-        check_length(verifier, ids, int(cfg.max_new_tokens), f"prompt {convs[0].id!r}")
+        check_length(verifier, ids, s.max_new_tokens, f"prompt {convs[0].id!r}")
         return ids
 
-    if method_all:
-        drafters, plans = _every_family(cfg, family, verifier, exports, prefix)
+    if s.method_all:
+        drafters, plans = _every_family(s, family, verifier, exports, prefix)
         return Setup(verifier, drafters, "all", exports, convs, source, plans=plans)
 
-    built = plan_and_build(cfg, family, cfg.drafter, verifier, export, prefix)
+    built = plan_and_build(s, family, s.drafter, verifier, export, prefix)
     curves = [built.curve] if built.curve is not None else []
-    if cfg.get("profile"):
-        curves += profile_curves(cfg, source, verifier, prefix)
+    if s.profile:
+        curves += profile_curves(s, source, verifier, prefix)
     # tree.size=auto: the plan made before the first round (a hybrid: its primary's); else, with a curve, the
     # prediction for the tree given
     predicted = built.planned
     if predicted is None and curves and export is not None and FAMILIES[family].has_export:
         predicted = cost.predict(export, built.drafter, curves[0], built.draft)
     drafters = {SPECULATIVE: built.drafter}
-    if bool(cfg.get("alone", True)) and export is not None and FAMILIES[family].tree == "primary":
+    if s.alone and export is not None and FAMILIES[family].tree == "primary":
         # a combination built on the export's drafter (the hybrid): that drafter alone beside it, planned the same
         # way on the same cost curve, so the report gives what the combination adds (report.json drafter_alone)
-        drafters[ALONE] = plan_and_build(cfg, export.kind, family_config(export.kind), verifier, export, prefix,
+        drafters[ALONE] = plan_and_build(s, export.kind, family_config(export.kind), verifier, export, prefix,
                                          curve=built.curve).drafter
     return Setup(verifier, drafters, method_name(family, built.drafter), exports, convs, source,
                  curves, predicted, built.planned is not None, built.draft)
 
 
-def run_peers(cfg: DictConfig, run: Setup, samples: list[Any], load: LoadSettings | None = None) -> dict[str, Any]:
+def run_peers(s: EvalSettings, run: Setup, samples: list[Any], load: LoadSettings | None = None) -> dict[str, Any]:
     """engine_peers=[vllm]: the run's prompts through the real vLLM, plain and with the export drafting."""
     export = run.exports[0] if run.exports else None
     kind = export.kind if export is not None else None
     prompts = [prompt_ids(run.verifier.tokenizer, user_turns(c)[0], run.verifier.rendering) for c in run.convs]
-    tokens = cfg.get("engine_peer_tokens") or (export.speculative_tokens if export is not None else None)
+    tokens = s.engine_peer_tokens or (export.speculative_tokens if export is not None else None)
     if load is not None and export is not None:  # engine_concurrency: the sweep in vLLM's server (eval/load.py)
-        return {"vllm": sweep(load, str(export.path), prompts, int(cfg.max_new_tokens), str(cfg.dtype),
-                              int(cfg.threads), float(cfg.temperature), int(cfg.seed), Path(str(cfg.output_dir)),
-                              cfg.get("cache_dir"), predictor(run, prompts[0]))}
+        return {"vllm": sweep(load, str(export.path), prompts, s.max_new_tokens, s.dtype, s.threads,
+                              s.sampling.temperature, s.seed, s.output_dir, s.cache_dir, predictor(run, prompts[0]))}
     print(f"engine_peers: vLLM plain and {kind or 'no drafter'} on {len(prompts)} prompts")
     return {"vllm": vllm_peer(run.verifier, kind, export.path if export else None, prompts,
                               [s.outputs["baseline"] for s in samples],
-                              int(cfg.max_new_tokens), str(cfg.dtype), int(cfg.threads), float(cfg.temperature),
-                              float(cfg.top_p), int(cfg.seed), tokens)}
+                              s.max_new_tokens, s.dtype, s.threads, s.sampling.temperature, s.sampling.top_p, s.seed,
+                              tokens)}
 
 
 def chains_only(run: Any) -> list[str]:
@@ -362,73 +353,48 @@ def chains_only(run: Any) -> list[str]:
 
 
 def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
-    """Run `python -m eval` as configured by conf/eval.yaml; returns report.json's content."""
-    if "verifier" in cfg:  # `+verifier=<name>`: train.py's config group, which eval would ignore
-        given = cfg.verifier.get("_target_", cfg.verifier) if OmegaConf.is_dict(cfg.verifier) else cfg.verifier
-        raise UserError(f"+verifier= was given (it loads with {given}): python -m eval does not read the "
-                        f"`verifier` group (train.py's); it decodes with the verifier the export names (its "
-                        f"config.json `verifier`), or verifier_path= when given. Pass verifier_path=<smollm2, gemma3, "
-                        f"a Hub id or a checkpoint directory> instead (an export made for another verifier is "
-                        f"refused by its fingerprint).")
-    if isinstance(cfg.threads, int) and int(cfg.threads) < 1:
-        raise UserError(f"threads={cfg.threads} must be >= 1 (torch.set_num_threads).")
-    for key in ("threads", "max_new_tokens", "seed", "prompt_lookup_num_tokens"):
-        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int):
-            raise UserError(f"{key}={cfg[key]!r} must be a whole number.")
-    if int(cfg.max_new_tokens) < 1:
-        raise UserError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1.")
-    dtype_reason = "set in the config"
-    if str(cfg.dtype) == "auto":
-        dtype, dtype_reason = cost.auto_dtype(str(cfg.device))
-        cfg.dtype = dtype
-        print(f"dtype: {dtype} ({dtype_reason})")
-    if str(cfg.dtype) not in EVAL_DTYPES:
-        raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use auto, float32 or bfloat16 (bf16 is "
-                        f"exact through eval.engine.forward, faster on CPUs with AMX or AVX512-BF16). float16 would "
-                        f"also change the verifier's fingerprint, which is taken in bfloat16.")
-    if str(cfg.get("engine", "auto")) not in ENGINES:
-        raise UserError(f"engine={cfg.engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine.forward where it "
-                        f"is exact and faster, hf: Hugging Face's forward).")
-    sampling = sampling_config(cfg)  # bad temperature / top_p / top_k fail before anything loads
-    cfg.drafter_dtype = resolve_drafter_dtype(cfg.get("drafter_dtype", "auto"), str(cfg.dtype))  # before loading
-    peers = check_peers(cfg.get("engine_peers") or [], bool(cfg.multi_turn), str(cfg.get("method", "single")))
-    load = load_settings(cfg.get("engine_concurrency"), cfg.get("engine_peer_tokens"), peers,
-                         None if cfg.get("checkpoint") is None else str(cfg.checkpoint))
+    """Run `python -m eval` as configured by conf/eval.yaml; returns report.json's content. The config is read here
+    only, parsed once into the run's settings (eval.settings: every value checked before anything loads)."""
+    return evaluate_settings(parse(cfg), progress)
+
+
+def evaluate_settings(s: EvalSettings, progress: bool = True) -> dict[str, Any]:
+    """The run for settings already parsed (eval.settings.parse)."""
+    peers = check_peers(list(s.engine_peers), s.multi_turn, s.method)
+    load = load_settings(s.engine_concurrency, s.engine_peer_tokens, peers, s.checkpoint_label)
     threads = torch.get_num_threads()
-    torch.set_num_threads(int(cfg.threads))
-    torch.manual_seed(int(cfg.seed))
+    torch.set_num_threads(s.threads)
+    torch.manual_seed(s.seed)
     try:
-        run = setup(cfg)
-        rule = named_rule(sampling)  # the acceptance rule asked for (eval.engine.rules)
+        run = setup(s)
+        rule = named_rule(s.sampling)  # the acceptance rule asked for (eval.engine.rules)
         left_out = chains_only(run) if run.method == "all" and rule.chains_only else []
         check_chain_drafters(rule, run.drafters.values())  # verify=block: chains only, before decoding
-        engine = str(cfg.get("engine", "auto"))
         # HF assisted generation joins the references with the run's first draft model, at its depth
         assistant, depth = next((assistant_of(d) for d in run.drafters.values() if assistant_of(d)[0] is not None),
                                 (None, 0))
-        runner = Runner(run.verifier, run.drafters, int(cfg.max_new_tokens), int(cfg.prompt_lookup_num_tokens),
-                        sampling, int(cfg.seed), engine, assistant, depth)
-        samples = run_prompts(runner, run.convs, bool(cfg.multi_turn), bool(cfg.warmup), progress)
-        peer_report = run_peers(cfg, run, samples, load) if peers else None
+        runner = Runner(run.verifier, run.drafters, s.max_new_tokens, s.prompt_lookup_num_tokens, s.sampling, s.seed,
+                        s.engine, assistant, depth)
+        samples = run_prompts(runner, run.convs, s.multi_turn, s.warmup, progress)
+        peer_report = run_peers(s, run, samples, load) if peers else None
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
+    engine = "engine" if use_engine(run.verifier, s.engine) else "hf"
+    record = sampling_record(s.sampling, s.sampled_drafts)
     if run.method == "all":
-        record = sampling_record(cfg) | ({"left_out_as_trees": left_out} if left_out else {})
-        return compare.report(cfg, run.verifier, run.drafters, run.exports, samples, record,
-                              "engine" if use_engine(run.verifier, engine) else "hf",
+        return compare.report(s, run.verifier, run.drafters, run.exports, samples,
+                              record | ({"left_out_as_trees": left_out} if left_out else {}), engine,
                               {m: asdict(p) for m, p in run.plans.items()})
     # the dtype the drafter's weights ran in, read from the drafter (the setting where it has no weights of its own)
-    ran = ran_dtype(run.drafter.describe()) or str(cfg.get("drafter_dtype", "float32"))
+    ran = ran_dtype(run.drafter.describe()) or s.drafter_dtype
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
-            "drafter_dtype": ran,
-            "checkpoint": None if cfg.checkpoint is None else str(cfg.checkpoint), "sampling": sampling_record(cfg),
-            "prompt_sets": None if isinstance(cfg.prompts, str) else [prompt_set_label(str(p)) for p in cfg.prompts]}
-    setting = {"threads": int(cfg.threads), "dtype": str(cfg.dtype),
-               "drafter_dtype": ran, "device": str(run.verifier.device),
-               "dtype_reason": dtype_reason, "engine": "engine" if use_engine(run.verifier, engine) else "hf",
-               "max_new_tokens": int(cfg.max_new_tokens), "prompt_source": str(cfg.prompts),
-               "multi_turn": bool(cfg.multi_turn), "tree": run.drafter.describe()}
-    if setting["engine"] == "engine":  # rows each weight's kernel is padded to, to stay batch-invariant here
+            "drafter_dtype": ran, "checkpoint": s.checkpoint_label, "sampling": record,
+            "prompt_sets": None if isinstance(s.prompts, str) else [prompt_set_label(p) for p in s.prompts]}
+    setting = {"threads": s.threads, "dtype": s.dtype, "drafter_dtype": ran, "device": str(run.verifier.device),
+               "dtype_reason": s.dtype_reason, "engine": engine, "max_new_tokens": s.max_new_tokens,
+               "prompt_source": prompt_source(s.prompts), "multi_turn": s.multi_turn,
+               "tree": run.drafter.describe()}
+    if engine == "engine":  # rows each weight's kernel is padded to, to stay batch-invariant here
         setting["engine_weight_rows"] = engine_of(run.verifier.model).weight_rows
     if run.predicted is not None:
         setting["cost_model"] = {**asdict(run.predicted), "tree_size_auto": run.auto_size, "plan": plan_of(run.drafter),
@@ -436,11 +402,10 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
                                  "note": "verify time from the cost curve plus the drafter's measured draft time "
                                          "(draft_curve_ms, at the curve's sizes); acceptance, commit and Python "
                                          "overhead excluded"}
-    out_dir = Path(str(cfg.output_dir))
     if run.curves:
-        cost.write(run.curves, out_dir, f"{run.verifier.name}: verifier forward cost")
+        cost.write(run.curves, s.output_dir, f"{run.verifier.name}: verifier forward cost")
     alone = run.drafters.get(ALONE)
-    report = write_outputs(samples, meta, setting, run.drafter.max_depth, out_dir, cfg.wandb, peers=peer_report,
+    report = write_outputs(samples, meta, setting, run.drafter.max_depth, s.output_dir, s.wandb, peers=peer_report,
                            alone_depth=alone.max_depth if alone is not None else 0)
     if run.predicted is not None:
         p = run.predicted
@@ -451,3 +416,13 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
               f"{'' if rounds is None else f', {rounds:.2f}x round by round (plan={plan_of(run.drafter)})'}; "
               f"measured {report['speedup']:.2f}x")
     return report
+
+
+def prompt_source(prompts: str | tuple[str, ...]) -> str:
+    """report.json's `prompt_source`: the set, or the sets as the command line lists them."""
+    return prompts if isinstance(prompts, str) else str(list(prompts))
+
+
+def proposals_of(s: EvalSettings) -> dict[str, Any]:
+    """What build_drafter takes from the settings: the drafter dtype, and sampled_drafts' sampling and seed."""
+    return {"dtype": s.drafter_dtype, "sampling": s.proposal_sampling, "seed": s.seed}

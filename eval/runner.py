@@ -11,7 +11,6 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import Tensor
 from tqdm import tqdm
 from transformers import GenerationConfig
@@ -21,7 +20,7 @@ from data.prompts import Conversation
 from eval.engine.decode import DecodeResult, sample_decode, speculative_decode
 from eval.engine.protocol import Assistant, Drafter
 from eval.engine.rules import rule_for
-from eval.engine.sampling import SamplingConfig, sampling_config
+from eval.engine.sampling import SamplingConfig
 from eval.planner.adaptive import prediction_of
 from eval.report import SPECULATIVE, Sample
 from models.verifiers.core import Verifier
@@ -185,11 +184,10 @@ def _interleave(history: list[dict[str, str]], answers: list[dict[str, str]]) ->
     return out
 
 
-def sampling_record(cfg: DictConfig) -> dict[str, Any]:
+def sampling_record(s: SamplingConfig, sampled_drafts: bool = False) -> dict[str, Any]:
     """report.json's `sampling`: the settings and whether the speculative output keeps the verifier's distribution
     (`exact`); typical acceptance is marked lossy."""
-    s = sampling_config(cfg)
     rule = rule_for(s)
     return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "rule": rule.name, "verify": s.verify,
             "exact": rule.exact, "lossy": not rule.exact,
-            "sampled_drafts": bool(cfg.get("sampled_drafts", False)) and not s.greedy}
+            "sampled_drafts": sampled_drafts and not s.greedy}

@@ -61,7 +61,7 @@ def test_a_family_defined_outside_the_package_trains_exports_reads_and_decodes(t
     assert torch.isfinite(trained).all() and trained.abs().sum() > 0
 
     drafter_cfg = OmegaConf.load(TOY / "conf" / "drafter" / f"{toy.name}.yaml")
-    drafter = build_drafter(OmegaConf.create({"seed": 0}), toy.name, drafter_cfg, verifier, read_info(export),
+    drafter = build_drafter(toy.name, drafter_cfg, verifier, read_info(export),
                             Chain())
     assert isinstance(drafter, ToyDrafter) and isinstance(drafter, Drafter)  # the decode loop's protocol
     ids = torch.tensor([verifier.tokenizer(PROMPT)["input_ids"]])

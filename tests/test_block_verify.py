@@ -297,13 +297,12 @@ def test_bad_verify_settings_are_one_user_error(bad):
 
 
 def test_report_records_the_rule():
-    from omegaconf import OmegaConf
-
+    from eval.engine.sampling import sampling_config
     from eval.runner import sampling_record
 
-    block = sampling_record(OmegaConf.create({"temperature": 0.7, "verify": "block"}))
+    block = sampling_record(sampling_config({"temperature": 0.7, "verify": "block"}))
     assert block["verify"] == "block" and block["rule"] == "block verification (exact)" and block["exact"]
-    assert sampling_record(OmegaConf.create({"temperature": 0.7}))["verify"] == "token"
+    assert sampling_record(sampling_config({"temperature": 0.7}))["verify"] == "token"
 
 
 def _run_eval(overrides: list[str], out) -> dict:

@@ -129,7 +129,6 @@ def test_train(runs, arch, family):
 @pytest.mark.parametrize("family", TRAINED)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_exact_decode(runs, verifiers, hf_greedy, arch, family):
-    from omegaconf import OmegaConf
 
     from eval.drafters.build import build_drafter, family_config
     from eval.engine.arch import supported
@@ -148,7 +147,7 @@ def test_exact_decode(runs, verifiers, hf_greedy, arch, family):
     drafter_cfg = family_config(family)
     if family == "draft_model":
         drafter_cfg.path = str(export)
-    drafter = build_drafter(OmegaConf.create({"seed": 0}), family, drafter_cfg, v, info, Chain(3))
+    drafter = build_drafter(family, drafter_cfg, v, info, Chain(3))
     engine = "engine" if supported(v.model.config) else "hf"  # fp32: both exact here
     ids = torch.tensor([v.tokenizer(PROMPT)["input_ids"]])
     plain = greedy_decode(v, ids, MAX_NEW, [], engine=engine)

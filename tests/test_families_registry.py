@@ -86,7 +86,7 @@ def test_every_family_trains_exports_reads_and_decodes_exactly(name, trained, va
     drafter_cfg = family_config(name)
     if name == "draft_model":
         drafter_cfg.path = str(export)  # the distilled draft model train.py wrote
-    drafter = build_drafter(OmegaConf.create({"seed": 0}), name, drafter_cfg, varied, info, AutoTree(size=6))
+    drafter = build_drafter(name, drafter_cfg, varied, info, AutoTree(size=6))
     ids = torch.tensor([varied.tokenizer(PROMPT)["input_ids"]])
     plain = greedy_decode(varied, ids, 16, [])
     spec = speculative_decode(varied, drafter, ids, 16, [])
@@ -247,14 +247,15 @@ def test_drafter_dtype_casts_a_copy_of_the_exports_network(trained, varied):
     assert [resolve_drafter_dtype("auto", v) for v in ("bfloat16", "float32")] == ["bfloat16", "float32"]
     assert resolve_drafter_dtype("float32", "bfloat16") == "float32"  # set: as given
     from eval.drafters.build import build_drafter, family_config
+    from eval.engine.sampling import SamplingConfig
     from models.formats.export import read_info
 
     for name, sampled in (("eagle3", False), ("dflash", False), ("eagle3", True), ("medusa", True)):
         # the harness's one builder passes eval's drafter_dtype on, sampled proposals or not (sampled_drafts once
         # replaced the options and the drafter ran in fp32 while the report said bf16)
-        cfg = OmegaConf.create({"drafter_dtype": "bfloat16", "sampled_drafts": sampled, "seed": 0,
-                                "temperature": 0.7, "top_p": 1.0, "top_k": 0})
-        built = build_drafter(cfg, name, family_config(name), varied, read_info(trained[name]), Chain(2))
+        sampling = SamplingConfig(temperature=0.7) if sampled else None
+        built = build_drafter(name, family_config(name), varied, read_info(trained[name]), Chain(2),
+                              dtype="bfloat16", sampling=sampling)
         assert built.describe()["weights"] == "bfloat16", (name, sampled)
 
 

@@ -216,6 +216,11 @@ def _drafter(kind: str, verifier, cfg: SamplingConfig):
 
         net = build_dflash(verifier, 16, block_size=3, aux_layer_ids=[0, 1])
         tree = Chain(2) if shape == "chain" else from_medusa_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    elif name == "dflash2":  # one block forward, then the selector over the top 8 given each parent
+        from models.dflash2 import build_dflash2
+
+        net = build_dflash2(verifier, 16, block_size=3, aux_layer_ids=[0, 1], selector_rank=16, selector_top_k=8)
+        tree = Chain(2) if shape == "chain" else from_medusa_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
     else:
         net = build_eagle(name, verifier, draft_vocab_size=4096 if name == "eagle3" else None,
                           aux_layer_ids=[0, 1] if name == "eagle3" else None)
@@ -418,14 +423,13 @@ def test_harness_refuses_bad_sampling_options(override):
 
 
 def test_harness_sampling_record_marks_typical_lossy():
-    from omegaconf import OmegaConf
+    from eval.engine.sampling import sampling_config
+    from eval.runner import sampling_record
 
-    from eval.harness import sampling_record
-
-    assert sampling_record(OmegaConf.create({"temperature": 0}))["rule"] == "greedy"
-    exact = sampling_record(OmegaConf.create({"temperature": 0.7, "top_p": 0.9}))
+    assert sampling_record(sampling_config({"temperature": 0}))["rule"] == "greedy"
+    exact = sampling_record(sampling_config({"temperature": 0.7, "top_p": 0.9}))
     assert exact["exact"] and not exact["lossy"]
-    lossy = sampling_record(OmegaConf.create({"temperature": 0.7, "typical": True}))
+    lossy = sampling_record(sampling_config({"temperature": 0.7, "typical": True}))
     assert lossy["lossy"] and not lossy["exact"] and "lossy" in lossy["rule"]
 
 

@@ -49,7 +49,7 @@ def _decode_exactly(verifier, export) -> None:
     from models.formats.export import read_info
 
     info = read_info(export)
-    drafter = build_drafter(__import__("omegaconf").OmegaConf.create({"seed": 0}), info.kind,
+    drafter = build_drafter(info.kind,
                             family_config(info.kind), verifier, info, AutoTree(size=6))
     ids = torch.tensor([verifier.tokenizer(PROMPT)["input_ids"]])
     plain = greedy_decode(verifier, ids, 16, [])

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from eval.engine.protocol import Draft, Drafter  # noqa: F401  (the protocol, importable from here as before)
-from eval.engine.sampling import SamplingConfig, sampling_config
+from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import TreePolicy
 from models.families import FAMILIES, export_families, family_of_net, resolve, title
 from models.formats.export import Export, ExportInfo, frequent_ids, load_export
@@ -135,29 +135,30 @@ def resolve_drafter_dtype(value: Any, verifier_dtype: str) -> str:
     return str(value)
 
 
-def check_proposals(cfg: DictConfig, name: str) -> None:
+def check_proposals(sampled_drafts: bool, name: str) -> None:
     """Refuse sampled_drafts=true for family `name` when it drafts from no export (nothing to sample proposals from)."""
-    if bool(cfg.get("sampled_drafts", False)) and name != "export" and not FAMILIES[name].needs_export:
+    if sampled_drafts and name != "export" and not FAMILIES[name].needs_export:
         raise UserError(f"sampled_drafts=true applies to the drafters of an export (Medusa, EAGLE, the hybrid), "
                         f"not to drafter={name}; drop sampled_drafts.")
 
 
-def build_drafter(cfg: DictConfig, family: str, drafter_cfg: DictConfig, verifier: Verifier,
-                  export: ExportInfo | None, policy: TreePolicy) -> Drafter:
+def build_drafter(family: str, drafter_cfg: DictConfig, verifier: Verifier, export: ExportInfo | None,
+                  policy: TreePolicy, dtype: str = "float32", sampling: SamplingConfig | None = None,
+                  seed: int = 0) -> Drafter:
     """The one place a drafter is built from a config: instantiate `family`'s factory (conf/drafter/<family>.yaml,
-    or the command line's `drafter` group) and call it with the verifier, the tree policy and the export; with
-    `sampled_drafts`, the families that draft from an export also get the warped sampling settings for their
-    proposals (the others draft as they always do)."""
+    or the command line's `drafter` group) and call it with the verifier, the tree policy and the export. The
+    families that draft from an export also get `dtype` (eval's drafter_dtype) and, with `sampling` (sampled_drafts
+    at temperature > 0), the warped sampling settings for their proposals and a generator seeded from `seed` (the
+    others draft as they always do)."""
     factory = instantiate(drafter_cfg, _convert_="all")
     proposals: dict[str, Any] = {}
     # A family that drafts from no export has no distribution to sample proposals from: a one-family run refuses
     # sampled_drafts for it before loading (check_proposals, from eval.harness), method=all drafts it as it is.
     from_export = family == "export" or FAMILIES[family].needs_export
-    if from_export and str(cfg.get("drafter_dtype", "float32")) != "float32":
-        proposals["dtype"] = str(cfg.drafter_dtype)
-    if bool(cfg.get("sampled_drafts", False)) and from_export:
-        proposals |= {"sampling": sampling_config(cfg),
-                      "generator": torch.Generator(verifier.device).manual_seed(int(cfg.seed) + 1)}
+    if from_export and dtype != "float32":
+        proposals["dtype"] = dtype
+    if sampling is not None and from_export:
+        proposals |= {"sampling": sampling, "generator": torch.Generator(verifier.device).manual_seed(seed + 1)}
     try:
         return factory(verifier, policy, export, **proposals)
     except VerifierMismatchError as e:  # its advice names train.py's key; here the verifier is `verifier_path`

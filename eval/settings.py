@@ -1,0 +1,148 @@
+"""`python -m eval`'s settings, parsed once: conf/eval.yaml (with the command line's overrides) read at `evaluate`'s
+door into one frozen, typed `EvalSettings`, every value checked there (a bad one fails before anything loads) and
+every default in one place (conf/eval.yaml; a key missing from a hand-built config takes the field's default here,
+which mirrors it). The layers below take this object, or the few fields they need; none reads the raw config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from eval.engine.sampling import SamplingConfig, sampling_config
+from eval.engine.tree import TreePolicy
+from runtime.errors import UserError
+
+EVAL_DTYPES = ("float32", "bfloat16")
+METHODS = ("single", "all")
+
+
+def _help(text: str) -> Any:
+    return field(metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """One run of `python -m eval`: each field is a key of conf/eval.yaml, checked (its help says what it holds)."""
+
+    checkpoints: tuple[Path, ...] = _help("the export directories (checkpoint=; a list only with method=all)")
+    checkpoint_list: bool = _help("checkpoint= was given as a list")
+    checkpoint_label: str | None = _help("checkpoint= as given, for the report")
+    method: str = _help("single: the configured drafter | all: every family available")
+    alone: bool = _help("with a combination (the hybrid), also decode with the export's drafter alone")
+    drafter: DictConfig = _help("the drafter group's config (a Hydra partial: its factory and options)")
+    tree: TreePolicy = _help("the tree policy of the export families, instantiated once (conf/tree)")
+    plan: str | None = _help("how tree.size=auto's budget follows the run: null, adaptive or static")
+    verifier_path: Any = _help("the verifier to load (null: the export's, else smollm2)")
+    dtype: str = _help("the verifier's dtype, resolved (auto -> float32 or bfloat16)")
+    dtype_reason: str = _help("why that dtype (auto's reason, or `set in the config`)")
+    drafter_dtype: str = _help("the dtype an export's drafter runs in, resolved")
+    device: str = _help("cpu, cuda or auto")
+    engine: str = _help("the verifier path of our decode loops: auto, engine or hf")
+    cache_dir: str | None = _help("where verifiers are cached")
+    prompts: str | tuple[str, ...] = _help("a prompt set, or several (reported per set)")
+    num_prompts: int | None = _help("prompts per set (null: all; data.prompts.select_prompts checks it)")
+    max_new_tokens: int = _help("tokens generated per prompt")
+    multi_turn: bool = _help("every turn of a multi-turn set, measured apart")
+    prompt_lookup_num_tokens: int = _help("the HF prompt-lookup reference's chain")
+    sampling: SamplingConfig = _help("temperature, top_p, top_k and the acceptance rule's settings")
+    sampled_drafts: bool = _help("drafters sample their proposals (export families, temperature > 0)")
+    engine_peers: tuple[str, ...] = _help("serving engines measured beside us (vllm)")
+    engine_peer_tokens: Any = _help("K the engine drafts per step (null: the export's own), or a list under load")
+    engine_concurrency: Any = _help("concurrencies of the load sweep (null: one request at a time)")
+    warmup: bool = _help("one uncounted decode of the first prompt first")
+    threads: int = _help("torch.set_num_threads for the run")
+    seed: int = _help("the run's random seed")
+    profile: bool = _help("the verifier's cost curves at other dtypes and thread counts")
+    profile_dtypes: tuple[str, ...] = _help("profile=true's dtypes")
+    profile_threads: tuple[int, ...] = _help("profile=true's thread counts")
+    output_dir: Path = _help("where report.json, plots and outputs go")
+    wandb: dict[str, Any] = _help("W&B: mode, project, name")
+
+    @property
+    def method_all(self) -> bool:
+        return self.method == "all"
+
+    @property
+    def proposal_sampling(self) -> SamplingConfig | None:
+        """The sampling settings the export families' proposals are drawn with (sampled_drafts), else None."""
+        return self.sampling if self.sampled_drafts and not self.sampling.greedy else None
+
+
+def _whole(cfg: DictConfig, key: str, least: int | None = None) -> int:
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{key}={value!r} must be a whole number.")
+    if least is not None and value < least:
+        raise UserError(f"{key}={value} must be >= {least}" + (" (torch.set_num_threads)." if key == "threads"
+                                                                else "."))
+    return value
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def parse(cfg: DictConfig) -> EvalSettings:
+    """The run's settings from its config, each checked, in the order a user would fix them."""
+    from eval.drafters.build import resolve_drafter_dtype
+    from eval.engine.decode import ENGINES
+    from eval.planner.cost import auto_dtype
+
+    if "verifier" in cfg:  # `+verifier=<name>`: train.py's config group, which eval would ignore
+        given = cfg.verifier.get("_target_", cfg.verifier) if OmegaConf.is_dict(cfg.verifier) else cfg.verifier
+        raise UserError(f"+verifier= was given (it loads with {given}): python -m eval does not read the "
+                        f"`verifier` group (train.py's); it decodes with the verifier the export names (its "
+                        f"config.json `verifier`), or verifier_path= when given. Pass verifier_path=<smollm2, gemma3, "
+                        f"a Hub id or a checkpoint directory> instead (an export made for another verifier is "
+                        f"refused by its fingerprint).")
+    threads = _whole(cfg, "threads", least=1)
+    max_new_tokens, seed = _whole(cfg, "max_new_tokens"), _whole(cfg, "seed")
+    lookup_tokens = _whole(cfg, "prompt_lookup_num_tokens")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be >= 1.")
+    dtype, dtype_reason = str(cfg.dtype), "set in the config"
+    if dtype == "auto":
+        dtype, dtype_reason = auto_dtype(str(cfg.device))
+        print(f"dtype: {dtype} ({dtype_reason})")
+    if dtype not in EVAL_DTYPES:
+        raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use auto, float32 or bfloat16 (bf16 is "
+                        f"exact through eval.engine.forward, faster on CPUs with AMX or AVX512-BF16). float16 would "
+                        f"also change the verifier's fingerprint, which is taken in bfloat16.")
+    engine = str(cfg.get("engine", "auto"))
+    if engine not in ENGINES:
+        raise UserError(f"engine={engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine.forward where it "
+                        f"is exact and faster, hf: Hugging Face's forward).")
+    method = str(cfg.get("method", "single"))
+    if method not in METHODS:
+        raise UserError(f"method={method!r} is not one of {', '.join(METHODS)} (single: the configured drafter, all: "
+                        f"every family available).")
+    sampling = sampling_config(cfg)  # bad temperature / top_p / top_k / verify fail before anything loads
+    drafter_dtype = resolve_drafter_dtype(cfg.get("drafter_dtype", "auto"), dtype)
+    value = None if OmegaConf.is_missing(cfg, "checkpoint") else cfg.get("checkpoint")
+    is_list = OmegaConf.is_list(value) or isinstance(value, list | tuple)
+    checkpoints = tuple(Path(str(p)).expanduser() for p in (value if is_list else [value] if value else []))
+    prompts = cfg.get("prompts", "builtin")
+    prompts = str(prompts) if isinstance(prompts, str) else tuple(str(p) for p in prompts)
+    num = cfg.get("num_prompts")
+    return EvalSettings(
+        checkpoints=checkpoints, checkpoint_list=is_list, checkpoint_label=None if value is None else str(value),
+        method=method, alone=bool(cfg.get("alone", True)), drafter=cfg.drafter,
+        tree=instantiate(cfg.tree, _convert_="all"), plan=cfg.get("plan"),
+        verifier_path=_plain(cfg.get("verifier_path")), dtype=dtype, dtype_reason=dtype_reason,
+        drafter_dtype=drafter_dtype, device=str(cfg.get("device", "auto")), engine=engine,
+        cache_dir=cfg.get("cache_dir"), prompts=prompts, num_prompts=num,
+        max_new_tokens=max_new_tokens, multi_turn=bool(cfg.get("multi_turn", False)),
+        prompt_lookup_num_tokens=lookup_tokens, sampling=sampling,
+        sampled_drafts=bool(cfg.get("sampled_drafts", False)),
+        engine_peers=tuple(str(p) for p in (cfg.get("engine_peers") or [])),
+        engine_peer_tokens=_plain(cfg.get("engine_peer_tokens")),
+        engine_concurrency=_plain(cfg.get("engine_concurrency")), warmup=bool(cfg.get("warmup", True)),
+        threads=threads, seed=seed, profile=bool(cfg.get("profile", False)),
+        profile_dtypes=tuple(str(d) for d in (cfg.get("profile_dtypes") or [dtype])),
+        profile_threads=tuple(int(t) for t in (cfg.get("profile_threads") or [threads])),
+        output_dir=Path(str(cfg.get("output_dir", "outputs/eval"))), wandb=dict(_plain(cfg.get("wandb")) or {}))
