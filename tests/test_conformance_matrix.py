@@ -35,12 +35,14 @@ EXTRA = {"eagle3": ["model.draft_vocab_size=64", "model.ttt_steps=2", "model.val
          "eagle": ["model.val_steps=1"], "draft_model": ["model.num_layers=1"],
          "peagle": ["model.draft_vocab_size=64", "model.parallel_tokens=3"],
          "dflash": ["model.aux_layer_ids=[0,1]", "model.block_size=4"],
-         "dspark": ["model.aux_layer_ids=[0,1]", "model.block_size=4", "model.markov_rank=16"]}
+         "dspark": ["model.aux_layer_ids=[0,1]", "model.block_size=4", "model.markov_rank=16"],
+         "dflash2": ["model.aux_layer_ids=[0,1]", "model.block_size=4", "model.selector_rank=16"]}
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 MAX_NEW = 16
-# The families vLLM serves (serve/vllm_engine.py, from the registry) but DSpark, which vLLM 0.32 runs only on its
-# Model Runner V2 (Triton: no CPU), refused for every architecture alike.
-VLLM_FAMILIES = [f for f in methods() if f != "dspark"]
+# The families vLLM serves (serve/vllm_engine.py, from the registry) but DSpark and DFlash2, which vLLM 0.32 runs only
+# on its Model Runner V2 (Triton: no CPU), refused for every architecture alike (tests/test_engine_vllm_dspark.py,
+# tests/test_engine_vllm_dflash2.py).
+VLLM_FAMILIES = [f for f in methods() if f not in ("dspark", "dflash2")]
 # (architecture, family) pairs vLLM 0.32 will not draft, and its own words. Gemma 3 has no aux-hidden-states
 # interface there, so every family that reads the verifier's intermediate layers is refused, not only EAGLE-3.
 VLLM_REFUSES = {("gemma3", "eagle3"): "does not support EAGLE3 interface",

@@ -238,3 +238,32 @@ def test_bad_input_is_refused_with_a_message(varied):
         DFlash2Drafter(net, varied, from_medusa_choices([[i] for i in range(9)]))
     with pytest.raises(UserError, match="draft_vocab=null for a DFlash2 export"):
         dflash2_drafter(net, {}, varied, Chain(2), head_ids=torch.arange(10))
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_sampled_rounds_follow_the_verifier(control, monkeypatch):
+    """tests/test_sampling.py's statistical check on a random DFlash2 tree (top_p 0.9, top_k 6, temperature 1):
+    speculative rounds' first tokens are distributed as the verifier's own samples (chi-squared p > 0.01); the
+    negative control, every draft accepted, must fail (p < 1e-6)."""
+    import test_sampling as ts
+
+    from eval.engine import sampling
+
+    verifier = varied_llama()
+    if control:
+        original = sampling.rejection_plan
+
+        def accept_all(*args):
+            plan = original(*args)
+            return sampling.RejectionPlan(torch.ones_like(plan.accept_prob), plan.final, plan.children)
+
+        monkeypatch.setattr(sampling, "rejection_plan", accept_all)
+    setting = "t1-top_k4" if control else "t1-top_p0.9-top_k6"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spec, direct = ts._speculative_pairs(verifier, "dflash2-tree-sampled", ts.REAL[setting], seed=11)
+    finally:
+        torch.set_num_threads(before)
+    p = ts._chi2_p(spec, direct)
+    assert (p < 1e-6) if control else (p > 0.01), p

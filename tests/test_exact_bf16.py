@@ -67,7 +67,7 @@ def random_medusa(verifier: Verifier, tree, seed: int = 0):
 
 
 def random_eagle(kind: str, verifier: Verifier, tree, seed: int = 0):
-    """A random EAGLE-1, EAGLE-3, P-EAGLE (kind "peagle": K = 4) or DFlash (block of 5) drafter."""
+    """A random EAGLE-1, EAGLE-3, P-EAGLE (kind "peagle": K = 4), DFlash or DFlash2 (block of 5) drafter."""
     from models.peagle import build_peagle
 
     last = verifier.num_layers
@@ -77,6 +77,10 @@ def random_eagle(kind: str, verifier: Verifier, tree, seed: int = 0):
         from models.dflash import build_dflash
 
         net = build_dflash(verifier, 16, block_size=5, aux_layer_ids=[0, last - 1])
+    elif kind == "dflash2":
+        from models.dflash2 import build_dflash2
+
+        net = build_dflash2(verifier, 16, block_size=5, aux_layer_ids=[0, last - 1], selector_rank=16)
     else:
         net = build_eagle(kind, verifier, draft_vocab_size=4096 if kind == "eagle3" else None,
                           aux_layer_ids=[0, last - 1] if kind == "eagle3" else None)
@@ -152,7 +156,7 @@ def test_bf16_eagle_matches_plain_greedy(bf16, references, kind, tree_name):
 
 
 @pytest.mark.parametrize("tree_name", ["chain", "sparse", "auto"])
-@pytest.mark.parametrize("kind", ["peagle", "dflash"])
+@pytest.mark.parametrize("kind", ["peagle", "dflash", "dflash2"])
 def test_bf16_parallel_drafters_match_plain_greedy(bf16, references, kind, tree_name):
     tree = {"chain": Chain(4), "sparse": from_medusa_choices(SPARSE), "auto": auto_tree(ACCURACY, 12)}[tree_name]
     assert _match(bf16, lambda ids: random_eagle(kind, bf16, tree), references, MAX_NEW) == 1.0

@@ -23,7 +23,8 @@ EXTRA = {"eagle3": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "m
          "eagle": ["model.val_steps=2"], "draft_model": ["model.num_layers=1"],
          "peagle": ["model.aux_layer_ids=[0,1]", "model.draft_vocab_size=64", "model.parallel_tokens=3"],
          "dflash": ["model.aux_layer_ids=[0,1]", "model.block_size=4"],
-         "dspark": ["model.aux_layer_ids=[0,1]", "model.block_size=4", "model.markov_rank=16"]}
+         "dspark": ["model.aux_layer_ids=[0,1]", "model.block_size=4", "model.markov_rank=16"],
+         "dflash2": ["model.aux_layer_ids=[0,1]", "model.block_size=4", "model.selector_rank=16"]}
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 

@@ -17,6 +17,18 @@ out to 10x.
 
 Writes learning_curve.json, learning_curve.md (the table) and learning_curve.png (tau against training tokens, one
 line per drafter family and budget), and logs the table and plot to W&B (offline unless an account is configured).
+
+Along training, side by side (Muon against AdamW, DFlash2 against DFlash: docs/results/muon.md):
+
+    python -m scripts.studies.learning_curve --runs outputs/e3-adamw-s0 outputs/e3-adamw-s1 outputs/e3-muon-s0 ... \
+        --prompts builtin humaneval --chain 3 --tree-sizes 8 --out outputs/muon_curve
+
+`--runs`: training run directories (logger=csv); their exports are decoded as above, and their validation top-1 per
+depth at every validation (`val/step{j}_top1`, the curve along training) is tabulated per group of seeds (a run's
+group is its directory name without a trailing `-s<seed>`): the mean and the seeds' range, and for each group the
+first step whose mean depth-1 top-1 reaches each other group's final one (training_curve.md / .json).
+`--prompts`: the sources decoded (`builtin`: its eval split; `humaneval`; a .jsonl file), `--num-prompts` from each.
+`--chain K`: also decode with a chain of K drafts and record the acceptance per position (alpha_k, pooled rounds).
 """
 
 from __future__ import annotations
@@ -34,9 +46,9 @@ from data.chat import prompt_ids
 from data.prompts import load_conversations, select_prompts
 from data.selfdistill import build_selfdistill
 from eval.drafters.build import make_drafter
-from eval.engine.accept import mean_accept_length
+from eval.engine.accept import mean_accept_length, per_position_acceptance
 from eval.engine.decode import greedy_decode, speculative_decode
-from eval.engine.tree import AutoTree
+from eval.engine.tree import AutoTree, Chain
 from eval.offline import score_export, verifier_top1
 from models.families import title
 from models.formats.export import export_kind, export_verifier, load_export, read_config
@@ -110,6 +122,68 @@ def training_record(export: Path) -> dict[str, Any]:
     return {}
 
 
+def run_group(run: Path) -> str:
+    """A run's group: its directory name without a trailing `-s<seed>` (`e3-muon-s1` -> `e3-muon`)."""
+    name = run.name
+    head, _, seed = name.rpartition("-s")
+    return head if head and seed.isdigit() else name
+
+
+def validation_curve(run: Path) -> dict[int, list[float]]:
+    """A run's validation top-1 per depth at every validation: {step: [depth 1, depth 2, ...]}, from its csv logs
+    (train.py logger=csv: <run>/csv/version_*/metrics.csv)."""
+    import csv
+
+    curve: dict[int, list[float]] = {}
+    for path in sorted(run.glob("csv/version_*/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                tops = sorted((int(k[len("val/step"):-len("_top1")]), float(v)) for k, v in row.items()
+                              if k.startswith("val/step") and k.endswith("_top1") and "unary" not in k and v)
+                if tops:
+                    curve[int(row["step"])] = [v for _, v in tops]
+    return curve
+
+
+def training_curves(runs: list[Path], out: Path) -> list[str]:
+    """The side-by-side of validation top-1 along training per group of seeds (module docstring); returns the
+    markdown lines, writes training_curve.json."""
+    groups: dict[str, dict[str, dict[int, list[float]]]] = {}
+    for run in runs:
+        groups.setdefault(run_group(run), {})[run.name] = validation_curve(run)
+    summary: dict[str, Any] = {}
+    lines = ["Validation top-1 per depth along training: the seeds' mean [min, max] at each validation step.", ""]
+    for group, seeds in groups.items():
+        steps = sorted(set.intersection(*(set(c) for c in seeds.values()))) if seeds else []
+        if not steps:
+            continue
+        depth = min(len(c[s]) for c in seeds.values() for s in steps)
+        rows = {s: [[c[s][d] for c in seeds.values()] for d in range(depth)] for s in steps}
+        summary[group] = {"seeds": sorted(seeds), "steps": steps,
+                          "mean": [[sum(v) / len(v) for v in rows[s]] for s in steps],
+                          "min": [[min(v) for v in rows[s]] for s in steps],
+                          "max": [[max(v) for v in rows[s]] for s in steps]}
+        lines += [f"**{group}** ({len(seeds)} seeds: {', '.join(sorted(seeds))})", "",
+                  "| step | " + " | ".join(f"depth {d + 1}" for d in range(depth)) + " |",
+                  "|---|" + "---|" * depth]
+        lines += [f"| {s} | " + " | ".join(f"{sum(v) / len(v):.3f} [{min(v):.3f}, {max(v):.3f}]" for v in rows[s])
+                  + " |" for s in steps]
+        lines.append("")
+    for a, ga in summary.items():  # the first step where a's mean depth-1 reaches b's final mean depth-1
+        for b, gb in summary.items():
+            if a == b:
+                continue
+            target = gb["mean"][-1][0]
+            hit = next((s for s, m in zip(ga["steps"], ga["mean"]) if m[0] >= target), None)
+            final = gb["steps"][-1]
+            share = f"{hit / final:.0%} of {b}'s {final} steps" if hit is not None else "never in this run"
+            summary[a].setdefault("reaches", {})[b] = hit
+            lines.append(f"- {a} reaches {b}'s final depth-1 top-1 ({target:.3f}) at step {hit}: {share}")
+    (out / "training_curve.json").write_text(json.dumps(summary, indent=2))
+    (out / "training_curve.md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exports", nargs="*", help="exports to decode (none: only merge the --include files)")
@@ -124,9 +198,19 @@ def main() -> None:
     ap.add_argument("--wandb", default=None, help="online | offline | disabled (default: the project's rule)")
     ap.add_argument("--include", nargs="*", default=[], help="learning_curve.json files of earlier runs with the same "
                     "settings: their rows join the table and the plot (a curve built export by export)")
+    ap.add_argument("--runs", nargs="*", default=[], help="training run directories (logger=csv): their exports, "
+                    "and their validation top-1 along training per group of seeds")
+    ap.add_argument("--prompts", nargs="+", default=["builtin"], help="prompt sources: builtin (its eval split), "
+                    "humaneval, a .jsonl file; --num-prompts from each")
+    ap.add_argument("--chain", type=int, default=0, help="also decode with a chain of this many drafts: the "
+                    "acceptance per position")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    exports = [Path(e).expanduser() for e in args.exports]
+    runs = [Path(r).expanduser() for r in args.runs]
+    if runs:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        print("\n".join(training_curves(runs, Path(args.out))))
+    exports = [Path(e).expanduser() for e in args.exports] + [r / "export" for r in runs]
     configs = [read_config(e) for e in exports]
     tokens = args.tokens or [c.get("train_tokens") for c in configs]
     if len(tokens) != len(exports) or any(t is None for t in tokens):
@@ -137,7 +221,8 @@ def main() -> None:
             sys.exit("nothing to do: give exports to decode, or --include files to merge")
         return report([], args)
     verifier = load_verifier(export_verifier(configs[0]), "float32", "cpu", args.cache_dir)
-    convs = select_prompts(load_conversations("builtin", split="eval"), args.num_prompts)
+    convs = [c for source in args.prompts for c in select_prompts(
+        load_conversations(source, split="eval" if source == "builtin" else None), args.num_prompts)]
     prompts = [torch.tensor([prompt_ids(verifier.tokenizer, c.messages)]) for c in convs]
     eos = verifier.tokenizer.eos_token_id
     t0 = time.perf_counter()
@@ -149,7 +234,8 @@ def main() -> None:
     print(f"verifier's mean top-1 probability on its own answers (T=1): {ceiling:.3f}")
     results = []
     for export, config, n_tokens in zip(exports, configs, tokens):
-        row: dict[str, Any] = {"export": str(export), "drafter": title(export_kind(config)),
+        label = export.parent.name if export.name == "export" else export.name
+        row: dict[str, Any] = {"export": str(export), "drafter": title(export_kind(config)), "run": label,
                                "train_tokens": int(n_tokens), "tau": {}, "greedy_match": {}}
         for size in args.tree_sizes:
             drafter = make_drafter(None, verifier, AutoTree(size), checkpoint=export)
@@ -159,6 +245,15 @@ def main() -> None:
             row["greedy_match"][str(size)] = sum(o.tokens[0].tolist() == p for o, p in zip(outs, plain)) / len(plain)
             print(f"{export}: {size} nodes, tau {row['tau'][str(size)]:.3f}, greedy match "
                   f"{row['greedy_match'][str(size)]:.0%} ({time.perf_counter() - t0:.0f} s)")
+        if args.chain:
+            drafter = make_drafter(None, verifier, Chain(args.chain), checkpoint=export)
+            outs = [speculative_decode(verifier, drafter, x, args.max_new_tokens, eos) for x in prompts]
+            lengths = torch.cat([o.accept_lengths.flatten() for o in outs])
+            row["chain_tau"] = mean_accept_length(lengths)
+            row["chain_alpha"] = [round(float(a), 4) for a in per_position_acceptance(lengths[:, None], args.chain)]
+            row["chain_match"] = sum(o.tokens[0].tolist() == p for o, p in zip(outs, plain)) / len(plain)
+            print(f"{export}: chain of {args.chain}, tau {row['chain_tau']:.3f}, alpha {row['chain_alpha']}, "
+                  f"greedy match {row['chain_match']:.0%}")
         loaded = load_export(export, verifier)
         tables = score_export(loaded.kind, loaded.net, verifier, answers, args.depth, keep=loaded.train_ids)
         row["chain_accuracy"] = [float(a) for a in tables["chain_conditional"]]
@@ -177,14 +272,21 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning_curve.json").write_text(json.dumps(results, indent=2))
+    chained = any("chain_alpha" in r for r in results)
     head = ["drafter", "training tokens", *(f"tau @{s}" for s in args.tree_sizes), "greedy match",
-            *(f"acc d{d + 1}" for d in range(args.depth)), "train d1", "epochs", "s / epoch"]
-    cells = [[r["drafter"], f"{r['train_tokens']:,}", *(f"{r['tau'][str(s)]:.2f}" for s in args.tree_sizes),
-              f"{min(r['greedy_match'].values()):.0%}", *(f"{a:.2f}" for a in r["chain_accuracy"][: args.depth]),
+            *(["chain tau", "alpha per position"] if chained else []),
+            *(f"acc d{d + 1}" for d in range(args.depth)), "train d1", "epochs", "s / epoch", "run"]
+    cells = [[r["drafter"], f"{r['train_tokens']:,}",
+              *(f"{r['tau'][str(s)]:.2f}" for s in args.tree_sizes),
+              f"{min([*r['greedy_match'].values(), r.get('chain_match', 1.0)]):.0%}",
+              *([f"{r['chain_tau']:.3f}" if "chain_tau" in r else "",
+                 " / ".join(f"{a:.3f}" for a in r.get("chain_alpha", []))] if chained else []),
+              *(f"{a:.2f}" for a in r["chain_accuracy"][: args.depth]),
               *[""] * (args.depth - len(r["chain_accuracy"][: args.depth])),  # Medusa: as deep as its heads
               "" if r.get("train_depth1_top1") is None else f"{r['train_depth1_top1']:.2f}",
-              str(r.get("epochs", "")), "" if r.get("wall_s_per_epoch") is None else f"{r['wall_s_per_epoch']:,.0f}"]
-             for r in sorted(results, key=lambda r: (r["drafter"], r["train_tokens"]))]
+              str(r.get("epochs", "")), "" if r.get("wall_s_per_epoch") is None else f"{r['wall_s_per_epoch']:,.0f}",
+              r.get("run", "")]
+             for r in sorted(results, key=lambda r: (r["drafter"], r["train_tokens"], r.get("run", "")))]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(c) + " |" for c in cells)]
     ceilings = sorted({r["verifier_top1"] for r in results if r.get("verifier_top1") is not None})
     ceiling = ceilings[0] if len(ceilings) == 1 else None
