@@ -1,8 +1,8 @@
 """Acceptance losses between the draft's p and the verifier's q, fused and chunked, and D-PACE slot weights.
 
 The acceptance rate of one drafted position under rejection sampling is the overlap alpha = sum_v min(p_v, q_v) =
-1 - TV(p, q) (notation of shared/GUIDE.md: q the verifier's, p the draft's). `model.loss=` picks what a family
-minimises per position (the definitions of `speculators` 0.9, speculators/losses/eager.py):
+1 - TV(p, q) (this project's notation, docs/development.md: q the verifier's, p the draft's). `model.loss=` picks what
+a family minimises per position (the definitions of `speculators` 0.9, speculators/losses/eager.py):
 
     kl         sum_v q_v log(1/p_v): the cross-entropy to q, KL(q || p) + H(q) (today's loss; the gradient is KL's)
     rkl        KL(p || q) = sum_v p_v (log p_v - log q_v)

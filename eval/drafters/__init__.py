@@ -1,2 +1,2 @@
-"""The drafters, one module a family (each implements eval.engine.forward.protocol), and `build`, the one place a
+"""The drafters, one module a family (each implements eval.engine.protocol's Drafter), and `build`, the one place a
 drafter is built from a config or an export."""

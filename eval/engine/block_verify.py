@@ -2,9 +2,9 @@
 
 Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh, 2024, "Block Verification Accelerates Speculative Decoding"
 (arXiv 2403.10444), Algorithm 2, as vLLM 0.32 implements it (`rejection_sample_method="block"`,
-vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py). Notation of this project (GUIDE.md): M_q is the verifier
-and q its (warped) probabilities, M_p the draft and p its probabilities. The paper writes M_b for q, M_s for p and
-p_i for the running ratio below, which we call w_i (vLLM: `prefix_joint_ratio`, `cumulative_log_p` = log w_i).
+vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py). Notation of this project (docs/development.md): M_q is the
+verifier and q its (warped) probabilities, M_p the draft and p its probabilities. The paper writes M_b for q, M_s for
+p and p_i for the running ratio below, which we call w_i (vLLM: `prefix_joint_ratio`, `cumulative_log_p` = log w_i).
 
 A chain root X_0, drafts X_1..X_g (node i of the chain holds X_i). q_i = q(. | X_<=i) is the verifier at node i
 (predicting X_{i+1}; q_g gives the bonus token) and p_i = p(. | X_<i) the distribution X_i was drawn from:
