@@ -267,3 +267,29 @@ def test_sampled_rounds_follow_the_verifier(control, monkeypatch):
         torch.set_num_threads(before)
     p = ts._chi2_p(spec, direct)
     assert (p < 1e-6) if control else (p > 0.01), p
+
+
+@torch.no_grad()
+def test_the_planner_times_the_block_and_the_selector_the_budget_buys(varied, monkeypatch):
+    """eval.planner.cost.draft_curve times `trial(s)`: one block over the depth of the tree tree.size=auto builds for s
+    drafts from the export's table, and the selector once per depth of it."""
+    from eval.drafters.dflash2 import DFlash2Drafter
+    from eval.engine.tree import auto_tree
+
+    net = _net(varied, block_size=6)
+    table = [[0.6, 0.7, 0.75], [0.5, 0.6, 0.65], [0.45, 0.55, 0.6], [0.4, 0.5, 0.55], [0.3, 0.4, 0.45]]
+    drafter = DFlash2Drafter(net, varied, auto_tree(table, 20), table=table)
+    ids = torch.randint(20, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
+    hidden = _hidden(varied, ids)
+    drafter.propose(ids, hidden[:, :-1])
+    drafter.accepted(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    blocks, selector = [], []
+    block, rescored = net.block, net.rescored
+    monkeypatch.setattr(net, "block", lambda *a, **k: blocks.append(a[0].shape[1]) or block(*a, **k))
+    monkeypatch.setattr(net, "rescored", lambda *a, **k: selector.append(1) or rescored(*a, **k))
+    seq = torch.cat([ids, ids[:, -1:]], dim=1)
+    for drafts in (1, 12):
+        blocks.clear(), selector.clear()
+        tree = drafter.trial(seq, hidden[:, -1:], drafts)
+        assert tree == auto_tree(table, drafts)
+        assert blocks == [1 + tree.max_depth] and len(selector) == tree.max_depth
