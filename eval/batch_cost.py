@@ -55,6 +55,20 @@ def verify_costs(model: Any, prefix_ids: Tensor, batches: Sequence[int], widths:
     return out
 
 
+def smooth(costs: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """The measured costs read non-decreasing in the width at each batch size, then in the batch size at each width
+    (eval.planner.cost.monotone: more tokens in one forward do at least the work of fewer; a dip is timing noise)."""
+    from eval.planner.cost import monotone
+
+    out = dict(costs)
+    batches, widths = sorted({b for b, _ in costs}), sorted({w for _, w in costs})
+    for b in batches:
+        out |= dict(zip(((b, w) for w in widths), monotone([out[(b, w)] for w in widths])))
+    for w in widths:
+        out |= dict(zip(((b, w) for b in batches), monotone([out[(b, w)] for b in batches])))
+    return out
+
+
 def chain_alpha(table: Sequence[Sequence[float]] | None, k: int) -> list[float]:
     """alpha_1..alpha_k of a chain from an export's cumulative top-k table (its top-1 column per depth), the last
     depth's rate repeated past the table; [] without a table."""
@@ -84,19 +98,22 @@ class Prediction:
     expected_tokens: dict[int, float]  # K -> E(K)
     alpha: list[float]
     draft_ms: dict[int, float]  # K -> d(1, K)
+    smoothed_ms: dict[str, float]  # "B,w" -> ms as the model read them (`smooth`)
 
     def record(self) -> dict[str, Any]:
         return {"speedup": {str(b): {str(k): s for k, s in row.items()} for b, row in self.speedup.items()},
                 "best_k": {str(b): k for b, k in self.best_k.items()}, "crossover": self.crossover,
                 "verify_ms": self.verify_ms, "expected_tokens": {str(k): e for k, e in self.expected_tokens.items()},
-                "alpha": self.alpha, "draft_ms_batch1": {str(k): d for k, d in self.draft_ms.items()}}
+                "alpha": self.alpha, "draft_ms_batch1": {str(k): d for k, d in self.draft_ms.items()},
+                "verify_ms_smoothed": self.smoothed_ms}
 
 
 def predict(costs: dict[tuple[int, int], float], batches: Sequence[int], ks: Sequence[int],
             table: Sequence[Sequence[float]] | None, draft_ms: dict[int, float] | None = None) -> Prediction:
-    """speedup(B, K) for every batch size and K from the measured verify costs, the acceptance table and the
-    batch-1 draft cost per K (`draft_ms`, else 0)."""
+    """speedup(B, K) for every batch size and K from the measured verify costs (read non-decreasing: `smooth`), the
+    acceptance table and the batch-1 draft cost per K (`draft_ms`, else 0)."""
     draft_ms = dict(draft_ms or {})
+    measured, costs = costs, smooth(costs)
     alpha = chain_alpha(table, max(ks))
     expected = {k: expected_tokens(alpha[:k]) for k in ks}
     speedup: dict[int, dict[int, float]] = {}
@@ -109,8 +126,8 @@ def predict(costs: dict[tuple[int, int], float], batches: Sequence[int], ks: Seq
         k_best = max(row, key=lambda k: row[k])
         best[b] = k_best if row[k_best] > 1.0 else 0
     crossover = next((b for b in batches if best[b] == 0), None)
-    return Prediction(speedup, best, crossover, {f"{b},{w}": ms for (b, w), ms in costs.items()}, expected,
-                      alpha, draft_ms)
+    return Prediction(speedup, best, crossover, {f"{b},{w}": ms for (b, w), ms in measured.items()}, expected,
+                      alpha, draft_ms, {f"{b},{w}": ms for (b, w), ms in costs.items()})
 
 
 def draft_ms_per_k(sizes: Sequence[int] | None, curve: Sequence[float] | None, ks: Sequence[int]) -> dict[int, float]:

@@ -196,16 +196,16 @@ def test_python_m_serve_serves_the_shipped_eagle3_with_its_schedule_to_a_real_cl
 @pytest.mark.slow
 def test_the_concurrency_sweep_writes_by_concurrency_schedule_and_prediction(vllm, tmp_path, monkeypatch):
     """`python -m eval checkpoint=pretrained/eagle3-smollm2 engine_peers=[vllm] engine_concurrency=[1,2]
-    engine_peer_tokens=[1]` on 3 prompts, 8 tokens: report.json's engine_peers.vllm has a row per concurrency with
-    plain and K=1 figures read from the client and from vLLM's counters, a schedule over batch sizes 1-2 measured
-    once more, the prediction beside it, and the plot."""
+    engine_peer_tokens=[1]` on 2 prompts, 8 tokens (our decoder drafting a chain of 1: no cost curve to measure):
+    report.json's engine_peers.vllm has a row per concurrency with plain and K=1 figures read from the client and
+    from vLLM's counters, a schedule over batch sizes 1-2 measured once more, the prediction beside it, the plot."""
     from eval.harness import evaluate
 
     _server_env(monkeypatch)
     out = tmp_path / "eval"
-    cfg = _eval_cfg([f"checkpoint={EAGLE3}", "drafter=export", "alone=false", "engine_peers=[vllm]",
-                     "engine_concurrency=[2,1]", "engine_peer_tokens=[1]", "num_prompts=3", "max_new_tokens=8",
-                     "threads=2", f"output_dir={out}"])
+    cfg = _eval_cfg([f"checkpoint={EAGLE3}", "drafter=export", "alone=false", "tree=chain", "tree.depth=1",
+                     "engine_peers=[vllm]", "engine_concurrency=[2,1]", "engine_peer_tokens=[1]", "num_prompts=2",
+                     "max_new_tokens=8", "threads=2", f"output_dir={out}"])
     report = evaluate(cfg, progress=False)
     peer = json.loads((out / "report.json").read_text())["engine_peers"]["vllm"]
     assert peer == json.loads(json.dumps(report["engine_peers"]["vllm"]))
