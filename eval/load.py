@@ -17,6 +17,7 @@ export's acceptance, beside the measured ones). A setting vLLM refuses is named 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,20 +142,30 @@ def _spec_row(k: int, passed: Any, counts: dict[str, Any] | None, plain: dict[st
 
 
 def _serve_passes(settings: Any, label: str, prompts: list[list[int]], max_tokens: int, levels: Sequence[int],
-                  temperature: float, seed: int, log_dir: Path) -> dict[int, tuple[Any, dict[str, Any] | None]]:
-    """One server, every concurrency: (the pass, the counters it added) per concurrency."""
+                  temperature: float, seed: int, log_dir: Path
+                  ) -> tuple[dict[int, tuple[Any, dict[str, Any] | None]], str | None]:
+    """One server, every concurrency: (the pass, the counters it added) per concurrency, and the cause vLLM's log
+    names where it failed a pass (the passes before it are kept)."""
+    import httpx
+
     from serve.client import run_pass
-    from serve.server import Server, counter_delta, spec_counters
+    from serve.server import Server, counter_delta, log_cause, spec_counters
 
     out = {}
-    with Server(settings, log=log_dir / f"vllm-{label.replace('=', '')}.log"):
-        run_pass(settings.url, settings.name, prompts[:1], 4, 1)  # warm-up: kernels, caches
-        for c in levels:
-            before = spec_counters(settings.url)
-            passed = run_pass(settings.url, settings.name, prompts, max_tokens, c, temperature, seed)
-            out[c] = (passed, counter_delta(before, spec_counters(settings.url)))
-            print(f"[load] {label}, concurrency {c}: {passed.summary()['tokens_per_s']:.1f} tok/s", flush=True)
-    return out
+    server = Server(settings, log=log_dir / f"vllm-{label.replace('=', '')}.log")
+    with server:
+        try:
+            run_pass(settings.url, settings.name, prompts[:1], 4, 1)  # warm-up: kernels, caches
+            for c in levels:
+                before = spec_counters(settings.url)
+                passed = run_pass(settings.url, settings.name, prompts, max_tokens, c, temperature, seed)
+                out[c] = (passed, counter_delta(before, spec_counters(settings.url)))
+                print(f"[load] {label}, concurrency {c}: {passed.summary()['tokens_per_s']:.1f} tok/s", flush=True)
+        except (RuntimeError, httpx.HTTPError) as e:
+            time.sleep(2)  # the engine's traceback reaches the log
+            assert server.log is not None
+            return out, f"{log_cause(server.log.read_text(errors='replace'))} (client: {str(e)[:200]})"
+    return out, None
 
 
 def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tokens: int, dtype: str,
@@ -176,13 +187,14 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
 
     def run(settings: Any, what: str) -> dict[int, tuple[Any, dict[str, Any] | None]] | None:
         try:
-            return _serve_passes(settings, what, prompts, max_new_tokens, load.concurrency, temperature, seed,
-                                 log_dir)
-        except UserError as e:  # vLLM refused the setting: named in the report, the sweep goes on
-            cause = getattr(e, "cause", str(e).splitlines()[0])
-            print(f"[load] vLLM refused {what}: {cause}", flush=True)
-            errors.append({"setting": what, "error": cause})
-            return None
+            out, failed = _serve_passes(settings, what, prompts, max_new_tokens, load.concurrency, temperature,
+                                        seed, log_dir)
+        except UserError as e:  # vLLM refused the setting at start: named in the report, the sweep goes on
+            out, failed = {}, getattr(e, "cause", str(e).splitlines()[0])
+        if failed is not None:  # or failed a pass: the passes before it are kept
+            print(f"[load] vLLM failed {what}: {failed}", flush=True)
+            errors.append({"setting": what, "error": failed, "passes_kept": sorted(out)})
+        return out or None
 
     print(f"[load] vLLM {vllm_engine.VERSION} server on loopback: {len(prompts)} prompts, {max_new_tokens} tokens, "
           f"concurrency {list(load.concurrency)}, K {list(load.ks)}, plain and {info.kind} from {info.path}",
@@ -195,7 +207,7 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
     for c in load.concurrency:
         p_pass, _ = plain[c]
         p = p_pass.summary()
-        spec = [_spec_row(k, r[c][0], r[c][1], p, p_pass.outputs) for k, r in by_k.items() if r is not None]
+        spec = [_spec_row(k, r[c][0], r[c][1], p, p_pass.outputs) for k, r in by_k.items() if r and c in r]
         paying = [s for s in spec if (s["speedup"] or 0) > 1.0]
         rows.append({"concurrency": c, "plain_tokens_per_s": p["tokens_per_s"],
                      "plain_per_request_tokens_per_s": p["per_request_tokens_per_s"], "plain_ttft_s": p["ttft_s"],
@@ -208,13 +220,13 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
     scheduled = run(ServeSettings(verifier, served if drafting else None, info.kind if drafting else None,
                                   None, schedule if drafting else None, **base), "schedule")
     for row in rows:
-        if scheduled is not None:
+        if scheduled is not None and row["concurrency"] in scheduled:
             s_pass, counts = scheduled[row["concurrency"]]
             tps = s_pass.summary()["tokens_per_s"]
             row["scheduled_tokens_per_s"] = tps
             row["scheduled_speedup"] = tps / row["plain_tokens_per_s"] if row["plain_tokens_per_s"] else None
             row["scheduled_counts"] = counts
-    record["accepted_by_vllm"] = scheduled is not None
+    record["accepted_by_vllm"] = not any(e["setting"] == "schedule" for e in errors)
     result: dict[str, Any] = {
         "version": vllm_engine.VERSION, "server": "vllm.entrypoints.openai.api_server (serve/server.py), loopback",
         "setup": {"dtype": dtype, "threads": threads, "max_num_seqs": most, "enforce_eager": True,

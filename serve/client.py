@@ -82,7 +82,10 @@ async def _complete(client: Any, url: str, body: dict[str, Any], index: int) -> 
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            for choice in json.loads(line[6:]).get("choices", []):
+            chunk = json.loads(line[6:])
+            if chunk.get("error"):  # the engine failed mid-stream (vLLM sends the error as an event)
+                raise RuntimeError(f"{url} failed the request mid-stream: {chunk['error']}")
+            for choice in chunk.get("choices", []):
                 ids = choice.get("token_ids") or []
                 if ids and first is None:
                     first = time.perf_counter()

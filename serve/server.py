@@ -250,6 +250,24 @@ class Server:
         self.proc = None
 
 
+def log_cause(log: str) -> str:
+    """The root cause a vLLM log names: the first exception line after a traceback (with the failing `assert`, or
+    the file and line it was raised at), else its last line."""
+    lines = [ln.split("]", 1)[-1].strip() if "] " in ln else ln.strip() for ln in log.splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Traceback")), None)
+    if start is None:
+        return lines[-1] if lines else "no output"
+    where = ""
+    for ln in lines[start + 1:]:
+        if ln.startswith("File "):
+            where = ln
+        elif ln.startswith("assert "):
+            where = f"{ln} ({where})"
+        elif ln.split(":")[0].endswith(("Error", "Exception")) and not ln.startswith("^"):
+            return f"{ln} at {where}" if where else ln
+    return lines[-1]
+
+
 def spec_counters(url: str) -> dict[str, Any] | None:
     """vLLM's speculative counters from the server's /metrics (summed over engines), or None when it has none."""
     import httpx

@@ -229,3 +229,28 @@ def test_the_concurrency_sweep_writes_by_concurrency_schedule_and_prediction(vll
     pred = peer["prediction"]
     assert set(pred["best_k"]) == {"1", "2"} and set(pred["speedup"]["1"]) == {"1"}
     assert (out / "load_speedup.png").is_file() and (out / "vllm_load" / "vllm-plain.log").is_file()
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_vllm_fails_medusa_under_a_schedule_and_the_cause_is_named(vllm, monkeypatch, tmp_path):
+    """vLLM 0.32 takes num_speculative_tokens_per_batch_size for Medusa at start, then its Medusa proposer asserts
+    the configured K every step (vllm/v1/spec_decode/medusa.py): at a batch size whose K differs the engine dies.
+    The client says so (no silent short answers) and log_cause names vLLM's assertion. If a later vLLM drafts
+    Medusa under a schedule, this test fails: then the sweep's Medusa rows need no caveat."""
+    from serve.client import run_pass
+    from serve.server import Server, ServeSettings, log_cause, prepare, read_export
+
+    _server_env(monkeypatch)
+    info = read_export(MEDUSA)
+    verifier, served = prepare(info)
+    settings = ServeSettings(verifier, served, info.kind, None, ((1, 1, 2), (2, 2, 1)), port=_port(),
+                             max_num_seqs=2, max_model_len=512, dtype="float32", name="medusa")
+    prompts = [[1, 9690, 198, 2683, 359, 253], [1, 9690, 198, 2683, 359, 253, 28]]
+    with Server(settings, log=tmp_path / "vllm.log") as server:
+        assert len(run_pass(settings.url, "medusa", prompts[:1], 8, 1).outputs[0]) == 8  # batch 1: K = 2, the max
+        with pytest.raises(RuntimeError):
+            run_pass(settings.url, "medusa", prompts, 8, 2)  # batch 2: K = 1
+        time.sleep(2)
+        cause = log_cause(server.log.read_text())
+    assert "AssertionError" in cause and "num_speculative_tokens" in cause and "medusa.py" in cause
