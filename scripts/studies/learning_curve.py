@@ -188,7 +188,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("exports", nargs="*", help="exports to decode (none: only merge the --include files)")
     ap.add_argument("--tokens", type=int, nargs="*", help="training tokens of each export (default: its train_tokens)")
-    ap.add_argument("--tree-sizes", type=int, nargs="+", default=[16, 24])
+    ap.add_argument("--tree-sizes", type=int, nargs="*", default=[16, 24], help="tree=auto node budgets (none: "
+                    "with --chain, the chain only)")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=5, help="depths of teacher-forced chain accuracy")
