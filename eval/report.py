@@ -443,6 +443,7 @@ def write_outputs(
     (out_dir / "profile.json").write_text(json.dumps(profile, indent=2))
     write_samples(samples, out_dir)
     plots = save_plots(samples, report, out_dir)
+    plots += [Path(p["plot"]) for p in (peers or {}).values() if p.get("plot")]  # a load sweep's (eval/load.py)
     print_summary(report, profile, console)
     wandb_cfg = dict(wandb_cfg or {})
     log_wandb(report, profile, plots, out_dir, wandb_cfg.get("mode"), wandb_cfg.get("project", "specdraft"),
