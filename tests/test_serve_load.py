@@ -73,6 +73,7 @@ def test_python_m_serve_refuses_bad_settings_before_loading(capsys):
     assert "both given" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_convert_engine_ready_records_the_schedule_and_python_m_serve_launches_with_it(tmp_path, capsys):
     from scripts.tools.convert import main as convert
     from serve.server import main as serve
@@ -129,6 +130,7 @@ def test_the_batch_cost_model_finds_the_crossover_where_verifying_gets_dear():
     assert flat.crossover is None and set(flat.best_k.values()) == {3}
 
 
+@pytest.mark.slow
 def test_batched_verify_costs_are_measured_on_the_real_verifier(smollm2):
     import torch
 
