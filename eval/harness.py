@@ -46,7 +46,7 @@ from eval.engine.rules import named_rule
 from eval.engine.tree import AutoTree
 from eval.load import LoadSettings, load_settings, predictor, sweep
 from eval.peers import check_peers, vllm_peer
-from eval.planner import adaptive, cost
+from eval.planner import adaptive, cost, shapes
 from eval.report import ALONE, SPECULATIVE, write_outputs
 from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
 from eval.settings import EvalSettings, parse
@@ -161,7 +161,7 @@ def _every_family(s: EvalSettings, chosen: str, verifier: Verifier, exports: lis
     policy = s.tree
     auto = isinstance(policy, AutoTree) and policy.size == "auto"
     curve = None
-    if auto and any(e is not None and e.acceptance is not None and FAMILIES[n].tree != "own" for n, _, e in families):
+    if auto and any(e is not None and e.acceptance is not None and shapes.shape_of(n).plans for n, _, e in families):
         ids = torch.tensor([prefix()], device=verifier.device)
         curve = cost.measure(verifier, ids, s.threads, s.engine)
     drafters, plans = {}, {}
@@ -205,7 +205,7 @@ def plan_and_build(s: EvalSettings, family: str, drafter_cfg: DictConfig, verifi
     measured now on a real prefix), then the drafter is built with it. profile=true: the drafter's draft curve beside
     the curve."""
     adapt = adaptive.plan_mode(s.plan, s.tree, family, export, not s.method_all)
-    policy, auto = cost.budget_policy(s.tree, family, export)
+    policy, auto = shapes.budget_policy(s.tree, family, export)
     profile = s.profile if profile is None else profile
 
     def build(p: Any) -> Drafter:
@@ -225,7 +225,7 @@ def plan_and_build(s: EvalSettings, family: str, drafter_cfg: DictConfig, verifi
         # adaptive: the probe itself, built at the largest budget (its depth the deepest any plan may reach), then
         # re-planned round by round; static: the drafter built at the planned budget, predicted round by round.
         drafter = probe if adapt else build(AutoTree(size=planned.size))
-        drafter = adaptive.plan(drafter, FAMILIES[export.kind].tree, export.acceptance, curve, draft, planned.size,
+        drafter = adaptive.plan(drafter, shapes.shape_of(export.kind), export.acceptance, curve, draft, planned.size,
                                 adapt, FAMILIES[family].min_drafts)
         return Built(drafter, curve, planned, draft)
     drafter = build(policy)
@@ -312,9 +312,9 @@ def setup(s: EvalSettings) -> Setup:
     # prediction for the tree given
     predicted = built.planned
     if predicted is None and curves and export is not None and FAMILIES[family].has_export:
-        predicted = cost.predict(export, built.drafter, curves[0], built.draft)
+        predicted = shapes.predict(export, built.drafter, curves[0], built.draft)
     drafters = {SPECULATIVE: built.drafter}
-    if s.alone and export is not None and FAMILIES[family].tree == "primary":
+    if s.alone and export is not None and shapes.shape_of(family).combines:
         # a combination built on the export's drafter (the hybrid): that drafter alone beside it, planned the same
         # way on the same cost curve, so the report gives what the combination adds (report.json drafter_alone)
         drafters[ALONE] = plan_and_build(s, export.kind, family_config(export.kind), verifier, export, prefix,

@@ -218,3 +218,18 @@ def test_drafting_that_costs_more_than_its_curve_says_is_learned(base):
     static = PlannedDrafter(drafter, OPTIMISTIC, "fixed", curve(), cheap, 8, adaptive=False)
     decode_all(base, static)
     assert static.draft_scale == 1.0  # the static plan keeps the curves' own times
+
+
+def test_a_new_tree_shape_is_one_module_and_its_registration(varied):
+    """tests/toy_shape.py registers `chain_only`; the planner drafts under it with no other change: every plan is a
+    chain, and the output stays plain greedy's."""
+    import toy_shape  # noqa: F401  (registers the shape)
+
+    heads = random_heads(varied)
+    drafter = make_drafter("medusa", varied, auto_tree(OPTIMISTIC, cost.PROBE_SIZE), net=heads)
+    planned = PlannedDrafter(drafter, OPTIMISTIC, "chain_only", curve(), None, 8, adaptive=True)
+    assert planned.inner.tree.parents == tuple(range(-1, planned.inner.tree.num_drafts))  # a chain
+    ids = torch.tensor([varied.tokenizer(PROMPTS[0])["input_ids"]])
+    out = speculative_decode(varied, planned, ids, MAX_NEW)
+    assert torch.equal(out.tokens, greedy_decode(varied, ids, MAX_NEW).tokens)
+    assert planned.inner.tree.parents == tuple(range(-1, planned.inner.tree.num_drafts))

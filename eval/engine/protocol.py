@@ -89,7 +89,7 @@ class CostProbe(Protocol):
 
 class FixedTreeDrafter(Protocol):
     """A drafter whose family drafts one tree every round (its registry entry's `tree` is "fixed": Medusa,
-    P-EAGLE, DFlash); eval.planner.cost.predict scores that tree under the export's acceptance table."""
+    P-EAGLE, DFlash); eval.planner.shapes.predict scores that tree under the export's acceptance table."""
 
     tree: Tree  # the tree every round fills
     depth_limit: int  # the deepest tree it can fill (Medusa: its heads; P-EAGLE, DFlash: the slots of one forward)
@@ -101,8 +101,8 @@ class FixedTreeDrafter(Protocol):
 
 class BudgetDrafter(Protocol):
     """A drafter whose family grows its tree each round within a node budget (registry `tree` "dynamic": EAGLE);
-    eval.planner.cost.predict scores the best tree of that budget under the export's acceptance table, and plan=adaptive
-    sets both fields between rounds."""
+    eval.planner.shapes.predict scores the best tree of that budget under the export's acceptance table, and
+    plan=adaptive sets both fields between rounds."""
 
     size: int  # the drafts a round may grow (its node budget, root excluded)
     depth: int  # the deepest a round's tree may grow

@@ -35,8 +35,9 @@ from typing import Any
 from torch import Tensor
 
 from eval.engine.protocol import Draft, Drafter, Prediction, Skippable
-from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, auto_tree, best_first, rank_probs
+from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, rank_probs
 from eval.planner import cost
+from eval.planner.shapes import TreeShape, shape_named, shape_of
 from models.families import FAMILIES
 from models.formats.export import ExportInfo
 from runtime.errors import UserError
@@ -109,20 +110,21 @@ class PlannedDrafter:
     """A drafter tree.size=auto planned, predicted round by round and, with `adaptive`, re-planned from the
     acceptance the run measures (module docstring). Keeps the drafter protocol (eval.engine.protocol.Drafter).
 
-    kind: the family's registry `tree`: "fixed" (a FixedTreeDrafter with `set_tree` and `depth_limit`) or "dynamic"
-    (a BudgetDrafter: `size` and `depth`). curve / draft: the verifier's cost curve and the drafter's draft curve
-    (ms at curve.sizes, or None) the static plan was made on. size: that plan's budget. An adaptive drafter is
-    built at the largest budget (eval.planner.cost.PROBE_SIZE), so its depth is the deepest any budget may reach, and it
-    declares that budget and depth to the decode loop (`max_nodes`, `max_depth`: the cache is sized for them).
+    kind: the shape of the family's drafts (eval.planner.shapes: "fixed", a FixedTreeDrafter with `set_tree` and
+    `depth_limit`; "dynamic", a BudgetDrafter: `size` and `depth`), or its registry name. curve / draft: the
+    verifier's cost curve and the drafter's draft curve (ms at curve.sizes, or None) the static plan was made on.
+    size: that plan's budget. An adaptive drafter is built at the largest budget (eval.planner.cost.PROBE_SIZE), so
+    its depth is the deepest any budget may reach, and it declares that budget and depth to the decode loop
+    (`max_nodes`, `max_depth`: the cache is sized for them).
     learn_times: whether measured round times move the drafting's price (`draft_scale`); False plans on the curves
     alone."""
 
-    def __init__(self, drafter: Any, table: Sequence[Sequence[float]], kind: str, curve: cost.Curve,
+    def __init__(self, drafter: Any, table: Sequence[Sequence[float]], kind: TreeShape | str, curve: cost.Curve,
                  draft: Sequence[float] | None, size: int, adaptive: bool, min_drafts: int = 0,
                  max_drafts: int = cost.PROBE_SIZE, learn_times: bool = True) -> None:
-        self.inner, self.kind, self.adaptive = drafter, kind, adaptive
+        self.inner, self.shape, self.adaptive = drafter, shape_named(kind), adaptive
         self.feature_layers = drafter.feature_layers
-        limit = drafter.depth_limit if kind == "fixed" else drafter.depth
+        limit = self.shape.depth_limit(drafter)
         self.table = [list(row) for row in table[:limit]]
         self.estimate = AcceptanceEstimate(self.table)
         ms = cost.monotone(curve.ms)
@@ -134,9 +136,9 @@ class PlannedDrafter:
         self.min_drafts, self.max_drafts = max(min_drafts, 1 if size > 0 else 0), max_drafts
         self._plans = [cost.plan_monotone(curve.sizes, ms, 1.0, s, spent) for s in range(max_drafts + 1)]
         self.step_ms = self._plans[0].step_ms
+        self._base_depth = limit  # the deepest a re-planned budget may grow (its shape's limit)
         if adaptive:
             self.max_nodes, self.max_depth = 1 + max_drafts, len(self.table)
-            self._base_depth = limit
         else:
             self.max_nodes, self.max_depth = drafter.max_nodes, drafter.max_depth
         self.size = -1
@@ -189,14 +191,10 @@ class PlannedDrafter:
         self._times[3] += self._predicted[1]
 
     # -- the plan -------------------------------------------------------------------------------------------------
-    def _resize(self, size: int, table: list[list[float]]) -> None:
-        """Draft `size` drafts from the next round on, the tree `table` buys for them."""
+    def _resize(self, size: int, table: list[list[float]], changed: bool = True) -> None:
+        """Draft `size` drafts from the next round on, the tree `table` buys for them (its shape says how)."""
         self.size = size
-        if self.kind == "fixed":
-            self.inner.set_tree(auto_tree(table, size))
-        elif self.adaptive:  # an EAGLE budget: grown each round, no deeper than the tree the plan priced
-            self.inner.size = size
-            self.inner.depth = min(self._base_depth, auto_tree(table, size).max_depth) if size else self._base_depth
+        self.shape.resize(self.inner, size, table, self.adaptive, self._base_depth, changed)
 
     def _replan(self) -> None:
         """1. The estimate's table; 2. if it moved since the last plan, the budget eval.planner.cost's rule picks on
@@ -211,15 +209,12 @@ class PlannedDrafter:
         scale = self.draft_scale
         best = max(range(self.min_drafts, self.max_drafts + 1),
                    key=lambda s: (expected[s] / (self._plans[s].verify_ms + scale * self._plans[s].draft_ms), -s))
-        if best != self.size or self.kind == "fixed":
-            self._resize(best, table)
+        self._resize(best, table, changed=best != self.size)
 
     def _values(self) -> list[float]:
         """The coming round's drafts' path-acceptance probabilities under the estimate so far, best first."""
         table = self.estimate.table() if self.adaptive else self.table
-        if self.kind == "fixed":
-            return sorted(cost.tree_values(self.inner.tree, table), reverse=True)
-        return best_first(table, self.size)[1]
+        return self.shape.values(self.inner, table, self.size)
 
     def tree_values(self, tree: Tree) -> list[float]:
         """Each draft node of `tree` (a round this drafter proposed, in tree order): its path-acceptance probability
@@ -370,7 +365,7 @@ def plan_mode(value: Any, tree: Any, family: str, export: ExportInfo | None, str
                         f"acceptance measured while decoding), plan=static (the budget planned once, from the "
                         f"export's table) or leave it out (adaptive under tree.size=auto).")
     fixed = _fixed_by(tree)
-    plannable = (FAMILIES[family].tree != "own" and export is not None and export.acceptance is not None)
+    plannable = (shape_of(family).plans and export is not None and export.acceptance is not None)
     if value is None:
         return fixed is None and plannable
     if str(value) == "static":
@@ -379,7 +374,7 @@ def plan_mode(value: Any, tree: Any, family: str, export: ExportInfo | None, str
         raise UserError(f"plan=adaptive re-plans the tree.size=auto budget between rounds, but this run fixes the "
                         f"tree ({fixed}). Give tree.size=auto (the default tree=auto) to let the planner choose and "
                         f"adapt it, or drop plan=adaptive to keep the tree you gave.")
-    if FAMILIES[family].tree == "own":
+    if not shape_of(family).plans:
         if not strict:
             return False
         raise UserError(f"plan=adaptive plans the tree of an export's drafter, and drafter={family} drafts its own "
@@ -393,7 +388,7 @@ def plan_mode(value: Any, tree: Any, family: str, export: ExportInfo | None, str
     return True
 
 
-def plan(drafter: Any, kind: str, table: Sequence[Sequence[float]], curve: cost.Curve,
+def plan(drafter: Any, kind: TreeShape | str, table: Sequence[Sequence[float]], curve: cost.Curve,
          draft: Sequence[float] | None, size: int, adaptive: bool, min_drafts: int = 0) -> Drafter:
     """The drafter under the planner: a drafter of an export family wrapped in a PlannedDrafter; a drafter built
     around one (the hybrid: its `primary`) with that one wrapped in place, its budget then the plan's."""

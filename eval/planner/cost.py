@@ -24,12 +24,12 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from eval.engine.protocol import BudgetDrafter, CostProbe, FixedTreeDrafter
+from eval.engine.protocol import CostProbe
 from eval.engine.timing import interleaved, timed
 from eval.engine.tree import Tree, auto_tree, best_first, rank_probs, tree_buffers
 from models.families import FAMILIES
@@ -291,40 +291,7 @@ def auto_size(family: str, export: ExportInfo, curve: Curve, draft: Sequence[flo
     return best_size(curve.sizes, curve.ms, table, draft=draft, min_drafts=FAMILIES[family].min_drafts)
 
 
-def predict(export: ExportInfo, drafter: FixedTreeDrafter | BudgetDrafter, curve: Curve,
-            draft: Sequence[float] | None = None) -> Plan | None:
-    """What the curve predicts for the drafter as built, or None without acceptance estimates. The export's family
-    says which contract the drafter keeps (its registry `tree`): "fixed" (Medusa, P-EAGLE, DFlash), a
-    FixedTreeDrafter, scored on its `tree`; "dynamic" (EAGLE), a BudgetDrafter, on the best tree of its `size` under
-    the table."""
-    table = export.acceptance
-    if table is None:
-        return None
-    if FAMILIES[export.kind].tree == "fixed":
-        tree = cast(FixedTreeDrafter, drafter).tree
-        return plan(curve.sizes, curve.ms, 1.0 + sum(tree_values(tree, table)), tree.num_drafts, draft)
-    size = cast(BudgetDrafter, drafter).size
-    return plan(curve.sizes, curve.ms, expected_tokens(table, size), size, draft)
-
-
 PROBE_SIZE = max(SIZES) - 1  # tree.size=auto times a probe drafter of this budget, the largest the curve reaches
-
-
-def budget_policy(policy: Any, family: str, export: ExportInfo | None) -> tuple[Any, bool]:
-    """The tree policy a run drafts under and whether its budget is to be planned (tree.size=auto). tree.size=auto is
-    the default, so it must not fail where the budget cannot be planned: families that do not draft under `tree`
-    (prompt lookup, lookahead, a draft model) ignore it, and an EAGLE export (or a hybrid on one) older than its
-    acceptance table drafts FALLBACK_SIZE nodes (a Medusa one cannot build a tree=auto at all: its drafter says so)."""
-    from eval.engine.tree import AutoTree
-
-    auto = isinstance(policy, AutoTree) and policy.size == "auto"
-    if auto and (export is None or export.acceptance is None or FAMILIES[family].tree == "own"):
-        if export is not None and FAMILIES[family].tree in ("dynamic", "primary"):
-            print(f"[eval] tree.size=auto: this export records no acceptance estimates (medusa_topk_accuracy, or "
-                  f"eagle_topk_accuracy / val_step_top1): no validation of its final weights wrote them. "
-                  f"It drafts {FALLBACK_SIZE} nodes; give tree.size=N to choose, or write them: {VALIDATE_EXPORT}.")
-        return AutoTree(size=FALLBACK_SIZE), False
-    return policy, auto
 
 
 def timed_draft_curve(verifier: Verifier, drafter: Any, prefix: Tensor, sizes: Sequence[int], engine: str,
