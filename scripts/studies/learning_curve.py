@@ -255,9 +255,11 @@ def main() -> None:
             row["chain_match"] = sum(o.tokens[0].tolist() == p for o, p in zip(outs, plain)) / len(plain)
             print(f"{export}: chain of {args.chain}, tau {row['chain_tau']:.3f}, alpha {row['chain_alpha']}, "
                   f"greedy match {row['chain_match']:.0%}")
-        loaded = load_export(export, verifier)
-        tables = score_export(loaded.kind, loaded.net, verifier, answers, args.depth, keep=loaded.train_ids)
-        row["chain_accuracy"] = [float(a) for a in tables["chain_conditional"]]
+        row["chain_accuracy"] = []
+        if args.depth:  # teacher-forced (--depth 0: none)
+            loaded = load_export(export, verifier)
+            tables = score_export(loaded.kind, loaded.net, verifier, answers, args.depth, keep=loaded.train_ids)
+            row["chain_accuracy"] = [float(a) for a in tables["chain_conditional"]]
         row["verifier_top1"] = ceiling
         row["train_depth1_top1"] = config.get("train_depth1_top1")  # last epoch's, on training batches
         row |= training_record(export)
