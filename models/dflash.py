@@ -95,6 +95,7 @@ class DFlashNet(nn.Module):
 
     kind = "dflash"
     shares_verifier_head = True  # drafts through the verifier's lm_head (so `draft_vocab` can cut its rows)
+    feature_noise = False  # trained on the verifier's features as they are
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_attention_heads: int, num_key_value_heads: int,
                  head_dim: int, rope_theta: float, rms_norm_eps: float, vocab_size: int, num_verifier_layers: int,

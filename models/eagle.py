@@ -121,6 +121,7 @@ class Eagle1Net(_EagleNet):
 
     kind = "eagle"
     shares_verifier_head = True  # drafts through M_q's lm_head (so `draft_vocab` can cut its rows)
+    feature_noise = True  # trained on features with uniform noise added (EAGLE-1's recipe: model.noise)
 
     def __init__(self, fc_bias: bool = False, **shape: Any) -> None:
         super().__init__(**shape)
@@ -159,6 +160,7 @@ class Eagle3Net(_EagleNet):
 
     kind = "eagle3"
     shares_verifier_head = False  # its own head over the draft vocabulary
+    feature_noise = False
 
     def __init__(self, draft_vocab_size: int | None = None, aux_layer_ids: Sequence[int] | None = None,
                  fc_norm: bool = False, norm_output: bool = False, **shape: Any) -> None:

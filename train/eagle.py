@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.eagle import Eagle1Net, Eagle3Net, build_eagle, target_rank, unroll
+from models.eagle import build_eagle, target_rank, unroll
 from models.families import title
 from models.formats.export import check_vocab_size, save_export
 from models.verifiers.core import Verifier
@@ -152,7 +152,7 @@ class EagleModule(DrafterModule):
     def uses_verifier_argmax(self) -> bool:
         """EAGLE-3's targets need M_q's full-vocabulary argmax (is it in the draft vocabulary?): offline mode caches
         it once (batch["verifier_argmax"]) instead of projecting every target through the 49k-row head each epoch."""
-        return isinstance(self.net, Eagle3Net)
+        return not self.net.shares_verifier_head
 
     @property
     def drafter_kind(self) -> str:
@@ -170,7 +170,7 @@ class EagleModule(DrafterModule):
             self.setup_train_vocab(counts)
         if counts is not None and stage == "fit" and getattr(self.net, "mask_token_id", None) is not None:
             refuse_held_mask_token(counts, self.net.mask_token_id, self.verifier)  # P-EAGLE's and DFlash's mask slots
-        if counts is None or not isinstance(self.net, Eagle3Net) or stage != "fit":
+        if counts is None or self.net.shares_verifier_head or stage != "fit":  # a draft vocabulary: own head
             return
         if self.warm is not None:  # the export's draft vocabulary came with its weights
             self.draft_vocab_coverage = float(counts[self.net.t2d.cpu()].sum() / counts.sum().clamp(min=1))
@@ -191,11 +191,11 @@ class EagleModule(DrafterModule):
         states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
         final = states[-1]  # (B, T, D): M_q's lm_head input
         feats = self.net.features(states)[:, :n]  # (B, n, D): F_t
-        if train and isinstance(self.net, Eagle1Net) and self.hparams.noise > 0:
+        if train and self.net.feature_noise and self.hparams.noise > 0:
             feats = feats + (torch.rand_like(feats) - 0.5) * self.hparams.noise
         embed, lm_head = self.verifier.token_embedding, self.verifier.lm_head
         targets = (self.draft_vocab_targets(final, loss_mask, batch.get("verifier_argmax"))
-                   if isinstance(self.net, Eagle3Net) else None)  # EAGLE-3 and P-EAGLE (a subclass)
+                   if not self.net.shares_verifier_head else None)  # an own head over a draft vocabulary
         rows = None if self.head_ids is None else self.head_rows(lm_head.weight)  # EAGLE-1's kept rows (train_vocab)
         hp = self.hparams
         want_alpha = not train or self.reads_alpha  # validation's expected length; D-PACE's slot confidences
