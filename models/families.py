@@ -146,6 +146,9 @@ class Family:
     serve_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys vLLM needs for it
     teacher_forced: str | None = None
     stored_verifier: str | None = None
+    # (config key, offset): the most tokens one engine step of this export drafts, its config value plus the offset
+    # (Medusa: a token per head; a block drafter: the block less its root); None: any K (one forward per token)
+    drafts_per_step: tuple[str, int] | None = None
 
     @property
     def has_export(self) -> bool:
@@ -176,6 +179,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("medusa", "Medusa", drafter="eval.drafters.build.export", decoder="eval.drafters.medusa.medusa_drafter",
            training="train.medusa.MedusaModule", network=MedusaHeads, needs_export=True, tree="fixed",
            acceptance=("medusa_topk_accuracy",), serve="medusa", teacher_forced="eval.drafters.medusa.medusa_ranks",
+           drafts_per_step=("num_heads", 0),
            export=ExportFormat(("MedusaModel",), medusa_layout, medusa_from_layout, model_type="medusa",
                                reference_weights=("medusa_lm_head.safetensors", "medusa_lm_head.pt"),
                                is_reference=is_medusa_reference, to_reference=medusa_to_reference,
@@ -215,21 +219,21 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("dflash", "DFlash", drafter="eval.drafters.build.export", decoder="eval.drafters.dflash.dflash_drafter",
            training="train.dflash.DFlashModule", network=DFlashNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="dflash",
-           teacher_forced="eval.drafters.eagle.eagle_ranks",
+           teacher_forced="eval.drafters.eagle.eagle_ranks", drafts_per_step=("block_size", -1),
            export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash",
                                to_speculators=dflash_to_speculators, from_speculators=dflash_from_speculators,
                                agrees=dflash_weights_agree)),
     Family("dspark", "DSpark", drafter="eval.drafters.dspark.dspark", decoder="eval.drafters.dspark.dspark_drafter",
            training="train.dspark.DSparkModule", network=DSparkNet, needs_export=True, tree="fixed",
            acceptance=("dspark_confidence_table", "eagle_topk_accuracy", "val_step_top1"), serve="dspark",
-           teacher_forced="eval.drafters.eagle.eagle_ranks",
+           teacher_forced="eval.drafters.eagle.eagle_ranks", drafts_per_step=("block_size", -1),
            export=ExportFormat(("DSparkDraftModel",), dspark_layout, dspark_from_layout, speculators_type="dspark",
                                to_speculators=dspark_to_speculators, from_speculators=dspark_from_speculators,
                                agrees=dflash_weights_agree)),
     Family("dflash2", "DFlash2", drafter="eval.drafters.build.export",
            decoder="eval.drafters.dflash2.dflash2_drafter", training="train.dflash2.DFlash2Module",
            network=DFlash2Net, needs_export=True, tree="fixed", acceptance=("eagle_topk_accuracy", "val_step_top1"),
-           serve="dflash", teacher_forced="eval.drafters.dflash2.dflash2_ranks",
+           serve="dflash", teacher_forced="eval.drafters.dflash2.dflash2_ranks", drafts_per_step=("block_size", -1),
            export=ExportFormat(("DFlash2DraftModel",), dflash2_layout, dflash2_from_layout,
                                speculators_type="dflash2", to_speculators=dflash2_to_speculators,
                                from_speculators=dflash2_from_speculators, agrees=dflash_weights_agree)),
@@ -284,11 +288,14 @@ def a_title(name: str | None) -> str:
 
 
 def family_of_config(config: dict[str, Any]) -> str | None:
-    """The family an export's config.json (flattened: models/formats/speculators.py) holds, or None: its model_type,
-    else an architecture one family writes or reads, else the project's `eagle_kind` key."""
+    """The family an export's config.json (flattened: models/formats/speculators.py, or as written) holds, or None: its
+    model_type or speculators_model_type, else an architecture one family writes or reads, else the project's
+    `eagle_kind` key."""
     formats = [(name, fam.export) for name, fam in FAMILIES.items() if fam.export is not None]  # export_families()
     for name, fmt in formats:
         if fmt.model_type and config.get("model_type") == fmt.model_type:
+            return name
+        if fmt.speculators_type and config.get("speculators_model_type") == fmt.speculators_type:
             return name
     for arch in config.get("architectures") or []:
         for name, fmt in formats:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.families import FAMILIES, family_of_config
 from runtime.errors import UserError
 from serve import vllm_engine
 
@@ -102,14 +103,14 @@ def read_launch(folder: str | Path) -> Schedule | None:
 
 
 def most_drafts(config: dict[str, Any]) -> int | None:
-    """The most tokens per step an export's network drafts, read from the keys vLLM reads for it: a Medusa layout's
-    `num_heads` (one token per head), a block drafter's `block_size` (the root and block_size - 1 masks); None for a
-    drafter that recurs (EAGLE-1/3 draft any K, one forward per token)."""
-    if isinstance(config.get("num_heads"), int) and config.get("model_type") == "medusa":
-        return int(config["num_heads"])
-    if isinstance(config.get("block_size"), int):
-        return int(config["block_size"]) - 1
-    return None
+    """The most tokens per step an export's network drafts, from its family's registry entry (`drafts_per_step`: a
+    Medusa layout's `num_heads`, a block drafter's `block_size` less its root); None for a drafter that recurs
+    (EAGLE-1/3 draft any K, one forward per token)."""
+    family = family_of_config(config)
+    rule = FAMILIES[family].drafts_per_step if family is not None else None
+    if rule is None or not isinstance(config.get(rule[0]), int):
+        return None
+    return int(config[rule[0]]) + rule[1]
 
 
 def check_tokens(ks: Any, config: dict[str, Any], export: Path, where: str) -> None:

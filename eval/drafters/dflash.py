@@ -4,7 +4,8 @@ The drafter keeps every layer's context keys and values for the positions the ve
 verifier's features at those positions; nothing drafted ever enters them, so an accepted prefix needs no rollback:
 the next round brings its features). Each round it adds the newly committed positions, then runs one block, the
 root and K mask tokens, attending the whole context and each other; slot k's output through the verifier's head is
-the distribution of the depth-k draft. The tree is fixed, as for P-EAGLE and Medusa (eval/drafters/peagle.py fills it).
+the distribution of the depth-k draft. The tree is fixed, as for P-EAGLE and Medusa (eval/drafters/parallel.py fills
+it).
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters.peagle import PEagleDrafter
+from eval.drafters.parallel import ParallelDrafter
 from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import TreePolicy, fixed_tree
 from models.dflash import DFlashNet
 from models.verifiers.core import Verifier
 
 
-class DFlashDrafter(PEagleDrafter):
+class DFlashDrafter(ParallelDrafter):
     """DFlash for the drafter protocol: a per-layer context cache, one block forward per round, a fixed tree."""
+
+    title = "DFlash"
 
     @property
     def cache_length(self) -> int:
@@ -59,8 +62,6 @@ def dflash_drafter(net: DFlashNet, config: dict[str, Any], verifier: Verifier, t
     `tree` (tree=auto from the export's eagle_topk_accuracy), at most K = block_size - 1 deep. `head_ids`: draft
     over those rows of the verifier's head only (`drafter.draft_vocab`, or the rows an export trained on with
     `model.train_vocab`)."""
-
-
     table = config.get("eagle_topk_accuracy")
     shape, name = fixed_tree(tree, net.parallel, table, "DFlash", "eagle_topk_accuracy")
     return DFlashDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, head_ids=head_ids,

@@ -2,11 +2,8 @@
 
 Each round the drafter first extends its cache with the step-0 keys of the positions the verifier just committed,
 as EAGLE does (eval/drafters/eagle.py `EagleDrafter._extend`; its output at the last one gives depth 1), then runs its
-mask slots 1..K-1 in one forward (`PEagleNet.mask_slots`): depth d+1's distribution is slot d's. No depth reads the
-drafts before it, so the tree is Medusa's kind, fixed every round (`tree=auto` from the export's per-depth top-k table,
-a chain, or `medusa_choices`), and a node at depth d with rank r takes depth d's rank-r token. Sampled drafts
-(`sampled_drafts=true`) are independent draws from their depth's warped distribution, which `Draft.p` carries, as
-for Medusa (eval.engine.sampling's tree rule is exact for such i.i.d. siblings).
+mask slots 1..K-1 in one forward (`PEagleNet.mask_slots`): depth d+1's distribution is slot d's. The rest of a round
+(the fixed tree, top-k or sampled drafts, the planner's trial) is every parallel drafter's (eval/drafters/parallel.py).
 """
 
 from __future__ import annotations
@@ -16,50 +13,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters.eagle import EagleDrafter
-from eval.drafters.heads import weights_dtype
-from eval.engine.protocol import Draft
-from eval.engine.sampling import SamplingConfig, warp
-from eval.engine.tree import Chain, Tree, TreePolicy, auto_tree, describe, fixed_tree, tree_buffers
+from eval.drafters.parallel import ParallelDrafter
+from eval.engine.sampling import SamplingConfig
+from eval.engine.tree import TreePolicy, fixed_tree
 from models.peagle import PEagleNet
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 
-class PEagleDrafter(EagleDrafter):
-    """P-EAGLE for the drafter protocol (eval.engine.protocol.Drafter): its own KV cache of committed step-0 keys, a
-    fixed tree of depth <= K filled from one forward's K distributions."""
+class PEagleDrafter(ParallelDrafter):
+    """P-EAGLE for the drafter protocol: EAGLE's KV cache of committed step-0 keys (its output at the last one gives
+    depth 1), then the mask slots 1..K-1 in one forward (`PEagleNet.mask_slots`): depth d+1's distribution is slot
+    d's."""
 
-    def __init__(self, net: PEagleNet, verifier: Verifier, tree: Tree, policy: str = "tree",
-                 sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
-                 head_ids: Tensor | None = None, table: list[list[float]] | None = None) -> None:
-        super().__init__(net, verifier, Chain(net.parallel), sampling=sampling, generator=generator, head_ids=head_ids)
-        self.table = table[: net.parallel] if table else None  # per-depth top-k accuracy: the tree each budget buys
-        self.tree_policy, self.depth_limit = policy, net.parallel  # the deepest tree one forward fills
-        self.set_tree(tree)
+    title = "P-EAGLE"
 
-    def set_tree(self, tree: Tree) -> None:
-        """Draft `tree` from the next round on: the hook through which the adaptive planner (eval.planner.adaptive)
-        re-plans
-        a fixed tree between rounds (the mask forward runs as deep as the tree)."""
-        if tree.max_depth > self.net.parallel:
-            raise UserError(f"The tree is {tree.max_depth} drafts deep but the P-EAGLE export drafts "
-                            f"{self.net.parallel} tokens per forward; use a tree of depth <= {self.net.parallel}.")
-        if max(tree.ranks[1:], default=0) >= self.head_size:
-            raise UserError(f"The tree asks for rank {max(tree.ranks)} of a depth, but the draft vocabulary has "
-                            f"{self.head_size} tokens; use smaller ranks.")
-        device = self.embed.weight.device
-        self.tree = tree
-        self.size, self.max_nodes, self.max_depth = tree.num_drafts, tree.num_nodes, tree.max_depth
-        self._depth = tree_buffers(tree).positions[1:].to(device)  # (N-1,) depth of each draft node
-        self._rank = torch.tensor(tree.ranks[1:], dtype=torch.long, device=device)
-        self._topk = max(tree.ranks[1:], default=-1) + 1
-
-    def describe(self) -> dict[str, Any]:
-        return {"policy": self.tree_policy, "proposals": "sampled" if self.sampling else "topk",
-                "weights": weights_dtype(self.net), "parallel_tokens": self.net.parallel, **describe(self.tree)}
-
-    def _depth_logits(self, root_out: Tensor, depth: int | None = None) -> Tensor:
+    def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
         """The drafter's logits for depths 1..depth (the tree's max_depth by default): the root's output, then the
         mask slots'. (depth, Vd)"""
         depth = self.max_depth if depth is None else depth
@@ -67,53 +36,6 @@ class PEagleDrafter(EagleDrafter):
         if depth > 1:
             outs.append(self.net.mask_slots(depth - 1, self.cache_length, self._k, self._v, self.embed))
         return self.net.logits(torch.cat(outs, dim=1)).float()[0]
-
-    @torch.no_grad()
-    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
-        if input_ids.shape[0] != 1:
-            raise UserError(f"P-EAGLE drafting runs one sequence at a time; got batch size {input_ids.shape[0]}.")
-        root_out = self._extend(input_ids, hidden)  # (1, D)
-        root = input_ids[:, -1:]
-        if self.tree.num_drafts == 0:
-            return Draft(tree=self.tree, tokens=root)
-        logits = self._depth_logits(root_out)  # (K, Vd)
-        if self.sampling is not None:
-            probs = self._full_probs_of(logits)  # (K, V)
-            depth = self._depth - 1
-            drafts = torch.empty(depth.numel(), dtype=root.dtype, device=root.device)
-            for k in range(self.max_depth):
-                at = (depth == k).nonzero()[:, 0]
-                drafts[at] = torch.multinomial(probs[k], at.numel(), replacement=True, generator=self.generator)
-            p = torch.cat([torch.zeros_like(probs[:1]), probs[depth]])[None]  # (1, N, V), row 0 unused
-            return Draft(tree=self.tree, tokens=torch.cat([root, drafts[None]], dim=1), p=p)
-        top = logits.topk(self._topk, dim=-1).indices  # (K, R)
-        drafts = self.to_verifier(top[self._depth - 1, self._rank])  # (N-1,)
-        return Draft(tree=self.tree, tokens=torch.cat([root, drafts.to(root.dtype)[None]], dim=1))
-
-    def _full_probs_of(self, logits: Tensor) -> Tensor:
-        """Warped distributions over the verifier's vocabulary (the draft vocabulary mapped through d2t). (K, V)"""
-        if logits.shape[-1] != self.vocab_size:
-            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-            logits = full.index_copy_(1, self.to_verifier(torch.arange(logits.shape[-1], device=logits.device)), logits)
-        s = self.sampling
-        return warp(logits, s.temperature, s.top_p, s.top_k)
-
-    @torch.no_grad()
-    def trial(self, input_ids: Tensor, hidden: Tensor, drafts: int) -> Tree | None:
-        """One round's drafting as a drafter planned for `drafts` drafts does it (the new features, then one forward
-        over the mask slots of that tree's depth), leaving the cache as it was: what eval.planner.cost.draft_curve
-        times.
-        With the export's table the tree is the one tree.size=auto would build for the budget (a one-deep tree needs
-        no mask forward); without it, this drafter's own tree. Returns that tree."""
-        tree = auto_tree(self.table, drafts) if self.table and drafts else self.tree
-        keys = self._k, self._v
-        try:
-            root_out = self._extend(input_ids, hidden)
-            if drafts and tree.num_drafts:
-                self._depth_logits(root_out, tree.max_depth).topk(max(tree.ranks[1:]) + 1, dim=-1)
-            return tree
-        finally:
-            self._k, self._v = keys
 
 
 def peagle_drafter(net: PEagleNet, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,
@@ -124,8 +46,6 @@ def peagle_drafter(net: PEagleNet, config: dict[str, Any], verifier: Verifier, t
     if head_ids is not None:
         raise UserError("drafter.draft_vocab cuts a drafting head shared with the verifier; P-EAGLE drafts over its "
                         "own trained draft vocabulary. Leave drafter.draft_vocab=null.")
-
-
     table = config.get("eagle_topk_accuracy")
     shape, name = fixed_tree(tree, net.parallel, table, "P-EAGLE", "eagle_topk_accuracy")
     return PEagleDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table)
