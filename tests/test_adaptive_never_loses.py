@@ -137,18 +137,20 @@ def test_adaptive_stops_paying_for_what_is_never_accepted(kind, tiny):
 def family_net(kind: str, verifier):
     """A randomly initialised network of a block-drafting family (its builder, the tiny verifier's layers)."""
     from models.dflash import build_dflash
+    from models.dflash2 import build_dflash2
     from models.dspark import build_dspark
     from models.peagle import build_peagle
 
     torch.manual_seed(0)
     builders = {"peagle": lambda: build_peagle(verifier, mask_token_id=16, parallel=4, aux_layer_ids=[0, 1]),
                 "dflash": lambda: build_dflash(verifier, 16, 5, 1, [0, 1]),
-                "dspark": lambda: build_dspark(verifier, 16, 5, 1, [0, 1])}
+                "dspark": lambda: build_dspark(verifier, 16, 5, 1, [0, 1]),
+                "dflash2": lambda: build_dflash2(verifier, 16, 5, 1, [0, 1], selector_rank=16)}
     assert set(builders) == set(BLOCK_BUILDERS)
     return builders[kind]().float().eval()
 
 
-BLOCK_BUILDERS = ("dflash", "dspark", "peagle")  # family_net's; a new planned family must be added to one list
+BLOCK_BUILDERS = ("dflash", "dflash2", "dspark", "peagle")  # family_net's; a new planned family must be added to one list
 
 
 def test_a_plan_that_drafts_keeps_drafting_and_measuring(varied):
