@@ -150,7 +150,8 @@ def family_net(kind: str, verifier):
     return builders[kind]().float().eval()
 
 
-BLOCK_BUILDERS = ("dflash", "dflash2", "dspark", "peagle")  # family_net's; a new planned family must be added to one list
+# family_net's; a new planned family must be added to one list
+BLOCK_BUILDERS = ("dflash", "dflash2", "dspark", "peagle")
 
 
 def test_a_plan_that_drafts_keeps_drafting_and_measuring(varied):
