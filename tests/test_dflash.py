@@ -61,6 +61,41 @@ def test_training_blocks_are_what_decoding_computes(varied):
 
 
 @torch.no_grad()
+def test_teacher_forced_scoring_ranks_what_decoding_would_draft(varied):
+    """The registry's teacher-forced scorer for DFlash (eval.drafters.dflash.dflash_ranks, what eval.offline scores an
+    export with): slot j's rank at position t is M_q's argmax t+j+1 ranked under the depth-j logits the decoding
+    drafter computes after a prefill of 0..t; and eval.offline's tables come out of it for DFlash and DSpark."""
+    from eval.drafters.dflash import DFlashDrafter
+    from eval.engine.tree import chain
+    from eval.offline import score_export
+    from models.dspark import build_dspark
+    from models.eagle import target_rank
+    from models.families import FAMILIES, resolve
+
+    net = _net(varied)
+    ids = torch.randint(20, 1000, (1, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros_like(ids)
+    mask[:, 4:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+    ranks, valid, _ = resolve(FAMILIES["dflash"].teacher_forced)(net, varied, batch, net.parallel)
+    hidden = _hidden(varied, ids)
+    q_arg = varied.lm_head(varied.model(ids, output_hidden_states=True).hidden_states[-1]).argmax(-1)[0]
+    for t in (6, 17):
+        drafter = DFlashDrafter(net, varied, chain(net.parallel))
+        drafter.propose(ids[:, : t + 2], hidden[:, : t + 1])
+        logits = drafter._depth_logits(None)  # (K, V)
+        for j in range(net.parallel):
+            assert bool(valid[j, 0, t]), (t, j)
+            want = int(target_rank(logits[j][None], q_arg[t + j + 1][None])[0])
+            assert int(ranks[j, 0, t]) == want, (t, j)
+    rows = [{"input_ids": ids[0].tolist(), "loss_mask": mask[0].tolist()}]
+    torch.manual_seed(0)
+    for kind, drafter_net in (("dflash", net), ("dspark", build_dspark(varied, 16, 5, 1, [0, 1]).float().eval())):
+        tables = score_export(kind, drafter_net, varied, rows, depth=3)
+        assert tables, kind
+
+
+@torch.no_grad()
 def test_a_round_is_one_block_forward(varied, monkeypatch):
     from eval.drafters.dflash import DFlashDrafter
     from eval.engine.tree import chain

@@ -66,3 +66,31 @@ def dflash_drafter(net: DFlashNet, config: dict[str, Any], verifier: Verifier, t
     shape, name = fixed_tree(tree, net.parallel, table, "DFlash", "eagle_topk_accuracy")
     return DFlashDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, head_ids=head_ids,
                          table=table)
+
+
+def dflash_ranks(net: DFlashNet, verifier: Verifier, batch: dict[str, Tensor], depth: int,
+                 keep: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Teacher-forced scoring (eval.offline.score_export; the registry's `teacher_forced`) of a block drafter: every
+    position's block as in validation (models.dflash.block_rows, every anchor), slot k scored against M_q's argmax
+    k+1 tokens on; (D, B, T) ranks, validity and the draft's top-1 probability, as eval.drafters.eagle.eagle_ranks.
+    A DSpark network is scored on its backbone's logits (the Markov bias needs the drafted prefix)."""
+    from data.hidden_cache import gather_layers
+    from eval.drafters.scoring import keep_only, rank_rows
+    from models.dflash import block_rows
+
+    layers = list(dict.fromkeys([*net.feature_layers, -1]))
+    states = gather_layers(batch, layers, verifier, layers)
+    ids, n = batch["input_ids"], batch["input_ids"].shape[1] - 1
+    q_arg = verifier.lm_head(states[-1]).argmax(-1)  # (B, T): M_q's greedy token after each position
+    vocab = verifier.vocab_size
+    ranks, valids, confs = [], [], []
+    steps = block_rows(net, net.features(states)[:, :n], ids, batch["attention_mask"], batch["loss_mask"].bool(),
+                       verifier.token_embedding, net.parallel, None)
+    for j, step in zip(range(depth), steps):
+        valid, bi, ti = step.valid, step.batch, step.position
+        logits = keep_only(net.logits(step.at_targets, verifier.lm_head).float(), keep)  # (N, V)
+        rank, conf = rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
+        ranks.append(torch.cat([rank, rank.new_full((rank.shape[0], 1), vocab)], dim=1))  # (B, n) -> (B, T)
+        valids.append(torch.cat([valid, valid.new_zeros((valid.shape[0], 1))], dim=1))
+        confs.append(torch.cat([conf, conf.new_zeros((conf.shape[0], 1))], dim=1))
+    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
