@@ -36,7 +36,7 @@ def readme_commands() -> dict[str, list[str]]:
     """The section's bash block: {"train" | "eval" | "serve": argv}, continuation lines joined, comments dropped."""
     block = readme_section().split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
     lines = [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    marks = {"train": "python train.py ", "eval": "python -m eval ", "serve": " -m vllm.entrypoints.openai.api_server "}
+    marks = {"train": "python train.py ", "eval": "python -m eval ", "serve": "python -m serve "}
     return {name: shlex.split(next(ln for ln in lines if mark in ln)) for name, mark in marks.items()}
 
 
@@ -126,11 +126,15 @@ def test_the_readme_eval_runs_on_it(first_run, tmp_path):
 
 @pytest.mark.engine
 def test_vllm_serves_the_export_folder_as_it_is(vllm, first_run):
-    """The README's server takes the export folder as its model: vLLM reads the verifier (the tiny Qwen3) and the
-    drafter's speculative config from it and drafts. Driven as the engine tests drive it (serve/vllm_engine.py:
-    `LLM(model=<export>)`, what the server builds, without the HTTP layer and its start-up), fp32, one prompt."""
+    """The README's server (`python -m serve <export>`) takes the export folder as its model: its command names the
+    folder, and vLLM reads the verifier (the tiny Qwen3) and the drafter's speculative config from it and drafts.
+    Driven as the engine tests drive it (serve/vllm_engine.py: `LLM(model=<export>)`, what the server builds, without
+    the HTTP layer and its start-up), fp32, one prompt."""
     argv = readme_commands()["serve"]
-    assert argv[argv.index("--model") + 1] == "outputs/first-run/export", argv
+    assert argv == ["python", "-m", "serve", "outputs/first-run/export"], argv
+    printed = _run([*argv[1:3], str(first_run["export"]), "--print-command"])
+    assert printed.returncode == 0, printed.stdout[-2000:] + printed.stderr[-2000:]
+    assert "vllm.entrypoints.openai.api_server" in printed.stdout and str(first_run["export"]) in printed.stdout
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(first_run["model"])("The quick brown fox jumps over the lazy dog.")["input_ids"]
