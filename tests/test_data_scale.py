@@ -157,7 +157,7 @@ KILL_AFTER_TWO_SHARDS = textwrap.dedent("""
     import os, signal
     import data.selfdistill as sd
     from data.prompts import load_conversations
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
     written = [0]
     real = sd.atomic_dir
     from contextlib import contextmanager
@@ -207,7 +207,7 @@ KILL_HIDDEN_AFTER_ONE_SHARD = textwrap.dedent("""
     import os, signal
     import data.hidden_cache as hc
     import datasets
-    from models.verifier import build_tiny
+    from models.verifiers.tiny import build_tiny
     from contextlib import contextmanager
     real = hc.atomic_dir
     @contextmanager

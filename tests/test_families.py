@@ -193,16 +193,18 @@ def test_hybrid_grafts_chains_as_long_as_prompt_lookup_within_its_budget(varied,
     shorter chain cost the hybrid tau on translation, where the answer copies the prompt), capped by the budget."""
     from omegaconf import OmegaConf
 
-    from eval.drafters import build as families
+    from eval.drafters.build import CONF
+    from eval.drafters.hybrid import hybrid as build_hybrid
+    from eval.drafters.lookup import prompt_lookup
 
     export = save_export(MedusaHeads(varied.hidden_size, varied.vocab_size, num_heads=3), varied, tmp_path / "m",
                          {"medusa_topk_accuracy": [[0.6, 0.7], [0.4, 0.5], [0.3, 0.4]]})
-    defaults = {k: v for k, v in OmegaConf.load(families.CONF / "hybrid.yaml").items() if not k.startswith("_")}
-    lookup = families.prompt_lookup(varied, Chain(), **{k: v for k, v in OmegaConf.load(
-        families.CONF / "prompt_lookup.yaml").items() if not k.startswith("_")})
-    hybrid = families.hybrid(varied, AutoTree(size=12), export, **defaults)
+    defaults = {k: v for k, v in OmegaConf.load(CONF / "hybrid.yaml").items() if not k.startswith("_")}
+    lookup = prompt_lookup(varied, Chain(), **{k: v for k, v in OmegaConf.load(
+        CONF / "prompt_lookup.yaml").items() if not k.startswith("_")})
+    hybrid = build_hybrid(varied, AutoTree(size=12), export, **defaults)
     assert hybrid.max_nodes == 13 and hybrid.extra.num_tokens == lookup.num_tokens == 10
-    small = families.hybrid(varied, AutoTree(size=4), export, **defaults)  # 5 nodes: the root and 4 grafted drafts
+    small = build_hybrid(varied, AutoTree(size=4), export, **defaults)  # 5 nodes: the root and 4 grafted drafts
     assert small.max_nodes == 5 and small.extra.num_tokens == 4
     x = _ids(varied, TEXT[0] + " " + TEXT[0])  # the text repeats: the lookup chain is found and fits
     assert torch.equal(speculative_decode(varied, hybrid, x, 20).tokens, greedy_decode(varied, x, 20).tokens)

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from eval.engine.accept import Acceptance
 from eval.engine.protocol import Draft, Drafter
-from eval.engine.rules import AcceptanceRule, register
+from eval.engine.rules import AcceptanceRule
 from eval.engine.sampling import SamplingConfig, check_draft_p, warp
 from runtime.errors import UserError
 
@@ -185,5 +185,3 @@ class BlockVerification:
         check_draft_p(draft.p, draft.tokens, q.shape[-1])
         return block_accept(retrieve, draft.tree.parents, draft.tokens, q, draft.p, generator)
 
-
-register("block", BlockVerification)

@@ -4,15 +4,16 @@ from the sampling settings (`rule_for`), then called by the decode loop (eval.en
 
 A rule takes what one verifier forward gave for a proposed tree (the verifier's logits at every node) and the draft,
 and returns the accepted root-to-leaf prefix and the verifier's next token (eval.engine.accept.Acceptance). Sampled
-rules are registered under the `verify=` value that picks them; adding one is its module and one `register` call
+rules are listed under the `verify=` value that picks them; adding one is its module and one `register` call
 (tests/toy_rule.py shows it).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -22,7 +23,10 @@ from runtime.errors import UserError
 
 if TYPE_CHECKING:
     from eval.engine.protocol import Draft
-    from eval.engine.sampling import SamplingConfig
+
+# The sampling settings (eval.engine.sampling.SamplingConfig, which imports this module to check `verify=`): read
+# for `greedy`, `typical` and `verify` here, handed whole to the rule a `verify=` value names.
+SamplingConfig = Any
 
 
 @runtime_checkable
@@ -56,8 +60,13 @@ class Greedy:
         return greedy_accept(retrieve, draft.tokens, logits)
 
 
-# verify=<name> -> the sampled rule built from the run's sampling settings
-SAMPLED_RULES: dict[str, Callable[[SamplingConfig], AcceptanceRule]] = {}
+# verify=<name> -> the sampled rule built from the run's sampling settings: the built-in ones by dotted path (each
+# class lives beside its arithmetic, which imports this module), resolved when first asked for; others registered
+SAMPLED_RULES: dict[str, Callable[[SamplingConfig], AcceptanceRule] | str] = {
+    "token": "eval.engine.sampling.RejectionSampling",
+    "block": "eval.engine.block_verify.BlockVerification",
+    "typical": "eval.engine.sampling.TypicalAcceptance",
+}
 TYPICAL = "typical"  # typical=true picks it (Medusa's flag), whatever verify= says
 
 
@@ -68,7 +77,6 @@ def register(verify: str, build: Callable[[SamplingConfig], AcceptanceRule]) -> 
 
 def verify_names() -> tuple[str, ...]:
     """The `verify=` values a run may give (the sampled rules registered)."""
-    _builtins()
     return tuple(n for n in SAMPLED_RULES if n != TYPICAL)
 
 
@@ -83,15 +91,12 @@ def rule_for(sampling: SamplingConfig | None) -> AcceptanceRule:
 def named_rule(sampling: SamplingConfig) -> AcceptanceRule:
     """The rule the settings name (typical=, verify=), whatever the temperature: what a run holds its drafters to
     before decoding (verify=block with a tree is refused at temperature 0 too: block verification was asked for)."""
-    _builtins()
     name = TYPICAL if sampling.typical else sampling.verify
     if name not in SAMPLED_RULES:
         raise UserError(f"verify={name!r} is not one of {', '.join(verify_names())}: token verifies draft by draft "
                         f"(the default), block verifies a drafted chain jointly (tree=chain).")
-    return SAMPLED_RULES[name](sampling)
-
-
-def _builtins() -> None:
-    """The built-in sampled rules register where they are defined; importing their modules registers them."""
-    import eval.engine.block_verify  # noqa: F401  (verify=block)
-    import eval.engine.sampling  # noqa: F401  (verify=token, typical)
+    build = SAMPLED_RULES[name]
+    if isinstance(build, str):  # a built-in rule, named by its dotted path
+        module, _, cls = build.rpartition(".")
+        build = SAMPLED_RULES[name] = getattr(importlib.import_module(module), cls)
+    return build(sampling)

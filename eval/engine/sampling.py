@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from eval.engine.accept import Acceptance
-from eval.engine.rules import TYPICAL, register, verify_names
+from eval.engine.rules import verify_names
 from runtime.errors import UserError
 
 if TYPE_CHECKING:
@@ -305,6 +305,3 @@ class TypicalAcceptance:
         return typical_accept(retrieve, draft.tokens, q, self.sampling.posterior_threshold,
                               self.sampling.posterior_alpha, generator)
 
-
-register("token", RejectionSampling)
-register(TYPICAL, TypicalAcceptance)
