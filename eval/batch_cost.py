@@ -12,8 +12,7 @@ the best K at B the argmax (K = 0, no drafting, where none exceeds 1), and the c
 t is measured here (`verify_costs`: the verifier's forward over a (B, w) batch after a cached B x P prefix, Hugging
 Face's batched forward, the least of `reps`); d(B, K) = d(1, K) t(B, 1) / t(1, 1), the drafter's own batch-1 draft
 curve (eval.planner.cost.draft_curve, through the drafter protocol) scaled as the verifier's step grows with the batch,
-or 0
-where the run measured none. What the serving engine adds around the forward (scheduling, sampling, the server) is
+or 0 where the run measured none. What the serving engine adds around the forward (scheduling, sampling, the server) is
 not in it; the measured table beside it shows how much that matters.
 """
 

@@ -1,6 +1,5 @@
 """plan=adaptive (eval/planner/adaptive.py): the planner re-plans tree.size=auto's budget from the acceptance measured
-on the
-prompts being decoded. On tiny real verifiers: the output stays plain greedy's token for token, the tree shrinks
+on the prompts being decoded. On tiny real verifiers: the output stays plain greedy's token for token, the tree shrinks
 when the export's table is far too optimistic and grows when it is too pessimistic (and does neither with
 adaptation off), the round-by-round prediction follows what comes, and a run with nothing to adapt is refused."""
 

@@ -1,6 +1,6 @@
 """The hybrid's split chosen per round (eval/drafters/hybrid.py under a planned primary, eval/planner/adaptive.py):
-lookup
-chains and the drafter's nodes verified as what each has been accepting on the prompt says they are worth. On tiny
+lookup chains and the drafter's nodes verified as what each has been accepting on the prompt says they are worth. On
+tiny
 real verifiers: the output stays plain greedy's, a prompt whose answer lookup predicts verifies its chains beyond
 the drafter's own budget and drops the drafter's worthless nodes, each round's prediction tracks what each part of
 the tree brings (lookup's chain per depth; a node both parts propose counted once), and a hybrid with no lookup

@@ -1,6 +1,5 @@
 """The default plan never loses to the static one (eval/planner/adaptive.py): for every family whose budget is planned,
-the
-same prompts decoded under plan=static and plan=adaptive, compared by what the rounds recorded (tokens emitted per
+the same prompts decoded under plan=static and plan=adaptive, compared by what the rounds recorded (tokens emitted per
 millisecond of the same fixed cost model), not by a timing.
 
 The cost model is this project's 2-core CPU's for SmolLM2 in bf16 (a 25 ms step, 0.1 ms a node more, 2 ms a round of

@@ -113,8 +113,7 @@ def test_a_round_is_one_block_forward(varied, monkeypatch):
 @torch.no_grad()
 def test_the_planner_times_the_block_the_budget_buys(varied, monkeypatch):
     """eval.planner.cost.draft_curve times `trial(s)`: one block over the depth of the tree tree.size=auto builds for s
-    drafts
-    from the export's table, not the block of the probe drafter's largest tree."""
+    drafts from the export's table, not the block of the probe drafter's largest tree."""
     from eval.drafters.dflash import DFlashDrafter
     from eval.engine.tree import auto_tree
 

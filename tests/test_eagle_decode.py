@@ -293,8 +293,7 @@ def test_tree_auto_grows_and_prices_the_depth_its_table_buys(varied, monkeypatch
     buys for the budget (the tree tree.size=auto priced), however confident the drafter: a sharpened drafter grows a
     5-deep chain from 5 drafts without the table, 3 deep with it (auto_tree of this table). And `trial` (what
     eval.planner.cost.draft_curve times) feeds every depth of that tree at its widest whatever the scores: the same
-    drafter
-    rows on any prefix, and never fewer than a real round feeds."""
+    drafter rows on any prefix, and never fewer than a real round feeds."""
     from eval.engine.tree import AutoTree, auto_tree
 
     net = random_net("eagle3", varied, seed=3)

@@ -110,8 +110,8 @@ def test_bad_input_is_refused_with_a_message(varied, tmp_path):
 @torch.no_grad()
 def test_the_planner_times_one_forward_over_the_depth_the_budget_buys(varied, monkeypatch):
     """A P-EAGLE round's drafting (its `trial`, which eval.planner.cost.draft_curve times) is the new features'
-    forward, then
-    one mask forward as deep as the tree tree.size=auto builds for the budget (none for a one-deep tree), whatever the
+    forward, then one mask forward as deep as the tree tree.size=auto builds for the budget (none for a one-deep tree),
+    whatever the
     probe drafter's own tree; EAGLE-3's grows a forward per depth. With the flatter draft curve that gives,
     tree.size=auto plans a tree at least as large as with a growing one on the same verifier curve and table."""
     from eval.drafters.eagle import EagleDrafter

@@ -65,8 +65,7 @@ class EagleDrafter:
     table: the export's acceptance estimates (a per-depth cumulative top-k table, ExportInfo.acceptance). Under an
         AutoTree budget the tree grows no deeper than `auto_tree(table, size)`, the tree tree.size=auto plans and
         prices (eval.planner.cost.best_size over `trial`'s times): without the cap a confident drafter grows a
-        size-deep chain
-        each round, a drafter forward per depth the plan never paid for.
+        size-deep chain each round, a drafter forward per depth the plan never paid for.
     """
 
     def __init__(self, net: EagleNet, verifier: Verifier, tree: TreePolicy = DEFAULT,
@@ -322,8 +321,7 @@ class EagleDrafter:
         """One round's drafting as a drafter of `drafts` drafts does it (feed the new features, grow `drafts` nodes
         as deep as `planned_depth(drafts)`), at its most: every depth's frontier as wide as the budget lets it be,
         however the scores fall (`_expand(worst_case=True)`), so what eval.planner.cost.draft_curve times is the round
-        the
-        plan pays for, not however deep this one prefix happens to grow. Leaves the drafter's cache as it was."""
+        the plan pays for, not however deep this one prefix happens to grow. Leaves the drafter's cache as it was."""
         keys = self._k, self._v
         try:
             root_out = self._extend(input_ids, hidden)

@@ -342,8 +342,8 @@ class HybridDrafter:
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         """Each part is told the count; the nodes in the primary's tree (-1 where a node was grafted), and a primary
         that learns from its rounds (eval.planner.adaptive) which of its nodes were verified. The grafted drafter
-        (prompt
-        lookup) is stateless and is told the count alone; the hybrid counts what its chain offered and got. A round
+        (prompt lookup) is stateless and is told the count alone; the hybrid counts what its chain offered and got. A
+        round
         the primary sat out: it is told the positions committed (`skipped`), nothing else."""
         accepted = int(num_accepted[0])
         self._expect = (self._length + accepted + 1, accepted + 1)

@@ -47,8 +47,7 @@ class MedusaDrafter:
 
     def set_tree(self, tree: Tree) -> None:
         """Draft `tree` from the next round on: the hook through which the adaptive planner (eval.planner.adaptive)
-        re-plans
-        a fixed tree between rounds. The heads run once a round whatever the tree; it only says which of their
+        re-plans a fixed tree between rounds. The heads run once a round whatever the tree; it only says which of their
         top-k tokens fill which node (and how many heads run: as many as it is deep)."""
         heads = self.heads
         if tree.max_depth > heads.num_heads:

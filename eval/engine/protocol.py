@@ -127,8 +127,7 @@ class Prediction:
 @runtime_checkable
 class Planned(Protocol):
     """A drafter whose rounds a planner prices (eval.planner.adaptive.PlannedDrafter under tree.size=auto): what a
-    drafter
-    built around it (the hybrid) reads to choose, round by round, what else to verify with its drafts."""
+    drafter built around it (the hybrid) reads to choose, round by round, what else to verify with its drafts."""
 
     planned_nodes: int  # the nodes the round just proposed drafts, root included
     step_ms: float  # the plain step's predicted ms (the speedup's unit)

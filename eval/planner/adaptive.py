@@ -15,8 +15,7 @@ and the planner promised more speedup than came. Here the table is only where th
   the estimate so far, and verify + draft ms from the run's curves: no extra verifier forward, nothing measured after
   the fact), and with `adaptive` re-plans when the estimate has moved: the budget maximising E[tokens](s) / (t(s+1) +
   c d(s)) (eval.planner.cost's rule, on the estimate in place of the table; c the drafting's measured time over the
-  draft
-  curve's, against the same ratio for the rest of the round: the curves are timed once, on one prefix, and a
+  draft curve's, against the same ratio for the rest of the round: the curves are timed once, on one prefix, and a
   loaded machine or a real prompt's drafting may cost more), then a fixed tree rebuilt by auto_tree at that
   budget (Medusa, P-EAGLE, DFlash: their `set_tree`) or an EAGLE budget (`size`, and the depth that budget's tree
   reaches). `prediction()` hands the runner what it predicted for the decode just finished, so the report shows
@@ -198,8 +197,7 @@ class PlannedDrafter:
 
     def _replan(self) -> None:
         """1. The estimate's table; 2. if it moved since the last plan, the budget eval.planner.cost's rule picks on
-        it, and
-        the drafter resized when the budget or the tree changed."""
+        it, and the drafter resized when the budget or the tree changed."""
         probs = self.estimate.probs()
         if max(abs(a - b) for r, s in zip(probs, self._planned) for a, b in zip(r, s)) <= MOVED:
             return

@@ -3,8 +3,7 @@
     python -m scripts.bench.draft outputs/eagle-lc240k/export [--dtype bfloat16] [--threads 1] [--rounds 5]
 
 For an EAGLE export on the default verifier: the draft curve (eval.planner.cost.draft_curve: ms of one round's drafting
-for
-s drafts after a real prefix) with the frontier bounded as `propose` does it, and with EAGLE-2's rule (the topk best
+for s drafts after a real prefix) with the frontier bounded as `propose` does it, and with EAGLE-2's rule (the topk best
 nodes of every layer), interleaved round by round; and the drafter rows each computes. The trees are the same (the
 script checks). Prints ratios; nothing here is asserted.
 """
