@@ -40,7 +40,7 @@ from torch import Tensor
 from eval.engine.accept import Acceptance
 from eval.engine.protocol import Draft, Drafter
 from eval.engine.rules import AcceptanceRule
-from eval.engine.sampling import SamplingConfig, check_draft_p, warp
+from eval.engine.sampling import SampledRule, check_draft_p
 from runtime.errors import UserError
 
 
@@ -170,18 +170,12 @@ def block_accept(retrieve: Tensor, parents: tuple[int, ...], tokens: Tensor, q: 
     return Acceptance(path=torch.zeros_like(tau), num_accepted=tau, last_node=retrieve[0, tau], next_token=next_token)
 
 
-@dataclass(frozen=True)
-class BlockVerification:
-    """verify=block: `block_accept` on a warped q, exact; chains only."""
+class BlockVerification(SampledRule):
+    """verify=block: `block_accept`, exact; chains only."""
 
-    sampling: SamplingConfig
-    name: str = "block verification (exact)"
-    exact: bool = True
-    chains_only: bool = True
+    name, chains_only = "block verification (exact)", True
 
-    def accept(self, retrieve: Tensor, draft: Draft, logits: Tensor,
-               generator: torch.Generator | None) -> Acceptance:
-        q = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+    def on_q(self, retrieve: Tensor, draft: Draft, q: Tensor, generator: torch.Generator | None) -> Acceptance:
         check_draft_p(draft.p, draft.tokens, q.shape[-1])
         return block_accept(retrieve, draft.tree.parents, draft.tokens, q, draft.p, generator)
 

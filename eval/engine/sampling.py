@@ -33,7 +33,7 @@ tried in a fixed order), so `rejection_plan` computes them all at once; `sample_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -275,33 +275,40 @@ def sampling_config(cfg: Any) -> SamplingConfig:
 
 
 @dataclass(frozen=True)
-class RejectionSampling:
-    """verify=token: recursive rejection sampling over the tree (`sample_accept`) on a warped q, exact."""
+class SampledRule:
+    """A sampled acceptance rule (eval.engine.rules.AcceptanceRule): the verifier's logits warped by the run's
+    sampling settings into q, then the rule's own walk over the draft (`on_q`)."""
 
     sampling: SamplingConfig
-    name: str = "rejection sampling (exact)"
-    exact: bool = True
-    chains_only: bool = False
+    name: ClassVar[str]
+    exact: ClassVar[bool] = True
+    chains_only: ClassVar[bool] = False
 
     def accept(self, retrieve: Tensor, draft: Draft, logits: Tensor,
                generator: torch.Generator | None) -> Acceptance:
         q = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        return self.on_q(retrieve, draft, q, generator)
+
+    def on_q(self, retrieve: Tensor, draft: Draft, q: Tensor, generator: torch.Generator | None) -> Acceptance:
+        raise NotImplementedError
+
+
+class RejectionSampling(SampledRule):
+    """verify=token: recursive rejection sampling over the tree (`sample_accept`), exact."""
+
+    name = "rejection sampling (exact)"
+
+    def on_q(self, retrieve: Tensor, draft: Draft, q: Tensor, generator: torch.Generator | None) -> Acceptance:
         check_draft_p(draft.p, draft.tokens, q.shape[-1])
         return sample_accept(retrieve, draft.tree.parents, draft.tokens, q, draft.p, generator)
 
 
-@dataclass(frozen=True)
-class TypicalAcceptance:
+class TypicalAcceptance(SampledRule):
     """typical=true: Medusa's typical acceptance (`typical_accept`), LOSSY."""
 
-    sampling: SamplingConfig
-    name: str = "typical (lossy)"
-    exact: bool = False
-    chains_only: bool = False
+    name, exact = "typical (lossy)", False
 
-    def accept(self, retrieve: Tensor, draft: Draft, logits: Tensor,
-               generator: torch.Generator | None) -> Acceptance:
-        q = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+    def on_q(self, retrieve: Tensor, draft: Draft, q: Tensor, generator: torch.Generator | None) -> Acceptance:
         return typical_accept(retrieve, draft.tokens, q, self.sampling.posterior_threshold,
                               self.sampling.posterior_alpha, generator)
 
