@@ -10,6 +10,7 @@ it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,14 +69,14 @@ def dflash_drafter(net: DFlashNet, config: dict[str, Any], verifier: Verifier, t
                          table=table)
 
 
-def dflash_ranks(net: DFlashNet, verifier: Verifier, batch: dict[str, Tensor], depth: int,
-                 keep: Tensor | None = None) -> tuple[Tensor, ...]:
-    """Teacher-forced scoring (eval.offline.score_export; the registry's `teacher_forced`) of a block drafter: every
-    position's block as in validation (models.dflash.block_rows, every anchor), slot k scored against M_q's argmax
-    k+1 tokens on; (D, B, T) ranks, validity and the draft's top-1 probability, as eval.drafters.eagle.eagle_ranks.
-    A DSpark network is scored on its backbone's logits (the Markov bias needs the drafted prefix)."""
+def block_ranks(net: DFlashNet, verifier: Verifier, batch: dict[str, Tensor], depth: int,
+                logits_of: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, ...]:
+    """Teacher-forced scoring of a block drafter: every position's block as in validation (models.dflash.block_rows,
+    every anchor, whole blocks), slot j's logits `logits_of(slot outputs, the token before its target)` ranked against
+    M_q's argmax j+1 tokens on; (D, B, T) ranks, validity and the draft's top-1 probability, as
+    eval.drafters.eagle.eagle_ranks."""
     from data.hidden_cache import gather_layers
-    from eval.drafters.scoring import keep_only, rank_rows
+    from eval.drafters.scoring import rank_rows
     from models.dflash import block_rows
 
     layers = list(dict.fromkeys([*net.feature_layers, -1]))
@@ -88,9 +89,20 @@ def dflash_ranks(net: DFlashNet, verifier: Verifier, batch: dict[str, Tensor], d
                        verifier.token_embedding, net.parallel, None)
     for j, step in zip(range(depth), steps):
         valid, bi, ti = step.valid, step.batch, step.position
-        logits = keep_only(net.logits(step.at_targets, verifier.lm_head).float(), keep)  # (N, V)
+        logits = logits_of(step.at_targets, ids[bi, ti + j + 1])  # (N, V)
         rank, conf = rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
         ranks.append(torch.cat([rank, rank.new_full((rank.shape[0], 1), vocab)], dim=1))  # (B, n) -> (B, T)
         valids.append(torch.cat([valid, valid.new_zeros((valid.shape[0], 1))], dim=1))
         confs.append(torch.cat([conf, conf.new_zeros((conf.shape[0], 1))], dim=1))
     return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
+
+
+def dflash_ranks(net: DFlashNet, verifier: Verifier, batch: dict[str, Tensor], depth: int,
+                 keep: Tensor | None = None) -> tuple[Tensor, ...]:
+    """The registry's `teacher_forced` for DFlash and DSpark (eval.offline.score_export): `block_ranks` on the slot
+    logits through the verifier's head (with `keep`, over those rows). A DSpark network is scored on its backbone's
+    logits (the Markov bias needs the drafted prefix)."""
+    from eval.drafters.scoring import keep_only
+
+    return block_ranks(net, verifier, batch, depth,
+                       lambda h, _: keep_only(net.logits(h, verifier.lm_head).float(), keep))

@@ -18,11 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters.dflash import DFlashDrafter
+from eval.drafters.dflash import DFlashDrafter, block_ranks
 from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import Tree, TreePolicy, fixed_tree
-from models.dflash import block_rows
 from models.dflash2 import DFlash2Net
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -113,30 +112,10 @@ def dflash2_drafter(net: DFlash2Net, config: dict[str, Any], verifier: Verifier,
 
 def dflash2_ranks(net: DFlash2Net, verifier: Verifier, batch: dict[str, Tensor], depth: int,
                   keep: Tensor | None = None) -> tuple[Tensor, ...]:
-    """Teacher-forced scoring (eval.offline.score_export; the registry's `teacher_forced`): every anchor's block as
-    in validation, each slot re-scored given the previous target token; (D, B, T) ranks of M_q's argmax under the
-    re-scored logits, validity, and the draft's top-1 probability."""
-    from data.hidden_cache import gather_layers
-    from eval.drafters.scoring import rank_rows
-
+    """Teacher-forced scoring (eval.offline.score_export; the registry's `teacher_forced`): DFlash's block ranks
+    (eval.drafters.dflash.block_ranks), each slot re-scored given the previous target token."""
     if keep is not None:
         raise UserError("a kept vocabulary (train_vocab / draft_vocab) does not apply to DFlash2: its selector spans "
                         "the whole vocabulary.")
-    layers = list(dict.fromkeys([*net.feature_layers, -1]))
-    states = gather_layers(batch, layers, verifier, layers)
-    ids, n = batch["input_ids"], batch["input_ids"].shape[1] - 1
-    q_arg = verifier.lm_head(states[-1]).argmax(-1)  # (B, T): M_q's greedy token after each position
-    vocab = verifier.vocab_size
-    ranks, valids, confs = [], [], []
-    # whole blocks (the convolutions group rows by block_size), the first `depth` slots scored
-    steps = block_rows(net, net.features(states)[:, :n], ids, batch["attention_mask"], batch["loss_mask"].bool(),
-                       verifier.token_embedding, net.parallel, None)
-    for j, step in zip(range(depth), steps):
-        valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets
-        logits = net.rescored(net.logits(h, verifier.lm_head).float(), h, ids[bi, ti + j + 1])
-        rank, conf = rank_rows(logits, q_arg[bi, ti + j + 1], valid, vocab, net.target_rank)
-        pad = lambda x, v: torch.cat([x, x.new_full((x.shape[0], 1), v)], dim=1)  # (B, n) -> (B, T)  # noqa: E731
-        ranks.append(pad(rank, vocab))
-        valids.append(pad(valid, False))
-        confs.append(pad(conf, 0.0))
-    return torch.stack(ranks), torch.stack(valids), torch.stack(confs)
+    return block_ranks(net, verifier, batch, depth,
+                       lambda h, before: net.rescored(net.logits(h, verifier.lm_head).float(), h, before))
