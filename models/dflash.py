@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.eagle import UnrolledStep, check_aux_layers, default_aux_layers, layer_config, step_inputs
+from models.eagle import UnrolledStep, VerifierFedNet, check_aux_layers, default_aux_layers, layer_config, step_inputs
 from models.eagle_layers import DraftMLP, RMSNorm, apply_rope, rope
 from models.peagle import check_mask_token
 from runtime.errors import UserError
@@ -90,8 +90,9 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashNet(nn.Module):
-    """DFlash's drafter (see the module docstring); the embedding and the vocabulary head are the verifier's."""
+class DFlashNet(VerifierFedNet):
+    """DFlash's drafter (see the module docstring); the embedding and the vocabulary head are the verifier's. A
+    parallel drafter of the EAGLE line: the verifier's features as EAGLE-3 fuses them, no unrolled step."""
 
     kind = "dflash"
     shares_verifier_head = True  # drafts through the verifier's lm_head (so `draft_vocab` can cut its rows)
@@ -101,11 +102,11 @@ class DFlashNet(nn.Module):
                  head_dim: int, rope_theta: float, rms_norm_eps: float, vocab_size: int, num_verifier_layers: int,
                  mask_token_id: int, block_size: int = 8, num_layers: int = 1,
                  aux_layer_ids: Sequence[int] | None = None, attention_bias: bool = False) -> None:
-        super().__init__()
         if attention_bias:
             raise UserError("DFlash's layers have no attention biases (vLLM's qwen3_dflash); this verifier's family "
                             "has them, and a DFlash drafter for it is not supported.")
-        self.hidden_size, self.vocab_size, self.num_verifier_layers = hidden_size, vocab_size, num_verifier_layers
+        super().__init__(hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+                         rope_theta, rms_norm_eps, vocab_size, num_verifier_layers)
         self.draft_vocab_size = vocab_size
         self.mask_token_id = check_mask_token(mask_token_id, vocab_size)
         self.block_size = check_block_size(block_size)
@@ -145,14 +146,6 @@ class DFlashNet(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, mask, ctx_k[i], ctx_v[i])
         return self.norm(x)
-
-    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        return draft_ids
-
-    def target_rank(self, p_logits: Tensor, target: Tensor) -> Tensor:
-        from models.eagle import target_rank
-
-        return target_rank(p_logits, target)
 
     def logits(self, out: Tensor, verifier_lm_head: nn.Module | None = None) -> Tensor:
         return verifier_lm_head(out.to(verifier_lm_head.weight.dtype))

@@ -65,11 +65,17 @@ def layer_config(verifier: Verifier) -> dict[str, Any]:
     }
 
 
-class _EagleNet(nn.Module):
-    """What EAGLE-1 and EAGLE-3 share: the verifier's shapes, one draft decoder layer, the drafter interface
-    (`feature_layers`, `features`, `step`, `logits`, `draft_to_target`). Subclasses build their own input and head."""
+class VerifierFedNet(nn.Module):
+    """The base of every drafter network that reads the verifier's hidden states (EAGLE-1, EAGLE-3, P-EAGLE, DFlash
+    and the block drafters built on it): the verifier's shapes and the drafter interface (`feature_layers`,
+    `features`, `logits`, `draft_to_target`, `target_rank`); an unrolled one (EAGLE's line) adds one draft decoder
+    `layer` and its `step`. `shares_verifier_head`: the draft logits come through the verifier's own head (so
+    `train_vocab` / `draft_vocab` can cut its rows) rather than an own head. Subclasses build their own input and
+    head."""
 
     kind: str
+    shares_verifier_head: bool
+    feature_noise: bool  # trained on features with uniform noise added (EAGLE-1's recipe: model.noise)
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_attention_heads: int, num_key_value_heads: int,
                  head_dim: int, rope_theta: float, rms_norm_eps: float, vocab_size: int, num_verifier_layers: int,
@@ -86,10 +92,6 @@ class _EagleNet(nn.Module):
         layer, i.e. the lm_head input); `features` takes them in this order."""
         raise NotImplementedError
 
-    @property
-    def layer(self) -> DraftDecoderLayer:
-        raise NotImplementedError
-
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocabulary ids to verifier ids."""
         return draft_ids
@@ -104,18 +106,12 @@ class _EagleNet(nn.Module):
         (B, T, D)"""
         raise NotImplementedError
 
-    def step(self, hidden: Tensor, embeds: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None = None,
-             past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """One drafter forward. hidden: features (step 0) or the previous step's output (B, T, D); embeds: M_q's
-        embedding of the next tokens (B, T, D). Returns (output (B, T, D), this call's k, v)."""
-        raise NotImplementedError
-
     def logits(self, out: Tensor, verifier_lm_head: nn.Module | None = None) -> Tensor:
         """Draft logits from the layer's output. (B, T, D) -> (B, T, V_draft)"""
         raise NotImplementedError
 
 
-class Eagle1Net(_EagleNet):
+class Eagle1Net(VerifierFedNet):
     """EAGLE-1: fc(cat(embed(x_{t+1}), f_t)) -> the layer without its input norm -> predicted f_{t+1}; M_q's own
     lm_head makes the draft logits over the full vocabulary."""
 
@@ -146,6 +142,8 @@ class Eagle1Net(_EagleNet):
 
     def step(self, hidden: Tensor, embeds: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None = None,
              past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """One drafter forward. hidden: features (step 0) or the previous step's output (B, T, D); embeds: M_q's
+        embedding of the next tokens (B, T, D). Returns (output (B, T, D), this call's k, v)."""
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([embeds.to(dtype), hidden.to(dtype)], dim=-1))  # (B, T, D)
         return self.layer(x, None, positions, mask, past_k, past_v)
@@ -154,7 +152,7 @@ class Eagle1Net(_EagleNet):
         return verifier_lm_head(out.to(verifier_lm_head.weight.dtype))
 
 
-class Eagle3Net(_EagleNet):
+class Eagle3Net(VerifierFedNet):
     """EAGLE-3: F_t = fc(cat(low, mid, high)) over three M_q layers; the layer reads cat(norm(embed), norm(hidden))
     and its own norm and head draft over a reduced vocabulary (`d2t`: draft id -> target id offset, `t2d`: mask)."""
 
@@ -261,18 +259,24 @@ def check_aux_layers(layer_ids: Sequence[int], num_layers: int, where: str = "EA
                         f"the input of verifier layer k) for this {num_layers}-layer verifier; {hint}.")
 
 
+def eagle_class(kind: str) -> type[EagleNet]:
+    """The network of an EAGLE version: `eagle` (EAGLE-1) or `eagle3` (EAGLE-3)."""
+    for cls in (Eagle1Net, Eagle3Net):
+        if kind == cls.kind:
+            return cls
+    raise UserError(f"EAGLE kind {kind!r} is not one of {[Eagle1Net.kind, Eagle3Net.kind]}.")
+
+
 def build_eagle(kind: str, verifier: Verifier, draft_vocab_size: int | None = None,
                 aux_layer_ids: Sequence[int] | None = None, fc_norm: bool = False,
                 norm_output: bool = False) -> EagleNet:
     """A fresh EAGLE-1 (`kind="eagle"`) or EAGLE-3 (`"eagle3"`, with EAGLE-3.1's `fc_norm` / `norm_output` when
     asked) drafter shaped like `verifier`'s layers."""
-    if kind == Eagle1Net.kind:
+    if eagle_class(kind) is Eagle1Net:
         if fc_norm or norm_output:
             raise UserError("model.fc_norm / model.norm_output are EAGLE-3.1's options (EAGLE-3 features and its "
                             "unrolled steps); EAGLE-1 has neither. Use model=eagle3.")
         return Eagle1Net(**layer_config(verifier))
-    if kind != Eagle3Net.kind:
-        raise UserError(f"EAGLE kind {kind!r} is not one of {[Eagle1Net.kind, Eagle3Net.kind]}.")
     return Eagle3Net(draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, fc_norm=fc_norm,
                      norm_output=norm_output, **layer_config(verifier))
 

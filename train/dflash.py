@@ -59,8 +59,7 @@ class DFlashModule(EagleModule):
             raise UserError(f"model.dpace_alpha={dpace_alpha!r}: D-PACE's smoothing is a share in [0, 1] "
                             f"(speculators' default 0.5).")
         net = build_dflash(verifier, mask_token_id, block_size, num_layers, aux_layer_ids)
-        # kind="eagle": EAGLE-1's loss path, through the verifier's own head
-        super().__init__(verifier, optimizer, scheduler, kind="eagle", ttt_steps=net.parallel,
+        super().__init__(verifier, optimizer, scheduler, ttt_steps=net.parallel,
                          val_steps=net.parallel, step_decay=step_decay, feature_weight=0.0, ce_weight=1.0, noise=0.0,
                          warmup_ratio=warmup_ratio, train_vocab=train_vocab, net=net, loss=loss, lk_eta=lk_eta)
         self.hparams.update(mask_token_id=mask_token_id, block_size=block_size, num_layers=num_layers,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.eagle import build_eagle, target_rank, unroll
+from models.eagle import VerifierFedNet, build_eagle, eagle_class, target_rank, unroll
 from models.families import title
 from models.formats.export import check_vocab_size, save_export
 from models.verifiers.core import Verifier
@@ -91,14 +91,15 @@ def refuse_held_mask_token(counts: Tensor, mask: int, verifier: Verifier) -> Non
 class EagleModule(DrafterModule):
     """Args:
         verifier: the frozen M_q, held by reference (never in checkpoints).
-        kind: `eagle` (EAGLE-1) or `eagle3` (EAGLE-3).
+        kind: `eagle` (EAGLE-1) or `eagle3` (EAGLE-3), the network this module builds when no `net` is given.
         ttt_steps: unrolled training steps (EAGLE-3 default 7; EAGLE-1 trains on step 0 only).
         val_steps: steps unrolled in validation for per-step accuracy and the tau estimate.
         draft_vocab_size: EAGLE-3's reduced vocabulary, the most frequent target tokens of the training data.
         aux_layer_ids: EAGLE-3 feature layers (inputs of those layers); default [2, L//2, L-3].
         fc_norm, norm_output: EAGLE-3.1's fixes (EAGLE-3): normalise each verifier feature before fc; feed the
             final-normed output to the next unrolled step. Written into the export, which engines read.
-        net: a network built by a subclass (P-EAGLE's), instead of one from `kind`.
+        net: a network built by a subclass (P-EAGLE's, DFlash's), instead of one from `kind`; its
+            `shares_verifier_head` says whether the loss goes through the verifier's head.
         train_vocab: EAGLE-1: train and validate the draft logits over the N most frequent training targets' rows of
             the verifier's lm_head (q renormalised over the same rows); a verifier argmax outside them counts as a
             miss in validation. The export records N and the decoder drafts over the same rows. null: all V.
@@ -114,20 +115,23 @@ class EagleModule(DrafterModule):
                  val_steps: int = 5, step_decay: float = 0.8, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  noise: float = 0.2, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
                  warmup_ratio: float = 0.05, train_vocab: int | None = None, fc_norm: bool = False,
-                 norm_output: bool = False, net: torch.nn.Module | None = None, loss: str = "kl",
+                 norm_output: bool = False, net: VerifierFedNet | None = None, loss: str = "kl",
                  lk_eta: float = 3.0) -> None:
         super().__init__()
         check_loss(loss)
         check_eta(lk_eta)
-        if train_vocab is not None and kind != "eagle":
-            raise UserError(f"model.train_vocab={train_vocab} cuts the verifier's lm_head that EAGLE-1 drafts through; "
-                            f"EAGLE-3 drafts over its own head: use model.draft_vocab_size.")
+        network = net if net is not None else eagle_class(kind)
+        if train_vocab is not None and not network.shares_verifier_head:
+            raise UserError(f"model.train_vocab={train_vocab} cuts the rows of the verifier's lm_head that a drafter "
+                            f"drafts through; {title(network.kind)} drafts over its own head: use "
+                            f"model.draft_vocab_size.")
         if train_vocab is not None:
             check_vocab_size(train_vocab, verifier.vocab_size, "model.train_vocab")
         if isinstance(step_decay, bool) or not isinstance(step_decay, (int, float)) or not step_decay > 0:
             raise UserError(f"model.step_decay={step_decay!r}: unrolled step j's loss weight is step_decay^j, so give "
                             f"a number above 0 (default 0.8).")
         self.save_hyperparameters(ignore=["verifier", "optimizer", "scheduler", "net"], logger=False)
+        self.hparams["kind"] = network.kind  # the family trained, also where a subclass built the network
         self.verifier = verifier
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.net = net if net is not None else build_eagle(

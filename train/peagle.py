@@ -40,7 +40,7 @@ class PEagleModule(EagleModule):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise UserError(f"model.{name}={value!r}: give a share in (0, 1] (defaults 0.7 and 0.2).")
         net = build_peagle(verifier, mask_token_id, parallel_tokens, draft_vocab_size, aux_layer_ids, fc_norm)
-        super().__init__(verifier, optimizer, scheduler, kind="eagle3", ttt_steps=parallel_tokens,
+        super().__init__(verifier, optimizer, scheduler, ttt_steps=parallel_tokens,
                          val_steps=parallel_tokens, step_decay=step_decay, draft_vocab_size=draft_vocab_size,
                          aux_layer_ids=aux_layer_ids, warmup_ratio=warmup_ratio, net=net, loss=loss, lk_eta=lk_eta)
         self.hparams.update(mask_token_id=mask_token_id, parallel_tokens=parallel_tokens, cod_ratio=cod_ratio,
