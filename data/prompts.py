@@ -247,3 +247,24 @@ def load_conversations(source: str, split: str | None = "train", limit: int | No
     if not convs:
         raise UserError(f"{where} holds no prompts. Give a source with at least one prompt.")
     return convs
+
+
+def prompt_set_label(source: str) -> str:
+    """A prompt set's short name: builtin, humaneval, or a file's stem (question.jsonl -> question)."""
+    return source if source in ("builtin", "humaneval") else Path(source).expanduser().stem
+
+
+def load_prompt_sets(prompts: Any, num: int | None) -> list[Conversation]:
+    """`prompts=` as conversations: one set (builtin, humaneval, a file), or a list of them, each drawn apart
+    (`num` prompts round-robin over its categories) and its categories prefixed `<set>/` so reports group by set."""
+    if isinstance(prompts, str):
+        return select_prompts(load_conversations(prompts, split="eval"), num)
+    sets = [str(p) for p in prompts]
+    if not sets:
+        raise UserError("prompts=[]: name at least one prompt set (builtin, humaneval or a file).")
+    labels = [prompt_set_label(p) for p in sets]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"prompts={sets}: two sets share the name {labels}; give each set once.")
+    return [Conversation(f"{label}/{c.id}", f"{label}/{c.category}", c.messages)
+            for source, label in zip(sets, labels)
+            for c in select_prompts(load_conversations(source, split="eval"), num)]

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
 from data.chat import prompt_ids
-from data.prompts import Conversation, load_conversations, select_prompts
+from data.prompts import Conversation, load_prompt_sets, prompt_set_label
 from eval import compare
 from eval.drafters.build import (
     build_drafter,
@@ -256,27 +255,6 @@ def plan_of(drafter: Drafter) -> str:
 def export_tag(export: ExportInfo) -> str:
     """An export's short name in method labels: its folder's name, or the run's for a train.py `<run>/export`."""
     return export.path.parent.name if export.path.name == "export" else export.path.name
-
-
-def prompt_set_label(source: str) -> str:
-    """A prompt set's short name: builtin, humaneval, or a file's stem (question.jsonl -> question)."""
-    return source if source in ("builtin", "humaneval") else Path(source).expanduser().stem
-
-
-def load_prompt_sets(prompts: Any, num: int | None) -> list[Conversation]:
-    """`prompts=` as conversations: one set (builtin, humaneval, a file), or a list of them, each drawn apart
-    (`num` prompts round-robin over its categories) and its categories prefixed `<set>/` so reports group by set."""
-    if isinstance(prompts, str):
-        return select_prompts(load_conversations(prompts, split="eval"), num)
-    sets = [str(p) for p in prompts]
-    if not sets:
-        raise UserError("prompts=[]: name at least one prompt set (builtin, humaneval or a file).")
-    labels = [prompt_set_label(p) for p in sets]
-    if len(set(labels)) != len(labels):
-        raise UserError(f"prompts={sets}: two sets share the name {labels}; give each set once.")
-    return [Conversation(f"{label}/{c.id}", f"{label}/{c.category}", c.messages)
-            for source, label in zip(sets, labels)
-            for c in select_prompts(load_conversations(source, split="eval"), num)]
 
 
 def setup(s: EvalSettings) -> Setup:

@@ -466,7 +466,7 @@ def test_hybrid_on_a_medusa_export_plans_its_budget_from_the_heads_table(varied,
 
 
 def test_prompt_sets_are_drawn_apart_and_named_once():
-    from eval.harness import load_prompt_sets
+    from data.prompts import load_prompt_sets
 
     both = load_prompt_sets(["builtin", "humaneval"], 3)
     assert [c.category.split("/")[0] for c in both] == ["builtin"] * 3 + ["humaneval"] * 3

@@ -132,12 +132,12 @@ def evaluate_sampled(args: argparse.Namespace) -> None:
     import torch
 
     from data.chat import prompt_ids
+    from data.prompts import load_prompt_sets
     from eval.drafters.build import export
     from eval.engine.accept import mean_accept_length, per_position_acceptance
     from eval.engine.decode import greedy_decode, speculative_decode
     from eval.engine.sampling import SamplingConfig
     from eval.engine.tree import Chain
-    from eval.harness import load_prompt_sets
     from eval.runner import user_turns
     from models.verifiers.embedded import load_smollm2
     from scripts.bench.block_verify import paired_rules
