@@ -43,7 +43,7 @@ from eval.engine.decode import engine_of, use_engine
 from eval.engine.protocol import Drafter
 from eval.engine.rules import named_rule
 from eval.engine.tree import AutoTree
-from eval.load import LoadSettings, load_settings, predictor, sweep
+from eval.load import LoadSettings, load_settings, predictor, sweep, with_groups
 from eval.peers import check_peers, vllm_peer
 from eval.planner import adaptive, cost, shapes
 from eval.report import ALONE, SPECULATIVE, write_outputs
@@ -339,12 +339,14 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
 def evaluate_settings(s: EvalSettings, progress: bool = True) -> dict[str, Any]:
     """The run for settings already parsed (eval.settings.parse)."""
     peers = check_peers(list(s.engine_peers), s.multi_turn, s.method)
-    load = load_settings(s.engine_concurrency, s.engine_peer_tokens, peers, s.checkpoint_label)
+    load = load_settings(s.engine_concurrency, s.engine_peer_tokens, peers, s.checkpoint_label,
+                         s.engine_prompt_lengths)
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     try:
         run = setup(s)
+        load = with_groups(load, s.prompts, s.num_prompts, run.verifier)  # length groups, before decoding
         rule = named_rule(s.sampling)  # the acceptance rule asked for (eval.engine.rules)
         left_out = chains_only(run) if run.method == "all" and rule.chains_only else []
         check_chain_drafters(rule, run.drafters.values())  # verify=block: chains only, before decoding

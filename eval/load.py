@@ -13,16 +13,22 @@ per-request tokens/s and time to first token (median, p90), speedup, acceptance 
 `schedule` (K per batch-size range, K = 0 where no K pays, and `scheduled_speedup` per concurrency), `prediction`
 (eval/batch_cost.py: the best K per batch size and the crossover predicted from this machine's verify costs and the
 export's acceptance, beside the measured ones). A setting vLLM refuses is named in `errors` and the sweep goes on.
+
+engine_prompt_lengths=[short,long] (eval/prompt_lengths.py): every pass runs once per length group on the same
+servers; `by_length.<group>` holds the group's prompts (count, tokens median/min/max), its own `by_concurrency`,
+best K per concurrency, schedule (measured on a server of its own where it differs from the whole set's) and
+crossover; the whole-set keys above pool the groups' passes (their tokens over their seconds, every request).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from eval.prompt_lengths import LengthGroup, PromptGroup, group_prompts, parse_lengths, rendered_pool
 from runtime.errors import UserError
 
 PORT = 18400  # loopback port of the sweep's servers (a free one is looked for from here)
@@ -30,10 +36,13 @@ PORT = 18400  # loopback port of the sweep's servers (a free one is looked for f
 
 @dataclass(frozen=True)
 class LoadSettings:
-    """engine_concurrency and engine_peer_tokens as the sweep takes them, checked at the door."""
+    """engine_concurrency, engine_peer_tokens and engine_prompt_lengths as the sweep takes them, checked at the
+    door; `groups`: the length groups' prompts, once the verifier's tokenizer has rendered them (with_groups)."""
 
     concurrency: tuple[int, ...]
     ks: tuple[int, ...]
+    lengths: tuple[LengthGroup, ...] = ()
+    groups: tuple[PromptGroup, ...] = ()
 
 
 def _whole_list(value: Any, key: str) -> list[Any]:
@@ -44,17 +53,24 @@ def _whole_list(value: Any, key: str) -> list[Any]:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def load_settings(concurrency: Any, tokens: Any, peers: Sequence[str], export: str | None) -> LoadSettings | None:
-    """engine_concurrency (None or [] : no sweep) and engine_peer_tokens, refused before anything loads: a
-    concurrency of 0 or below, engine_concurrency without engine_peers, a K that is not whole, below 1 or beyond
-    what the export drafts; several K without engine_concurrency."""
+def load_settings(concurrency: Any, tokens: Any, peers: Sequence[str], export: str | None,
+                  lengths: Any = None) -> LoadSettings | None:
+    """engine_concurrency (None or [] : no sweep), engine_peer_tokens and engine_prompt_lengths, refused before
+    anything loads: a concurrency of 0 or below, engine_concurrency without engine_peers, a K that is not whole,
+    below 1 or beyond what the export drafts; several K, or length groups, without engine_concurrency; an unknown
+    length group (eval/prompt_lengths.py)."""
     from serve.server import check_tokens, read_export
 
     ks_given = None if tokens is None else _whole_list(tokens, "engine_peer_tokens")
+    groups = parse_lengths(None if lengths is None else _whole_list(lengths, "engine_prompt_lengths"))
     if concurrency is None or _whole_list(concurrency, "engine_concurrency") == []:
         if ks_given is not None and not isinstance(tokens, int):
             raise UserError(f"engine_peer_tokens={ks_given}: a list of K is swept under load only; add "
                             f"engine_concurrency=[1,2,4,...], or give one K (engine_peer_tokens=3).")
+        if groups:
+            raise UserError(f"engine_prompt_lengths={[g.name for g in groups]} splits the load sweep by prompt "
+                            f"length, and no sweep was asked for; add engine_concurrency=[1,2,4,8,16] (with "
+                            f"engine_peers=[vllm]), or leave engine_prompt_lengths out.")
         return None
     levels = _whole_list(concurrency, "engine_concurrency")
     for c in levels:
@@ -70,7 +86,18 @@ def load_settings(concurrency: Any, tokens: Any, peers: Sequence[str], export: s
     info = read_export(export)
     ks = ks_given if ks_given is not None else [info.speculative_tokens or 3]
     check_tokens(ks, info.config, info.path, "engine_peer_tokens")
-    return LoadSettings(tuple(sorted(set(levels))), tuple(sorted(set(ks))))
+    return LoadSettings(tuple(sorted(set(levels))), tuple(sorted(set(ks))), groups)
+
+
+def with_groups(load: LoadSettings | None, prompts: Any, num: int | None, verifier: Any) -> LoadSettings | None:
+    """`load` with its length groups' prompts drawn from every eval prompt of `prompts=` as `verifier` renders
+    them (eval/prompt_lengths.py; a group no prompt falls into is refused here, before any pass); unchanged where
+    no groups were asked for."""
+    if load is None or not load.lengths:
+        return load
+    pool = rendered_pool(prompts, verifier.tokenizer, verifier.rendering)
+    source = prompts if isinstance(prompts, str) else "[" + ",".join(map(str, prompts)) + "]"
+    return replace(load, groups=group_prompts(load.lengths, pool, num, source))
 
 
 def predictor(run: Any, prefix: list[int]) -> Callable[[list[int], list[int]], Any]:
@@ -141,26 +168,33 @@ def _spec_row(k: int, passed: Any, counts: dict[str, Any] | None, plain: dict[st
             "greedy_match_plain": sum(a == b for a, b in zip(passed.outputs, plain_outputs)) / len(plain_outputs)}
 
 
-def _serve_passes(settings: Any, label: str, prompts: list[list[int]], max_tokens: int, levels: Sequence[int],
-                  temperature: float, seed: int, log_dir: Path
-                  ) -> tuple[dict[int, tuple[Any, dict[str, Any] | None]], str | None]:
-    """One server, every concurrency: (the pass, the counters it added) per concurrency, and the cause vLLM's log
-    names where it failed a pass (the passes before it are kept)."""
+ALL = "all"  # the whole set's view: every group's passes pooled
+
+Passes = dict[tuple[str, int], tuple[Any, dict[str, Any] | None]]  # (group, concurrency) -> (pass, counters added)
+
+
+def _serve_passes(settings: Any, label: str, sets: dict[str, list[list[int]]], max_tokens: int,
+                  levels: Sequence[int], temperature: float, seed: int, log_dir: Path) -> tuple[Passes, str | None]:
+    """One server, every group's prompts at every concurrency: (the pass, the counters it added) per (group,
+    concurrency), and the cause vLLM's log names where it failed a pass (the passes before it are kept)."""
     import httpx
 
     from serve.client import run_pass
     from serve.server import Server, counter_delta, log_cause, spec_counters
 
-    out = {}
+    out: Passes = {}
     server = Server(settings, log=log_dir / f"vllm-{label.replace('=', '')}.log")
     with server:
         try:
-            run_pass(settings.url, settings.name, prompts[:1], 4, 1)  # warm-up: kernels, caches
-            for c in levels:
-                before = spec_counters(settings.url)
-                passed = run_pass(settings.url, settings.name, prompts, max_tokens, c, temperature, seed)
-                out[c] = (passed, counter_delta(before, spec_counters(settings.url)))
-                print(f"[load] {label}, concurrency {c}: {passed.summary()['tokens_per_s']:.1f} tok/s", flush=True)
+            run_pass(settings.url, settings.name, next(iter(sets.values()))[:1], 4, 1)  # warm-up: kernels, caches
+            for name, prompts in sets.items():
+                for c in levels:
+                    before = spec_counters(settings.url)
+                    passed = run_pass(settings.url, settings.name, prompts, max_tokens, c, temperature, seed)
+                    out[name, c] = (passed, counter_delta(before, spec_counters(settings.url)))
+                    group = "" if name == ALL else f" {name} prompts"
+                    print(f"[load] {label},{group} concurrency {c}: {passed.summary()['tokens_per_s']:.1f} tok/s",
+                          flush=True)
         except (RuntimeError, httpx.HTTPError) as e:
             time.sleep(2)  # the engine's traceback reaches the log
             assert server.log is not None
@@ -168,143 +202,157 @@ def _serve_passes(settings: Any, label: str, prompts: list[list[int]], max_token
     return out, None
 
 
+def _pooled(passes: Passes | None, names: Sequence[str], c: int) -> tuple[Any, dict[str, Any] | None] | None:
+    """The passes of groups `names` at concurrency `c` as one: every request, their tokens over their seconds, the
+    counters summed (None where one of them is missing)."""
+    from serve.client import Pass
+
+    got = [passes[n, c] for n in names if (n, c) in passes] if passes else []
+    if not got or len(got) != len(names):
+        return None
+    if len(got) == 1:
+        return got[0]
+    counts = [n for _, n in got if n is not None]
+    total = None if not counts else {k: sum(n[k] for n in counts) for k in counts[0] if k != "accepted_per_pos"}
+    if total is not None:
+        width = max(len(n["accepted_per_pos"]) for n in counts)
+        total["accepted_per_pos"] = [sum((n["accepted_per_pos"] + [0] * width)[i] for n in counts)
+                                     for i in range(width)]
+    return Pass(c, [a for p, _ in got for a in p.answers], sum(p.seconds for p, _ in got)), total
+
+
+def _rows(levels: Sequence[int], plain: Passes, by_k: dict[int, Passes | None], names: Sequence[str]
+          ) -> list[dict[str, Any]]:
+    """by_concurrency over groups `names`: plain and each K per concurrency, the best K (0 where none pays)."""
+    rows = []
+    for c in levels:
+        got = _pooled(plain, names, c)
+        if got is None:
+            continue
+        p_pass = got[0]
+        p = p_pass.summary()
+        spec = [_spec_row(k, s[0], s[1], p, p_pass.outputs)
+                for k, r in by_k.items() if (s := _pooled(r, names, c)) is not None]
+        paying = [s for s in spec if (s["speedup"] or 0) > 1.0]
+        rows.append({"concurrency": c, "plain_tokens_per_s": p["tokens_per_s"],
+                     "plain_per_request_tokens_per_s": p["per_request_tokens_per_s"], "plain_ttft_s": p["ttft_s"],
+                     "spec": spec, "best_k": max(paying, key=lambda s: s["tokens_per_s"])["k"] if paying else 0})
+    return rows
+
+
+def _add_scheduled(rows: list[dict[str, Any]], scheduled: Passes | None, names: Sequence[str]) -> None:
+    for row in rows:
+        got = _pooled(scheduled, names, row["concurrency"])
+        if got is not None:
+            tps = got[0].summary()["tokens_per_s"]
+            row["scheduled_tokens_per_s"] = tps
+            row["scheduled_speedup"] = tps / row["plain_tokens_per_s"] if row["plain_tokens_per_s"] else None
+            row["scheduled_counts"] = got[1]
+
+
+def _schedule_record(schedule: tuple[tuple[int, int, int], ...], rows: list[dict[str, Any]], accepted: bool
+                     ) -> dict[str, Any]:
+    from serve.server import format_schedule
+
+    return {"ranges": [list(r) for r in schedule],
+            "as_vllm": {"num_speculative_tokens_per_batch_size": [list(r) for r in schedule]},
+            "flag": format_schedule(schedule), "by_concurrency": {str(r["concurrency"]): r["best_k"] for r in rows},
+            "accepted_by_vllm": accepted}
+
+
 def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tokens: int, dtype: str,
           threads: int | None, temperature: float, seed: int, out_dir: Path,
           cache_dir: str | None = None, predict: Any = None) -> dict[str, Any]:
-    """The whole sweep (module docstring); `predict(levels, ks)`: the batch cost model's Prediction, or None."""
+    """The whole sweep (module docstring) on `prompts`, or on the length groups' prompts where `load` has them;
+    `predict(levels, ks)`: the batch cost model's Prediction, or None."""
     from serve import vllm_engine
-    from serve.server import ServeSettings, format_schedule, prepare, read_export, served_name
+    from serve.server import ServeSettings, prepare, read_export, served_name
 
     info = read_export(export)
     verifier, served = prepare(info, cache_dir)
     most = max(load.concurrency)
+    sets = {g.group.name: [list(p) for p in g.prompts] for g in load.groups} or {ALL: prompts}
+    every = [p for ps in sets.values() for p in ps]
     base: dict[str, Any] = dict(max_num_seqs=most, dtype=dtype, threads=threads, name=served_name(info.path),
                                 port=_free_port(PORT),
-                                max_model_len=max(len(p) for p in prompts) + max_new_tokens + max(load.ks) + 16)
+                                max_model_len=max(len(p) for p in every) + max_new_tokens + max(load.ks) + 16)
     log_dir = out_dir / "vllm_load"
     log_dir.mkdir(parents=True, exist_ok=True)
     errors: list[dict[str, Any]] = []
 
-    def run(settings: Any, what: str) -> dict[int, tuple[Any, dict[str, Any] | None]] | None:
+    def run(settings: Any, what: str, names: Sequence[str] = tuple(sets)) -> Passes | None:
         try:
-            out, failed = _serve_passes(settings, what, prompts, max_new_tokens, load.concurrency, temperature,
-                                        seed, log_dir)
+            out, failed = _serve_passes(settings, what, {n: sets[n] for n in names}, max_new_tokens,
+                                        load.concurrency, temperature, seed, log_dir)
         except UserError as e:  # vLLM refused the setting at start: named in the report, the sweep goes on
             out, failed = {}, getattr(e, "cause", str(e).splitlines()[0])
         if failed is not None:  # or failed a pass: the passes before it are kept
             print(f"[load] vLLM failed {what}: {failed}", flush=True)
-            errors.append({"setting": what, "error": failed, "passes_kept": sorted(out)})
+            errors.append({"setting": what, "error": failed,
+                           "passes_kept": [c if n == ALL else [n, c] for n, c in sorted(out)]})
         return out or None
 
-    print(f"[load] vLLM {vllm_engine.VERSION} server on loopback: {len(prompts)} prompts, {max_new_tokens} tokens, "
-          f"concurrency {list(load.concurrency)}, K {list(load.ks)}, plain and {info.kind} from {info.path}",
+    groups = "" if ALL in sets else " in groups " + ", ".join(f"{n} ({len(ps)})" for n, ps in sets.items())
+    print(f"[load] vLLM {vllm_engine.VERSION} server on loopback: {len(every)} prompts{groups}, {max_new_tokens} "
+          f"tokens, concurrency {list(load.concurrency)}, K {list(load.ks)}, plain and {info.kind} from {info.path}",
           flush=True)
     plain = run(ServeSettings(verifier, **base), "plain")
     if plain is None:
         raise UserError(f"vLLM could not serve {verifier} plain: {errors[-1]['error']}")
     by_k = {k: run(ServeSettings(verifier, served, info.kind, k, **base), f"K={k}") for k in load.ks}
-    rows = []
-    for c in load.concurrency:
-        p_pass, _ = plain[c]
-        p = p_pass.summary()
-        spec = [_spec_row(k, r[c][0], r[c][1], p, p_pass.outputs) for k, r in by_k.items() if r and c in r]
-        paying = [s for s in spec if (s["speedup"] or 0) > 1.0]
-        rows.append({"concurrency": c, "plain_tokens_per_s": p["tokens_per_s"],
-                     "plain_per_request_tokens_per_s": p["per_request_tokens_per_s"], "plain_ttft_s": p["ttft_s"],
-                     "spec": spec, "best_k": max(paying, key=lambda s: s["tokens_per_s"])["k"] if paying else 0})
-    schedule = schedule_of(rows, most)
-    record: dict[str, Any] = {"ranges": [list(r) for r in schedule], "as_vllm": {
-        "num_speculative_tokens_per_batch_size": [list(r) for r in schedule]},
-        "flag": format_schedule(schedule), "by_concurrency": {str(r["concurrency"]): r["best_k"] for r in rows}}
-    drafting = any(k for _, _, k in schedule)
-    scheduled = run(ServeSettings(verifier, served if drafting else None, info.kind if drafting else None,
-                                  None, schedule if drafting else None, **base), "schedule")
-    for row in rows:
-        if scheduled is not None and row["concurrency"] in scheduled:
-            s_pass, counts = scheduled[row["concurrency"]]
-            tps = s_pass.summary()["tokens_per_s"]
-            row["scheduled_tokens_per_s"] = tps
-            row["scheduled_speedup"] = tps / row["plain_tokens_per_s"] if row["plain_tokens_per_s"] else None
-            row["scheduled_counts"] = counts
-    record["accepted_by_vllm"] = not any(e["setting"] == "schedule" for e in errors)
+    # the views: the whole set (every group pooled), then each group alone
+    views = {ALL: tuple(sets), **{n: (n,) for n in sets if n != ALL}}
+    rows = {v: _rows(load.concurrency, plain, by_k, names) for v, names in views.items()}
+    schedules = {v: schedule_of(r, most) for v, r in rows.items()}
+    labels: dict[Any, str] = {}
+    # one more server per distinct schedule: the whole set's, on every group; a group whose schedule differs, alone
+    for schedule in dict.fromkeys(schedules.values()):
+        own = [v for v in views if schedules[v] == schedule]
+        names = tuple(sets) if ALL in own else own
+        labels[schedule] = "schedule" if ALL in own else "schedule-" + "-".join(own)
+        drafting = any(k for _, _, k in schedule)
+        scheduled = run(ServeSettings(verifier, served if drafting else None, info.kind if drafting else None,
+                                      None, schedule if drafting else None, **base), labels[schedule], names)
+        for v in own:
+            _add_scheduled(rows[v], scheduled, views[v])
+    failed = {e["setting"] for e in errors}
+    whole = rows[ALL]
     result: dict[str, Any] = {
         "version": vllm_engine.VERSION, "server": "vllm.entrypoints.openai.api_server (serve/server.py), loopback",
         "setup": {"dtype": dtype, "threads": threads, "max_num_seqs": most, "enforce_eager": True,
+                  "max_model_len": base["max_model_len"],
                   "ld_preload": vllm_engine.engine_env(threads).get("LD_PRELOAD", ""),
                   "kv_cache_space": vllm_engine.engine_env(threads).get("VLLM_CPU_KVCACHE_SPACE"),
                   "timing": "closed loop per concurrency after one warm-up request; model load excluded",
-                  "prompts": len(prompts), "max_new_tokens": max_new_tokens, "logs": str(log_dir)},
-        "by_concurrency": rows, "schedule": record, "errors": errors,
-        "measured_crossover": next((r["concurrency"] for r in rows if r["best_k"] == 0), None),
-        "measured_best_k": {str(r["concurrency"]): r["best_k"] for r in rows},
+                  "prompts": len(every), "max_new_tokens": max_new_tokens, "logs": str(log_dir)},
+        "by_concurrency": whole,
+        "schedule": _schedule_record(schedules[ALL], whole, labels[schedules[ALL]] not in failed),
+        "errors": errors,
+        "measured_crossover": next((r["concurrency"] for r in whole if r["best_k"] == 0), None),
+        "measured_best_k": {str(r["concurrency"]): r["best_k"] for r in whole},
     }
+    if load.groups:
+        result["setup"]["lengths"] = [g.group.name for g in load.groups]
+        result["by_length"] = {g.group.name: {
+            **g.record(), "by_concurrency": rows[g.group.name],
+            "schedule": _schedule_record(schedules[g.group.name], rows[g.group.name],
+                                         labels[schedules[g.group.name]] not in failed),
+            "measured_crossover": next((r["concurrency"] for r in rows[g.group.name] if r["best_k"] == 0), None),
+            "measured_best_k": {str(r["concurrency"]): r["best_k"] for r in rows[g.group.name]},
+        } for g in load.groups}
     if predict is not None:
         pred = predict(list(load.concurrency), list(load.ks))
         result["prediction"] = pred.record()
     # the batch-1 keys the rest of the report reads (the table's vLLM rows): the lowest concurrency
-    first = rows[0]
+    first = whole[0]
     best = max(first["spec"], key=lambda s: s["tokens_per_s"], default=None)
     result["plain"] = {"tokens_per_s": first["plain_tokens_per_s"], "concurrency": first["concurrency"]}
     result["speculative"] = None if best is None else {
         "method": info.kind, "speculative_tokens": best["k"], "tokens_per_s": best["tokens_per_s"],
         "tau": best["acceptance_length"], "accept_rate_per_position": best["acceptance_per_position"],
         "speedup": best["speedup"], "concurrency": first["concurrency"]}
+    from eval.load_report import plot, print_table
+
     print_table(result)
     result["plot"] = str(plot(result, out_dir / "load_speedup.png"))
     return result
-
-
-def print_table(result: dict[str, Any]) -> None:
-    """The sweep in the terminal: per concurrency, plain tok/s and each K's tok/s, speedup and acceptance."""
-    from rich.console import Console
-    from rich.table import Table
-
-    rows = result["by_concurrency"]
-    ks = sorted({s["k"] for r in rows for s in r["spec"]})
-    table = Table(title=f"vLLM {result['version']} under load: output tokens/s (speedup over plain; acceptance "
-                        f"length)")
-    for col in ("concurrency", "plain", *(f"K={k}" for k in ks), "best K", "schedule", "predicted K"):
-        table.add_column(col, justify="right")
-    pred = (result.get("prediction") or {}).get("best_k", {})
-    for r in rows:
-        cells = {s["k"]: f"{s['tokens_per_s']:.1f} ({s['speedup']:.2f}x; {s['acceptance_length'] or 0:.2f})"
-                 for s in r["spec"]}
-        sched = r.get("scheduled_speedup")
-        table.add_row(str(r["concurrency"]), f"{r['plain_tokens_per_s']:.1f}", *(cells.get(k, "refused") for k in ks),
-                      str(r["best_k"]), "-" if sched is None else f"{r['scheduled_tokens_per_s']:.1f} ({sched:.2f}x)",
-                      str(pred.get(str(r["concurrency"]), "-")))
-    console = Console()
-    console.print(table)
-    console.print(f"schedule (vLLM num_speculative_tokens_per_batch_size): {result['schedule']['ranges']}; "
-                  f"crossover measured {result['measured_crossover']}, predicted "
-                  f"{(result.get('prediction') or {}).get('crossover', '-')}")
-    for e in result["errors"]:
-        console.print(f"vLLM refused {e['setting']}: {e['error']}")
-
-
-def plot(result: dict[str, Any], path: Path) -> Path:
-    """Speedup over plain against concurrency: one line per K, one for the schedule."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["by_concurrency"]
-    levels = [r["concurrency"] for r in rows]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for k in sorted({s["k"] for r in rows for s in r["spec"]}):
-        pts = [(r["concurrency"], s["speedup"]) for r in rows for s in r["spec"] if s["k"] == k]
-        ax.plot(*zip(*pts), marker="o", label=f"K={k}")
-    sched = [(r["concurrency"], r["scheduled_speedup"]) for r in rows if r.get("scheduled_speedup")]
-    if sched:
-        ax.plot(*zip(*sched), marker="s", color="black", linewidth=2, label="schedule")
-    ax.axhline(1.0, color="gray", linestyle=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.set(xlabel="concurrency (clients)", ylabel="output tokens/s over plain vLLM",
-           title=f"vLLM {result['version']}: speedup under load")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

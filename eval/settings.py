@@ -54,6 +54,7 @@ class EvalSettings:
     engine_peers: tuple[str, ...] = _help("serving engines measured beside us (vllm)")
     engine_peer_tokens: Any = _help("K the engine drafts per step (null: the export's own), or a list under load")
     engine_concurrency: Any = _help("concurrencies of the load sweep (null: one request at a time)")
+    engine_prompt_lengths: Any = _help("the load sweep once per prompt-length group: short, long (null: one set)")
     warmup: bool = _help("one uncounted decode of the first prompt first")
     threads: int = _help("torch.set_num_threads for the run")
     seed: int = _help("the run's random seed")
@@ -141,7 +142,8 @@ def parse(cfg: DictConfig) -> EvalSettings:
         sampled_drafts=bool(cfg.get("sampled_drafts", False)),
         engine_peers=tuple(str(p) for p in (cfg.get("engine_peers") or [])),
         engine_peer_tokens=_plain(cfg.get("engine_peer_tokens")),
-        engine_concurrency=_plain(cfg.get("engine_concurrency")), warmup=bool(cfg.get("warmup", True)),
+        engine_concurrency=_plain(cfg.get("engine_concurrency")),
+        engine_prompt_lengths=_plain(cfg.get("engine_prompt_lengths")), warmup=bool(cfg.get("warmup", True)),
         threads=threads, seed=seed, profile=bool(cfg.get("profile", False)),
         profile_dtypes=tuple(str(d) for d in (cfg.get("profile_dtypes") or [dtype])),
         profile_threads=tuple(int(t) for t in (cfg.get("profile_threads") or [threads])),

@@ -45,6 +45,12 @@ def _eval_cfg(overrides):
     ([f"checkpoint={MEDUSA}", "engine_peers=[vllm]", "engine_concurrency=[1,2]", "engine_peer_tokens=[1,5]"],
      "K=5 is beyond what"),
     ([f"checkpoint={MEDUSA}", "engine_peers=[vllm]", "engine_peer_tokens=[1,2]"], "a list of K is swept under load"),
+    (["engine_peers=[vllm]", "engine_concurrency=[1,2]", "engine_prompt_lengths=[short,medium]"],
+     "unknown group 'medium'; the groups are short (1-511 tokens), long (512+ tokens)"),
+    (["engine_peers=[vllm]", "engine_concurrency=[1,2]", "engine_prompt_lengths=[short,long:0]"],
+     "'long:0' asks for '0' prompts"),
+    (["engine_peers=[vllm]", "engine_concurrency=[1,2]", "engine_prompt_lengths=[long,long:8]"], "named twice"),
+    (["engine_peers=[vllm]", "engine_prompt_lengths=[short,long]"], "add engine_concurrency=[1,2,4,8,16]"),
 ])
 def test_bad_load_settings_are_one_message_before_anything_loads(overrides, words, tmp_path):
     """A verifier that does not exist is named too: the message must come before it would be loaded."""
@@ -92,6 +98,55 @@ def test_convert_engine_ready_records_the_schedule_and_python_m_serve_launches_w
 
 
 # -- the pieces, on real inputs ---------------------------------------------------------------------------------------
+
+def test_prompts_fall_in_the_length_group_their_tokens_say():
+    """short: 1-511 tokens, long: 512+, both bounds inclusive; each group drawn round-robin over its categories;
+    a group no prompt falls into is refused, naming the lengths the set has."""
+    from eval.prompt_lengths import group_prompts, parse_lengths
+    from runtime.errors import UserError
+
+    pool = [("a", "chat", [7] * 40), ("b", "doc", [7] * 600), ("c", "chat", [7] * 511), ("d", "doc", [7] * 512),
+            ("e", "code", [7] * 90), ("f", "doc", [7] * 1500)]
+    short, long = group_prompts(parse_lengths(["short", "long"]), pool, None, "builtin")
+    assert (short.ids, long.ids) == (("a", "c", "e"), ("b", "d", "f"))
+    assert short.record()["prompt_tokens"] == {"median": 90, "min": 40, "max": 511}
+    assert long.record()["bounds"] == [512, None] and long.record()["prompts"] == 3
+    (two,) = group_prompts(parse_lengths(["short:2"]), pool, 10, "builtin")  # name:N over num_prompts, by category
+    assert two.ids == ("a", "e")
+    (one,) = group_prompts(parse_lengths("long"), pool, 1, "builtin")
+    assert one.ids == ("b",) and one.prompts == ((7,) * 600,)
+    with pytest.raises(UserError) as e:
+        group_prompts(parse_lengths(["long"]), pool[:1] + pool[4:5], 8, "chats.jsonl")
+    assert "no prompt of prompts=chats.jsonl falls in 'long' (512+ tokens" in str(e.value)
+    assert "its 2 eval prompts run 40-90 tokens" in str(e.value)
+
+
+@pytest.mark.slow
+def test_on_the_builtin_split_long_is_its_long_context_category_and_short_the_chat_ones(smollm2):
+    from eval.prompt_lengths import group_prompts, parse_lengths, rendered_pool
+
+    pool = rendered_pool("builtin", smollm2.tokenizer, smollm2.rendering)
+    cats = {cid: cat for cid, cat, _ in pool}
+    short, long = group_prompts(parse_lengths(["short", "long:8"]), pool, 16, "builtin")
+    assert len(long.ids) == 8 and {cats[i] for i in long.ids} == {"long_context"}
+    assert min(len(p) for p in long.prompts) >= 512
+    assert len(short.ids) == 16 and "long_context" not in {cats[i] for i in short.ids}
+    assert len({cats[i] for i in short.ids}) == 10  # round-robin: every chat category
+    (every,) = group_prompts(parse_lengths(["long"]), pool, None, "builtin")
+    assert len(every.ids) == sum(c == "long_context" for c in cats.values())
+
+
+def test_a_length_group_no_prompt_falls_into_is_refused_before_any_server(tmp_path, capsys):
+    """Checked once the verifier's tokenizer has rendered the prompts, before any vLLM server starts."""
+    from scripts.bench.serving_load import main
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps({"prompt": q}) for q in ("What is a prime?", "Name a colour.")) + "\n")
+    assert main([str(EAGLE3), "--prompts", str(chats), "--lengths", "short", "long", "--out",
+                 str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"no prompt of prompts={chats} falls in 'long' (512+ tokens" in err and "leave 'long' out" in err.lower()
+    assert not (tmp_path / "out" / "vllm_load").exists()
 
 def test_the_schedule_takes_each_concurrencys_best_k_and_merges_neighbours():
     from eval.load import schedule_of
@@ -248,6 +303,44 @@ def test_the_concurrency_sweep_writes_by_concurrency_schedule_and_prediction(vll
     pred = peer["prediction"]
     assert set(pred["best_k"]) == {"1", "2"} and set(pred["speedup"]["1"]) == {"1"}
     assert (out / "load_speedup.png").is_file() and (out / "vllm_load" / "vllm-plain.log").is_file()
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_the_sweep_by_prompt_length_reports_each_group_and_the_whole_set(vllm, tmp_path, monkeypatch, capsys):
+    """`python -m scripts.bench.serving_load pretrained/eagle3-smollm2 --lengths short:2 long:1` (fp32, concurrency
+    1 and 2, K = 1, 8 tokens): by_length has both groups, each with its prompts' token counts and its own rows and
+    schedule; the whole-set by_concurrency pools them (every request, their tokens); the servers fit the long prompt
+    (max_model_len from the longest); a table per group in the terminal, a panel per group in the plot."""
+    from scripts.bench.serving_load import main
+
+    _server_env(monkeypatch)
+    out = tmp_path / "lengths"
+    assert main([str(EAGLE3), "--concurrency", "1", "2", "--tokens", "1", "--lengths", "short:2", "long:1",
+                 "--max-new-tokens", "8", "--dtype", "float32", "--no-predict", "--out", str(out)]) == 0
+    peer = json.loads((out / "report.json").read_text())["engine_peers"]["vllm"]
+    assert peer["errors"] == [] and peer["setup"]["lengths"] == ["short", "long"] and peer["setup"]["prompts"] == 3
+    short, long = peer["by_length"]["short"], peer["by_length"]["long"]
+    assert short["prompts"] == 2 and short["prompt_tokens"]["max"] <= 511 and short["bounds"] == [1, 511]
+    assert long["prompts"] == 1 and long["prompt_tokens"]["min"] >= 512
+    assert peer["setup"]["max_model_len"] >= long["prompt_tokens"]["max"] + 8
+    for group, n in ((short, 2), (long, 1)):
+        assert [r["concurrency"] for r in group["by_concurrency"]] == [1, 2]
+        for r in group["by_concurrency"]:
+            (spec,) = r["spec"]
+            assert r["plain_tokens_per_s"] > 0 and spec["k"] == 1 and spec["tokens"] == 8 * n
+            assert spec["counts"]["num_drafts"] > 0 and r["scheduled_tokens_per_s"] > 0
+        assert group["schedule"]["ranges"][-1][1] == 2 and group["schedule"]["accepted_by_vllm"]
+        assert set(group["measured_best_k"]) == {"1", "2"}
+    for i, whole in enumerate(peer["by_concurrency"]):  # the whole set: both groups' passes pooled
+        (spec,) = whole["spec"]
+        parts = [g["by_concurrency"][i]["spec"][0] for g in (short, long)]
+        assert spec["tokens"] == 24 and spec["seconds"] == pytest.approx(sum(p["seconds"] for p in parts))
+        assert spec["counts"]["num_drafts"] == sum(p["counts"]["num_drafts"] for p in parts)
+        assert whole["scheduled_tokens_per_s"] > 0
+    printed = capsys.readouterr().out
+    assert "short: 2 prompts of" in printed and "long: 1 prompts of" in printed and "every group pooled" in printed
+    assert (out / "load_speedup.png").is_file()
 
 
 @pytest.mark.engine

@@ -8,6 +8,10 @@ speculative decoding and HF's references) can take longer than the sweep itself.
 The same prompts as `python -m eval` takes (`--prompts`, default the built-in eval split, round-robin over its
 categories), the same sweep, schedule and prediction (the batch cost model without a draft cost: no drafter is built
 here), written to <out>/report.json as `{"engine_peers": {"vllm": ...}}` with load_speedup.png and the servers' logs.
+
+By prompt length (eval/prompt_lengths.py; `engine_prompt_lengths` in `python -m eval`): `--lengths short long:8`
+sweeps the short prompts (up to 511 tokens; --num-prompts of them) and 8 long ones (512+; on the built-in split its
+long_context category) on the same servers, a table and a plot panel each, report.json `engine_peers.vllm.by_length`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     from data.chat import prompt_ids
     from eval.harness import load_prompt_sets
-    from eval.load import batch_predictor, load_settings, sweep
+    from eval.load import batch_predictor, load_settings, sweep, with_groups
     from eval.planner.cost import auto_dtype
     from eval.runner import user_turns
     from models.verifiers.load import load_verifier
@@ -36,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="K values (default: the export's own)")
     parser.add_argument("--prompts", default="builtin")
     parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--lengths", nargs="+", default=None, metavar="GROUP",
+                        help="the sweep once per prompt-length group: short, long; long:8 for 8 of them "
+                             "(default: the prompts as one set)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
@@ -43,14 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="outputs/load/run")
     args = parser.parse_args(argv)
     try:
-        load = load_settings(args.concurrency, args.tokens, ["vllm"], args.export)
+        load = load_settings(args.concurrency, args.tokens, ["vllm"], args.export, args.lengths)
         assert load is not None
         dtype = auto_dtype("cpu")[0] if args.dtype == "auto" else args.dtype
         info = read_export(args.export)
         torch.set_num_threads(args.threads)
         verifier = load_verifier(info.verifier, dtype, "cpu")
-        convs = load_prompt_sets(args.prompts, args.num_prompts)
-        prompts = [prompt_ids(verifier.tokenizer, user_turns(c)[0], verifier.rendering) for c in convs]
+        load = with_groups(load, args.prompts, args.num_prompts, verifier)
+        assert load is not None
+        if load.groups:  # the groups' prompts, the first group's first as the cost model's prefix
+            prompts = [list(p) for g in load.groups for p in g.prompts]
+        else:
+            convs = load_prompt_sets(args.prompts, args.num_prompts)
+            prompts = [prompt_ids(verifier.tokenizer, user_turns(c)[0], verifier.rendering) for c in convs]
         predict = None if args.no_predict else batch_predictor(verifier.model, info.acceptance, prompts[0])
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
