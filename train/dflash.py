@@ -16,18 +16,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from data.hidden_cache import gather_layers
 from models.dflash import block_rows, build_dflash
+from models.eagle import UnrolledStep
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 from train.eagle import EagleModule
 from train.losses import dpace_weights
 
 SLOT_WEIGHTINGS = ("exp", "dpace")
+
+
+@dataclass
+class SlotTerms:
+    """One slot's part of a training step for a block drafter with a head of its own (`DFlashModule.head_step`):
+    rows (N,) each, the N blocks whose slot j has a target."""
+
+    token_loss: Tensor  # the token loss per row (`model.loss` between the draft's distribution and q)
+    head_loss: Tensor  # the family's own head's loss per row (DSpark's confidence BCE, DFlash2's selector CE)
+    accept: Tensor  # the draft distribution's overlap with q, sum_v min(p, q), detached
+    draft: Tensor  # the drafted token
+    zero: Tensor  # 0 * (every output of the step): keeps each parameter in the graph where no row has a target
+    logits: Tensor | None = None  # validation: the draft logits (N, V) the ranks are read under, detached
+    top1: Tensor | None = None  # validation: the draft's top-1 probability
 
 
 class DFlashModule(EagleModule):
@@ -95,3 +112,62 @@ class DFlashModule(EagleModule):
                  steps: int, train: bool):
         return block_rows(self.net, feats, ids, attn, loss_mask, embed, steps,
                           self.hparams.num_anchors if train else None)
+
+    # -- a head of its own on DFlash's block (DSpark, DFlash2) -------------------------------------------------------
+    def slot_terms(self, j: int, step: UnrolledStep, q: Tensor, q_arg: Tensor, ids: Tensor, train: bool
+                   ) -> SlotTerms:
+        """Slot j's terms (`head_step`), given its block rows `step`, the verifier's next-token distribution q (N, V)
+        and its argmax, and the batch's tokens (teacher forcing). A family with its own head defines it."""
+        raise NotImplementedError
+
+    def head_term(self, j: int, head_loss: Tensor, weight: Tensor | float) -> Tensor:
+        """Slot j's head loss as it enters the step's loss, given the token loss's row weights (D-PACE's, or 1.0)."""
+        raise NotImplementedError
+
+    def head_step(self, batch: dict[str, Tensor], steps: int, train: bool) -> dict[str, Any]:
+        """EagleModule.model_step's outputs (per-slot losses, top-1 hits, valid targets, alpha; validation: ranks and
+        the draft's top-1 probability) for a block drafter whose draft comes through a head of its own: DFlash's
+        blocks (`unrolled`), per slot `slot_terms`, the token loss weighted as `slot_weighting` says (D-PACE on the
+        overlaps) plus `head_term`."""
+        if self.verifier.device != self.device:
+            self.verifier.to(self.device)
+        ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
+        n = ids.shape[1] - 1
+        states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
+        final = states[-1]
+        feats = self.net.features(states)[:, :n]
+        embed, lm_head = self.verifier.token_embedding, self.verifier.lm_head
+        terms, correct, valid_at, ranks, confs, alphas = [], [], [], [], [], []
+        for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
+            valid, bi, ti = step.valid, step.batch, step.position
+            with torch.no_grad():
+                q = lm_head(final[bi, ti + j + 1]).float().softmax(-1)  # (N, V): the verifier's next token after t+j+1
+                q_arg = q.argmax(-1)
+            t = self.slot_terms(j, step, q, q_arg, ids, train)
+            terms.append((t, bi, ti))
+            alpha = torch.zeros(valid.shape, device=valid.device)
+            alpha[bi, ti] = t.accept
+            alphas.append(alpha)
+            hit = torch.zeros_like(valid)
+            hit[bi, ti] = t.draft == q_arg
+            correct.append(hit)
+            valid_at.append(valid)
+            if train:
+                continue
+            assert t.logits is not None and t.top1 is not None
+            rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
+            rank[bi, ti] = self.net.target_rank(t.logits, q_arg)
+            ranks.append(rank)
+            conf = torch.zeros(valid.shape, device=valid.device)
+            conf[bi, ti] = t.top1
+            confs.append(conf)
+        valid_all, alpha_all = torch.stack(valid_at), torch.stack(alphas)
+        weights = self.slot_weights(alpha_all, valid_all)  # (S, B, n) or None: step_decay^j per step (_loss)
+        losses = []
+        for j, (t, bi, ti) in enumerate(terms):
+            w = 1.0 if weights is None else weights[j][bi, ti]
+            step_loss = self.global_mean((t.token_loss * w).sum(), t.token_loss.numel()) + \
+                self.head_term(j, t.head_loss, w)
+            losses.append(step_loss if bi.numel() else t.zero)
+        out = {"losses": losses, "correct": torch.stack(correct), "valid": valid_all, "alpha": alpha_all}
+        return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from data.hidden_cache import gather_layers
 from models.dflash2 import DFlash2Net, build_dflash2
+from models.eagle import UnrolledStep
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
-from train.dflash import DFlashModule
+from train.dflash import DFlashModule, SlotTerms
 from train.losses import chunked_loss
 
 
@@ -79,70 +79,41 @@ class DFlash2Module(DFlashModule):
         return True  # the overlaps are cheap here (K candidates), and D-PACE reads them
 
     def model_step(self, batch: dict[str, Tensor], steps: int, train: bool) -> dict[str, Any]:
-        """EagleModule.model_step's outputs (per-slot losses, hits, valid targets, alpha; validation: ranks and the
-        draft's top-1 probability) for the selector's draft, the unary and selector losses in each slot's loss."""
-        if self.verifier.device != self.device:
-            self.verifier.to(self.device)
+        """DFlashModule.head_step for the selector's draft, the unary and selector losses in each slot's loss, both
+        under the slot's weights."""
+        return self.head_step(batch, steps, train)
+
+    def slot_terms(self, j: int, step: UnrolledStep, q: Tensor, q_arg: Tensor, ids: Tensor, train: bool
+                   ) -> SlotTerms:
         hp = self.hparams
         net: DFlash2Net = self.net
-        ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
-        n = ids.shape[1] - 1
-        states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
-        final = states[-1]
-        feats = net.features(states)[:, :n]
-        embed, lm_head = self.verifier.token_embedding, self.verifier.lm_head
-        terms, correct, valid_at, ranks, confs, alphas = [], [], [], [], [], []
-        unary_hits = torch.zeros(steps, 2, device=ids.device)
-        for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
-            valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets
-            unary = net.logits(h, lm_head).float()  # (N, V)
-            with torch.no_grad():
-                q = lm_head(final[bi, ti + j + 1]).float().softmax(-1)  # (N, V): the verifier's next token after t+j+1
-                q_arg = q.argmax(-1)
-            per_row, unary_arg, _ = chunked_loss(unary, q, None, loss=hp.get("loss", "kl"),
-                                                 eta=hp.get("lk_eta", 3.0), want_alpha=False)
-            prev = ids[bi, ti + j + 1]  # the token before slot j+1: x_{t+j+1} (the root for slot 1)
-            cand = net.candidates(unary.detach())  # (N, K)
-            train_cand, label, _ = selector_labels(cand, q_arg)
-            scores = net.candidate_selector.scores(unary, h, prev, train_cand)  # (N, K)
-            sel = F.cross_entropy(scores, label, reduction="none")  # (N,)
-            with torch.no_grad():  # the draft decoding makes: the best re-scored candidate of the unary top-K
-                served = net.candidate_selector.scores(unary.detach(), h.detach(), prev, cand)  # (N, K)
-                p_sel = served.softmax(-1)
-                accept = torch.minimum(p_sel, q.gather(1, cand)).sum(-1)  # (N,) sum_c min(p, q)
-                draft = cand.gather(1, served.argmax(-1, keepdim=True))[:, 0]
-            zero = (unary.sum() + scores.sum()) * 0.0
-            terms.append((per_row, sel, bi, ti, zero))
-            alpha = torch.zeros(valid.shape, device=valid.device)
-            alpha[bi, ti] = accept
-            alphas.append(alpha)
-            hit = torch.zeros_like(valid)
-            hit[bi, ti] = draft == q_arg
-            correct.append(hit)
-            valid_at.append(valid)
-            if train:
-                continue
-            rows = torch.tensor(float(bi.numel()), device=ids.device)
-            unary_hits[j] += torch.stack([(unary_arg == q_arg).sum().float(), rows])
-            full = torch.full_like(unary, float("-inf")).scatter_(1, cand, served)  # the re-scored logits (N, V)
-            rank = torch.full(valid.shape, net.vocab_size, dtype=torch.long, device=valid.device)
-            rank[bi, ti] = net.target_rank(full, q_arg)
-            ranks.append(rank)
-            conf = torch.zeros(valid.shape, device=valid.device)
-            conf[bi, ti] = p_sel.amax(-1)
-            confs.append(conf)
-        valid_all, alpha_all = torch.stack(valid_at), torch.stack(alphas)
-        weights = self.slot_weights(alpha_all, valid_all)  # (S, B, n) or None: step_decay^j per step (_loss)
-        losses = []
-        for j, (per_row, sel, bi, ti, zero) in enumerate(terms):
-            w = 1.0 if weights is None else weights[j][bi, ti]
-            step_loss = self.global_mean((per_row * w).sum(), per_row.numel()) + \
-                hp.selector_weight * self.global_mean((sel * w).sum(), sel.numel())
-            losses.append(step_loss if bi.numel() else zero)
+        bi, ti, h = step.batch, step.position, step.at_targets
+        unary = net.logits(h, self.verifier.lm_head).float()  # (N, V)
+        per_row, unary_arg, _ = chunked_loss(unary, q, None, loss=hp.get("loss", "kl"), eta=hp.get("lk_eta", 3.0),
+                                             want_alpha=False)
+        prev = ids[bi, ti + j + 1]  # the token before slot j+1: x_{t+j+1} (the root for slot 1)
+        cand = net.candidates(unary.detach())  # (N, K)
+        train_cand, label, _ = selector_labels(cand, q_arg)
+        scores = net.candidate_selector.scores(unary, h, prev, train_cand)  # (N, K)
+        sel = F.cross_entropy(scores, label, reduction="none")  # (N,)
+        with torch.no_grad():  # the draft decoding makes: the best re-scored candidate of the unary top-K
+            served = net.candidate_selector.scores(unary.detach(), h.detach(), prev, cand)  # (N, K)
+            p_sel = served.softmax(-1)
+            accept = torch.minimum(p_sel, q.gather(1, cand)).sum(-1)  # (N,) sum_c min(p, q)
+            draft = cand.gather(1, served.argmax(-1, keepdim=True))[:, 0]
+        terms = SlotTerms(per_row, sel, accept, draft, (unary.sum() + scores.sum()) * 0.0)
         if not train:
-            self._unary = unary_hits if self._unary is None else self._unary + unary_hits
-        out = {"losses": losses, "correct": torch.stack(correct), "valid": valid_all, "alpha": alpha_all}
-        return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
+            if self._unary is None:
+                self._unary = torch.zeros(net.parallel, 2, device=ids.device)
+            self._unary[j] += torch.stack([(unary_arg == q_arg).sum().float(),
+                                           torch.tensor(float(bi.numel()), device=ids.device)])
+            terms.logits = torch.full_like(unary, float("-inf")).scatter_(1, cand, served)  # re-scored (N, V)
+            terms.top1 = p_sel.amax(-1)
+        return terms
+
+    def head_term(self, j: int, head_loss: Tensor, weight: Tensor | float) -> Tensor:
+        """The selector loss under the token loss's weights."""
+        return self.hparams.selector_weight * self.global_mean((head_loss * weight).sum(), head_loss.numel())
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()

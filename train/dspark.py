@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from data.hidden_cache import gather_layers
 from models.dspark import DSparkNet, build_dspark
+from models.eagle import UnrolledStep
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
-from train.dflash import DFlashModule
+from train.dflash import DFlashModule, SlotTerms
 from train.losses import chunked_loss
 
 
@@ -86,65 +86,35 @@ class DSparkModule(DFlashModule):
         self._calib: dict[str, Tensor] = {}
 
     def model_step(self, batch: dict[str, Tensor], steps: int, train: bool) -> dict[str, Any]:
-        """EagleModule.model_step's outputs (per-slot losses, top-1 hits, valid targets, alpha; validation: ranks and
-        the draft's top-1 probability) for the Markov-corrected logits, the confidence BCE in each slot's loss.
-        `model.loss` picks the token loss (train/losses.py) and `slot_weighting=dpace` weighs it per block by D-PACE
+        """DFlashModule.head_step for the Markov-corrected logits, the confidence BCE in each slot's loss. `model.loss`
+        picks the token loss (train/losses.py) and `slot_weighting=dpace` weighs it per block by D-PACE
         (DFlashModule.slot_weights, on the overlaps, as speculators' D-PACE reads the token loss, not the head); the
         BCE keeps the fixed decay step_decay^(k-1), as speculators keeps it."""
-        if self.verifier.device != self.device:
-            self.verifier.to(self.device)
+        return self.head_step(batch, steps, train)
+
+    def slot_terms(self, j: int, step: UnrolledStep, q: Tensor, q_arg: Tensor, ids: Tensor, train: bool
+                   ) -> SlotTerms:
         hp = self.hparams
-        ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
-        n = ids.shape[1] - 1
-        states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
-        final = states[-1]
-        feats = self.net.features(states)[:, :n]
-        embed, lm_head = self.verifier.token_embedding, self.verifier.lm_head
-        terms, correct, valid_at, ranks, confs, alphas = [], [], [], [], [], []
-        for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
-            valid, bi, ti, h = step.valid, step.batch, step.position, step.at_targets
-            bias, emb = slot_bias(self.net, ids, step.out, bi, ti, step.column, j)
-            logits = self.net.logits(h, lm_head).float() + bias.float()  # (N, V)
-            with torch.no_grad():
-                q = lm_head(final[bi, ti + j + 1]).float().softmax(-1)  # (N, V): the verifier's next token after t+j+1
-                q_arg = q.argmax(-1)
-            # (N,) each: the token loss, p's argmax, the overlap 1 - TV(p, q) = sum_v min(p, q) (detached)
-            per_row, draft, accept = chunked_loss(logits, q, None, loss=hp.get("loss", "kl"),
-                                                  eta=hp.get("lk_eta", 3.0), want_alpha=True)
-            accept = accept.float().clamp(0.0, 1.0)
-            conf_logit = self.net.confidence_logit(h, emb).float()
-            bce = F.binary_cross_entropy_with_logits(conf_logit, accept, reduction="none")
-            zero = (logits.sum() + conf_logit.sum()) * 0.0
-            terms.append((per_row, bce, bi, ti, zero))
-            alpha = torch.zeros(valid.shape, device=valid.device)
-            alpha[bi, ti] = accept
-            alphas.append(alpha)
-            hit = torch.zeros_like(valid)
-            hit[bi, ti] = draft == q_arg
-            correct.append(hit)
-            valid_at.append(valid)
-            if train:
-                continue
-            self._tally(j, torch.sigmoid(conf_logit.detach()), accept, steps)
-            p32 = logits.detach()
-            rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
-            rank[bi, ti] = self.net.target_rank(p32, q_arg)
-            ranks.append(rank)
-            conf = torch.zeros(valid.shape, device=valid.device)
-            conf[bi, ti] = p32.softmax(-1).amax(-1)
-            confs.append(conf)
-        valid_all, alpha_all = torch.stack(valid_at), torch.stack(alphas)
-        weights = self.slot_weights(alpha_all, valid_all)  # (S, B, n) or None: step_decay^j per step (_loss)
-        losses = []
-        for j, (per_row, bce, bi, ti, zero) in enumerate(terms):
-            w = per_row if weights is None else per_row * weights[j][bi, ti]
-            # the BCE on the fixed decay whatever weighs the token loss (_loss multiplies by step_weight(j))
-            fixed = hp.step_decay**j / self.step_weight(j)
-            step_loss = self.global_mean(w.sum(), per_row.numel()) + \
-                hp.confidence_weight * fixed * self.global_mean(bce.sum(), bce.numel())
-            losses.append(step_loss if bi.numel() else zero)
-        out = {"losses": losses, "correct": torch.stack(correct), "valid": valid_all, "alpha": alpha_all}
-        return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
+        bi, ti = step.batch, step.position
+        bias, emb = slot_bias(self.net, ids, step.out, bi, ti, step.column, j)
+        logits = self.net.logits(step.at_targets, self.verifier.lm_head).float() + bias.float()  # (N, V)
+        # (N,) each: the token loss, p's argmax, the overlap 1 - TV(p, q) = sum_v min(p, q) (detached)
+        per_row, draft, accept = chunked_loss(logits, q, None, loss=hp.get("loss", "kl"),
+                                              eta=hp.get("lk_eta", 3.0), want_alpha=True)
+        accept = accept.float().clamp(0.0, 1.0)
+        conf_logit = self.net.confidence_logit(step.at_targets, emb).float()
+        bce = F.binary_cross_entropy_with_logits(conf_logit, accept, reduction="none")
+        terms = SlotTerms(per_row, bce, accept, draft, (logits.sum() + conf_logit.sum()) * 0.0)
+        if not train:
+            self._tally(j, torch.sigmoid(conf_logit.detach()), accept, self.net.parallel)
+            terms.logits = logits.detach()
+            terms.top1 = terms.logits.softmax(-1).amax(-1)
+        return terms
+
+    def head_term(self, j: int, head_loss: Tensor, weight: Tensor | float) -> Tensor:
+        """The BCE on the fixed decay whatever weighs the token loss (_loss multiplies by step_weight(j))."""
+        fixed = self.hparams.step_decay**j / self.step_weight(j)
+        return self.hparams.confidence_weight * fixed * self.global_mean(head_loss.sum(), head_loss.numel())
 
     def _tally(self, j: int, predicted: Tensor, accept: Tensor, steps: int) -> None:
         """Validation sums per slot: the head's predicted acceptance, the measured 1 - TV, and the rows."""
