@@ -43,17 +43,42 @@ class DFlashDrafter(ParallelDrafter):
         self._v = v if self._v is None else torch.cat([self._v, v], dim=3)
         self._root = input_ids[:, -1:]
 
+    def _slots(self, depth: int) -> Tensor:
+        """One block, [root, K masks] at positions n..n+K over the whole context (K = `depth`): the K slot outputs
+        (K, D), slot k's for depth k."""
+        root, n = self._root, self.cache_length
+        tokens = torch.cat([root, torch.full((1, depth), self.net.mask_token_id, device=root.device)], dim=1)
+        pos = (n + torch.arange(depth + 1, device=root.device))[None]
+        mask = torch.ones(1, 1, depth + 1, n + depth + 1, dtype=torch.bool, device=root.device)
+        return self.net.block(self.embed(tokens), pos, mask, self._k, self._v)[0, 1:]  # (K, D)
+
     def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
-        """One block, [root, K masks] at positions n..n+K over the whole context (K: `depth`, the tree's max_depth
-        by default): slot k's logits are depth k's."""
-        k = self.max_depth if depth is None else depth
-        root = self._root
-        n = self.cache_length
-        tokens = torch.cat([root, torch.full((1, k), self.net.mask_token_id, device=root.device)], dim=1)
-        pos = (n + torch.arange(k + 1, device=root.device))[None]
-        mask = torch.ones(1, 1, k + 1, n + k + 1, dtype=torch.bool, device=root.device)
-        out = self.net.block(self.embed(tokens), pos, mask, self._k, self._v)  # (1, K+1, D)
-        return self.net.logits(out[:, 1:], self.lm_head).float()[0]  # (K, V)
+        """One block forward (K: `depth`, the tree's max_depth by default): slot k's logits are depth k's. (K, V)"""
+        return self.net.logits(self._slots(self.max_depth if depth is None else depth), self.lm_head).float()
+
+    # -- a block whose depths condition on the parent's token (DSpark's Markov bias, DFlash2's selector) --------------
+    def _depth_nodes(self, d: int, device: torch.device) -> tuple[list[int], list[int], Tensor]:
+        """The tree's nodes at depth d, their parents (sorted), and each node's parent's row among them."""
+        tree = self.tree
+        kids = [i for i in range(1, tree.num_nodes) if tree.depths[i] == d]
+        parents = sorted({tree.parents[i] for i in kids})
+        at = {q: i for i, q in enumerate(parents)}
+        return kids, parents, torch.tensor([at[tree.parents[i]] for i in kids], device=device)
+
+    def _draft_children(self, logits: Tensor, kids: list[int], row: Tensor, tokens: Tensor, p: Tensor | None) -> None:
+        """Fill the nodes `kids` from their parents' logits (m, Vd), `row` a node's parent's row: a sample of the
+        warped distribution (kept in p) or the node's rank of the top-k."""
+        if self.sampling is not None:
+            assert p is not None
+            probs = self._full_probs_of(logits)  # (m, V)
+            draws = torch.multinomial(probs[row], 1, generator=self.generator)[:, 0]
+            tokens[kids] = draws.to(tokens.dtype)
+            p[kids] = probs[row]
+        else:
+            ranks = [self.tree.ranks[i] for i in kids]
+            top = logits.topk(max(ranks) + 1, dim=-1).indices  # (m, R)
+            rank = torch.tensor(ranks, device=logits.device)
+            tokens[kids] = self.to_verifier(top[row, rank]).to(tokens.dtype)
 
 
 def dflash_drafter(net: DFlashNet, config: dict[str, Any], verifier: Verifier, tree: TreePolicy,

@@ -31,6 +31,7 @@ class DFlash2Drafter(DFlashDrafter):
     """DFlash2 for the drafter protocol: DFlash's context cache and block forward, the selector per depth."""
 
     net: DFlash2Net
+    title = "DFlash2"
 
     def set_tree(self, tree: Tree) -> None:
         if max(tree.ranks[1:], default=0) >= self.net.selector_top_k:
@@ -38,14 +39,6 @@ class DFlash2Drafter(DFlashDrafter):
                             f"its top {self.net.selector_top_k} candidates per depth (selector_top_k); use ranks "
                             f"below {self.net.selector_top_k}.")
         super().set_tree(tree)
-
-    def _slots(self, depth: int) -> Tensor:
-        """One block forward: the K = `depth` slot outputs (K, D) at positions n+1..n+K."""
-        root, n = self._root, self.cache_length
-        tokens = torch.cat([root, torch.full((1, depth), self.net.mask_token_id, device=root.device)], dim=1)
-        pos = (n + torch.arange(depth + 1, device=root.device))[None]
-        mask = torch.ones(1, 1, depth + 1, n + depth + 1, dtype=torch.bool, device=root.device)
-        return self.net.block(self.embed(tokens), pos, mask, self._k, self._v)[0, 1:]  # (K, D)
 
     def _children(self, out: Tensor, unary: Tensor, prev: Tensor) -> Tensor:
         """The re-scored logits (m, V) of the children of parents with tokens `prev` (m,) at one depth: slot output
@@ -67,10 +60,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     @torch.no_grad()
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
-        if input_ids.shape[0] != 1:
-            raise UserError(f"DFlash2 drafting runs one sequence at a time; got batch size {input_ids.shape[0]}.")
-        self._extend(input_ids, hidden)  # 1. the new committed positions
-        root = input_ids[:, -1:]
+        _, root = self._start_round(input_ids, hidden)  # 1. the new committed positions
         tree = self.tree
         if tree.num_drafts == 0:
             return Draft(tree=tree, tokens=root)
@@ -80,20 +70,8 @@ class DFlash2Drafter(DFlashDrafter):
         tokens[0] = root[0, 0]
         p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
         for d in range(1, tree.max_depth + 1):  # 3. depth by depth: each parent's children through the selector
-            kids = [i for i in range(1, tree.num_nodes) if tree.depths[i] == d]
-            parents = sorted({tree.parents[i] for i in kids})
-            at = {q: i for i, q in enumerate(parents)}
-            row = torch.tensor([at[tree.parents[i]] for i in kids], device=root.device)
-            logits = self._children(out[d - 1 : d], unary[d - 1], tokens[parents])  # (m, V)
-            if self.sampling is not None:
-                probs = self._full_probs_of(logits)  # (m, V)
-                draws = torch.multinomial(probs[row], 1, generator=self.generator)[:, 0]
-                tokens[kids] = draws.to(tokens.dtype)
-                p[kids] = probs[row]
-            else:
-                top = logits.topk(max(tree.ranks[i] for i in kids) + 1, dim=-1).indices  # (m, R)
-                rank = torch.tensor([tree.ranks[i] for i in kids], device=root.device)
-                tokens[kids] = top[row, rank].to(tokens.dtype)
+            kids, parents, row = self._depth_nodes(d, root.device)
+            self._draft_children(self._children(out[d - 1 : d], unary[d - 1], tokens[parents]), kids, row, tokens, p)
         return Draft(tree=tree, tokens=tokens[None], p=None if p is None else p[None])
 
 

@@ -45,6 +45,7 @@ class DSparkDrafter(DFlashDrafter):
     confidence head's cut (module docstring)."""
 
     net: DSparkNet
+    title = "DSpark"
 
     def __init__(self, *args: Any, threshold: float = 0.0, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -54,14 +55,6 @@ class DSparkDrafter(DFlashDrafter):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "confidence_threshold": self.threshold}
-
-    def _slots(self, depth: int) -> Tensor:
-        """One block forward: the K = `depth` slot outputs (K, D) at positions n+1..n+K."""
-        root, n = self._root, self.cache_length
-        tokens = torch.cat([root, torch.full((1, depth), self.net.mask_token_id, device=root.device)], dim=1)
-        pos = (n + torch.arange(depth + 1, device=root.device))[None]
-        mask = torch.ones(1, 1, depth + 1, n + depth + 1, dtype=torch.bool, device=root.device)
-        return self.net.block(self.embed(tokens), pos, mask, self._k, self._v)[0, 1:]  # (K, D)
 
     def _markov_w2(self) -> Any:
         """The Markov head's W2 (r -> V) as decoding runs it: in the verifier's dtype, prepacked where the head
@@ -117,10 +110,7 @@ class DSparkDrafter(DFlashDrafter):
 
     @torch.no_grad()
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
-        if input_ids.shape[0] != 1:
-            raise UserError(f"DSpark drafting runs one sequence at a time; got batch size {input_ids.shape[0]}.")
-        self._extend(input_ids, hidden)  # 1. the new committed positions
-        root = input_ids[:, -1:]
+        _, root = self._start_round(input_ids, hidden)  # 1. the new committed positions
         tree = self.tree
         if tree.num_drafts == 0:
             return Draft(tree=tree, tokens=root)
@@ -133,10 +123,7 @@ class DSparkDrafter(DFlashDrafter):
         p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
         path, node, survival, keep_depth = [], 0, 1.0, 0  # the top-1 path's confidences; the depth proposed
         for d in range(1, tree.max_depth + 1):  # 3. depth by depth: the confidence, the cut, the Markov bias
-            kids = [i for i in range(1, tree.num_nodes) if tree.depths[i] == d]
-            parents = sorted({tree.parents[i] for i in kids})
-            at = {q: i for i, q in enumerate(parents)}
-            row = torch.tensor([at[tree.parents[i]] for i in kids], device=root.device)
+            kids, parents, row = self._depth_nodes(d, root.device)
             c, emb = self._confidence(out[d - 1 : d], tokens[parents])
             conf[kids] = c[row]
             first = next((i for i in kids if tree.parents[i] == node and tree.ranks[i] == 0), None)
@@ -152,15 +139,7 @@ class DSparkDrafter(DFlashDrafter):
             logits, state = self._bias_logits(out[d - 1 : d], base[d - 1], emb, state)
             if state is not None:
                 states.update({q: state[i] for i, q in enumerate(parents)})
-            if self.sampling is not None:
-                probs = self._full_probs_of(logits)  # (m, V)
-                draws = torch.multinomial(probs[row], 1, generator=self.generator)[:, 0]
-                tokens[kids] = draws.to(tokens.dtype)
-                p[kids] = probs[row]
-            else:
-                top = logits.topk(max(tree.ranks[i] for i in kids) + 1, dim=-1).indices  # (m, R)
-                rank = torch.tensor([tree.ranks[i] for i in kids], device=root.device)
-                tokens[kids] = self.to_verifier(top[row, rank]).to(tokens.dtype)
+            self._draft_children(logits, kids, row, tokens, p)
             if states:  # the rnn state a child passes on is its parent's step
                 states = {i: states[tree.parents[i]] for i in kids}
         self.last_confidence = path

@@ -62,12 +62,16 @@ class ParallelDrafter(EagleDrafter):
         """The drafter's logits for depths 1..depth (the tree's max_depth by default), from one forward. (depth, V)"""
         raise NotImplementedError
 
-    @torch.no_grad()
-    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+    def _start_round(self, input_ids: Tensor, hidden: Tensor) -> tuple[Any, Tensor]:
+        """A round's start: one sequence; the newly committed positions into the cache. Returns what the cache
+        update gives the family (EAGLE's line: the root's output) and the root token (1, 1)."""
         if input_ids.shape[0] != 1:
             raise UserError(f"{self.title} drafting runs one sequence at a time; got batch size {input_ids.shape[0]}.")
-        root_out = self._extend(input_ids, hidden)  # (1, D)
-        root = input_ids[:, -1:]
+        return self._extend(input_ids, hidden), input_ids[:, -1:]
+
+    @torch.no_grad()
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        root_out, root = self._start_round(input_ids, hidden)
         if self.tree.num_drafts == 0:
             return Draft(tree=self.tree, tokens=root)
         logits = self._depth_logits(root_out)  # (K, Vd)
