@@ -273,8 +273,10 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
     most = max(load.concurrency)
     sets = {g.group.name: [list(p) for p in g.prompts] for g in load.groups} or {ALL: prompts}
     every = [p for ps in sets.values() for p in ps]
+    # prefix caching off: every pass sends the same prompts, and with it each pass after a server's first would
+    # skip their prefill (a 1,400-token prompt's is seconds here), as no fresh request does
     base: dict[str, Any] = dict(max_num_seqs=most, dtype=dtype, threads=threads, name=served_name(info.path),
-                                port=_free_port(PORT),
+                                port=_free_port(PORT), prefix_caching=False,
                                 max_model_len=max(len(p) for p in every) + max_new_tokens + max(load.ks) + 16)
     log_dir = out_dir / "vllm_load"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -320,7 +322,7 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
     result: dict[str, Any] = {
         "version": vllm_engine.VERSION, "server": "vllm.entrypoints.openai.api_server (serve/server.py), loopback",
         "setup": {"dtype": dtype, "threads": threads, "max_num_seqs": most, "enforce_eager": True,
-                  "max_model_len": base["max_model_len"],
+                  "max_model_len": base["max_model_len"], "prefix_caching": False,
                   "ld_preload": vllm_engine.engine_env(threads).get("LD_PRELOAD", ""),
                   "kv_cache_space": vllm_engine.engine_env(threads).get("VLLM_CPU_KVCACHE_SPACE"),
                   "timing": "closed loop per concurrency after one warm-up request; model load excluded",

@@ -140,6 +140,7 @@ class ServeSettings:
     dtype: str = "bfloat16"
     threads: int | None = None
     name: str = "specdraft"  # the model name clients send
+    prefix_caching: bool = True  # vLLM's default; the load sweep turns it off (it sends the same prompts every pass)
 
     @property
     def speculative(self) -> dict[str, Any] | None:
@@ -161,6 +162,8 @@ class ServeSettings:
                 "--served-model-name", self.name, "--dtype", self.dtype, "--enforce-eager",
                 "--host", self.host, "--port", str(self.port), "--max-num-seqs", str(self.max_num_seqs),
                 "--max-model-len", str(self.max_model_len), "--seed", "0"]
+        if not self.prefix_caching:
+            argv.append("--no-enable-prefix-caching")
         if self.speculative is not None:
             argv += ["--speculative-config", json.dumps(self.speculative)]
         return argv

@@ -311,7 +311,8 @@ def test_the_sweep_by_prompt_length_reports_each_group_and_the_whole_set(vllm, t
     """`python -m scripts.bench.serving_load pretrained/eagle3-smollm2 --lengths short:2 long:1` (fp32, concurrency
     1 and 2, K = 1, 8 tokens): by_length has both groups, each with its prompts' token counts and its own rows and
     schedule; the whole-set by_concurrency pools them (every request, their tokens); the servers fit the long prompt
-    (max_model_len from the longest); a table per group in the terminal, a panel per group in the plot."""
+    (max_model_len from the longest) and cache no prefix across passes; a table per group in the terminal, a panel
+    per group in the plot."""
     from scripts.bench.serving_load import main
 
     _server_env(monkeypatch)
@@ -324,6 +325,8 @@ def test_the_sweep_by_prompt_length_reports_each_group_and_the_whole_set(vllm, t
     assert short["prompts"] == 2 and short["prompt_tokens"]["max"] <= 511 and short["bounds"] == [1, 511]
     assert long["prompts"] == 1 and long["prompt_tokens"]["min"] >= 512
     assert peer["setup"]["max_model_len"] >= long["prompt_tokens"]["max"] + 8
+    # every pass prefills its prompts: no prefix cache carries one pass's prompts into the next
+    assert "enable_prefix_caching=False" in (out / "vllm_load" / "vllm-plain.log").read_text()
     for group, n in ((short, 2), (long, 1)):
         assert [r["concurrency"] for r in group["by_concurrency"]] == [1, 2]
         for r in group["by_concurrency"]:
