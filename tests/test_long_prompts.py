@@ -100,6 +100,31 @@ def test_every_family_and_tree_is_exact_on_a_long_prompt(name, engine_name, bf16
         assert torch.equal(out.tokens, ref.tokens), (name, str(v.model.dtype))
 
 
+def test_the_prefill_with_attention_in_the_model_dtype_is_exact_and_takes_effect(bf16):
+    """Engine.prefill_attention = "model" (what scripts.bench.long times beside the fp32 default): the prefill's
+    attention over bf16 q, k, v changes the cache it leaves (the setting takes effect), stays close to the fp32 one,
+    and speculative decoding is still plain greedy's token for token (both run the same prefill)."""
+    from eval.engine.decode import engine_of
+
+    e = engine_of(bf16.model)
+    ids = long_prompt(bf16, 900)
+    caches = {}
+    try:
+        for attention in ("fp32", "model"):
+            e.prefill_attention = attention
+            caches[attention] = engine.new_cache(e, 1000)
+            engine.forward(caches[attention], ids, last_logits=True)
+        assert not torch.equal(caches["fp32"].kv, caches["model"].kv)
+        ref = caches["fp32"].kv.float()
+        assert torch.allclose(caches["model"].kv.float(), ref, atol=0.1 * float(ref.abs().max()))
+        plain = greedy_decode(bf16, ids, MAX_NEW, engine="engine")
+        for drafter in (random_medusa(bf16, from_medusa_choices(SPARSE)), PromptLookupDrafter(Chain(10), 10, 3, 1)):
+            out = speculative_decode(bf16, drafter, ids, MAX_NEW, engine="engine")
+            assert torch.equal(out.tokens, plain.tokens), type(drafter).__name__
+    finally:
+        e.prefill_attention = "fp32"
+
+
 def test_accepted_paths_through_every_branch_after_a_long_prefill(bf16):
     ids = long_prompt(bf16, 900)
     ref = greedy_decode(bf16, ids, MAX_NEW + 8).tokens[0].tolist()

@@ -231,6 +231,11 @@ class Engine:
                     )
                 )
         self.intermediate = self.layers[0]["down"].in_features
+        # The prefill's causal attention: in fp32 as every other attention of the engine ("fp32"), or over q, k, v
+        # cast to the model's dtype ("model", what HF's SDPA runs; on a CPU with AMX its bf16 kernel may be the
+        # faster). Exactness holds either way: plain and speculative decoding run the same prefill.
+        # `python -m scripts.bench.long` times both beside HF's forward.
+        self.prefill_attention = "fp32"
         # Each weight's kernel gives every row the same bits over its own range of row counts on this machine
         # (probed per shape): `Linear` pads a call below it and splits one above it, so the rest of the forward runs
         # on the real rows. (On an AMX CPU in bf16: 1-32 rows; without AMX from 1-4 rows up.)
@@ -510,7 +515,8 @@ def trimmed_keys_invariant(engine: Engine, max_length: int, min_rows: int) -> bo
 
 def _prefill(cache: StaticCache, tokens: Tensor, wanted: list[int] | None, last_logits: bool) -> ForwardOutput:
     """The first forward into an empty cache (a prompt), at matmul speed: every weight product in one kernel call
-    over all the prompt's rows, causal attention by SDPA (fp32, like the rest of the engine's attention), the
+    over all the prompt's rows, causal attention by SDPA (fp32 like the rest of the engine's attention, or in the
+    model's dtype: `Engine.prefill_attention`), the
     vocabulary head over the last position only when `last_logits`. Deterministic (the same prompt gives the same
     bits) but not batch-invariant, and need not be: plain and speculative decoding run this same call on the same
     prompt, and every later forward (one-token steps, chains, trees) reads the keys it leaves in the cache through
@@ -539,6 +545,9 @@ def _prefill(cache: StaticCache, tokens: Tensor, wanted: list[int] | None, last_
             seen = (distance >= 0) & (distance < (w["window"] or t + 1))
             att = torch.matmul(torch.softmax(scores.masked_fill(~seen, float("-inf")), -1),
                                v.repeat_interleave(group, 1))  # (B, Hq, T, Dh)
+        elif e.prefill_attention == "model" and e.dtype != torch.float32:
+            att = F.scaled_dot_product_attention(q.to(e.dtype), k.to(e.dtype), v.to(e.dtype), is_causal=True,
+                                                 scale=1.0, enable_gqa=hq != hkv)  # (B, Hq, T, Dh) model dtype
         else:
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0,
                                                  enable_gqa=hq != hkv)  # (B, Hq, T, Dh) fp32

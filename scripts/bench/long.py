@@ -7,7 +7,8 @@ context length.
    position's logits) against one HF forward with SDPA over the same tokens (`logits_to_keep=1`, as HF `generate`
    prefills, and with every position's logits), interleaved in rounds, the least time of each kept. Printed as
    tokens/s, the ratio HF / ours (above 1: ours is faster), and ours as a share of the machine's matmul peak in the
-   dtype (2 x matmul parameters x tokens FLOPs, the vocabulary head counted once, attention left out).
+   dtype (2 x matmul parameters x tokens FLOPs, the vocabulary head counted once, attention left out); then ours with
+   the prefill's attention in the model's dtype (`Engine.prefill_attention = "model"`) and HF against it.
 2. Context: a one-token step and a 17-node tree verify after prefixes of each length, through the engine, each as a
    ratio to the same at the shortest prefix (the target: within 1.2x at 1,500 tokens).
 """
@@ -51,21 +52,34 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 
 def prefill_table(v, lengths: list[int], rounds: int, peak: float) -> None:
+    """Ours with the prefill's attention in fp32 (the engine's default) and in the model's dtype
+    (`Engine.prefill_attention = "model"`), each against HF's faster forward."""
     model, e = v.model, engine.Engine(v.model)
     params = matmul_params(model)
-    print(f"prefill: {'tokens':>6} {'ours tok/s':>10} {'HF last':>9} {'HF all':>8} {'HF/ours':>8} {'of peak':>8}")
+
+    def ours(n: int, ids: torch.Tensor, attention: str):
+        def run():
+            e.prefill_attention = attention
+            engine.forward(engine.new_cache(e, n + 64), ids, last_logits=True)
+        return run
+
+    print(f"prefill: {'tokens':>6} {'ours tok/s':>10} {'HF last':>9} {'HF all':>8} {'HF/ours':>8} {'of peak':>8} "
+          f"{'ours, attention in ' + str(v.model.dtype).split('.')[-1]:>28} {'HF/it':>6}")
     for n in lengths:
         ids = torch.randint(0, v.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
         with torch.inference_mode():
             ms = least_ms({
-                "ours": lambda: engine.forward(engine.new_cache(e, n + 64), ids, last_logits=True),
+                "ours": ours(n, ids, "fp32"),
+                "ours_model": ours(n, ids, "model"),
                 "hf_last": lambda: model(ids, logits_to_keep=1),
                 "hf_all": lambda: model(ids),
             }, rounds)
         hf = min(ms["hf_last"], ms["hf_all"])
         share = 2 * params * n / (ms["ours"] / 1e3) / 1e9 / peak
         print(f"         {n:6d} {n / ms['ours'] * 1e3:10.0f} {n / ms['hf_last'] * 1e3:9.0f} "
-              f"{n / ms['hf_all'] * 1e3:8.0f} {hf / ms['ours']:7.2f}x {share:7.0%}", flush=True)
+              f"{n / ms['hf_all'] * 1e3:8.0f} {hf / ms['ours']:7.2f}x {share:7.0%} "
+              f"{n / ms['ours_model'] * 1e3:28.0f} {hf / ms['ours_model']:5.2f}x", flush=True)
+    e.prefill_attention = "fp32"
 
 
 def context_table(v, contexts: list[int], rounds: int) -> None:
