@@ -83,7 +83,7 @@ def test_lookup_that_matches_shallowly_is_predicted_per_depth(base: Verifier):  
     tolerance = 3 * LOOKUP_STRENGTH / rounds
     assert abs(predicted_lookup - got_lookup) < tolerance
     assert abs(predicted - measured) < tolerance + 0.1  # the drafter's part: 0.0 got, what its prior still gives
-    assert hybrid.lookup.rate(1) > 0.8 and hybrid.lookup.rate(2) < 0.2
+    assert hybrid.lookup.rate(1, size=3) > 0.8 and hybrid.lookup.rate(2, size=3) < 0.2  # X X X: a 3-gram match
 
 
 def test_a_node_both_parts_propose_is_counted_once(base: Verifier):  # noqa: F811
@@ -207,3 +207,100 @@ def test_a_drafter_catches_up_on_the_rounds_it_sat_out(base: Verifier, kind):  #
         got = speculative_decode(base, hybrid, ids, MAX_NEW)
         assert got.tokens[0].tolist() == greedy_decode(base, ids, MAX_NEW).tokens[0].tolist()
     assert 0 < hybrid.lookup_rounds
+
+
+class Recording(HybridDrafter):
+    """A hybrid that records, per round, lookup's predicted part and the chain nodes it verified."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds: list[tuple[float, int]] = []
+
+    def _planned_round(self, drafted, extra, start):
+        draft = super()._planned_round(drafted, extra, start)
+        self.rounds.append((self._part[0], self.last_split[0]))
+        return draft
+
+
+def missing_prompts(verifier: Verifier) -> list[torch.Tensor]:
+    """Prompts whose lookup chains miss at their first node every round: the tiny verifier repeats the prompt's last
+    token X, the prompt starts X X X and junk, so the suffix X X X (a 3-gram match) finds the prompt's start, and its
+    chain is the junk."""
+    tail = verifier.tokenizer(PROMPTS[1], return_tensors="pt").input_ids[0].tolist()
+    x = tail[-1]
+    prompts = []
+    for p in range(3):
+        junk = [(x + 101 * (p * 5 + i + 1)) % verifier.vocab_size for i in range(5)]
+        ids = torch.tensor([[x] * 3 + junk + tail])
+        assert set(greedy_decode(verifier, ids, 8).tokens[0].tolist()) == {x}  # the premise: X for ever
+        prompts.append(ids)
+    return prompts
+
+
+def after_good_chains(verifier: Verifier, ms_per_node: float) -> Recording:
+    """A hybrid (random heads, so the rounds' tokens are lookup's) that has decoded prompts whose 3-gram chains were
+    right, then the missing prompts, on a verifier costing 10 ms + `ms_per_node` a node."""
+    sizes = list(cost.SIZES)
+    steep = cost.Curve("float32", 1, "hf", sizes, [10.0 + ms_per_node * n for n in sizes], [0.0] * len(sizes),
+                       [0.0] * len(sizes), {})
+    from eval.drafters.build import make_drafter
+    from eval.engine.tree import auto_tree
+    from eval.planner.adaptive import PlannedDrafter
+
+    inner = make_drafter("medusa", verifier, auto_tree(OPTIMISTIC, cost.PROBE_SIZE), net=random_heads(verifier))
+    size = cost.best_size(steep.sizes, steep.ms, OPTIMISTIC).size
+    hybrid = Recording(PlannedDrafter(inner, OPTIMISTIC, "fixed", steep, None, size, True),
+                       PromptLookupDrafter(Chain(10), 10))
+    for text in PROMPTS * 2:  # the run learns that 3-gram chains are right
+        ids = verifier.tokenizer(text, return_tensors="pt").input_ids
+        speculative_decode(verifier, hybrid, ids, MAX_NEW)
+        hybrid.prediction()
+    assert hybrid.lookup.rate(0, size=3) > 0.3  # the premise: the run prices 3-gram chains well
+    hybrid.rounds = []
+    hybrid.per_prompt = []  # type: ignore[attr-defined]
+    hybrid.tally_before = hybrid.tally["lookup"][1]  # type: ignore[attr-defined]
+    for ids in missing_prompts(verifier):
+        got = speculative_decode(verifier, hybrid, ids, 64)
+        assert got.tokens[0].tolist() == greedy_decode(verifier, ids, 64).tokens[0].tolist()
+        p = hybrid.prediction()
+        assert p is not None and p.rounds == len(hybrid.rounds)
+        hybrid.per_prompt.append(hybrid.rounds)  # type: ignore[attr-defined]
+        hybrid.rounds = []
+    return hybrid
+
+
+def test_a_prompt_whose_chains_keep_missing_is_predicted_as_the_drafter_alone(base: Verifier):  # noqa: F811
+    # The run's 3-gram chains were right; this prompt's miss every round. Its own counts price them down within a
+    # few rounds (the run's, 50-odd good chains, would take the whole decode): lookup's part of the round's
+    # prediction falls to nothing, and the round is predicted as the drafter's nodes alone. A prompt estimate as
+    # heavy as the run's kept promising about a token a round from lookup (nothing came).
+    hybrid = after_good_chains(base, 0.1)
+    for rounds in hybrid.per_prompt:
+        late = rounds[len(rounds) // 2:]
+        assert sum(part for part, _ in late) / len(late) < 0.2  # what is left: the prompt prior's, 2 / rounds
+    got = hybrid.tally["lookup"][1] - hybrid.tally_before  # type: ignore[attr-defined]
+    assert got <= len(hybrid.per_prompt)  # the premise: at most a token from lookup a prompt (its first round)
+
+
+def test_the_split_stops_grafting_chains_that_keep_missing(base: Verifier):  # noqa: F811
+    # A node costs a tenth of a forward: once the prompt's chains have missed a few times, none is worth its node.
+    hybrid = after_good_chains(base, 1.0)
+    for rounds in hybrid.per_prompt:
+        assert rounds[0][1] > 0  # the first rounds try the chain (the run's estimate: 3-gram chains are right)
+        late = rounds[len(rounds) // 4:]
+        assert sum(k for _, k in late) / len(late) < 0.2
+
+
+def test_lookup_chains_are_priced_by_their_match_size():
+    # Recorded outcomes, one prompt: chains from 3-gram matches right at every depth, from 1-gram matches wrong at
+    # their first node. Pooled, both would be priced at about the same middling rate.
+    rates = LookupDepths()
+    for _ in range(20):
+        for depth in range(3):
+            rates.observe(depth, False, True, size=3)
+        rates.observe(0, False, False, size=1)
+    assert rates.rate(0, size=3) > 0.8 and rates.rate(0, size=1) < 0.2
+    assert rates.values([False] * 3, size=3)[-1] > 0.7 and rates.values([False] * 3, size=1)[0] < 0.2
+    rates.new_prompt()  # the next prompt starts from the run's rates, per match size
+    assert rates.rate(0, size=3) > 0.8 and rates.rate(0, size=1) < 0.2
+    assert 0.2 < rates.rate(0, size=2) < 0.8  # a size never seen: the run's rate over all sizes

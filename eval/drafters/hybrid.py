@@ -13,9 +13,13 @@ many tokens as the grafted tree alone, and as the primary tree alone whenever no
 Under the planner (a primary that keeps eval.engine.protocol.Planned: tree.size=auto) the split is chosen each round
 from what each source has been accepting on this prompt, and the round is predicted on the tree it verifies, every
 node counted once:
-- lookup's chain node i is worth c_1 ... c_i, c_d = P(chain node d accepted | node d-1 accepted), measured per depth
-  and apart for nodes the drafter proposed too (`shared`: both sources agree, and are right far more often) and
-  nodes only lookup proposed (`LookupDepths`: Beta means, the run's counts the prompt's prior);
+- lookup's chain node i is worth c_1 ... c_i, c_d = P(chain node d accepted | node d-1 accepted), measured per depth,
+  apart for nodes the drafter proposed too (`shared`: both sources agree, and are right far more often) and nodes
+  only lookup proposed, and per match size (the suffix n-gram lookup matched: a 3-gram's chain is right about three
+  times as often as a 1-gram's at its first node). `LookupDepths`: Beta means, the run's counts over all sizes the
+  prior of its counts for one size, those the prior of this prompt's for that size, worth PROMPT_STRENGTH = 2
+  observations: a prompt whose chains keep missing prices them near 0 within a few rounds, and the split stops
+  grafting them (a prompt prior worth 16 priced them at about the run's rate for the whole of a 64-token answer);
 - a drafter node is worth what its planner's estimate gives its path (PlannedDrafter.tree_values); one the chain
   shares is counted once, as the chain's; one that leaves the chain at depth d, beside a verified chain node, only
   pays when that chain node is wrong: times 1 - c_d (the two cannot both be right);
@@ -46,7 +50,7 @@ import torch
 from torch import Tensor
 
 from eval.drafters.build import export_of, make_drafter
-from eval.drafters.lookup import LOOKUP_TOKENS, PromptLookupDrafter
+from eval.drafters.lookup import LOOKUP_TOKENS, PromptLookupDrafter, lookup
 from eval.engine.protocol import Draft, Drafter, Planned, Prediction, Skippable
 from eval.engine.tree import Chain, Tree, TreePolicy, chain
 from models.formats.export import ExportInfo
@@ -58,7 +62,8 @@ if TYPE_CHECKING:
 
 LOOKUP_PRIOR = 0.5  # the rate a run's lookup starts from at its chain's first node (a deeper one: the one above's)
 LOOKUP_STRENGTH = 4.0  # pseudo-observations the run's prior rate is worth against the run's counts
-PROMPT_STRENGTH = 16.0  # ... and the run's rate against the prompt's: a prompt's first chains say little of its next
+SIZE_STRENGTH = 4.0  # ... the run's rate over all match sizes against the run's counts for one match size
+PROMPT_STRENGTH = 2.0  # ... and the run's rate for a match size against the prompt's counts for it
 TREE_ROOM = 64  # the most nodes a round may verify (eval.engine.decode.TREE_ROOM)
 
 
@@ -110,40 +115,54 @@ def graft(primary: Draft, extra: Draft, budget: int) -> tuple[Draft, list[int]]:
 
 
 class LookupDepths:
-    """Lookup's chain, per depth d (0-based) and per kind (`shared`: the drafter proposed the same node): of the
-    chain nodes offered on the accepted path (their parent accepted), the fraction accepted, P(node d | node d-1).
-    Beta means: per kind, the run's depth 0 starts from LOOKUP_PRIOR and each deeper depth from the run's estimate of
-    the one above (a depth rarely reached moves with the shallower ones), LOOKUP_STRENGTH; the run's estimate is the
-    prompt's prior, PROMPT_STRENGTH (a prompt's chains come in runs: the answer's opening echoes the question, then
-    1-gram matches that rarely continue; a light prompt prior chased the first and over-promised the rest)."""
+    """Lookup's chain, per depth d (0-based), per kind (`shared`: the drafter proposed the same node) and per match
+    size n (the suffix n-gram prompt lookup matched: a 3-gram's continuation is right far more often than a
+    1-gram's): of the chain nodes offered on the accepted path (their parent accepted), the fraction accepted,
+    P(node d | node d-1). Three levels, each a Beta mean on the one below:
+    - the run's, per kind and depth, pooled over match sizes: depth 0 starts from LOOKUP_PRIOR, each deeper depth
+      from the run's estimate of the one above (a depth rarely reached moves with the shallower ones),
+      LOOKUP_STRENGTH;
+    - the run's per match size, that as its prior, SIZE_STRENGTH;
+    - the prompt's, per kind, match size and depth, that as its prior, PROMPT_STRENGTH (a prompt whose chains keep
+      missing is priced down within a few rounds; one whose answer opens by echoing the question moves its 3-gram
+      matches' rates, not those of the 1-gram matches that come later)."""
 
     def __init__(self) -> None:
         self.run: dict[bool, dict[int, list[float]]] = {False: {}, True: {}}  # kind -> depth -> [hits, offered]
+        self.sized: dict[tuple[bool, int, int], list[float]] = {}  # (kind, size, depth) -> [hits, offered]
         self.new_prompt()
 
     def new_prompt(self) -> None:
-        self.prompt: dict[bool, dict[int, list[float]]] = {False: {}, True: {}}
+        self.prompt: dict[tuple[bool, int, int], list[float]] = {}  # (kind, size, depth) -> [hits, offered]
 
-    def observe(self, depth: int, shared: bool, hit: bool) -> None:
-        for counts in (self.run, self.prompt):
-            cell = counts[shared].setdefault(depth, [0.0, 0.0])
-            cell[0] += float(hit)
-            cell[1] += 1.0
-
-    def rate(self, depth: int, shared: bool = False) -> float:
-        """P(chain node `depth` accepted | its parent accepted), for a node of this kind, on this prompt."""
+    def _run_rate(self, depth: int, shared: bool, size: int) -> float:
         run = LOOKUP_PRIOR
         for d in range(depth + 1):
             hits, offered = self.run[shared].get(d, (0.0, 0.0))
             run = (LOOKUP_STRENGTH * run + hits) / (LOOKUP_STRENGTH + offered)
-        hits, offered = self.prompt[shared].get(depth, (0.0, 0.0))
-        return (PROMPT_STRENGTH * run + hits) / (PROMPT_STRENGTH + offered)
+        hits, offered = self.sized.get((shared, size, depth), (0.0, 0.0))
+        return (SIZE_STRENGTH * run + hits) / (SIZE_STRENGTH + offered)
 
-    def values(self, shared: Sequence[bool]) -> list[float]:
-        """A chain's nodes' path-acceptance probabilities, `shared` per node: the products of the depths' rates."""
+    def observe(self, depth: int, shared: bool, hit: bool, size: int = 0) -> None:
+        """A chain node of match size `size` offered at `depth` (its parent accepted), and whether it was accepted."""
+        for cell in (self.run[shared].setdefault(depth, [0.0, 0.0]),
+                     self.sized.setdefault((shared, size, depth), [0.0, 0.0]),
+                     self.prompt.setdefault((shared, size, depth), [0.0, 0.0])):
+            cell[0] += float(hit)
+            cell[1] += 1.0
+
+    def rate(self, depth: int, shared: bool = False, size: int = 0) -> float:
+        """P(chain node `depth` accepted | its parent accepted), for a node of this kind and match size, on this
+        prompt."""
+        hits, offered = self.prompt.get((shared, size, depth), (0.0, 0.0))
+        return (PROMPT_STRENGTH * self._run_rate(depth, shared, size) + hits) / (PROMPT_STRENGTH + offered)
+
+    def values(self, shared: Sequence[bool], size: int = 0) -> list[float]:
+        """A chain's nodes' path-acceptance probabilities, `shared` per node, `size` its match size: the products
+        of the depths' rates."""
         out, value = [], 1.0
         for depth, kind in enumerate(shared):
-            value *= self.rate(depth, kind)
+            value *= self.rate(depth, kind, size)
             out.append(value)
         return out
 
@@ -182,6 +201,7 @@ class HybridDrafter:
         self._origin: list[int] = []
         self._chain: list[int] = []  # this round's grafted lookup nodes, in the merged tree
         self._kinds: list[bool] = []  # per node of that chain: whether the primary proposed it too
+        self._size = 0  # the match size of this round's lookup chain (LookupDepths)
         self.lookup = LookupDepths()
         self._own = [0.0, 0.0]  # the hybrid's own ms per round (lookup, split, graft), summed over the run, and rounds
         self._expect: tuple[int, int] | None = None
@@ -236,7 +256,7 @@ class HybridDrafter:
         self._skipping = False
         # 2. Lookup drafts (a string search, timed as the hybrid's own work).
         start = time.perf_counter()
-        extra = self.extra.propose(input_ids, hidden)
+        extra = self._lookup(input_ids, hidden)
         lookup_s = time.perf_counter() - start
         # 3. A planned primary sits the round out when lookup's chain alone is the better round (module docstring):
         # its forward is saved, and the features of the positions this round commits are held for its next round.
@@ -260,16 +280,35 @@ class HybridDrafter:
         self._kinds = [self._origin[i] >= 0 for i in self._chain]
         return draft
 
+    def _lookup(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        """The grafted drafter's chain, and its match size in `_size`: prompt lookup's search run one n-gram size
+        at a time (the same search, longest n first, so no dearer), the size its chain came from; another grafted
+        drafter's chain has size 0."""
+        extra = self.extra
+        if not isinstance(extra, PromptLookupDrafter):
+            self._size = 0
+            return extra.propose(input_ids, hidden)
+        tokens = input_ids[0].tolist()
+        found: list[int] = []
+        for n in range(extra.max_ngram, extra.min_ngram - 1, -1):
+            found = lookup(tokens, extra.num_tokens, n, n)
+            if found:
+                break
+        self._size = n if found else 0
+        drafts = torch.tensor([found], dtype=input_ids.dtype, device=input_ids.device).view(1, len(found))
+        return Draft(tree=chain(len(found)), tokens=torch.cat([input_ids[:, -1:], drafts], dim=1))  # (1, 1+n)
+
     def _planned_round(self, base: Draft, extra: Draft, start: float) -> Draft:
         """The split under a planned primary, and the round's prediction on the merged tree (module docstring)."""
         primary: Any = self.primary
         tokens = extra.tokens[0, 1:].tolist()
         on_chain = _path_of(base, tokens)  # the chain's leading nodes the primary proposed too, in its tree
         kinds = [i < len(on_chain) for i in range(len(tokens))]
-        chain_values = self.lookup.values(kinds)
+        chain_values = self.lookup.values(kinds, self._size)
         node_values = primary.tree_values(base.tree)  # per primary draft node, tree order
         leaves = _leaves_chain(base, tokens)  # per primary node: the chain depth where its path leaves the chain
-        worth = [0.0] + [_worth(v, leaves[j], kinds, self.lookup, len(tokens)) for j, v in enumerate(node_values)]
+        worth = [0.0] + [_worth(v, leaves[j], kinds, self.lookup, len(tokens), self._size)
+                         for j, v in enumerate(node_values)]
         shared = set(on_chain)
         own = self._own[0] / self._own[1] if self._own[1] else 0.0
         cap = (self.budget or self.max_nodes) - 1
@@ -283,7 +322,7 @@ class HybridDrafter:
         self.last_split = (k, m)
         # The prediction: every verified node once; a primary node beside a verified chain node as worth it is.
         chain_nodes = set(self._chain)
-        rest = sum(_worth(node_values[j - 1], leaves[j - 1], kinds, self.lookup, k)
+        rest = sum(_worth(node_values[j - 1], leaves[j - 1], kinds, self.lookup, k, self._size)
                    for node, j in enumerate(self._origin) if node and node not in chain_nodes and j > 0)
         self._part = (sum(chain_values[:k]), rest)
         value = self._part[0] + rest
@@ -308,7 +347,7 @@ class HybridDrafter:
                 or not getattr(primary, "can_skip", True)):
             return False
         own = self._own[0] / self._own[1] if self._own[1] else 0.0
-        chain_values = self.lookup.values([False] * extra.tree.num_drafts)
+        chain_values = self.lookup.values([False] * extra.tree.num_drafts, self._size)
         cap = self.max_nodes - 1
         k, _ = split(chain_values, [], cap, lambda n: primary.verify_ms(n) + own)
         alone = (1.0 + sum(chain_values[:k])) / (primary.verify_ms(k + 1) + own)
@@ -324,7 +363,7 @@ class HybridDrafter:
         forward over them and the hybrid's own work, no drafting."""
         primary: Any = self.primary
         k = self._alone_k
-        chain_values = self.lookup.values([False] * k)
+        chain_values = self.lookup.values([False] * k, self._size)
         draft = Draft(tree=chain(k), tokens=extra.tokens[:, : k + 1])
         self._origin = [0] + [-1] * k
         self._chain, self._kinds = list(range(1, k + 1)), [False] * k
@@ -352,7 +391,7 @@ class HybridDrafter:
         while hits < len(self._chain) and hits < accepted and path[hits + 1] == self._chain[hits]:
             hits += 1
         for depth in range(min(hits + 1, len(self._chain))):  # offered: each chain node whose parent was accepted
-            self.lookup.observe(depth, self._kinds[depth], depth < hits)
+            self.lookup.observe(depth, self._kinds[depth], depth < hits, self._size)
         if self._skipping:
             self.tally["lookup"][0] += self._part[0]
             self.tally["lookup"][1] += hits
@@ -418,12 +457,12 @@ def _leaves_chain(tree_draft: Draft, tokens: list[int]) -> list[int]:
     return out
 
 
-def _worth(value: float, leaves: int, kinds: Sequence[bool], lookup: LookupDepths, k: int) -> float:
+def _worth(value: float, leaves: int, kinds: Sequence[bool], lookup: LookupDepths, k: int, size: int) -> float:
     """A primary node's value beside the chain's first k nodes: as its planner says, times 1 - c_d where its path
     leaves the chain at depth d < k (there the chain's node is verified, and only one of the two can be right)."""
     if leaves >= k:
         return value
-    return value * (1.0 - lookup.rate(leaves, kinds[leaves]))
+    return value * (1.0 - lookup.rate(leaves, kinds[leaves], size))
 
 
 # conf/drafter/hybrid.yaml's factory (eval.drafters.build.build_drafter calls it)
