@@ -268,59 +268,28 @@ def test_python_m_serve_serves_the_shipped_eagle3_with_its_schedule_to_a_real_cl
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_the_concurrency_sweep_writes_by_concurrency_schedule_and_prediction(vllm, tmp_path, monkeypatch):
-    """`python -m eval checkpoint=pretrained/eagle3-smollm2 engine_peers=[vllm] engine_concurrency=[1,2]
-    engine_peer_tokens=[1]` on 2 prompts, 8 tokens (our decoder drafting a chain of 1: no cost curve to measure):
-    report.json's engine_peers.vllm has a row per concurrency with plain and K=1 figures read from the client and
-    from vLLM's counters, a schedule over batch sizes 1-2 measured once more, the prediction beside it, the plot."""
+def test_the_concurrency_sweep_by_prompt_length_writes_rows_schedule_and_prediction(vllm, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """`python -m eval checkpoint=pretrained/eagle3-smollm2 engine_peers=[vllm] engine_concurrency=[2,1]
+    engine_peer_tokens=[1] engine_prompt_lengths=[short:2,long:1]` (2 prompts, 8 tokens; our decoder drafting a chain
+    of 1: no cost curve to measure). report.json's engine_peers.vllm: per length group its prompts' token counts, its
+    own rows and schedule; the whole set's rows pool the groups (every request, their tokens and seconds, vLLM's
+    counters summed), each with plain and K=1 figures read from the client and from vLLM's counters; a schedule over
+    batch sizes 1-2 measured once more; the prediction beside it; servers that fit the long prompt and cache no
+    prefix across passes; a table per group in the terminal, the plot."""
     from eval.harness import evaluate
 
     _server_env(monkeypatch)
     out = tmp_path / "eval"
     cfg = _eval_cfg([f"checkpoint={EAGLE3}", "drafter=export", "alone=false", "tree=chain", "tree.depth=1",
                      "engine_peers=[vllm]", "engine_concurrency=[2,1]", "engine_peer_tokens=[1]", "num_prompts=2",
-                     "max_new_tokens=8", "threads=2", f"output_dir={out}"])
+                     "engine_prompt_lengths=[short:2,long:1]", "max_new_tokens=8", "threads=2",
+                     f"output_dir={out}"])
     report = evaluate(cfg, progress=False)
     peer = json.loads((out / "report.json").read_text())["engine_peers"]["vllm"]
     assert peer == json.loads(json.dumps(report["engine_peers"]["vllm"]))
     assert peer["version"] == vllm.VERSION and peer["errors"] == []
-    rows = peer["by_concurrency"]
-    assert [r["concurrency"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["plain_tokens_per_s"] > 0 and set(r["plain_per_request_tokens_per_s"]) == {"median", "p90"}
-        (spec,) = r["spec"]
-        assert spec["k"] == 1 and spec["tokens_per_s"] > 0
-        assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / r["plain_tokens_per_s"])
-        assert set(spec["per_request_tokens_per_s"]) == {"median", "p90"} and spec["ttft_s"]["median"] > 0
-        counts = spec["counts"]  # vLLM's own counters, read from /metrics around the pass
-        assert counts["num_drafts"] > 0 and counts["num_draft_tokens"] == counts["num_drafts"]
-        assert spec["acceptance_length"] == pytest.approx(1 + counts["num_accepted_tokens"] / counts["num_drafts"])
-        assert len(spec["acceptance_per_position"]) == 1 and spec["greedy_match_plain"] >= 0.5
-        assert r["best_k"] in (0, 1) and r["scheduled_tokens_per_s"] > 0 and r["scheduled_speedup"] > 0
-    ranges = peer["schedule"]["ranges"]
-    assert ranges[0][0] == 1 and ranges[-1][1] == 2 and peer["schedule"]["accepted_by_vllm"]
-    assert peer["schedule"]["as_vllm"]["num_speculative_tokens_per_batch_size"] == ranges
-    pred = peer["prediction"]
-    assert set(pred["best_k"]) == {"1", "2"} and set(pred["speedup"]["1"]) == {"1"}
-    assert (out / "load_speedup.png").is_file() and (out / "vllm_load" / "vllm-plain.log").is_file()
-
-
-@pytest.mark.engine
-@pytest.mark.slow
-def test_the_sweep_by_prompt_length_reports_each_group_and_the_whole_set(vllm, tmp_path, monkeypatch, capsys):
-    """`python -m scripts.bench.serving_load pretrained/eagle3-smollm2 --lengths short:2 long:1` (fp32, concurrency
-    1 and 2, K = 1, 8 tokens): by_length has both groups, each with its prompts' token counts and its own rows and
-    schedule; the whole-set by_concurrency pools them (every request, their tokens); the servers fit the long prompt
-    (max_model_len from the longest) and cache no prefix across passes; a table per group in the terminal, a panel
-    per group in the plot."""
-    from scripts.bench.serving_load import main
-
-    _server_env(monkeypatch)
-    out = tmp_path / "lengths"
-    assert main([str(EAGLE3), "--concurrency", "1", "2", "--tokens", "1", "--lengths", "short:2", "long:1",
-                 "--max-new-tokens", "8", "--dtype", "float32", "--no-predict", "--out", str(out)]) == 0
-    peer = json.loads((out / "report.json").read_text())["engine_peers"]["vllm"]
-    assert peer["errors"] == [] and peer["setup"]["lengths"] == ["short", "long"] and peer["setup"]["prompts"] == 3
+    assert peer["setup"]["lengths"] == ["short", "long"] and peer["setup"]["prompts"] == 3
     short, long = peer["by_length"]["short"], peer["by_length"]["long"]
     assert short["prompts"] == 2 and short["prompt_tokens"]["max"] <= 511 and short["bounds"] == [1, 511]
     assert long["prompts"] == 1 and long["prompt_tokens"]["min"] >= 512
@@ -335,15 +304,30 @@ def test_the_sweep_by_prompt_length_reports_each_group_and_the_whole_set(vllm, t
             assert spec["counts"]["num_drafts"] > 0 and r["scheduled_tokens_per_s"] > 0
         assert group["schedule"]["ranges"][-1][1] == 2 and group["schedule"]["accepted_by_vllm"]
         assert set(group["measured_best_k"]) == {"1", "2"}
-    for i, whole in enumerate(peer["by_concurrency"]):  # the whole set: both groups' passes pooled
-        (spec,) = whole["spec"]
+    rows = peer["by_concurrency"]  # the whole set: both groups' passes pooled
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for i, r in enumerate(rows):
+        assert r["plain_tokens_per_s"] > 0 and set(r["plain_per_request_tokens_per_s"]) == {"median", "p90"}
+        (spec,) = r["spec"]
+        assert spec["k"] == 1 and spec["tokens_per_s"] > 0
+        assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / r["plain_tokens_per_s"])
+        assert set(spec["per_request_tokens_per_s"]) == {"median", "p90"} and spec["ttft_s"]["median"] > 0
+        counts = spec["counts"]  # vLLM's own counters, read from /metrics around the pass
+        assert counts["num_drafts"] > 0 and counts["num_draft_tokens"] == counts["num_drafts"]
+        assert spec["acceptance_length"] == pytest.approx(1 + counts["num_accepted_tokens"] / counts["num_drafts"])
+        assert len(spec["acceptance_per_position"]) == 1
         parts = [g["by_concurrency"][i]["spec"][0] for g in (short, long)]
         assert spec["tokens"] == 24 and spec["seconds"] == pytest.approx(sum(p["seconds"] for p in parts))
-        assert spec["counts"]["num_drafts"] == sum(p["counts"]["num_drafts"] for p in parts)
-        assert whole["scheduled_tokens_per_s"] > 0
+        assert counts["num_drafts"] == sum(p["counts"]["num_drafts"] for p in parts)
+        assert r["best_k"] in (0, 1) and r["scheduled_tokens_per_s"] > 0 and r["scheduled_speedup"] > 0
+    ranges = peer["schedule"]["ranges"]
+    assert ranges[0][0] == 1 and ranges[-1][1] == 2 and peer["schedule"]["accepted_by_vllm"]
+    assert peer["schedule"]["as_vllm"]["num_speculative_tokens_per_batch_size"] == ranges
+    pred = peer["prediction"]
+    assert set(pred["best_k"]) == {"1", "2"} and set(pred["speedup"]["1"]) == {"1"}
     printed = capsys.readouterr().out
     assert "short: 2 prompts of" in printed and "long: 1 prompts of" in printed and "every group pooled" in printed
-    assert (out / "load_speedup.png").is_file()
+    assert (out / "load_speedup.png").is_file() and (out / "vllm_load" / "vllm-plain.log").is_file()
 
 
 @pytest.mark.engine
