@@ -103,7 +103,7 @@ def group_prompts(groups: Sequence[LengthGroup], pool: Sequence[tuple[str, str, 
 def rendered_pool(prompts: Any, tokenizer: Any, rendering: str) -> list[tuple[str, str, list[int]]]:
     """Every eval prompt of the run's prompt set(s) (`prompts=`), its first user turn as the verifier sees it."""
     from data.chat import prompt_ids
-    from eval.harness import load_prompt_sets
+    from data.prompts import load_prompt_sets
     from eval.runner import user_turns
 
     return [(c.id, c.category, prompt_ids(tokenizer, user_turns(c)[0], rendering))

@@ -26,7 +26,7 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     from data.chat import prompt_ids
-    from eval.harness import load_prompt_sets
+    from data.prompts import load_prompt_sets
     from eval.load import batch_predictor, load_settings, sweep, with_groups
     from eval.planner.cost import auto_dtype
     from eval.runner import user_turns
