@@ -42,19 +42,25 @@ def test_lookup_that_predicts_the_answer_takes_the_round(base: Verifier):  # noq
     assert m < k and taus[-1] > 4.0
 
 
-def shallow_prompts(verifier: Verifier) -> list[torch.Tensor]:
-    """Prompts whose lookup chains are right for two tokens and wrong at the third, every round: the tiny verifier
-    repeats a prompt's last token X for ever, and each prompt starts with X X X X X and junk. Lookup takes the
-    earliest match of the last three tokens (X X X), at the prompt's start: its chain is X X junk."""
+def repeat_prompts(verifier: Verifier, lead: int) -> list[torch.Tensor]:
+    """Three prompts for the tiny verifier, which repeats a prompt's last token X for ever: each starts with `lead`
+    X's and junk, so lookup's earliest match of the last three tokens (X X X) is at the prompt's start, and its chain
+    is the X's left after the match, then the junk."""
     tail = verifier.tokenizer(PROMPTS[1], return_tensors="pt").input_ids[0].tolist()
     x = tail[-1]
     prompts = []
     for p in range(3):
         junk = [(x + 101 * (p * 5 + i + 1)) % verifier.vocab_size for i in range(5)]
-        ids = torch.tensor([[x] * 5 + junk + tail])
+        ids = torch.tensor([[x] * lead + junk + tail])
         assert set(greedy_decode(verifier, ids, 8).tokens[0].tolist()) == {x}  # the premise: X for ever
         prompts.append(ids)
     return prompts
+
+
+def shallow_prompts(verifier: Verifier) -> list[torch.Tensor]:
+    """Prompts whose lookup chains are right for two tokens and wrong at the third, every round (X X X X X and
+    junk: the chain is X X junk)."""
+    return repeat_prompts(verifier, 5)
 
 
 def decode_shallow(verifier: Verifier, hybrid: HybridDrafter) -> tuple[int, float, float]:
@@ -223,18 +229,9 @@ class Recording(HybridDrafter):
 
 
 def missing_prompts(verifier: Verifier) -> list[torch.Tensor]:
-    """Prompts whose lookup chains miss at their first node every round: the tiny verifier repeats the prompt's last
-    token X, the prompt starts X X X and junk, so the suffix X X X (a 3-gram match) finds the prompt's start, and its
-    chain is the junk."""
-    tail = verifier.tokenizer(PROMPTS[1], return_tensors="pt").input_ids[0].tolist()
-    x = tail[-1]
-    prompts = []
-    for p in range(3):
-        junk = [(x + 101 * (p * 5 + i + 1)) % verifier.vocab_size for i in range(5)]
-        ids = torch.tensor([[x] * 3 + junk + tail])
-        assert set(greedy_decode(verifier, ids, 8).tokens[0].tolist()) == {x}  # the premise: X for ever
-        prompts.append(ids)
-    return prompts
+    """Prompts whose lookup chains miss at their first node every round (X X X and junk: the 3-gram match finds the
+    prompt's start, and its chain is the junk)."""
+    return repeat_prompts(verifier, 3)
 
 
 def after_good_chains(verifier: Verifier, ms_per_node: float) -> Recording:
