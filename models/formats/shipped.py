@@ -161,8 +161,9 @@ def check_manifest(folder: str | Path) -> None:
 
 def engine_ready(shipped_dir: str | Path, out_dir: str | Path, verifier: Any, force: bool = False) -> Path:
     """The folder an engine loads, written from a compact export (the left-out tensors put back, the recorded
-    dtypes restored; config.json without the compact record; no manifest). The verifier must be the one the export
-    names (its fingerprint is checked), its files the ones its manifest lists. A folder holding anything but an
+    dtypes restored; config.json without the compact record, naming `verifier`'s checkpoint on this machine as the
+    verifier vLLM loads; no manifest). The verifier must be the one the export names (its fingerprint is checked),
+    its files the ones its manifest lists. A folder holding anything but an
     export of the same family is refused unless `force`."""
     src = Path(shipped_dir).expanduser()
     check_manifest(src)
@@ -174,6 +175,9 @@ def engine_ready(shipped_dir: str | Path, out_dir: str | Path, verifier: Any, fo
     check_fingerprint(config["verifier_fingerprint"], verifier, f"shipped export {str(src)!r}")
     tensors = expand(config, load_file(str(src / WEIGHTS_NAME)), verifier, src / WEIGHTS_NAME)
     del config[COMPACT_KEY]
+    named = config.get("speculators_config", {}).get("verifier")
+    if isinstance(named, dict) and verifier.checkpoint:  # vLLM loads the verifier from here: this machine's copy
+        named["name_or_path"] = str(verifier.checkpoint)
     with atomic_dir(out_dir) as tmp:
         if (src / SIDE_DIR).is_dir():
             shutil.copytree(src / SIDE_DIR, tmp / SIDE_DIR, ignore=_no_manifest)
