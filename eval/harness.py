@@ -314,7 +314,7 @@ def run_peers(s: EvalSettings, run: Setup, samples: list[Any], load: LoadSetting
     return {"vllm": vllm_peer(run.verifier, kind, export.path if export else None, prompts,
                               [s.outputs["baseline"] for s in samples],
                               s.max_new_tokens, s.dtype, s.threads, s.sampling.temperature, s.sampling.top_p, s.seed,
-                              tokens)}
+                              tokens, s.cache_dir)}
 
 
 def chains_only(run: Any) -> list[str]:

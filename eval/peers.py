@@ -35,10 +35,13 @@ def check_peers(peers: Sequence[str], multi_turn: bool, method: str) -> list[str
 
 def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts: list[list[int]],
               ours: list[list[int]], max_new_tokens: int, dtype: str, threads: int, temperature: float,
-              top_p: float, seed: int, tokens: int | None = None) -> dict[str, Any]:
-    """vLLM plain and (for a family vLLM serves) with the export drafting `tokens` per step, on `prompts`.
-    `ours`: our plain decoding's outputs on the same prompts, for the greedy agreement."""
+              top_p: float, seed: int, tokens: int | None = None, cache_dir: str | None = None) -> dict[str, Any]:
+    """vLLM plain and (for a family vLLM serves) with the export drafting `tokens` per step, on `prompts` (a compact
+    shipped export written back in full first: serve.server.served_folder). `ours`: our plain decoding's outputs on
+    the same prompts, for the greedy agreement."""
+    from models.formats.export import read_info
     from serve import vllm_engine
+    from serve.server import served_folder
 
     if not verifier.checkpoint:
         raise UserError(f"engine_peers=[vllm]: the verifier {verifier.name} was built in memory and vLLM loads "
@@ -58,8 +61,9 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts
         "speculative": None,
     }
     if kind in vllm_engine.methods() and export is not None:
+        served = served_folder(export, read_info(export).config, verifier, cache_dir)
         spec = vllm_engine.serve(verifier.checkpoint, prompts, max_new_tokens,
-                                 spec=vllm_engine.speculative_config(kind, export, tokens), **common)
+                                 spec=vllm_engine.speculative_config(kind, served, tokens), **common)
         tps = spec.tokens / spec.seconds if spec.seconds else 0.0
         out["speculative"] = {"method": kind, "speculative_tokens": tokens, "tokens_per_s": tps,
                               "tokens": spec.tokens, "seconds": spec.seconds, "tau": spec.tau,

@@ -198,24 +198,32 @@ def served_name(path: Path) -> str:
 
 def prepare(info: Any, cache_dir: str | None = None) -> tuple[str, Path]:
     """An export (read_export) as vLLM serves it: (the verifier checkpoint it names, the drafter folder vLLM
-    loads). A compact export whose verifier tensors were left out is written back in full once under
-    <cache>/served/<name>-<hash> (scripts.tools.convert engine-ready); other exports are served as they are."""
-    from models.formats.folder import COMPACT_KEY
-    from models.formats.shipped import engine_ready
+    loads, `served_folder`)."""
     from models.verifiers.load import load_verifier
 
     verifier = load_verifier(info.verifier, "float32", "cpu", cache_dir)
     if not verifier.checkpoint:
         raise UserError(f"the verifier {verifier.name} was built in memory; vLLM loads from a directory.")
-    served = info.path.resolve()
-    compact = info.config.get(COMPACT_KEY)
-    if isinstance(compact, dict) and compact.get("dropped"):
-        digest = hashlib.sha256((info.path / "config.json").read_bytes()).hexdigest()[:12]
-        root = Path(cache_dir or os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft")).expanduser() / "served"
-        served = root / f"{info.path.name}-{digest}"
-        if not (served / "model.safetensors").is_file():
-            engine_ready(info.path, served, verifier, force=True)
+    served = served_folder(info.path, info.config, verifier, cache_dir)
     return str(verifier.checkpoint), served
+
+
+def served_folder(path: Path, config: dict[str, Any], verifier: Any, cache_dir: str | None = None) -> Path:
+    """The folder vLLM loads for the export at `path` (its config.json read as `config`): a compact export whose
+    verifier tensors were left out is written back in full once, for this verifier's checkpoint, under
+    <cache>/served/<name>-<hash> (scripts.tools.convert engine-ready); other exports are served as they are."""
+    from models.formats.folder import COMPACT_KEY
+    from models.formats.shipped import engine_ready
+
+    compact = config.get(COMPACT_KEY)
+    if not (isinstance(compact, dict) and compact.get("dropped")):
+        return path.resolve()
+    digest = hashlib.sha256((path / "config.json").read_bytes() + str(verifier.checkpoint).encode()).hexdigest()[:12]
+    root = Path(cache_dir or os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft")).expanduser() / "served"
+    served = root / f"{path.name}-{digest}"
+    if not (served / "model.safetensors").is_file():
+        engine_ready(path, served, verifier, force=True)
+    return served
 
 
 @dataclass
