@@ -256,7 +256,8 @@ def test_python_m_eval_runs_vllm_as_a_peer(vllm, tmp_path):
     assert spec["method"] == "medusa" and spec["speculative_tokens"] == 2
     assert len(spec["accept_rate_per_position"]) == 2 and spec["tau"] >= 1 and spec["counts"]["num_drafts"] > 0
     ours = report["accept_rate_per_position"][0]  # our decoder: the same chains of 2 on the same prompts
-    assert ours > 0 and spec["accept_rate_per_position"][0] > 0, (ours, spec)  # measured: 0.15 and 0.15
-    assert abs(spec["accept_rate_per_position"][0] - ours) <= 0.1, (ours, spec)
+    theirs, n = spec["accept_rate_per_position"][0], spec["counts"]["num_drafts"]
+    assert ours > 0 and theirs > 0, (ours, spec)  # measured: 0.15 and 0.15 (without its head vLLM accepted 0.0)
+    assert abs(theirs - ours) <= _tolerance((ours + theirs) / 2, n, n), (ours, spec)  # a near-tie may flip (fp32)
     assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / peer["plain"]["tokens_per_s"])
     assert peer["greedy_match_ours"] >= 0.5  # fp32: vLLM's greedy answers are our plain decoding's
