@@ -4,6 +4,7 @@ composition."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -28,6 +29,28 @@ def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one worker a core, at most 4 (each holds the default verifier and may start a vLLM engine)."""
     return max(1, min(os.cpu_count() or 1, 4))
 
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """`python train.py experiment=smoke logger=csv` on the default verifier, the real command line, run once per
+    test run (whichever xdist worker asks first; the others wait on its lock): (the finished process, its run
+    directory). The recipe test reads its output and metrics, the end-to-end eval test evaluates its export."""
+    import subprocess
+    import sys
+
+    from helpers import run_shared
+
+    with run_shared(tmp_path_factory, "smoke-run") as root:
+        done, run = root / "done.json", root / "run"
+        if not done.is_file():
+            proc = subprocess.run([sys.executable, "train.py", "experiment=smoke", "logger=csv",
+                                   f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+            done.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
+                                        "stderr": proc.stderr}))
+        proc = json.loads(done.read_text())
+    return subprocess.CompletedProcess(["train.py", "experiment=smoke"], proc["returncode"], proc["stdout"],
+                                       proc["stderr"]), run
 
 
 @pytest.fixture(scope="session")

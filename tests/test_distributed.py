@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, compose_train
 
 WORDS = "the verifier checks every drafted token at once and keeps the ones it agrees with".split()
 
@@ -42,10 +42,13 @@ def _data(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "TINY", [*TINY, f"data.source={path}"])
 
 
+def _recorder(record: Path | None) -> list[str]:
+    return [] if record is None else ["+callbacks.record._target_=helpers.RankRecorder",
+                                      f"+callbacks.record.path={record}"]
+
+
 def _cmd(args: list[str], run_dir: Path, record: Path | None = None) -> list[str]:
-    extra = [] if record is None else ["+callbacks.record._target_=helpers.RankRecorder",
-                                       f"+callbacks.record.path={record}"]
-    return [sys.executable, "train.py", *TINY, *args, *extra, f"hydra.run.dir={run_dir}"]
+    return [sys.executable, "train.py", *TINY, *args, *_recorder(record), f"hydra.run.dir={run_dir}"]
 
 
 def _env() -> dict[str, str]:
@@ -70,12 +73,14 @@ DDP = ["trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "data.batc
 ONE = ["trainer=cpu", "data.batch_size=4"]
 
 
-def _compare(model: list[str], tmp_path: Path, steps: int = 3,
+def _compare(model: list[str], tmp_path: Path, train_script, steps: int = 3,
              global_means: bool = False) -> tuple[list[list[float]], list[list[float]]]:
-    """Train `steps` steps in one process and in two; returns each run's per-step (loss, distance the weights moved
+    """Train `steps` steps in one process (this one: train.py's `run` on the composed command line, the reference)
+    and in two (the real command line, trainer=ddp); returns each run's per-step (loss, distance the weights moved
     from the start, their projection on a random direction), the two-process loss being the global batch's."""
     one, two = tmp_path / "one", tmp_path / "two"
-    _train([*model, *ONE, f"trainer.max_steps={steps}"], one, tmp_path / "one-rec")
+    reference = [*TINY, *model, *ONE, f"trainer.max_steps={steps}", *_recorder(tmp_path / "one-rec")]
+    train_script.run(compose_train(reference, one))
     proc = _train([*model, *DDP, f"trainer.max_steps={steps}"], two, tmp_path / "two-rec")
     r0, r1 = _records(tmp_path / "two-rec", 0), _records(tmp_path / "two-rec", 1)
     single = _records(tmp_path / "one-rec", 0)
@@ -105,7 +110,7 @@ def _compare(model: list[str], tmp_path: Path, steps: int = 3,
     pytest.param("dflash", 2e-3, marks=pytest.mark.slow),
     pytest.param("draft_model", 1e-4, marks=pytest.mark.slow),
 ])
-def test_two_cpu_processes_train_as_one(family, rel, tmp_path):
+def test_two_cpu_processes_train_as_one(family, rel, tmp_path, train_script):
     """Two gloo ranks with batch 2 each against one process with batch 4, fp32, three steps: the same loss curve and
     the same weights (how far they moved, and in which direction).
 
@@ -117,7 +122,7 @@ def test_two_cpu_processes_train_as_one(family, rel, tmp_path):
     without them, directions differed by up to 2x at step 1 (AdamW's first steps are close to
     lr x sign(g)). P-EAGLE and DFlash sample their chains and anchors, so each process draws its own: their loss
     and the distance the weights moved agree within 2e-3, and direction is not compared."""
-    single, two = _compare([f"model={family}", *LAYERS.get(family, [])], tmp_path,
+    single, two = _compare([f"model={family}", *LAYERS.get(family, [])], tmp_path, train_script,
                            global_means=family in ("eagle", "eagle3", "peagle", "dflash"))
     exact = family in ("medusa", "draft_model", "eagle", "eagle3")  # P-EAGLE, DFlash sample: see above
     for step, (a, b) in enumerate(zip(single, two), 1):

@@ -366,9 +366,38 @@ def _strip(export: Path, tmp: Path, delete: bool) -> Path:
     return copy
 
 
+def _in_process(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """`python -m eval ARGS` as `python -m` runs it (runpy: eval/__main__.py as __main__, Hydra's command line, then
+    exit_on_user_error) in this process: (exit status, what it wrote to stderr). The interpreter's start-up is the
+    only part of the command line left out; test_bad_input_on_the_command_line runs one case as a real process."""
+    import runpy
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["eval", *args, f"output_dir={tmp_path / 'out'}"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_module("eval", run_name="__main__", alter_sys=True)
+    return stopped.value.code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_gives_one_clear_error(exports, tmp_path, case):
+def test_bad_input_gives_one_clear_error(exports, tmp_path, case, monkeypatch, capsys):
+    """Each bad input: exit status 2 and one `error:` line naming the problem, no traceback."""
     args, expected = BAD_INPUTS[case]
+    code, err = _in_process([*args(exports["random"], tmp_path), "threads=1", "wandb.mode=disabled"], tmp_path,
+                            monkeypatch, capsys)
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], err[-3000:]
+
+
+def test_bad_input_on_the_command_line(exports, tmp_path):
+    """One bad input as a real `python -m eval` process: exit status 2, one `error:` line, no traceback."""
+    args, expected = BAD_INPUTS["mismatched verifier"]
     proc = _cli([*args(exports["random"], tmp_path), "threads=1", "wandb.mode=disabled"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -377,11 +406,12 @@ def test_bad_input_gives_one_clear_error(exports, tmp_path, case):
 
 
 @pytest.mark.slow
-def test_smoke_export_on_the_default_verifier_end_to_end(tmp_path):
-    train = subprocess.run([sys.executable, "train.py", "experiment=smoke", "logger=csv",
-                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+def test_smoke_export_on_the_default_verifier_end_to_end(smoke_run, tmp_path):
+    """`python train.py experiment=smoke` (run once for the test run: conftest.smoke_run), then `python -m eval` on
+    its export from the command line: the report of an exact decode on the default verifier."""
+    train, run = smoke_run
     assert train.returncode == 0, train.stderr[-3000:]
-    proc = _cli([f"checkpoint={tmp_path / 'run' / 'export'}", "prompts=builtin", "num_prompts=2", "max_new_tokens=16",
+    proc = _cli([f"checkpoint={run / 'export'}", "prompts=builtin", "num_prompts=2", "max_new_tokens=16",
                  "threads=1", "wandb.mode=disabled"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -196,17 +196,17 @@ def test_missing_verifier_path_on_the_command_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_experiment_on_the_default_verifier(tmp_path, smollm2):
+def test_smoke_experiment_on_the_default_verifier(smoke_run, smollm2):
     """The recipe test: the real command line, the real default verifier, the export printed last."""
-    proc = _train_cli(["experiment=smoke", "logger=csv"], tmp_path)
+    proc, run = smoke_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last == f"export: {tmp_path / 'export'}"
-    loaded = load_export(tmp_path / "export", smollm2)
+    assert last == f"export: {run / 'export'}"
+    loaded = load_export(run / "export", smollm2)
 
     heads, _, config = loaded.net, loaded.lm_head, loaded.config
     assert config["trained_steps"] == 8 and heads.hidden_size == 576
-    losses = _series(_metrics(tmp_path), "train/loss")
+    losses = _series(_metrics(run), "train/loss")
     assert len(losses) == 8 and all(x == x for x in losses)
 
 
