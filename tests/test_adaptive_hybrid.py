@@ -118,8 +118,8 @@ def test_the_split_follows_the_values():
         rate.observe(0, False, False)  # offered at depth 0, never right
         rate.observe(1, False, True)  # ... and always right below (another prompt's chains)
     assert rate.rate(0) < 0.1 and rate.rate(1) > 0.8
-    assert rate.rate(0, shared=True) == 0.5  # nodes the drafter proposed too are counted apart
     rate.new_prompt()  # the prompt starts from the run's rates
+    assert rate.rate(0, shared=True) == 0.5  # nodes the drafter proposed too are counted apart
     assert rate.rate(0) < 0.15 and rate.rate(2) > 0.7  # a depth never reached starts from the one above
 
 
@@ -286,6 +286,28 @@ def test_the_split_stops_grafting_chains_that_keep_missing(base: Verifier):  # n
         assert rounds[0][1] > 0  # the first rounds try the chain (the run's estimate: 3-gram chains are right)
         late = rounds[len(rounds) // 4:]
         assert sum(k for _, k in late) / len(late) < 0.2
+
+
+def test_a_prompts_own_outcomes_move_every_depth_and_size():
+    # The run so far: chains right half the time at every depth and match size. This prompt's first four chains (1-gram
+    # matches) miss at their first node: its 3-gram chains, never offered on it, and their deeper nodes are priced down
+    # too (the prompt's outcomes pooled over every depth, kind and size), and a prompt whose chains land is priced up.
+    def after(hit: bool) -> list[float]:
+        rates = LookupDepths()
+        for i in range(40):
+            for size in (1, 2, 3):
+                for depth in range(3):
+                    rates.observe(depth, False, i % 2 == 0, size)
+        rates.new_prompt()
+        run = rates.values([False] * 3, size=3)
+        for _ in range(4):
+            rates.observe(0, False, hit, size=1)
+        assert all(abs(v - 0.5 ** (d + 1)) < 0.02 for d, v in enumerate(run))
+        return [v / r for v, r in zip(rates.values([False] * 3, size=3), run)]
+
+    missed, landed = after(False), after(True)
+    assert missed[0] < 0.75 and missed[2] < 0.4  # 0.5 -> 0.33 a depth: hits (4 + 0) / (4 + 2 expected)
+    assert landed[0] > 1.2 and landed[2] > 1.8  # 0.5 -> 0.67: misses (4 + 0) / (4 + 2 expected)
 
 
 def test_lookup_chains_are_priced_by_their_match_size():

@@ -11,6 +11,7 @@ whose last two layers barely change the residual (its first two layers are a goo
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,32 @@ def test_lookup_takes_the_longest_then_earliest_match():
     assert lookup([4, 1, 2, 9, 1, 2], 2, max_ngram_size=3) == [9, 1]  # no 3-gram (4, 1, 2) ... falls to (1, 2)
     assert lookup([4, 1, 2, 9, 1, 2], 2, max_ngram_size=3, min_ngram_size=3) == []
     assert lookup([1, 2, 3], 4) == []
+    assert lookup([7], 4) == [] and lookup([], 4) == []
+
+
+def _lookup_by_loop(tokens: list[int], num_tokens: int, max_n: int, min_n: int) -> tuple[list[int], int]:
+    """Hugging Face's PromptLookupCandidateGenerator's rule written as the plain loop it is."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n):
+            if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                return tokens[start + n : start + n + num_tokens], n
+    return [], 0
+
+
+def test_lookup_search_is_the_loop_it_replaces():
+    """The vectorised search (a long prompt costs microseconds) finds what the position-by-position loop finds, and
+    its n-gram size, on lists and tensors: random texts over small vocabularies, so matches of every size occur."""
+    from eval.drafters.lookup import match
+
+    rng = random.Random(0)
+    for _ in range(400):
+        vocab, length = rng.choice([2, 3, 5, 40]), rng.randint(1, 60)
+        tokens = [rng.randrange(vocab) for _ in range(length)]
+        max_n = rng.randint(1, 4)
+        min_n, num = rng.randint(1, max_n), rng.randint(1, 12)
+        want = _lookup_by_loop(tokens, num, max_n, min_n)
+        assert match(tokens, num, max_n, min_n) == want, (tokens, num, max_n, min_n)
+        assert match(torch.tensor(tokens, dtype=torch.long), num, max_n, min_n) == want
 
 
 def test_prompt_lookup_accepts_when_the_text_repeats(tiny, one_thread):

@@ -17,9 +17,10 @@ node counted once:
   apart for nodes the drafter proposed too (`shared`: both sources agree, and are right far more often) and nodes
   only lookup proposed, and per match size (the suffix n-gram lookup matched: a 3-gram's chain is right about three
   times as often as a 1-gram's at its first node). `LookupDepths`: Beta means, the run's counts over all sizes the
-  prior of its counts for one size, those the prior of this prompt's for that size, worth PROMPT_STRENGTH = 2
-  observations: a prompt whose chains keep missing prices them near 0 within a few rounds, and the split stops
-  grafting them (a prompt prior worth 16 priced them at about the run's rate for the whole of a 64-token answer);
+  prior of its counts for one size, and on this prompt those rates scaled by its chains' hits against what the
+  run's rates expected of them, every depth, kind and size pooled: a prompt whose chains keep missing prices them
+  near 0 at every depth within a few rounds, and the split stops grafting them; one whose chains keep landing
+  prices them up;
 - a drafter node is worth what its planner's estimate gives its path (PlannedDrafter.tree_values); one the chain
   shares is counted once, as the chain's; one that leaves the chain at depth d, beside a verified chain node, only
   pays when that chain node is wrong: times 1 - c_d (the two cannot both be right);
@@ -50,7 +51,7 @@ import torch
 from torch import Tensor
 
 from eval.drafters.build import export_of, make_drafter
-from eval.drafters.lookup import LOOKUP_TOKENS, PromptLookupDrafter, lookup
+from eval.drafters.lookup import LOOKUP_TOKENS, PromptLookupDrafter, match
 from eval.engine.protocol import Draft, Drafter, Planned, Prediction, Skippable
 from eval.engine.tree import Chain, Tree, TreePolicy, chain
 from models.formats.export import ExportInfo
@@ -63,7 +64,8 @@ if TYPE_CHECKING:
 LOOKUP_PRIOR = 0.5  # the rate a run's lookup starts from at its chain's first node (a deeper one: the one above's)
 LOOKUP_STRENGTH = 4.0  # pseudo-observations the run's prior rate is worth against the run's counts
 SIZE_STRENGTH = 4.0  # ... the run's rate over all match sizes against the run's counts for one match size
-PROMPT_STRENGTH = 2.0  # ... and the run's rate for a match size against the prompt's counts for it
+PROMPT_STRENGTH = 16.0  # ... and that, scaled by the prompt's outcomes, against the prompt's counts for one cell
+EFFECT_STRENGTH = 4.0  # expected hits (misses) the run's rates are worth against a prompt's own (LookupDepths)
 TREE_ROOM = 64  # the most nodes a round may verify (eval.engine.decode.TREE_ROOM)
 
 
@@ -118,14 +120,19 @@ class LookupDepths:
     """Lookup's chain, per depth d (0-based), per kind (`shared`: the drafter proposed the same node) and per match
     size n (the suffix n-gram prompt lookup matched: a 3-gram's continuation is right far more often than a
     1-gram's): of the chain nodes offered on the accepted path (their parent accepted), the fraction accepted,
-    P(node d | node d-1). Three levels, each a Beta mean on the one below:
-    - the run's, per kind and depth, pooled over match sizes: depth 0 starts from LOOKUP_PRIOR, each deeper depth
-      from the run's estimate of the one above (a depth rarely reached moves with the shallower ones),
-      LOOKUP_STRENGTH;
-    - the run's per match size, that as its prior, SIZE_STRENGTH;
-    - the prompt's, per kind, match size and depth, that as its prior, PROMPT_STRENGTH (a prompt whose chains keep
-      missing is priced down within a few rounds; one whose answer opens by echoing the question moves its 3-gram
-      matches' rates, not those of the 1-gram matches that come later)."""
+    P(node d | node d-1). The run's rates, two levels, each a Beta mean on the one below:
+    - per kind and depth, pooled over match sizes: depth 0 starts from LOOKUP_PRIOR, each deeper depth from the run's
+      estimate of the one above (a depth rarely reached moves with the shallower ones), LOOKUP_STRENGTH;
+    - per match size, that as its prior, SIZE_STRENGTH;
+    and on this prompt, scaled by how its chain nodes have done against what the run's rates expected of them, every
+    depth, kind and size pooled. A prompt whose nodes hit less often than expected scales every rate by (EFFECT_STRENGTH
+    + its hits) / (EFFECT_STRENGTH + the hits expected); one whose nodes hit more often scales every miss rate,
+    1 - rate, by (EFFECT_STRENGTH + its misses) / (EFFECT_STRENGTH + the misses expected). So a prompt whose chains
+    keep missing is priced down at every depth within a few rounds, a run's near-certain 3-gram chains included, and
+    one whose chains keep landing is priced up. On top, the prompt's own counts per kind, size and depth, that as
+    their prior, PROMPT_STRENGTH: a cell the prompt offers often (its 1-gram chains' first node) moves on its own.
+    (The prompt's counts per cell alone, worth 2, left a chain's deeper nodes at the run's rates, each such cell
+    seeing a node or two a prompt; replayed on logged chains, this predicts them better, docs/results/planner.md.)"""
 
     def __init__(self) -> None:
         self.run: dict[bool, dict[int, list[float]]] = {False: {}, True: {}}  # kind -> depth -> [hits, offered]
@@ -133,6 +140,7 @@ class LookupDepths:
         self.new_prompt()
 
     def new_prompt(self) -> None:
+        self.seen = [0.0, 0.0, 0.0]  # this prompt's chain nodes: hits, the hits the run's rates expected, offered
         self.prompt: dict[tuple[bool, int, int], list[float]] = {}  # (kind, size, depth) -> [hits, offered]
 
     def _run_rate(self, depth: int, shared: bool, size: int) -> float:
@@ -145,6 +153,9 @@ class LookupDepths:
 
     def observe(self, depth: int, shared: bool, hit: bool, size: int = 0) -> None:
         """A chain node of match size `size` offered at `depth` (its parent accepted), and whether it was accepted."""
+        self.seen[0] += float(hit)
+        self.seen[1] += self._run_rate(depth, shared, size)
+        self.seen[2] += 1.0
         for cell in (self.run[shared].setdefault(depth, [0.0, 0.0]),
                      self.sized.setdefault((shared, size, depth), [0.0, 0.0]),
                      self.prompt.setdefault((shared, size, depth), [0.0, 0.0])):
@@ -153,9 +164,15 @@ class LookupDepths:
 
     def rate(self, depth: int, shared: bool = False, size: int = 0) -> float:
         """P(chain node `depth` accepted | its parent accepted), for a node of this kind and match size, on this
-        prompt."""
+        prompt: the run's rate scaled by the prompt's own outcomes (the class docstring)."""
+        run = self._run_rate(depth, shared, size)
+        hits, expected, offered = self.seen
+        if hits <= expected:
+            scaled = run * (EFFECT_STRENGTH + hits) / (EFFECT_STRENGTH + expected)
+        else:
+            scaled = 1.0 - (1.0 - run) * (EFFECT_STRENGTH + offered - hits) / (EFFECT_STRENGTH + offered - expected)
         hits, offered = self.prompt.get((shared, size, depth), (0.0, 0.0))
-        return (PROMPT_STRENGTH * self._run_rate(depth, shared, size) + hits) / (PROMPT_STRENGTH + offered)
+        return (PROMPT_STRENGTH * scaled + hits) / (PROMPT_STRENGTH + offered)
 
     def values(self, shared: Sequence[bool], size: int = 0) -> list[float]:
         """A chain's nodes' path-acceptance probabilities, `shared` per node, `size` its match size: the products
@@ -281,20 +298,13 @@ class HybridDrafter:
         return draft
 
     def _lookup(self, input_ids: Tensor, hidden: Tensor) -> Draft:
-        """The grafted drafter's chain, and its match size in `_size`: prompt lookup's search run one n-gram size
-        at a time (the same search, longest n first, so no dearer), the size its chain came from; another grafted
-        drafter's chain has size 0."""
+        """The grafted drafter's chain, and its match size in `_size`: prompt lookup's search, and the n-gram size
+        its chain came from; another grafted drafter's chain has size 0."""
         extra = self.extra
         if not isinstance(extra, PromptLookupDrafter):
             self._size = 0
             return extra.propose(input_ids, hidden)
-        tokens = input_ids[0].tolist()
-        found: list[int] = []
-        for n in range(extra.max_ngram, extra.min_ngram - 1, -1):
-            found = lookup(tokens, extra.num_tokens, n, n)
-            if found:
-                break
-        self._size = n if found else 0
+        found, self._size = match(input_ids[0], extra.num_tokens, extra.max_ngram, extra.min_ngram)
         drafts = torch.tensor([found], dtype=input_ids.dtype, device=input_ids.device).view(1, len(found))
         return Draft(tree=chain(len(found)), tokens=torch.cat([input_ids[:, -1:], drafts], dim=1))  # (1, 1+n)
 

@@ -9,8 +9,10 @@ first n with a match, take the earliest match whose continuation is not empty an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,23 +21,34 @@ from eval.engine.tree import Chain, TreePolicy, chain
 from runtime.errors import UserError
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from models.verifiers.core import Verifier
 
 
-def lookup(tokens: list[int], num_tokens: int, max_ngram_size: int = 3, min_ngram_size: int = 1) -> list[int]:
+def match(tokens: Tensor | Sequence[int], num_tokens: int, max_ngram_size: int = 3,
+          min_ngram_size: int = 1) -> tuple[list[int], int]:
+    """(the continuation of the earliest earlier occurrence of the longest matching suffix n-gram of `tokens`, at most
+    `num_tokens` long; that n), n from max_ngram_size down to min_ngram_size; ([], 0) when nothing matches. One
+    vectorised comparison per n-gram position over the whole sequence (a long prompt costs microseconds, not a Python
+    loop over its positions)."""
+    arr = tokens.detach().cpu().numpy() if isinstance(tokens, Tensor) else np.asarray(tokens)
+    length = len(arr)
+    for n in range(min(max_ngram_size, length - 1), min_ngram_size - 1, -1):
+        starts = length - n  # earlier occurrences only: the suffix itself starts at length - n
+        hit = arr[:starts] == arr[starts]
+        for i in range(1, n):
+            hit &= arr[i : starts + i] == arr[starts + i]
+        found = np.flatnonzero(hit)
+        if found.size:  # its continuation is never empty: it starts before the suffix does
+            first = int(found[0]) + n
+            return arr[first : first + num_tokens].tolist(), n
+    return [], 0
+
+
+def lookup(tokens: Tensor | Sequence[int], num_tokens: int, max_ngram_size: int = 3,
+           min_ngram_size: int = 1) -> list[int]:
     """The continuation of the earliest earlier occurrence of the longest matching suffix n-gram of `tokens`
     (n from max_ngram_size down to min_ngram_size), at most `num_tokens` long; [] when nothing matches."""
-    length = len(tokens)
-    for n in range(min(max_ngram_size, length - 1), min_ngram_size - 1, -1):
-        suffix = tokens[length - n:]
-        for start in range(length - n):  # earlier occurrences only: the suffix itself starts at length - n
-            if tokens[start : start + n] == suffix:
-                follow = tokens[start + n : start + n + num_tokens]
-                if follow:
-                    return follow
-    return []
+    return match(tokens, num_tokens, max_ngram_size, min_ngram_size)[0]
 
 
 class PromptLookupDrafter:
@@ -66,7 +79,7 @@ class PromptLookupDrafter:
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
         if input_ids.shape[0] != 1:
             raise UserError(f"Prompt lookup runs one sequence at a time; got batch size {input_ids.shape[0]}.")
-        found = lookup(input_ids[0].tolist(), self.num_tokens, self.max_ngram, self.min_ngram)
+        found = lookup(input_ids[0], self.num_tokens, self.max_ngram, self.min_ngram)
         drafts = torch.tensor([found], dtype=input_ids.dtype, device=input_ids.device).view(1, len(found))
         return Draft(tree=chain(len(found)), tokens=torch.cat([input_ids[:, -1:], drafts], dim=1))  # (1, 1+n)
 
