@@ -40,13 +40,13 @@ from eval.drafters.build import (
 )
 from eval.engine.block_verify import check_chain_drafters, may_branch
 from eval.engine.decode import engine_of, use_engine
-from eval.engine.protocol import Drafter
+from eval.engine.protocol import Combination, Drafter
 from eval.engine.rules import named_rule
 from eval.engine.tree import AutoTree
 from eval.load import LoadSettings, load_settings, predictor, sweep, with_groups
 from eval.peers import check_peers, vllm_peer
 from eval.planner import adaptive, cost, shapes
-from eval.report import ALONE, SPECULATIVE, write_outputs
+from eval.report import ALONE, GRAFTED, SPECULATIVE, write_outputs
 from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
 from eval.settings import EvalSettings, parse
 from models.families import FAMILIES, a_title, resolve
@@ -297,6 +297,8 @@ def setup(s: EvalSettings) -> Setup:
         # way on the same cost curve, so the report gives what the combination adds (report.json drafter_alone)
         drafters[ALONE] = plan_and_build(s, export.kind, family_config(export.kind), verifier, export, prefix,
                                          curve=built.curve).drafter
+        if isinstance(built.drafter, Combination):  # and the grafted drafter alone (report.json grafted_alone)
+            drafters[GRAFTED] = built.drafter.grafted_alone()
     return Setup(verifier, drafters, method_name(family, built.drafter), exports, convs, source,
                  curves, predicted, built.planned is not None, built.draft)
 
@@ -384,9 +386,8 @@ def evaluate_settings(s: EvalSettings, progress: bool = True) -> dict[str, Any]:
                                          "overhead excluded"}
     if run.curves:
         cost.write(run.curves, s.output_dir, f"{run.verifier.name}: verifier forward cost")
-    alone = run.drafters.get(ALONE)
     report = write_outputs(samples, meta, setting, run.drafter.max_depth, s.output_dir, s.wandb, peers=peer_report,
-                           alone_depth=alone.max_depth if alone is not None else 0)
+                           alone_depths={m: run.drafters[m].max_depth for m in (ALONE, GRAFTED) if m in run.drafters})
     if run.predicted is not None:
         p = run.predicted
         rounds = report["predicted_speedup"]

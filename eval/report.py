@@ -27,12 +27,15 @@ ASSISTED = "hf_assisted"  # HF assisted generation with the run's draft model: d
 # The export's drafter alone, measured beside a combination of it (drafter=hybrid, the default with an export:
 # conf/eval.yaml `alone`), so the report gives what the drafter adds by itself and what the combination adds.
 ALONE = "drafter_alone"
+# ... and the drafter grafted into it (the hybrid's prompt lookup) alone, so the combination is shown beside both parts.
+GRAFTED = "grafted_alone"
 REPORT_KEYS = (
     "method", "tree", "verifier", "checkpoint", "drafter_dtype", "num_prompts", "new_tokens", "tau",
     "accept_rate_per_position",
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
     "speedup", "predicted_speedup", "speedup_vs_hf_generate", "greedy_match",
-    "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "drafter_alone", "prompt_tokens",
+    "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "drafter_alone", "grafted_alone",
+    "prompt_tokens",
     "prefill",
     "sampling", "by_category", "by_prompt_length", "by_prompt_set",
 )
@@ -78,8 +81,8 @@ class Sample:
 
 
 def methods_of(samples: Sequence[Sample]) -> tuple[str, ...]:
-    """METHODS, and hf_assisted and drafter_alone where the run measured them."""
-    return METHODS + tuple(m for m in (ASSISTED, ALONE) if samples and m in samples[0].outputs)
+    """METHODS, and hf_assisted, drafter_alone and grafted_alone where the run measured them."""
+    return METHODS + tuple(m for m in (ASSISTED, ALONE, GRAFTED) if samples and m in samples[0].outputs)
 
 
 def _rate(samples: Sequence[Sample], method: str) -> float:
@@ -118,27 +121,29 @@ def predicted_speedup(samples: Sequence[Sample], method: str = SPECULATIVE) -> f
     return round(sum(r["tokens"] * r["step_ms"] for r in rows) / ms, 4) if rows and ms > 0 else None
 
 
-def alone_metrics(samples: Sequence[Sample], rate: Mapping[str, float], depth: int) -> dict[str, Any] | None:
-    """`drafter_alone` over `samples`: the export's drafter decoding by itself in the same run (None when the run
-    measured no combination): its tau, per-position acceptance, tokens/s, speedup over our plain decoding, the
-    planner's prediction, and whether it matched plain greedy."""
-    if ALONE not in rate:
+def alone_metrics(samples: Sequence[Sample], rate: Mapping[str, float], depth: int, method: str = ALONE
+                  ) -> dict[str, Any] | None:
+    """`drafter_alone` (or `grafted_alone`, `method`) over `samples`: a part of the run's combination decoding by
+    itself in the same run (None when the run measured no combination): its tau, per-position acceptance, tokens/s,
+    speedup over our plain decoding, the planner's prediction, and whether it matched plain greedy."""
+    if method not in rate:
         return None
-    lengths = torch.cat([s.lengths[ALONE] for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
+    lengths = torch.cat([s.lengths[method] for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
     return {
         "tau": round(mean_accept_length(lengths), 4),
         "accept_rate_per_position": [round(a, 4) for a in per_position_acceptance(lengths, depth).tolist()],
-        "tokens_per_s": round(rate[ALONE], 2),
-        "speedup": round(rate[ALONE] / rate["baseline"], 4) if rate["baseline"] else 0.0,
-        "predicted_speedup": predicted_speedup(samples, ALONE),
-        "greedy_match": round(sum(s.matches(ALONE) for s in samples) / max(len(samples), 1), 4),
+        "tokens_per_s": round(rate[method], 2),
+        "speedup": round(rate[method] / rate["baseline"], 4) if rate["baseline"] else 0.0,
+        "predicted_speedup": predicted_speedup(samples, method),
+        "greedy_match": round(sum(s.matches(method) for s in samples) / max(len(samples), 1), 4),
     }
 
 
-def metrics(samples: Sequence[Sample], depth: int, alone_depth: int = 0) -> dict[str, Any]:
+def metrics(samples: Sequence[Sample], depth: int, alone_depths: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The report's metric keys over `samples` (all of them, or one category's); the hf_assisted ones are null when
-    the run had no draft model, drafter_alone (whose drafter drafts `alone_depth` deep) when it measured no
-    combination."""
+    the run had no draft model, drafter_alone and grafted_alone (their drafters' deepest drafts: `alone_depths`)
+    when it measured no combination."""
+    depths = alone_depths or {}
     lengths = torch.cat([s.accept_lengths for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
     rate = {m: _rate(samples, m) for m in methods_of(samples)}
     assisted = ASSISTED in rate
@@ -159,35 +164,37 @@ def metrics(samples: Sequence[Sample], depth: int, alone_depth: int = 0) -> dict
         "hf_assisted_speedup": round(rate[ASSISTED] / rate["baseline"], 4) if assisted and rate["baseline"] else None,
         "hf_assisted_greedy_match":
             round(sum(s.matches(ASSISTED) for s in samples) / max(len(samples), 1), 4) if assisted else None,
-        "drafter_alone": alone_metrics(samples, rate, alone_depth),
+        "drafter_alone": alone_metrics(samples, rate, depths.get(ALONE, 0), ALONE),
+        "grafted_alone": alone_metrics(samples, rate, depths.get(GRAFTED, 0), GRAFTED),
         "prompt_tokens": sum(s.prompt_tokens for s in samples),
         "prefill": prefill(samples),
     }
 
 
-def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int, alone_depth: int = 0
-                 ) -> dict[str, Any]:
+def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int,
+                 alone_depths: Mapping[str, int] | None = None) -> dict[str, Any]:
     """report.json: `meta` (method, tree, verifier, checkpoint, sampling), the metrics overall, and the same per
     category, per prompt length and, when `meta["prompt_sets"]` names several sets (prompts=[builtin, humaneval,
     ...], categories "<set>/<category>"), per prompt set (else `by_prompt_set` is empty)."""
     categories = sorted({s.category for s in samples})
-    by_category = {c: metrics([s for s in samples if s.category == c], depth, alone_depth) for c in categories}
+    by_category = {c: metrics([s for s in samples if s.category == c], depth, alone_depths) for c in categories}
     groups = [g for g in map(length_group, (0, *LENGTH_EDGES)) if any(length_group(s.prompt_tokens) == g
                                                                       for s in samples)]
-    by_length = {g: metrics([s for s in samples if length_group(s.prompt_tokens) == g], depth, alone_depth)
+    by_length = {g: metrics([s for s in samples if length_group(s.prompt_tokens) == g], depth, alone_depths)
                  for g in groups}
-    by_set = {p: metrics([s for s in samples if prompt_set_of(s.category) == p], depth, alone_depth)
+    by_set = {p: metrics([s for s in samples if prompt_set_of(s.category) == p], depth, alone_depths)
               for p in meta.get("prompt_sets") or []}
-    report = {**meta, **metrics(samples, depth, alone_depth), "by_category": by_category, "by_prompt_length": by_length,
-              "by_prompt_set": by_set}
+    report = {**meta, **metrics(samples, depth, alone_depths), "by_category": by_category,
+              "by_prompt_length": by_length, "by_prompt_set": by_set}
     report.setdefault("sampling", {"temperature": 0.0, "rule": "greedy", "exact": True, "lossy": False})
     report.setdefault("drafter_dtype", "float32")  # eval's default: the export's weights as saved
     if report["sampling"].get("rule", "greedy") != "greedy":
         # Sampled outputs equal the sampled baseline's only by chance: greedy_match is null, not a misleading 0.
         for m in [report, *by_category.values(), *by_length.values(), *by_set.values()]:
             m["greedy_match"] = m["hf_assisted_greedy_match"] = None
-            if m["drafter_alone"] is not None:
-                m["drafter_alone"]["greedy_match"] = None
+            for part in (ALONE, GRAFTED):
+                if m[part] is not None:
+                    m[part]["greedy_match"] = None
     return {k: report[k] for k in REPORT_KEYS}
 
 
@@ -258,8 +265,9 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
              "hf_prompt_lookup": report["hf_prompt_lookup_tokens_per_s"]}
     if report["hf_assisted_tokens_per_s"] is not None:
         rates[ASSISTED] = report["hf_assisted_tokens_per_s"]
-    if report["drafter_alone"] is not None:
-        rates[ALONE] = report["drafter_alone"]["tokens_per_s"]
+    for part in (ALONE, GRAFTED):
+        if report[part] is not None:
+            rates[part] = report[part]["tokens_per_s"]
     rates |= peer_rates(report)
     table = Table(title="tokens/s, measured side by side")
     for col in ("method", "tokens/s", "speculative speedup", "= plain greedy"):
@@ -284,9 +292,11 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
         if not groups:
             continue
         cats = Table(title=f"{title}; prefill apart: ours (plain) prompt tok/s, decode tok/s after it")
-        alone = report["drafter_alone"] is not None  # the combination's drafter by itself: its tau and speedup
+        # the combination's parts by themselves (its drafter, its grafted drafter): their tau and speedup
+        parts = [(p, label) for p, label in ((ALONE, "alone"), (GRAFTED, "grafted")) if report[p] is not None]
         for col in ("group", "n", "prompt", "tau", "alpha_1", "tokens/s", "plain", "HF", "HF lookup", "speedup",
-                    "predicted", *(("alone tau", "alone speedup") if alone else ()), "vs HF", "prefill tok/s",
+                    "predicted", *(f"{label} {x}" for _, label in parts for x in ("tau", "speedup")), "vs HF",
+                    "prefill tok/s",
                     "decode tok/s", "greedy match"):
             cats.add_column(col, justify="left" if col == "group" else "right")
         for c, m in groups.items():
@@ -298,8 +308,7 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
                          f"{m['hf_generate_tokens_per_s']:.1f}", f"{m['hf_prompt_lookup_tokens_per_s']:.1f}",
                          f"{m['speedup']:.2f}x",
                          "-" if m["predicted_speedup"] is None else f"{m['predicted_speedup']:.2f}x",
-                         *((f"{m['drafter_alone']['tau']:.2f}", f"{m['drafter_alone']['speedup']:.2f}x")
-                           if alone else ()),
+                         *(cell for p, _ in parts for cell in (f"{m[p]['tau']:.2f}", f"{m[p]['speedup']:.2f}x")),
                          f"{m['speedup_vs_hf_generate']:.2f}x",
                          num_or_dash(pre["baseline"]["prompt_tokens_per_s"]),
                          num_or_dash(pre[SPECULATIVE]["decode_tokens_per_s"]),
@@ -349,8 +358,9 @@ def save_plots(samples: Sequence[Sample], report: Mapping[str, Any], out_dir: Pa
               report["hf_prompt_lookup_tokens_per_s"]]
     if report["hf_assisted_tokens_per_s"] is not None:
         names, values = names + [ASSISTED], values + [report["hf_assisted_tokens_per_s"]]
-    if report["drafter_alone"] is not None:
-        names, values = names + [ALONE], values + [report["drafter_alone"]["tokens_per_s"]]
+    for part in (ALONE, GRAFTED):
+        if report[part] is not None:
+            names, values = names + [part], values + [report[part]["tokens_per_s"]]
     for name, rate in peer_rates(report).items():
         names, values = names + [name], values + [rate]
     ax.bar(names, values, color=["tab:green", "tab:blue"] + ["tab:gray"] * (len(names) - 2))
@@ -396,8 +406,8 @@ def log_wandb(
                              "checkpoint": report["checkpoint"]})
     scalars = {f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}
     scalars |= {f"eval/alpha_{k}": a for k, a in enumerate(report["accept_rate_per_position"], 1)}
-    scalars |= {f"eval/drafter_alone_{k}": v for k, v in (report["drafter_alone"] or {}).items()
-                if isinstance(v, (int, float))}
+    for part in (ALONE, GRAFTED):
+        scalars |= {f"eval/{part}_{k}": v for k, v in (report[part] or {}).items() if isinstance(v, (int, float))}
     for loop, b in profile["time_breakdown"].items():
         scalars |= {f"profile/{loop}/{k}": v for k, v in b.items() if isinstance(v, (int, float))}
     first = next(iter(report["by_category"].values()), {})
@@ -429,13 +439,13 @@ def write_samples(samples: Sequence[Sample], out_dir: Path) -> Path:
 def write_outputs(
     samples: Sequence[Sample], meta: Mapping[str, Any], setting: Mapping[str, Any], depth: int, out_dir: Path,
     wandb_cfg: Mapping[str, Any] | None = None, console: Console | None = None,
-    peers: Mapping[str, Any] | None = None, alone_depth: int = 0,
+    peers: Mapping[str, Any] | None = None, alone_depths: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Write report.json, profile.json and the plots to out_dir, print the table, log to W&B; returns the report.
-    `peers`: serving engines measured on the same prompts (eval.peers), reported as `engine_peers`; `alone_depth`:
-    the deepest draft of the drafter measured alone beside a combination (drafter_alone)."""
+    `peers`: serving engines measured on the same prompts (eval.peers), reported as `engine_peers`; `alone_depths`:
+    the deepest draft of each part of a combination measured alone beside it (drafter_alone, grafted_alone)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = build_report(samples, meta, depth, alone_depth)
+    report = build_report(samples, meta, depth, alone_depths)
     if peers:
         report["engine_peers"] = dict(peers)
     profile = build_profile(samples, setting)

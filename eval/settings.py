@@ -33,7 +33,7 @@ class EvalSettings:
     checkpoint_list: bool = _help("checkpoint= was given as a list")
     checkpoint_label: str | None = _help("checkpoint= as given, for the report")
     method: str = _help("single: the configured drafter | all: every family available")
-    alone: bool = _help("with a combination (the hybrid), also decode with the export's drafter alone")
+    alone: bool = _help("with a combination (the hybrid), also decode with each of its parts alone")
     drafter: DictConfig = _help("the drafter group's config (a Hydra partial: its factory and options)")
     tree: TreePolicy = _help("the tree policy of the export families, instantiated once (conf/tree)")
     plan: str | None = _help("how tree.size=auto's budget follows the run: null, adaptive or static")

@@ -20,6 +20,7 @@ own speculative counters from its /metrics endpoint.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -253,35 +254,48 @@ class Server:
                                      env=vllm_engine.engine_env(self.settings.threads), start_new_session=True)
         out.close()
         deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = self.log.read_text(errors="replace")
-                self.proc = None
-                raise vllm_engine.EngineError(self.settings.verifier, self.settings.speculative, log)
-            try:
-                if httpx.get(f"{self.settings.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    log = self.log.read_text(errors="replace")
+                    self.proc = None
+                    raise vllm_engine.EngineError(self.settings.verifier, self.settings.speculative, log)
+                try:
+                    if httpx.get(f"{self.settings.url}/health", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+        except BaseException:  # Ctrl-C while it starts: the server, in its own session, goes too
+            self.stop()
+            raise
         self.stop()
         raise UserError(f"vLLM did not answer on {self.settings.url}/health within {self.timeout:.0f} s; its log: "
                         f"{self.log}")
 
     def stop(self) -> None:
+        """vLLM's process group: SIGTERM, then SIGKILL when it has not ended within 30 s (or when this stop is itself
+        interrupted: a second Ctrl-C does not leave it running)."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self.proc = None
+        try:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        finally:
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc = None
 
 
 def log_cause(log: str) -> str:
@@ -337,6 +351,20 @@ def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
     return out
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM (`kill`, a container or service manager stopping it) both end the wait below as
+    KeyboardInterrupt, so `Server.stop` takes vLLM's process group down with it, set here whatever the parent left:
+    Python keeps SIGINT ignored when it started ignored, and SIGTERM would end this process at once and leave the
+    server, in its own session, running. SIGUSR1 prints every thread's stack to stderr (a stop that hangs can be
+    looked into)."""
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -378,8 +406,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"'{a}'" if any(c in a for c in " {}\"") else a for a in settings.command()))
             return 0
         print(f"[serve] starting: {settings.describe()}", flush=True)
+        _stop_on_signals()
         with Server(settings) as server:
-            print(f"[serve] ready at {settings.url}/v1 (log: {server.log}); Ctrl-C stops it. Try:\n  curl "
+            pid = server.proc.pid if server.proc is not None else None
+            print(f"[serve] ready at {settings.url}/v1 (vLLM's process group {pid}, log: {server.log}); Ctrl-C or "
+                  f"SIGTERM stops it. Try:\n  curl "
                   f"{settings.url}/v1/completions -H 'Content-Type: application/json' -d '{{\"model\": "
                   f"\"{settings.name}\", \"prompt\": \"What is a prime number?\", \"max_tokens\": 32}}'", flush=True)
             try:

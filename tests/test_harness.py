@@ -127,28 +127,37 @@ def test_good_heads_are_accepted(exports, tmp_path):
     assert report["accept_rate_per_position"] == pytest.approx([2 / 3] * 4, abs=1e-3)
 
 
-def test_an_export_runs_combined_with_lookup_and_reports_the_drafter_alone(exports, tmp_path):
-    """`python -m eval checkpoint=<export>`: the export's drafter with prompt-lookup chains (the hybrid), and the
-    drafter alone decoded beside it on the same prompts: report.json's drafter_alone is exactly what a
-    `drafter=export` run of the same tree measures."""
+def test_an_export_runs_combined_with_lookup_and_reports_both_parts_alone(exports, tmp_path):
+    """`python -m eval checkpoint=<export>`: the export's drafter with prompt-lookup chains (the hybrid), and each
+    part decoded by itself beside it on the same prompts: report.json's drafter_alone is exactly what a
+    `drafter=export` run of the same tree measures, its grafted_alone what a `drafter=prompt_lookup` run of the same
+    chain length measures."""
     args = [f"checkpoint={exports['random']}", "num_prompts=3", "tree=auto", "tree.size=8"]
     report, profile = run_eval(args, tmp_path / "default", default_drafter=True)
     alone, _ = run_eval([*args, "drafter=export"], tmp_path / "alone")
     assert report["method"].startswith("hybrid/") and alone["method"] == "medusa/auto-8"
     assert report["greedy_match"] == 1.0 and report["drafter_alone"]["greedy_match"] == 1.0
-    assert alone["drafter_alone"] is None  # nothing combined: nothing to compare with
+    assert alone["drafter_alone"] is None and alone["grafted_alone"] is None  # nothing combined: nothing to compare
     mine = report["drafter_alone"]
     assert mine["tau"] == alone["tau"] and mine["accept_rate_per_position"] == alone["accept_rate_per_position"]
+    chain = report["tree"]["grafted"]["depth"]
+    lookup, _ = run_eval([f"checkpoint={exports['random']}", "num_prompts=3", "drafter=prompt_lookup",
+                          f"drafter.num_tokens={chain}"], tmp_path / "lookup")
+    grafted = report["grafted_alone"]
+    assert grafted["greedy_match"] == 1.0 and grafted["tau"] == lookup["tau"] > mine["tau"]
+    assert grafted["accept_rate_per_position"] == lookup["accept_rate_per_position"]
+    assert grafted["speedup"] == pytest.approx(grafted["tokens_per_s"] / report["baseline_tokens_per_s"], rel=1e-2)
     # The tiny verifier repeats a token the prompt ends with, so lookup's chains are accepted where the random
     # heads' drafts are not: the combination emits more per round than its drafter alone.
     assert report["tau"] > mine["tau"] + 0.5
     assert mine["speedup"] == pytest.approx(mine["tokens_per_s"] / report["baseline_tokens_per_s"], rel=1e-2)
-    assert set(profile["wall_s"]) >= {"speculative", "drafter_alone"}
+    assert set(profile["wall_s"]) >= {"speculative", "drafter_alone", "grafted_alone"}
     for group in [*report["by_category"].values(), *report["by_prompt_length"].values()]:
-        assert group["drafter_alone"]["greedy_match"] == 1.0 and group["drafter_alone"]["tau"] >= 1.0
+        for part in ("drafter_alone", "grafted_alone"):
+            assert group[part]["greedy_match"] == 1.0 and group[part]["tau"] >= 1.0
     off, profile = run_eval([*args, "alone=false"], tmp_path / "off", default_drafter=True)
-    assert off["method"] == report["method"] and off["drafter_alone"] is None
-    assert "drafter_alone" not in profile["wall_s"]
+    assert off["method"] == report["method"] and off["drafter_alone"] is None and off["grafted_alone"] is None
+    assert not {"drafter_alone", "grafted_alone"} & set(profile["wall_s"])
 
 
 # Exactness on a verifier whose output varies, with the harness given objects.
@@ -307,6 +316,7 @@ def test_cli_writes_report_and_an_offline_wandb_run(exports, tmp_path):
     records = [json.loads(line) for line in inspect.stdout.splitlines() if line.startswith("{")]
     logged = set().union(*[r["history"]["item"] for r in records if r.get("type") == "history"])
     assert {"eval/tau", "eval/speedup", "eval/alpha_1", "profile/speculative/verify_s", "eval/drafter_alone_tau",
+            "eval/grafted_alone_tau",
             "plots/accept_length_hist.path", "eval/by_category.path"} <= logged
 
 

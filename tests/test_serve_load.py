@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -98,6 +99,29 @@ def test_convert_engine_ready_records_the_schedule_and_python_m_serve_launches_w
 
 
 # -- the pieces, on real inputs ---------------------------------------------------------------------------------------
+
+def test_sigterm_and_ctrl_c_stop_python_m_serve_through_its_server_stop():
+    """`python -m serve` turns SIGINT and SIGTERM into the KeyboardInterrupt that makes `Server.stop` take vLLM's
+    process group down (by default SIGTERM would end it at once and leave the server, in its own session, running;
+    SIGINT inherited as ignored would never reach it)."""
+    from serve.server import _stop_on_signals
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        def unchanged(signum: int, frame: object) -> None:  # stands for SIGTERM's default (ending the process)
+            raise LookupError("SIGTERM kept its old handler")
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a parent that ignores Ctrl-C would hand it down
+        signal.signal(signal.SIGTERM, unchanged)
+        _stop_on_signals()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), sig)
+                time.sleep(5)  # the handler runs at the next bytecode; the sleep is interrupted at once
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
 
 def test_prompts_fall_in_the_length_group_their_tokens_say():
     """short: 1-511 tokens, long: 512+, both bounds inclusive; each group drawn round-robin over its categories;
@@ -225,7 +249,7 @@ def test_python_m_serve_serves_the_shipped_eagle3_with_its_schedule_to_a_real_cl
     proc = subprocess.Popen([sys.executable, "-m", "serve", str(EAGLE3), "--port", str(port), "--dtype", "float32",
                              "--schedule", "1-1:2,2-2:1", "--max-num-seqs", "2", "--max-model-len", "512"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_server_env(monkeypatch))
+                            env=_server_env(monkeypatch), start_new_session=True)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 600
@@ -260,10 +284,31 @@ def test_python_m_serve_serves_the_shipped_eagle3_with_its_schedule_to_a_real_cl
         assert d > 0 and t < 2 * d
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(120)
+        hung = _hang(proc, lines, 120)
+    assert not hung, hung
     assert proc.returncode == 0
     with socket.socket() as s:  # the server went with it
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _hang(proc: subprocess.Popen, lines: list[str], timeout: float) -> str:
+    """Wait for `python -m serve` to end: "" when it does. When it does not, its threads' stacks (SIGUSR1) and its
+    output, and both it and vLLM's process group are killed, so a hang fails this test alone and leaves no server
+    holding the memory the next vLLM needs."""
+    try:
+        proc.wait(timeout)
+        return ""
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack to its stderr (our pipe)
+        time.sleep(2)
+        groups = [int(m) for ln in lines for m in re.findall(r"process group (\d+)", ln)]
+        for group in (*groups, proc.pid):
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        rest = proc.communicate(timeout=30)[0] or ""
+        return f"python -m serve did not stop within {timeout:.0f} s of SIGINT:\n{''.join(lines[-20:])}{rest[-6000:]}"
 
 
 @pytest.mark.engine

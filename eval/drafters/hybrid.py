@@ -42,6 +42,7 @@ last position only). A decode's first round always drafts (the drafter takes in 
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -256,6 +257,10 @@ class HybridDrafter:
                 "split": "per round" if isinstance(self.primary, Planned) else "lookup first",
                 "primary": self.primary.describe(), "grafted": self.extra.describe(),
                 "lookup_only_rounds": self.lookup_rounds}
+
+    def grafted_alone(self) -> Drafter:
+        """eval.engine.protocol.Combination: prompt lookup with this hybrid's chain length and n-gram sizes."""
+        return copy.deepcopy(self.extra)
 
     def round_budget(self) -> int:
         """This round's node budget without a planned primary: `budget`, else the primary's own max_nodes."""

@@ -161,6 +161,17 @@ class Skippable(Protocol):
 
 
 @runtime_checkable
+class Combination(Protocol):
+    """A drafter built on another one with a second drafter's proposals grafted in (the hybrid): the harness decodes
+    that grafted drafter by itself beside it too (report.json `grafted_alone`, as `drafter_alone` is the first one
+    by itself), so a report shows the combination beside both of its parts."""
+
+    def grafted_alone(self) -> Drafter:
+        """A fresh drafter that drafts as the grafted part does, to decode by itself."""
+        ...
+
+
+@runtime_checkable
 class Assistant(Protocol):
     """A drafter that Hugging Face assisted generation can run as well (a draft model): the harness adds HF's
     `generate(assistant_model=...)` as a reference beside it (eval.runner.assistant_of)."""
