@@ -52,7 +52,8 @@ class Sample:
     seconds / outputs: per method. lengths: per drafter, (R,) drafts accepted per speculative round, bonus excluded.
     forwards: verifier forwards of our loops; times: their DecodeResult.times (for the time breakdown).
     predicted: per planned drafter (tree.size=auto), what the planner predicted for this decode's rounds, each
-        before it ran (eval.planner.adaptive.Prediction: rounds, E[tokens] and ms summed, the plain step's ms).
+        before it ran (eval.planner.adaptive.Prediction: rounds, E[tokens] and ms summed, the plain step's ms), and
+        `prefill_ms`, the prompt's prefill as the decode timed it before its first round.
     """
 
     id: str
@@ -114,11 +115,13 @@ def prefill(samples: Sequence[Sample]) -> dict[str, Any]:
 
 def predicted_speedup(samples: Sequence[Sample], method: str = SPECULATIVE) -> float | None:
     """The speedup the planner predicted for `method` over `samples`, as the measured one is taken (all tokens over
-    all time): its per-round predictions of E[tokens] and ms summed, against the plain step; None when the method
-    was not planned (no tree.size=auto)."""
+    all time): its per-round predictions of E[tokens] and ms summed, against the plain step, each side with the
+    prompts' prefill (`prefill_ms`, timed by the decode before its first round: the forward plain decoding runs too,
+    which pulls a long prompt's speedup toward 1); None when the method was not planned (no tree.size=auto)."""
     rows = [s.predicted[method] for s in samples if method in s.predicted]
-    ms = sum(r["ms"] for r in rows)
-    return round(sum(r["tokens"] * r["step_ms"] for r in rows) / ms, 4) if rows and ms > 0 else None
+    prefill = sum(r.get("prefill_ms", 0.0) for r in rows)
+    ms = sum(r["ms"] for r in rows) + prefill
+    return round((sum(r["tokens"] * r["step_ms"] for r in rows) + prefill) / ms, 4) if rows and ms > 0 else None
 
 
 def alone_metrics(samples: Sequence[Sample], rate: Mapping[str, float], depth: int, method: str = ALONE

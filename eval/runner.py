@@ -21,7 +21,7 @@ from eval.engine.decode import DecodeResult, sample_decode, speculative_decode
 from eval.engine.protocol import Assistant, Drafter
 from eval.engine.rules import rule_for
 from eval.engine.sampling import SamplingConfig
-from eval.planner.adaptive import prediction_of
+from eval.planner.adaptive import prediction_of, tell_plain_step
 from eval.report import SPECULATIVE, Sample
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -120,10 +120,16 @@ class Runner:
                 results[method], outputs[method] = out, out.tokens[0].tolist()
             else:
                 outputs[method] = out
+            if method == "baseline":  # the plain step on this prompt: the pace of the drafters' predictions
+                steps = max(out.num_forwards - 1, 1)
+                for drafter in self.drafters.values():
+                    tell_plain_step(drafter, 1e3 * (seconds[method] - out.times.get("prefill_s", 0.0)) / steps)
         predicted = {}  # what a planned drafter predicted for its rounds of this prompt, each before it ran
         for name, drafter in self.drafters.items():
             if (p := prediction_of(drafter)) is not None:
-                predicted[name] = asdict(p)
+                # The rounds' prediction, and the prompt's prefill as this decode timed it before its first round:
+                # the same verifier forward plain decoding runs, on both sides of the speedup the report predicts.
+                predicted[name] = asdict(p) | {"prefill_ms": 1000 * results[name].times.get("prefill_s", 0.0)}
         return Sample(
             id=prompt_id, category=category, turn=turn, prompt_tokens=len(ids), seconds=seconds, outputs=outputs,
             lengths={m: r.accept_lengths[:, 0].cpu() for m, r in results.items() if m != "baseline"},

@@ -54,6 +54,7 @@ from torch import Tensor
 from eval.drafters.build import export_of, make_drafter
 from eval.drafters.lookup import LOOKUP_TOKENS, PromptLookupDrafter, match
 from eval.engine.protocol import Draft, Drafter, Planned, Prediction, Skippable
+from eval.engine.timing import RoundOverhead
 from eval.engine.tree import Chain, Tree, TreePolicy, chain
 from models.formats.export import ExportInfo
 from models.verifiers.core import Verifier
@@ -225,6 +226,8 @@ class HybridDrafter:
         self._expect: tuple[int, int] | None = None
         self._length = 0
         self._prediction = Prediction()
+        self.overhead = RoundOverhead()  # what a round costs beyond its prediction (a planned primary)
+        self._round = (0.0, False)  # this round's start (time.perf_counter), and whether it is a decode's first
         self.last_split = (0, 0)  # (lookup nodes, drafter nodes) the last round verified, with a planned primary
         # Over the drafter's life, with a planned primary: drafts predicted and accepted from each part of the tree
         # (lookup: the chain's nodes, shared ones included; drafter: the rest), for the rounds' predicted split
@@ -278,6 +281,7 @@ class HybridDrafter:
         self._skipping = False
         # 2. Lookup drafts (a string search, timed as the hybrid's own work).
         start = time.perf_counter()
+        self._round = (start, new_decode)
         extra = self._lookup(input_ids, hidden)
         lookup_s = time.perf_counter() - start
         # 3. A planned primary sits the round out when lookup's chain alone is the better round (module docstring):
@@ -344,10 +348,7 @@ class HybridDrafter:
         spent = 1e3 * (time.perf_counter() - start)
         self._own[0] += spent
         self._own[1] += 1
-        p = self._prediction
-        p.rounds, p.step_ms = p.rounds + 1, primary.step_ms
-        p.tokens += 1.0 + value
-        p.ms += primary.round_ms(draft.tree.num_nodes) + own
+        self._predict(1.0 + value, primary.round_ms(draft.tree.num_nodes) + own)
         primary.restart_clock()  # the planner times the verify from here: this work is priced above
         return draft
 
@@ -387,11 +388,22 @@ class HybridDrafter:
         own = self._own[0] / self._own[1] if self._own[1] else 0.0
         self._own[0] += 1e3 * (time.perf_counter() - start)
         self._own[1] += 1
-        p = self._prediction
-        p.rounds, p.step_ms = p.rounds + 1, primary.step_ms
-        p.tokens += 1.0 + self._part[0]
-        p.ms += primary.verify_ms(k + 1) + own
+        self._predict(1.0 + self._part[0], primary.verify_ms(k + 1) + own)
         return draft
+
+    def _predict(self, tokens: float, ms: float) -> None:
+        """This round's prediction: E[tokens], and its ms with what rounds have cost beyond their predictions."""
+        p = self._prediction
+        p.rounds, p.step_ms = p.rounds + 1, self.primary.step_ms  # type: ignore[attr-defined]  # Planned
+        p.tokens += tokens
+        p.ms += ms + self.overhead.per_round()
+        start, first = self._round
+        self.overhead.start(ms, start, timed=not first)
+
+    def plain_step(self, ms: float) -> None:
+        """The plain step's ms measured on the coming prompt: the prediction's pace (eval.engine.timing)."""
+        if isinstance(self.primary, Planned):
+            self.overhead.plain_step(ms, self.primary.step_ms)
 
     def accepted(self, num_accepted: Tensor, nodes: Tensor) -> None:
         """Each part is told the count; the nodes in the primary's tree (-1 where a node was grafted), and a primary
@@ -412,6 +424,7 @@ class HybridDrafter:
             self.tally["lookup"][1] += hits
             self.primary.skipped(accepted + 1)  # type: ignore[attr-defined]  # Skippable, checked when it skipped
             self.extra.accepted(num_accepted, torch.full_like(nodes, -1))
+            self.overhead.stop()
             return
         origin = torch.tensor(self._origin, device=nodes.device)
         if isinstance(self.primary, Planned):
@@ -421,6 +434,7 @@ class HybridDrafter:
             self.primary.verified_nodes([o for o in self._origin if o >= 0])
         self.primary.accepted(num_accepted, origin[nodes])
         self.extra.accepted(num_accepted, torch.full_like(nodes, -1))
+        self.overhead.stop()
 
     def prediction(self) -> Prediction | None:
         """What the planner predicted for the decode just finished (a planned primary), else None."""

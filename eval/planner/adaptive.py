@@ -34,6 +34,7 @@ from typing import Any
 from torch import Tensor
 
 from eval.engine.protocol import Draft, Drafter, Prediction, Skippable
+from eval.engine.timing import RoundOverhead
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, rank_probs
 from eval.planner import cost
 from eval.planner.shapes import TreeShape, shape_named, shape_of
@@ -157,6 +158,7 @@ class PlannedDrafter:
         # (a plan that depends on acceptance alone: the tests that compare plans by it)
         self._timed = adaptive and draft is not None and learn_times
         self._predicted = (0.0, 0.0)  # this round's predicted draft and verify ms
+        self.overhead = RoundOverhead()  # what a round costs beyond the curves, for the prediction
         self._clock, self._draft_ms = 0.0, 0.0
         self._time_round = False  # whether this round's times are evidence on the curves (`_timed_round`)
         self.timed_rounds = 0  # rounds whose measured times moved `draft_scale`, over the drafter's life
@@ -283,16 +285,20 @@ class PlannedDrafter:
         # 2. Re-plan on the estimate so far; 3. predict this round before it runs; 4. draft.
         if self.adaptive:
             self._replan()
-        self._round_values = self._values()
         p = self._prediction
         p.rounds += 1
-        p.tokens += 1.0 + sum(self._round_values)
-        p.ms += self.round_ms(self.planned_nodes)
+        predicted = self.round_ms(self.planned_nodes)
+        p.ms += predicted + self.overhead.per_round()
+        self.overhead.start(predicted, start, timed=not new_decode)
         self._predicted = (self._plans[self.size].draft_ms, self._plans[self.size].verify_ms)
         self._time_round = self._timed_round(new_decode)
         self._catching_up = False
         draft = self.inner.propose(input_ids, hidden)
         self._tree, self._length = draft.tree, input_ids.shape[1]
+        # The round's E[tokens] on the tree drafted, before it is verified: a dynamic drafter (EAGLE) grows its own
+        # best-first tree by its scores, not the one the table would grow, and the table's tree promised more.
+        self._round_values = sorted(self.tree_values(draft.tree), reverse=True)
+        p.tokens += 1.0 + sum(self._round_values)
         self._clock = time.perf_counter()
         self._draft_ms = 1e3 * (self._clock - start)
         return draft
@@ -314,6 +320,12 @@ class PlannedDrafter:
             self._observe(self._tree, nodes[0].tolist(), accepted)
         self._verified = None
         self.inner.accepted(num_accepted, nodes)
+        self.overhead.stop()
+
+    def plain_step(self, ms: float) -> None:
+        """The plain step's ms measured on the coming prompt (the runner's plain decode of it): the prediction's pace
+        (eval.engine.timing.RoundOverhead)."""
+        self.overhead.plain_step(ms, self.step_ms)
 
     def _observe(self, tree: Tree, path: list[int], accepted: int) -> None:
         """At each depth the accepted path reached inside this tree: the ranks offered there and the one taken."""
@@ -401,3 +413,10 @@ def prediction_of(drafter: Any) -> Prediction | None:
     """What a planned drafter (or a hybrid over a planned primary) predicted for the decode just finished, or None."""
     take = getattr(drafter, "prediction", None)
     return take() if callable(take) else None
+
+
+def tell_plain_step(drafter: Any, ms: float) -> None:
+    """Hand a planned drafter (or a hybrid over one) the plain step's ms measured on the prompt it decodes next."""
+    tell = getattr(drafter, "plain_step", None)
+    if callable(tell):
+        tell(ms)
