@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation
-from eval.engine.decode import DecodeResult, sample_decode, speculative_decode
+from eval.engine.decode import DecodeResult, prepare, sample_decode, speculative_decode
 from eval.engine.protocol import Assistant, Drafter
 from eval.engine.rules import rule_for
 from eval.engine.sampling import SamplingConfig
@@ -102,6 +102,7 @@ class Runner:
         """Every method on one prompt, in a fixed interleaved order."""
         x = torch.tensor([ids], device=self.verifier.device)  # (1, T)
         seconds, outputs, results = {}, {}, {}
+        prepare(self.verifier, len(ids) + self.max_new, self.engine)  # untimed: the first loop would pay it alone
         v, n, s, g, e = self.verifier, self.max_new, self.sampling, self.generator, self.engine
         calls: dict[str, Callable[[], Any]] = {"baseline": lambda: sample_decode(v, x, n, self.eos, s, g, engine=e)}
         for name, drafter in self.drafters.items():

@@ -202,6 +202,33 @@ class SelfOracle:
         pass
 
 
+def test_no_timed_loop_pays_the_engines_one_time_probe_of_a_prompts_length(varied, monkeypatch):
+    # The engine probes attention's exactness once per cache length (0.56 s at 1,600 tokens on a 2-core machine);
+    # plain decoding ran first on every prompt and paid it alone, which inflated every speedup on long prompts. The
+    # runner runs the probe before it starts a clock: when each loop starts, the probe of its length is done.
+    from eval.engine import forward as fast
+
+    prompt, max_new = list(range(5, 5 + 377)), 8  # a length no other test decodes: not probed in this process yet
+    probed = []
+
+    def probed_now() -> bool:
+        return any(key[3] >= len(prompt) + max_new + decode.TREE_ROOM for key in fast._TRIM)
+
+    def spy(loop):
+        def timed_loop(*args, **kwargs):
+            probed.append(probed_now())
+            return loop(*args, **kwargs)
+        return timed_loop
+
+    assert not probed_now()
+    monkeypatch.setattr("eval.runner.sample_decode", spy(decode.sample_decode))
+    monkeypatch.setattr("eval.runner.speculative_decode", spy(decode.speculative_decode))
+    drafter = random_heads_drafter(varied, auto_tree([[0.5, 0.7]] * 2, 4))
+    runner = Runner(varied, drafter, max_new, lookup=3, engine="engine")  # auto: HF's forward in fp32 on a CPU
+    runner.decode(prompt)
+    assert probed == [True, True]  # plain, then speculative: neither pays the probe inside its clock
+
+
 def run_objects(verifier: Verifier, drafter: Drafter, out: Path, num_prompts: int = 3) -> tuple[dict, dict]:
     """What `evaluate` runs once the verifier and drafter are loaded: every method on the eval split's first
     prompts, then report.json and profile.json."""
