@@ -16,6 +16,7 @@ import json
 import runpy
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import eval.runner as runner
@@ -24,6 +25,8 @@ from eval.planner.adaptive import PlannedDrafter
 
 
 def record(out: str) -> None:
+    if Path(out).exists():
+        raise SystemExit(f"{out} exists; this tool writes a new file and does not overwrite one: name another.")
     rows: list[dict[str, Any]] = []
     per_round, propose, decode = RoundOverhead.per_round, PlannedDrafter.propose, runner.Runner.decode
     prepare, probe_s = runner.prepare, [0.0]
