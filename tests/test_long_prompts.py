@@ -122,7 +122,58 @@ def test_the_prefill_with_attention_in_the_model_dtype_is_exact_and_takes_effect
             out = speculative_decode(bf16, drafter, ids, MAX_NEW, engine="engine")
             assert torch.equal(out.tokens, plain.tokens), type(drafter).__name__
     finally:
-        e.prefill_attention = "fp32"
+        e.prefill_attention = "auto"
+
+
+def test_the_prefill_attention_auto_takes_bf16_only_where_it_is_clearly_faster(bf16, fp32):
+    """`prefill_attention_for` on given times (what each choice's attention takes here): the model's dtype only
+    where it is at least PREFILL_MARGIN faster (so a machine where the two tie keeps fp32 from one process to the
+    next), fp32 for an fp32 model whatever the times, an explicit setting as set; a given timer leaves the
+    process's memo alone."""
+    from eval.engine.decode import engine_of
+
+    e = engine_of(bf16.model)
+    times = lambda model_s: (lambda choice: model_s if choice == "model" else 1.0)  # noqa: E731
+    memo = dict(engine._PREFILL_ATTENTION)
+    assert engine.prefill_attention_for(e, times(0.5)) == "model"  # AMX-like: bf16 attention 2x fp32's
+    assert engine.prefill_attention_for(e, times(1.0 / engine.PREFILL_MARGIN - 0.01)) == "model"
+    assert engine.prefill_attention_for(e, times(0.95)) == "fp32"  # a tie within noise: fp32 stays
+    assert engine.prefill_attention_for(e, times(1.3)) == "fp32"
+    assert engine.prefill_attention_for(engine_of(fp32.model), times(0.1)) == "fp32"
+    try:
+        e.prefill_attention = "model"
+        assert engine.prefill_attention_for(e, times(5.0)) == "model"
+    finally:
+        e.prefill_attention = "auto"
+    assert engine._PREFILL_ATTENTION == memo
+
+
+@pytest.mark.parametrize("picked", ["fp32", "model"])
+def test_the_prefill_runs_the_attention_auto_picked_and_picks_it_before_the_prompt(picked, bf16):
+    """Under the default "auto", a cache is made only after the choice is timed (so no timed prefill pays it), and
+    the prefill then leaves the very cache the picked setting leaves, bit for bit, whichever this machine picked."""
+    from eval.engine.decode import engine_of
+
+    e = engine_of(bf16.model)
+    assert e.prefill_attention == "auto"
+    key = (e.dtype, torch.get_num_threads(), e.num_heads, e.num_kv_heads, e.head_dim, "cpu")
+    saved = engine._PREFILL_ATTENTION.pop(key, None)
+    try:
+        engine.new_cache(e, 128)
+        assert engine._PREFILL_ATTENTION[key] in ("fp32", "model")  # timed when the cache was made
+        engine._PREFILL_ATTENTION[key] = picked  # as if this machine had picked it
+        ids = long_prompt(bf16, 700)
+        caches = {}
+        for setting in ("auto", picked):
+            e.prefill_attention = setting
+            caches[setting] = engine.new_cache(e, 800)
+            engine.forward(caches[setting], ids, last_logits=True)
+        assert torch.equal(caches["auto"].kv, caches[picked].kv)
+    finally:
+        e.prefill_attention = "auto"
+        engine._PREFILL_ATTENTION.pop(key, None)
+        if saved is not None:
+            engine._PREFILL_ATTENTION[key] = saved
 
 
 def test_accepted_paths_through_every_branch_after_a_long_prefill(bf16):

@@ -53,6 +53,9 @@ _CANDIDATES = (1, 2, 4, 8, 16, 33, 40, 48, 64)  # row counts a product may be pa
 _MIN_ROWS: dict[tuple, int] = {}
 _PAD_ROWS: dict[tuple, int] = {}
 MAX_PAD_ROWS = 8  # padding beyond this costs more than kernel choice saves
+_PREFILL_ATTENTION: dict[tuple, str] = {}
+PREFILL_PROBE_TOKENS = 1024  # the causal attention `prefill_attention_for` times: one layer's, at this length
+PREFILL_MARGIN = 1.15  # attention in the model's dtype replaces fp32 only when at least this much faster
 
 
 def min_invariant_rows(
@@ -231,11 +234,11 @@ class Engine:
                     )
                 )
         self.intermediate = self.layers[0]["down"].in_features
-        # The prefill's causal attention: in fp32 as every other attention of the engine ("fp32"), or over q, k, v
-        # cast to the model's dtype ("model", what HF's SDPA runs; on a CPU with AMX its bf16 kernel may be the
-        # faster). Exactness holds either way: plain and speculative decoding run the same prefill.
-        # `python -m scripts.bench.long` times both beside HF's forward.
-        self.prefill_attention = "fp32"
+        # The prefill's causal attention: in fp32 as every other attention of the engine ("fp32"), over q, k, v
+        # cast to the model's dtype ("model", what HF's SDPA runs), or "auto": whichever of the two this machine
+        # runs faster, timed once per process (`prefill_attention_for`). Exactness holds either way: plain and
+        # speculative decoding run the same prefill. `python -m scripts.bench.long` times both beside HF's forward.
+        self.prefill_attention = "auto"
         # Each weight's kernel gives every row the same bits over its own range of row counts on this machine
         # (probed per shape): `Linear` pads a call below it and splits one above it, so the rest of the forward runs
         # on the real rows. (On an AMX CPU in bf16: 1-32 rows; without AMX from 1-4 rows up.)
@@ -290,6 +293,53 @@ class Engine:
         return step
 
 
+def prefill_attention_for(engine: Engine, seconds: Callable[[str], float] | None = None) -> str:
+    """The dtype the prefill's causal attention runs in: `engine.prefill_attention` where set ("fp32" or "model"),
+    else ("auto") "model" where that is at least PREFILL_MARGIN times faster than fp32 on this machine, else "fp32".
+    On a CPU with AMX the bf16 kernel is the faster (HF's forward runs it, and led ours by 1.4-1.6x at 1-1.5k
+    tokens with fp32 attention); on one without, the two tie and fp32 stays, so a machine does not flip between
+    them from one process to the next. Timed once per process, dtype, thread count and head shape, on one layer's
+    attention over PREFILL_PROBE_TOKENS random tokens (~0.3 s on a 2-core CPU); `seconds(choice)` replaces the
+    timer (tests)."""
+    if engine.prefill_attention != "auto":
+        return engine.prefill_attention
+    if engine.dtype == torch.float32:
+        return "fp32"  # the same kernel either way
+    hq, hkv, dh = engine.num_heads, engine.num_kv_heads, engine.head_dim
+    key = (engine.dtype, torch.get_num_threads(), hq, hkv, dh, engine.embed.device.type)
+    timed = seconds is None
+    if timed and key in _PREFILL_ATTENTION:
+        return _PREFILL_ATTENTION[key]
+    if seconds is None:
+        gen = torch.Generator().manual_seed(0)
+        t, device = PREFILL_PROBE_TOKENS, engine.embed.device
+        q, k, v = (torch.randn(1, h, t, dh, generator=gen).to(device) for h in (hq, hkv, hkv))
+
+        def seconds(choice: str) -> float:
+            start = time.perf_counter()
+            _causal_attention(engine, q, k, v, choice)
+            return time.perf_counter() - start
+
+    best = {c: float("inf") for c in ("fp32", "model")}
+    for c in best:
+        seconds(c)  # warm
+    for _ in range(3):  # interleaved, the least of each kept: a burst of load lands on both alike
+        for c in best:
+            best[c] = min(best[c], seconds(c), seconds(c))
+    choice = "model" if best["model"] * PREFILL_MARGIN <= best["fp32"] else "fp32"
+    if timed:
+        _PREFILL_ATTENTION[key] = choice
+    return choice
+
+
+def _causal_attention(e: Engine, q: Tensor, k: Tensor, v: Tensor, choice: str) -> Tensor:
+    """The prefill's causal SDPA of fp32 q (B, Hq, T, Dh) over k, v (B, Hkv, T, Dh), q pre-scaled: in fp32, or over
+    q, k, v cast to the model's dtype ("model"). (B, Hq, T, Dh)."""
+    if choice == "model" and e.dtype != torch.float32:
+        q, k, v = q.to(e.dtype), k.to(e.dtype), v.to(e.dtype)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0, enable_gqa=e.num_heads != e.num_kv_heads)
+
+
 def fastest(candidates: Sequence[int], seconds: Callable[[int], float], rounds: int = 3, reps: int = 2) -> int:
     """The candidate with the least time, each timed `reps` times per round after a warm call, rounds interleaved
     (a burst of load lands on every candidate alike); ties go to the smaller."""
@@ -338,6 +388,7 @@ def new_cache(model: nn.Module | Engine, max_length: int, batch_size: int = 1, t
     engine = model if isinstance(model, Engine) else Engine(model)
     length = -(-max(max_length, 1) // KEY_BLOCK) * KEY_BLOCK
     min_rows = engine.min_rows(length)
+    prefill_attention_for(engine)  # timed once per process, here rather than inside the first (timed) prefill
     return StaticCache(engine, *_cache_tensors(engine, length, batch_size), min_rows=min_rows,
                        pad_rows=engine.pad_rows(min_rows),
                        trim_keys=trim and trimmed_keys_invariant(engine, length, min_rows))
@@ -516,9 +567,9 @@ def trimmed_keys_invariant(engine: Engine, max_length: int, min_rows: int) -> bo
 def _prefill(cache: StaticCache, tokens: Tensor, wanted: list[int] | None, last_logits: bool) -> ForwardOutput:
     """The first forward into an empty cache (a prompt), at matmul speed: every weight product in one kernel call
     over all the prompt's rows, causal attention by SDPA (fp32 like the rest of the engine's attention, or in the
-    model's dtype: `Engine.prefill_attention`), the
-    vocabulary head over the last position only when `last_logits`. Deterministic (the same prompt gives the same
-    bits) but not batch-invariant, and need not be: plain and speculative decoding run this same call on the same
+    model's dtype where this machine runs that faster: `prefill_attention_for`), the vocabulary head over the last
+    position only when `last_logits`. Deterministic (the same prompt gives the same bits) but not batch-invariant,
+    and need not be: plain and speculative decoding run this same call on the same
     prompt, and every later forward (one-token steps, chains, trees) reads the keys it leaves in the cache through
     the batch-invariant path. Linear in the prompt's length but for attention's T^2 / 2 products."""
     e = cache.engine
@@ -530,6 +581,7 @@ def _prefill(cache: StaticCache, tokens: Tensor, wanted: list[int] | None, last_
     off, cap = e.arch.norm_offset, e.arch.attn_softcap
     ahead = torch.arange(t, device=tokens.device)
     distance = ahead[:, None] - ahead[None]  # (T, T): query minus key position
+    attention = prefill_attention_for(e)
     for i, w in enumerate(e.layers):
         if wanted is not None and i in wanted:
             kept[i] = h
@@ -545,12 +597,8 @@ def _prefill(cache: StaticCache, tokens: Tensor, wanted: list[int] | None, last_
             seen = (distance >= 0) & (distance < (w["window"] or t + 1))
             att = torch.matmul(torch.softmax(scores.masked_fill(~seen, float("-inf")), -1),
                                v.repeat_interleave(group, 1))  # (B, Hq, T, Dh)
-        elif e.prefill_attention == "model" and e.dtype != torch.float32:
-            att = F.scaled_dot_product_attention(q.to(e.dtype), k.to(e.dtype), v.to(e.dtype), is_causal=True,
-                                                 scale=1.0, enable_gqa=hq != hkv)  # (B, Hq, T, Dh) model dtype
         else:
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0,
-                                                 enable_gqa=hq != hkv)  # (B, Hq, T, Dh) fp32
+            att = _causal_attention(e, q, k, v, attention)  # (B, Hq, T, Dh)
         h = _residual(e, w, h, att.transpose(1, 2).reshape(bsz, t, hq * dh).to(e.dtype), dense=True)
     h = _rms_norm(h, e.norm, e.eps, off)
     head = h[:, -1:] if last_logits else h

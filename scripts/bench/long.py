@@ -8,7 +8,8 @@ context length.
    prefills, and with every position's logits), interleaved in rounds, the least time of each kept. Printed as
    tokens/s, the ratio HF / ours (above 1: ours is faster), and ours as a share of the machine's matmul peak in the
    dtype (2 x matmul parameters x tokens FLOPs, the vocabulary head counted once, attention left out); then ours with
-   the prefill's attention in the model's dtype (`Engine.prefill_attention = "model"`) and HF against it.
+   the prefill's attention in the model's dtype (`Engine.prefill_attention = "model"`) and HF against it, and which
+   of the two the default (`"auto"`, `eval.engine.forward.prefill_attention_for`) picks on this machine.
 2. Context: a one-token step and a 17-node tree verify after prefixes of each length, through the engine, each as a
    ratio to the same at the shortest prefix (the target: within 1.2x at 1,500 tokens).
 """
@@ -79,7 +80,9 @@ def prefill_table(v, lengths: list[int], rounds: int, peak: float) -> None:
         print(f"         {n:6d} {n / ms['ours'] * 1e3:10.0f} {n / ms['hf_last'] * 1e3:9.0f} "
               f"{n / ms['hf_all'] * 1e3:8.0f} {hf / ms['ours']:7.2f}x {share:7.0%} "
               f"{n / ms['ours_model'] * 1e3:28.0f} {hf / ms['ours_model']:5.2f}x", flush=True)
-    e.prefill_attention = "fp32"
+    e.prefill_attention = "auto"
+    print(f"prefill: the default (auto) runs attention in {engine.prefill_attention_for(e)} on this machine "
+          f"(the model's dtype where at least {engine.PREFILL_MARGIN}x faster than fp32)", flush=True)
 
 
 def context_table(v, contexts: list[int], rounds: int) -> None:
