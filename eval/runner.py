@@ -21,7 +21,7 @@ from eval.engine.decode import DecodeResult, prepare, sample_decode, speculative
 from eval.engine.protocol import Assistant, Drafter
 from eval.engine.rules import rule_for
 from eval.engine.sampling import SamplingConfig
-from eval.planner.adaptive import prediction_of, tell_plain_step
+from eval.planner.adaptive import prediction_of, tell_category, tell_plain_step
 from eval.report import SPECULATIVE, Sample
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -103,6 +103,8 @@ class Runner:
         x = torch.tensor([ids], device=self.verifier.device)  # (1, T)
         seconds, outputs, results = {}, {}, {}
         prepare(self.verifier, len(ids) + self.max_new, self.engine)  # untimed: the first loop would pay it alone
+        for drafter in self.drafters.values():
+            tell_category(drafter, category)
         v, n, s, g, e = self.verifier, self.max_new, self.sampling, self.generator, self.engine
         calls: dict[str, Callable[[], Any]] = {"baseline": lambda: sample_decode(v, x, n, self.eos, s, g, engine=e)}
         for name, drafter in self.drafters.items():

@@ -323,3 +323,44 @@ def test_lookup_chains_are_priced_by_their_match_size():
     rates.new_prompt()  # the next prompt starts from the run's rates, per match size
     assert rates.rate(0, size=3) > 0.8 and rates.rate(0, size=1) < 0.2
     assert 0.2 < rates.rate(0, size=2) < 0.8  # a size never seen: the run's rate over all sizes
+
+
+def test_a_categorys_finished_prompts_price_its_next_prompts_chains():
+    # Two categories alternate: "copy" prompts (translation-like) whose chains land at every depth, "fresh" ones (STEM
+    # answers) whose chains miss at their first node. The run's rates pool both, about half; a new prompt of either
+    # category starts from what its category's finished prompts did, one of no known category from the run's.
+    rates = LookupDepths()
+    for p in range(6):
+        category = ("copy", "fresh")[p % 2]
+        rates.new_prompt(category)
+        for _ in range(6):
+            if category == "copy":
+                for depth in range(3):
+                    rates.observe(depth, False, True, size=1)
+            else:
+                rates.observe(0, False, False, size=1)
+    rates.new_prompt("copy")
+    copy = rates.values([False] * 3, size=1)
+    rates.new_prompt("fresh")
+    fresh = rates.values([False] * 3, size=1)
+    rates.new_prompt("")
+    run = rates.values([False] * 3, size=1)
+    assert 0.3 < run[0] < 0.7  # the premise: pooled, the first node is right about half the time
+    assert copy[0] > run[0] + 0.25 and copy[2] > 1.5 * run[2]
+    assert fresh[0] < run[0] - 0.25 and fresh[2] < 0.5 * run[2]
+    rates.new_prompt("writing")  # a category with no finished prompt: the run's rates
+    assert rates.values([False] * 3, size=1) == run
+
+
+def test_the_runner_tells_a_hybrid_each_prompts_category(base: Verifier):  # noqa: F811
+    from eval.runner import Runner
+
+    primary = planned_medusa(base, random_heads(base), OPTIMISTIC, adaptive=True)
+    hybrid = HybridDrafter(primary, PromptLookupDrafter(Chain(10), 10))
+    runner = Runner(base, hybrid, 16, lookup=10)
+    for i, category in enumerate(("copy", "fresh", "copy")):
+        ids = base.tokenizer(PROMPTS[i % len(PROMPTS)], return_tensors="pt").input_ids[0].tolist()
+        sample = runner.decode(ids, f"p{i}", category)
+        assert sample.outputs["speculative"] == sample.outputs["baseline"]
+        assert hybrid.lookup.category == category  # its chains were priced on its category's rates
+    assert set(hybrid.lookup.categories) == {"copy", "fresh"}  # each finished prompt joined its category

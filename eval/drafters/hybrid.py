@@ -17,10 +17,10 @@ node counted once:
   apart for nodes the drafter proposed too (`shared`: both sources agree, and are right far more often) and nodes
   only lookup proposed, and per match size (the suffix n-gram lookup matched: a 3-gram's chain is right about three
   times as often as a 1-gram's at its first node). `LookupDepths`: Beta means, the run's counts over all sizes the
-  prior of its counts for one size, and on this prompt those rates scaled by its chains' hits against what the
-  run's rates expected of them, every depth, kind and size pooled: a prompt whose chains keep missing prices them
-  near 0 at every depth within a few rounds, and the split stops grafting them; one whose chains keep landing
-  prices them up;
+  prior of its counts for one size, scaled by how the chains of the prompt's category (where the runner knows it)
+  did against those rates, and on this prompt those rates scaled by its chains' hits against what they expected of
+  them, every depth, kind and size pooled: a prompt whose chains keep missing prices them near 0 at every depth
+  within a few rounds, and the split stops grafting them; one whose chains keep landing prices them up;
 - a drafter node is worth what its planner's estimate gives its path (PlannedDrafter.tree_values); one the chain
   shares is counted once, as the chain's; one that leaves the chain at depth d, beside a verified chain node, only
   pays when that chain node is wrong: times 1 - c_d (the two cannot both be right);
@@ -126,10 +126,13 @@ class LookupDepths:
     - per kind and depth, pooled over match sizes: depth 0 starts from LOOKUP_PRIOR, each deeper depth from the run's
       estimate of the one above (a depth rarely reached moves with the shallower ones), LOOKUP_STRENGTH;
     - per match size, that as its prior, SIZE_STRENGTH;
-    and on this prompt, scaled by how its chain nodes have done against what the run's rates expected of them, every
-    depth, kind and size pooled. A prompt whose nodes hit less often than expected scales every rate by (EFFECT_STRENGTH
-    + its hits) / (EFFECT_STRENGTH + the hits expected); one whose nodes hit more often scales every miss rate,
-    1 - rate, by (EFFECT_STRENGTH + its misses) / (EFFECT_STRENGTH + the misses expected). So a prompt whose chains
+    where the prompt's category is known (the runner tells it: `category`), scaled by how the chain nodes of that
+    category's finished prompts did against what the run's rates expected of them (a translation prompt copies its
+    input and a STEM answer does not, and each category's chains keep their own rates); and on this prompt, scaled
+    again by how its chain nodes have done against what those rates expected of them, every depth, kind and size
+    pooled. Each scaling (`_scaled`): outcomes with fewer hits than expected scale every rate by (EFFECT_STRENGTH +
+    the hits) / (EFFECT_STRENGTH + the hits expected); with more, they scale every miss rate, 1 - rate, by
+    (EFFECT_STRENGTH + the misses) / (EFFECT_STRENGTH + the misses expected). So a prompt whose chains
     keep missing is priced down at every depth within a few rounds, a run's near-certain 3-gram chains included, and
     one whose chains keep landing is priced up. On top, the prompt's own counts per kind, size and depth, that as
     their prior, PROMPT_STRENGTH: a cell the prompt offers often (its 1-gram chains' first node) moves on its own.
@@ -139,10 +142,21 @@ class LookupDepths:
     def __init__(self) -> None:
         self.run: dict[bool, dict[int, list[float]]] = {False: {}, True: {}}  # kind -> depth -> [hits, offered]
         self.sized: dict[tuple[bool, int, int], list[float]] = {}  # (kind, size, depth) -> [hits, offered]
+        # Per category, over its finished prompts: chain nodes' hits, the hits the run's rates expected, offered
+        self.categories: dict[str, list[float]] = {}
+        self.category = ""
+        self.seen_run = [0.0, 0.0, 0.0]
         self.new_prompt()
 
-    def new_prompt(self) -> None:
-        self.seen = [0.0, 0.0, 0.0]  # this prompt's chain nodes: hits, the hits the run's rates expected, offered
+    def new_prompt(self, category: str = "") -> None:
+        """A new prompt, of `category` ("": none known). The prompt just finished joins its category's outcomes."""
+        if self.category and self.seen_run[2]:
+            done = self.categories.setdefault(self.category, [0.0, 0.0, 0.0])
+            for i, x in enumerate(self.seen_run):
+                done[i] += x
+        self.category = category
+        self.seen = [0.0, 0.0, 0.0]  # this prompt's chain nodes: hits, the hits its category's rates expected, offered
+        self.seen_run = [0.0, 0.0, 0.0]  # ... hits, the hits the run's rates expected, offered
         self.prompt: dict[tuple[bool, int, int], list[float]] = {}  # (kind, size, depth) -> [hits, offered]
 
     def _run_rate(self, depth: int, shared: bool, size: int) -> float:
@@ -155,9 +169,11 @@ class LookupDepths:
 
     def observe(self, depth: int, shared: bool, hit: bool, size: int = 0) -> None:
         """A chain node of match size `size` offered at `depth` (its parent accepted), and whether it was accepted."""
-        self.seen[0] += float(hit)
-        self.seen[1] += self._run_rate(depth, shared, size)
-        self.seen[2] += 1.0
+        run = self._run_rate(depth, shared, size)
+        for seen, expected in ((self.seen_run, run), (self.seen, self._category_rate(run))):
+            seen[0] += float(hit)
+            seen[1] += expected
+            seen[2] += 1.0
         for cell in (self.run[shared].setdefault(depth, [0.0, 0.0]),
                      self.sized.setdefault((shared, size, depth), [0.0, 0.0]),
                      self.prompt.setdefault((shared, size, depth), [0.0, 0.0])):
@@ -167,14 +183,14 @@ class LookupDepths:
     def rate(self, depth: int, shared: bool = False, size: int = 0) -> float:
         """P(chain node `depth` accepted | its parent accepted), for a node of this kind and match size, on this
         prompt: the run's rate scaled by the prompt's own outcomes (the class docstring)."""
-        run = self._run_rate(depth, shared, size)
-        hits, expected, offered = self.seen
-        if hits <= expected:
-            scaled = run * (EFFECT_STRENGTH + hits) / (EFFECT_STRENGTH + expected)
-        else:
-            scaled = 1.0 - (1.0 - run) * (EFFECT_STRENGTH + offered - hits) / (EFFECT_STRENGTH + offered - expected)
+        scaled = _scaled(self._category_rate(self._run_rate(depth, shared, size)), self.seen)
         hits, offered = self.prompt.get((shared, size, depth), (0.0, 0.0))
         return (PROMPT_STRENGTH * scaled + hits) / (PROMPT_STRENGTH + offered)
+
+    def _category_rate(self, run: float) -> float:
+        """The run's rate scaled by how the chains of this prompt's category's finished prompts did against it."""
+        done = self.categories.get(self.category) if self.category else None
+        return run if done is None else _scaled(run, done)
 
     def values(self, shared: Sequence[bool], size: int = 0) -> list[float]:
         """A chain's nodes' path-acceptance probabilities, `shared` per node, `size` its match size: the products
@@ -184,6 +200,16 @@ class LookupDepths:
             value *= self.rate(depth, kind, size)
             out.append(value)
         return out
+
+
+def _scaled(rate: float, seen: Sequence[float]) -> float:
+    """`rate` scaled by outcomes `seen` = (hits, the hits `rate` expected of those nodes, nodes offered), worth
+    against EFFECT_STRENGTH expected hits (misses): fewer hits than expected scale the rate down, more scale the miss
+    rate 1 - rate down (LookupDepths)."""
+    hits, expected, offered = seen
+    if hits <= expected:
+        return rate * (EFFECT_STRENGTH + hits) / (EFFECT_STRENGTH + expected)
+    return 1.0 - (1.0 - rate) * (EFFECT_STRENGTH + offered - hits) / (EFFECT_STRENGTH + offered - expected)
 
 
 def split(lookup: Sequence[float], drafter: Sequence[float], cap: int, ms: Any = None) -> tuple[int, int]:
@@ -222,6 +248,7 @@ class HybridDrafter:
         self._kinds: list[bool] = []  # per node of that chain: whether the primary proposed it too
         self._size = 0  # the match size of this round's lookup chain (LookupDepths)
         self.lookup = LookupDepths()
+        self._category = ""  # the category of the prompts decoded from now on ("": none known), `prompt_category`
         self._own = [0.0, 0.0]  # the hybrid's own ms per round (lookup, split, graft), summed over the run, and rounds
         self._expect: tuple[int, int] | None = None
         self._length = 0
@@ -275,7 +302,7 @@ class HybridDrafter:
         # 1. A new decode: the prompt's lookup rate starts from the run's, and no features are held for the drafter.
         new_decode = self._expect != (input_ids.shape[1], hidden.shape[1])
         if new_decode:
-            self.lookup.new_prompt()
+            self.lookup.new_prompt(self._category)
             self._held = None
         self._length = input_ids.shape[1]
         self._skipping = False
@@ -399,6 +426,11 @@ class HybridDrafter:
         p.ms += ms + self.overhead.per_round()
         start, first = self._round
         self.overhead.start(ms, start, timed=not first)
+
+    def prompt_category(self, category: str) -> None:
+        """The category of the prompt decoded next (the runner's prompt rows carry one): lookup's chains are priced
+        on its category's rates (LookupDepths)."""
+        self._category = category
 
     def plain_step(self, ms: float) -> None:
         """The plain step's ms measured on the coming prompt: the prediction's pace (eval.engine.timing)."""

@@ -415,6 +415,13 @@ def prediction_of(drafter: Any) -> Prediction | None:
     return take() if callable(take) else None
 
 
+def tell_category(drafter: Any, category: str) -> None:
+    """Hand a drafter that prices by category (a hybrid's lookup chains) the category of the prompt it decodes next."""
+    tell = getattr(drafter, "prompt_category", None)
+    if callable(tell):
+        tell(category)
+
+
 def tell_plain_step(drafter: Any, ms: float) -> None:
     """Hand a planned drafter (or a hybrid over one) the plain step's ms measured on the prompt it decodes next."""
     tell = getattr(drafter, "plain_step", None)
