@@ -157,7 +157,7 @@ def prepare(verifier: Verifier, max_length: int, engine: str = "auto") -> None:
     """The engine's one-time work for a cache of `max_length` tokens (prompt + max_new_tokens), done now: its
     exactness probes are memoised per cache length (eval.engine.forward's `trimmed_keys_invariant`: 0.05 s at 300
     tokens, 0.56 s at 1,600, 0.9 s at 2,100 on a 2-core machine), and whichever decode first meets a length pays them;
-    the prefill's attention dtype is timed once per process (`prefill_attention_for`, ~0.3 s) when a cache is made.
+    the prefill's attention dtype is timed once per process (`prefill_attention_for`, 0.2 s) when a cache is made.
     A comparison that times several loops on one prompt calls this first, so that no loop pays them for the others
     (both loops size the cache alike: TREE_ROOM)."""
     VerifierSession(verifier, engine, max_length, 1, 0)

@@ -296,11 +296,11 @@ class Engine:
 def prefill_attention_for(engine: Engine, seconds: Callable[[str], float] | None = None) -> str:
     """The dtype the prefill's causal attention runs in: `engine.prefill_attention` where set ("fp32" or "model"),
     else ("auto") "model" where that is at least PREFILL_MARGIN times faster than fp32 on this machine, else "fp32".
-    On a CPU with AMX the bf16 kernel is the faster (HF's forward runs it, and led ours by 1.4-1.6x at 1-1.5k
-    tokens with fp32 attention); on one without, the two tie and fp32 stays, so a machine does not flip between
-    them from one process to the next. Timed once per process, dtype, thread count and head shape, on one layer's
-    attention over PREFILL_PROBE_TOKENS random tokens (~0.3 s on a 2-core CPU); `seconds(choice)` replaces the
-    timer (tests)."""
+    On a CPU with AMX, bf16 products run about 5x fp32's, and HF's forward, whose attention runs in bf16, led
+    ours (fp32 attention) by 1.4-1.6x at 1-1.5k tokens; on one without AMX the two tie (measured) and fp32 stays, so
+    a machine does not flip between them from one process to the next. Timed once per process, dtype, thread count
+    and head shape, on one layer's attention over PREFILL_PROBE_TOKENS random tokens (0.2 s on a 2-core CPU);
+    `seconds(choice)` replaces the timer (tests)."""
     if engine.prefill_attention != "auto":
         return engine.prefill_attention
     if engine.dtype == torch.float32:
@@ -569,9 +569,9 @@ def _prefill(cache: StaticCache, tokens: Tensor, wanted: list[int] | None, last_
     over all the prompt's rows, causal attention by SDPA (fp32 like the rest of the engine's attention, or in the
     model's dtype where this machine runs that faster: `prefill_attention_for`), the vocabulary head over the last
     position only when `last_logits`. Deterministic (the same prompt gives the same bits) but not batch-invariant,
-    and need not be: plain and speculative decoding run this same call on the same
-    prompt, and every later forward (one-token steps, chains, trees) reads the keys it leaves in the cache through
-    the batch-invariant path. Linear in the prompt's length but for attention's T^2 / 2 products."""
+    and need not be: plain and speculative decoding run this same call on the same prompt, and every later forward
+    (one-token steps, chains, trees) reads the keys it leaves in the cache through the batch-invariant path. Linear
+    in the prompt's length but for attention's T^2 / 2 products."""
     e = cache.engine
     bsz, t = tokens.shape
     hq, hkv, dh = e.num_heads, e.num_kv_heads, e.head_dim
