@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ _CANDIDATES = (1, 2, 4, 8, 16, 33, 40, 48, 64)  # row counts a product may be pa
 _MIN_ROWS: dict[tuple, int] = {}
 _PAD_ROWS: dict[tuple, int] = {}
 MAX_PAD_ROWS = 8  # padding beyond this costs more than kernel choice saves
+T = TypeVar("T")
 _PREFILL_ATTENTION: dict[tuple, str] = {}
 PREFILL_PROBE_TOKENS = 1024  # the causal attention `prefill_attention_for` times: one layer's, at this length
 PREFILL_MARGIN = 1.15  # attention in the model's dtype replaces fp32 only when at least this much faster
@@ -320,12 +322,7 @@ def prefill_attention_for(engine: Engine, seconds: Callable[[str], float] | None
             _causal_attention(engine, q, k, v, choice)
             return time.perf_counter() - start
 
-    best = {c: float("inf") for c in ("fp32", "model")}
-    for c in best:
-        seconds(c)  # warm
-    for _ in range(3):  # interleaved, the least of each kept: a burst of load lands on both alike
-        for c in best:
-            best[c] = min(best[c], seconds(c), seconds(c))
+    best = least_seconds(("fp32", "model"), seconds)
     choice = "model" if best["model"] * PREFILL_MARGIN <= best["fp32"] else "fp32"
     if timed:
         _PREFILL_ATTENTION[key] = choice
@@ -340,15 +337,22 @@ def _causal_attention(e: Engine, q: Tensor, k: Tensor, v: Tensor, choice: str) -
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0, enable_gqa=e.num_heads != e.num_kv_heads)
 
 
-def fastest(candidates: Sequence[int], seconds: Callable[[int], float], rounds: int = 3, reps: int = 2) -> int:
-    """The candidate with the least time, each timed `reps` times per round after a warm call, rounds interleaved
-    (a burst of load lands on every candidate alike); ties go to the smaller."""
+def least_seconds(candidates: Sequence[T], seconds: Callable[[T], float], rounds: int = 3,
+                  reps: int = 2) -> dict[T, float]:
+    """Each candidate's least time, each timed `reps` times per round after a warm call, rounds interleaved (a burst
+    of load lands on every candidate alike)."""
     best = {c: float("inf") for c in candidates}
     for c in candidates:
         seconds(c)
     for _ in range(rounds):
         for c in candidates:
             best[c] = min(best[c], *(seconds(c) for _ in range(reps)))
+    return best
+
+
+def fastest(candidates: Sequence[int], seconds: Callable[[int], float], rounds: int = 3, reps: int = 2) -> int:
+    """The candidate with the least time (`least_seconds`); ties go to the smaller."""
+    best = least_seconds(candidates, seconds, rounds, reps)
     return min(candidates, key=lambda c: (best[c], c))
 
 
