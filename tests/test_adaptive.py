@@ -222,12 +222,14 @@ def test_the_report_gives_predicted_beside_measured(export, tmp_path):
         assert group["predicted_speedup"] is not None
     # The random heads draft nothing good on unseen prompts: the round-by-round prediction comes down from the one
     # the export's table made on the same cost curve at the start (profile.json's cost_model). Where this machine's
-    # curve says no draft pays, nothing is drafted and both predict plain decoding.
+    # curve says no draft pays, nothing is drafted: the table predicts plain decoding, and the rounds can only price
+    # in what the loop costs beyond a plain step (measured on each prompt, so on a loaded machine well below 1.0).
     plan = json.loads((tmp_path / "a" / "profile.json").read_text())["cost_model"]
     if plan["size"] > 0:
         assert report["predicted_speedup"] < plan["predicted_speedup"], (report["predicted_speedup"], plan)
     else:
-        assert report["predicted_speedup"] == pytest.approx(1.0, abs=0.05)
+        assert plan["predicted_speedup"] == pytest.approx(1.0, abs=1e-6)
+        assert report["predicted_speedup"] <= 1.0 + 0.05, (report["predicted_speedup"], plan)
 
 
 def test_the_predicted_speedup_prices_the_prompts_prefill_on_both_sides(base):
