@@ -9,16 +9,25 @@ Writes <output_dir>/report.json, profile.json and PNG plots, prints a table, log
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 from eval.harness import evaluate
 from runtime.errors import exit_on_user_error
+from runtime.lifetime import stop_on_signals
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    exit_on_user_error(lambda: evaluate(cfg))
+    stop_on_signals()  # SIGTERM and SIGHUP as Ctrl-C: a vLLM server the run started goes down with it
+    try:
+        exit_on_user_error(lambda: evaluate(cfg))
+    except KeyboardInterrupt as e:
+        print(f"[eval] stopped ({e or 'Ctrl-C'}); any vLLM server it started is down",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

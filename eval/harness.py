@@ -43,7 +43,7 @@ from eval.engine.decode import engine_of, use_engine
 from eval.engine.protocol import Combination, Drafter
 from eval.engine.rules import named_rule
 from eval.engine.tree import AutoTree
-from eval.load import LoadSettings, load_settings, predictor, sweep, with_groups
+from eval.load import LoadSettings, check_clients, load_settings, predictor, sweep, with_groups
 from eval.peers import check_peers, vllm_peer
 from eval.planner import adaptive, cost, shapes
 from eval.report import ALONE, GRAFTED, SPECULATIVE, write_outputs
@@ -349,6 +349,7 @@ def evaluate_settings(s: EvalSettings, progress: bool = True) -> dict[str, Any]:
     try:
         run = setup(s)
         load = with_groups(load, s.prompts, s.num_prompts, run.verifier)  # length groups, before decoding
+        check_clients(load, len(run.convs))
         rule = named_rule(s.sampling)  # the acceptance rule asked for (eval.engine.rules)
         left_out = chains_only(run) if run.method == "all" and rule.chains_only else []
         check_chain_drafters(rule, run.drafters.values())  # verify=block: chains only, before decoding

@@ -124,10 +124,28 @@ def batch_predictor(model: Any, acceptance: Any, prefix: list[int], sizes: Seque
     return predict
 
 
-def schedule_of(rows: Sequence[dict[str, Any]], most: int) -> tuple[tuple[int, int, int], ...]:
+def check_clients(load: LoadSettings | None, prompts: int) -> None:
+    """Refuse a concurrency above the prompts a pass has (a closed loop cannot keep more requests in flight than it
+    has prompts: the pass would run at a lower concurrency than it is reported at), before any server starts."""
+    if load is None:
+        return
+    counts = {g.group.name: len(g.prompts) for g in load.groups} or {"the run": prompts}
+    for name, n in counts.items():
+        over = [c for c in load.concurrency if c > n]
+        if over:
+            where = "the run has" if name == "the run" else f"the length group {name!r} has"
+            raise UserError(f"engine_concurrency={list(load.concurrency)}: {where} {n} prompts, so at most {n} "
+                            f"requests can be in flight, not {over[0]}; give num_prompts >= {max(over)} (or more "
+                            f"prompts in that group, {name}:{max(over)}), or drop the concurrencies above {n}.")
+
+
+def schedule_of(rows: Sequence[dict[str, Any]], most: int) -> tuple[tuple[int, int, int], ...] | None:
     """The K per batch-size range that gave the most output tokens/s: batch sizes above the previous measured
     concurrency up to this one take its best K (0 where no K beat plain), the last range reaching `most`;
-    neighbouring ranges of one K merged."""
+    neighbouring ranges of one K merged. None where a row misses a K (its server failed): no schedule is derived
+    from passes that did not run."""
+    if not rows or any(row["best_k"] is None for row in rows):
+        return None
     ranges: list[list[int]] = []
     low = 1
     for i, row in enumerate(rows):
@@ -180,7 +198,8 @@ def _serve_passes(settings: Any, label: str, sets: dict[str, list[list[int]]], m
     import httpx
 
     from serve.client import run_pass
-    from serve.server import Server, counter_delta, log_cause, spec_counters
+    from serve.server import Server, counter_delta, spec_counters
+    from serve.vllm_engine import log_cause
 
     out: Passes = {}
     server = Server(settings, log=log_dir / f"vllm-{label.replace('=', '')}.log")
@@ -221,43 +240,79 @@ def _pooled(passes: Passes | None, names: Sequence[str], c: int) -> tuple[Any, d
     return Pass(c, [a for p, _ in got for a in p.answers], sum(p.seconds for p, _ in got)), total
 
 
-def _rows(levels: Sequence[int], plain: Passes, by_k: dict[int, Passes | None], names: Sequence[str]
-          ) -> list[dict[str, Any]]:
-    """by_concurrency over groups `names`: plain and each K per concurrency, the best K (0 where none pays)."""
-    rows = []
+def _rows(levels: Sequence[int], plain: Passes, by_k: dict[int, Passes | None], names: Sequence[str],
+          failed: dict[str, str]) -> list[dict[str, Any]]:
+    """by_concurrency over groups `names`: plain and each K per concurrency, the best K (0 where none pays). A pass
+    whose server failed (`failed`: the setting's label -> vLLM's cause) is an error row, or an error entry for that
+    K, and the concurrency's best K is then unknown (None)."""
+    rows: list[dict[str, Any]] = []
     for c in levels:
         got = _pooled(plain, names, c)
         if got is None:
+            rows.append({"concurrency": c, "error": failed.get("plain", "no plain pass"), "spec": [], "best_k": None})
             continue
         p_pass = got[0]
         p = p_pass.summary()
-        spec = [_spec_row(k, s[0], s[1], p, p_pass.outputs)
-                for k, r in by_k.items() if (s := _pooled(r, names, c)) is not None]
-        paying = [s for s in spec if (s["speedup"] or 0) > 1.0]
+        spec = [_spec_row(k, s[0], s[1], p, p_pass.outputs) if (s := _pooled(r, names, c)) is not None else
+                {"k": k, "error": failed.get(f"K={k}", "no pass")} for k, r in by_k.items()]
+        done = [s for s in spec if "error" not in s]
+        paying = [s for s in done if (s["speedup"] or 0) > 1.0]
+        best = max(paying, key=lambda s: s["tokens_per_s"])["k"] if paying else 0
         rows.append({"concurrency": c, "plain_tokens_per_s": p["tokens_per_s"],
                      "plain_per_request_tokens_per_s": p["per_request_tokens_per_s"], "plain_ttft_s": p["ttft_s"],
-                     "spec": spec, "best_k": max(paying, key=lambda s: s["tokens_per_s"])["k"] if paying else 0})
+                     "spec": spec, "best_k": best if len(done) == len(spec) else None})
     return rows
 
 
 def _add_scheduled(rows: list[dict[str, Any]], scheduled: Passes | None, names: Sequence[str]) -> None:
     for row in rows:
         got = _pooled(scheduled, names, row["concurrency"])
-        if got is not None:
+        if got is not None and "error" not in row:
             tps = got[0].summary()["tokens_per_s"]
             row["scheduled_tokens_per_s"] = tps
             row["scheduled_speedup"] = tps / row["plain_tokens_per_s"] if row["plain_tokens_per_s"] else None
             row["scheduled_counts"] = got[1]
 
 
-def _schedule_record(schedule: tuple[tuple[int, int, int], ...], rows: list[dict[str, Any]], accepted: bool
-                     ) -> dict[str, Any]:
+def _schedule_record(schedule: tuple[tuple[int, int, int], ...] | None, rows: list[dict[str, Any]],
+                     accepted: bool | None) -> dict[str, Any] | None:
+    """The schedule as report.json keeps it; `accepted`: whether vLLM served it (None: not started, as where it
+    drafts nothing: that is plain decoding, and plain was measured)."""
     from serve.server import format_schedule
 
+    if schedule is None:
+        return None
     return {"ranges": [list(r) for r in schedule],
             "as_vllm": {"num_speculative_tokens_per_batch_size": [list(r) for r in schedule]},
             "flag": format_schedule(schedule), "by_concurrency": {str(r["concurrency"]): r["best_k"] for r in rows},
             "accepted_by_vllm": accepted}
+
+
+def to_measure(schedules: Any) -> list[tuple[tuple[int, int, int], ...]]:
+    """The distinct schedules worth a server of their own: derived (not None) and drafting somewhere (one of K=0
+    everywhere is plain decoding, which the sweep measured already: serving it would compare plain with plain)."""
+    return [s for s in dict.fromkeys(schedules) if s is not None and any(k for _, _, k in s)]
+
+
+def _crossover(rows: Sequence[dict[str, Any]]) -> int | None:
+    """The lowest concurrency where no K beat plain; None where none, or where a failed pass leaves it unknown."""
+    for r in rows:
+        if r["best_k"] is None:
+            return None
+        if r["best_k"] == 0:
+            return int(r["concurrency"])
+    return None
+
+
+def _schedule_note(schedule: tuple[tuple[int, int, int], ...] | None) -> str | None:
+    """What a schedule that is missing, or that drafts nothing, means for serving."""
+    if schedule is None:
+        return ("no schedule: a pass failed (errors), so the best K is unknown at some concurrency; fix what vLLM "
+                "names there and run the sweep again")
+    if not any(k for _, _, k in schedule):
+        return ("no K beat plain at any concurrency measured: serve the verifier alone (python -m serve EXPORT "
+                "--plain); a schedule of K=0 still runs the drafter every step in this vLLM")
+    return None
 
 
 def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tokens: int, dtype: str,
@@ -269,6 +324,7 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
     from serve.server import ServeSettings, prepare, read_export, served_name
 
     info = read_export(export)
+    check_clients(load, len(prompts))
     verifier, served = prepare(info, cache_dir)
     most = max(load.concurrency)
     sets = {g.group.name: [list(p) for p in g.prompts] for g in load.groups} or {ALL: prompts}
@@ -304,20 +360,20 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
     by_k = {k: run(ServeSettings(verifier, served, info.kind, k, **base), f"K={k}") for k in load.ks}
     # the views: the whole set (every group pooled), then each group alone
     views = {ALL: tuple(sets), **{n: (n,) for n in sets if n != ALL}}
-    rows = {v: _rows(load.concurrency, plain, by_k, names) for v, names in views.items()}
+    causes = {e["setting"]: e["error"] for e in errors}
+    rows = {v: _rows(load.concurrency, plain, by_k, names, causes) for v, names in views.items()}
     schedules = {v: schedule_of(r, most) for v, r in rows.items()}
-    labels: dict[Any, str] = {}
-    # one more server per distinct schedule: the whole set's, on every group; a group whose schedule differs, alone
-    for schedule in dict.fromkeys(schedules.values()):
+    accepted: dict[Any, bool | None] = {None: None}
+    # one more server per distinct schedule that drafts somewhere: the whole set's, on every group; a group whose
+    # schedule differs, alone. One that drafts nothing is plain decoding, already measured: no server, no speedup.
+    for schedule in to_measure(schedules.values()):
         own = [v for v in views if schedules[v] == schedule]
         names = tuple(sets) if ALL in own else own
-        labels[schedule] = "schedule" if ALL in own else "schedule-" + "-".join(own)
-        drafting = any(k for _, _, k in schedule)
-        scheduled = run(ServeSettings(verifier, served if drafting else None, info.kind if drafting else None,
-                                      None, schedule if drafting else None, **base), labels[schedule], names)
+        label = "schedule" if ALL in own else "schedule-" + "-".join(own)
+        scheduled = run(ServeSettings(verifier, served, info.kind, None, schedule, **base), label, names)
+        accepted[schedule] = label not in {e["setting"] for e in errors}
         for v in own:
             _add_scheduled(rows[v], scheduled, views[v])
-    failed = {e["setting"] for e in errors}
     whole = rows[ALL]
     result: dict[str, Any] = {
         "version": vllm_engine.VERSION, "server": "vllm.entrypoints.openai.api_server (serve/server.py), loopback",
@@ -328,9 +384,10 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
                   "timing": "closed loop per concurrency after one warm-up request; model load excluded",
                   "prompts": len(every), "max_new_tokens": max_new_tokens, "logs": str(log_dir)},
         "by_concurrency": whole,
-        "schedule": _schedule_record(schedules[ALL], whole, labels[schedules[ALL]] not in failed),
+        "schedule": _schedule_record(schedules[ALL], whole, accepted.get(schedules[ALL])),
+        "schedule_note": _schedule_note(schedules[ALL]),
         "errors": errors,
-        "measured_crossover": next((r["concurrency"] for r in whole if r["best_k"] == 0), None),
+        "measured_crossover": _crossover(whole),
         "measured_best_k": {str(r["concurrency"]): r["best_k"] for r in whole},
     }
     if load.groups:
@@ -338,16 +395,17 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
         result["by_length"] = {g.group.name: {
             **g.record(), "by_concurrency": rows[g.group.name],
             "schedule": _schedule_record(schedules[g.group.name], rows[g.group.name],
-                                         labels[schedules[g.group.name]] not in failed),
-            "measured_crossover": next((r["concurrency"] for r in rows[g.group.name] if r["best_k"] == 0), None),
+                                         accepted.get(schedules[g.group.name])),
+            "schedule_note": _schedule_note(schedules[g.group.name]),
+            "measured_crossover": _crossover(rows[g.group.name]),
             "measured_best_k": {str(r["concurrency"]): r["best_k"] for r in rows[g.group.name]},
         } for g in load.groups}
     if predict is not None:
         pred = predict(list(load.concurrency), list(load.ks))
         result["prediction"] = pred.record()
     # the batch-1 keys the rest of the report reads (the table's vLLM rows): the lowest concurrency
-    first = whole[0]
-    best = max(first["spec"], key=lambda s: s["tokens_per_s"], default=None)
+    first = next(r for r in whole if "error" not in r)  # plain ran at some concurrency (else refused above)
+    best = max((s for s in first["spec"] if "error" not in s), key=lambda s: s["tokens_per_s"], default=None)
     result["plain"] = {"tokens_per_s": first["plain_tokens_per_s"], "concurrency": first["concurrency"]}
     result["speculative"] = None if best is None else {
         "method": info.kind, "speculative_tokens": best["k"], "tokens_per_s": best["tokens_per_s"],

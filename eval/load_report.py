@@ -15,13 +15,23 @@ def _table(rows: list[dict[str, Any]], title: str, pred: dict[str, Any]) -> Any:
     for col in ("concurrency", "plain", *(f"K={k}" for k in ks), "best K", "schedule", "predicted K"):
         table.add_column(col, justify="right")
     for r in rows:
-        cells = {s["k"]: f"{s['tokens_per_s']:.1f} ({s['speedup']:.2f}x; {s['acceptance_length'] or 0:.2f})"
+        cells = {s["k"]: "failed" if "error" in s else
+                 f"{s['tokens_per_s']:.1f} ({s['speedup']:.2f}x; {s['acceptance_length'] or 0:.2f})"
                  for s in r["spec"]}
         sched = r.get("scheduled_speedup")
-        table.add_row(str(r["concurrency"]), f"{r['plain_tokens_per_s']:.1f}", *(cells.get(k, "refused") for k in ks),
-                      str(r["best_k"]), "-" if sched is None else f"{r['scheduled_tokens_per_s']:.1f} ({sched:.2f}x)",
+        plain = "failed" if "error" in r else f"{r['plain_tokens_per_s']:.1f}"
+        table.add_row(str(r["concurrency"]), plain, *(cells.get(k, "failed") for k in ks),
+                      "unknown" if r["best_k"] is None else str(r["best_k"]),
+                      "-" if sched is None else f"{r['scheduled_tokens_per_s']:.1f} ({sched:.2f}x)",
                       str(pred.get(str(r["concurrency"]), "-")))
     return table
+
+
+def _schedule_line(record: dict[str, Any]) -> str:
+    """The schedule as the terminal shows it: its ranges, or the note saying why there is none or why it is plain."""
+    ranges = record["schedule"]["ranges"] if record.get("schedule") else "none"
+    note = f" ({record['schedule_note']})" if record.get("schedule_note") else ""
+    return f"schedule {ranges}{note}; crossover measured {record['measured_crossover']}"
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -36,14 +46,13 @@ def print_table(result: dict[str, Any]) -> None:
         t = g["prompt_tokens"]
         console.print(_table(g["by_concurrency"], f"{head}, {name}: {g['prompts']} prompts of {t['min']}-{t['max']} "
                                                   f"tokens (median {t['median']:g})", {}))
-        console.print(f"{name}: schedule {g['schedule']['ranges']}; crossover measured {g['measured_crossover']}")
+        console.print(f"{name}: {_schedule_line(g)}")
     whole = " , every group pooled" if result.get("by_length") else ""
     console.print(_table(result["by_concurrency"], head + whole, pred))
-    console.print(f"schedule (vLLM num_speculative_tokens_per_batch_size): {result['schedule']['ranges']}; "
-                  f"crossover measured {result['measured_crossover']}, predicted "
+    console.print(f"vLLM num_speculative_tokens_per_batch_size: {_schedule_line(result)}, predicted "
                   f"{(result.get('prediction') or {}).get('crossover', '-')}")
     for e in result["errors"]:
-        console.print(f"vLLM refused {e['setting']}: {e['error']}")
+        console.print(f"vLLM failed {e['setting']}: {e['error']} (its log: {result['setup']['logs']})")
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
@@ -59,8 +68,10 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     for ax, (name, rows) in zip(axes[0], panels):
         levels = [r["concurrency"] for r in rows]
         for k in sorted({s["k"] for r in rows for s in r["spec"]}):
-            pts = [(r["concurrency"], s["speedup"]) for r in rows for s in r["spec"] if s["k"] == k]
-            ax.plot(*zip(*pts), marker="o", label=f"K={k}")
+            pts = [(r["concurrency"], s["speedup"]) for r in rows for s in r["spec"]
+                   if s["k"] == k and "error" not in s]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"K={k}")
         sched = [(r["concurrency"], r["scheduled_speedup"]) for r in rows if r.get("scheduled_speedup")]
         if sched:
             ax.plot(*zip(*sched), marker="s", color="black", linewidth=2, label="schedule")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from models.families import FAMILIES
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
@@ -60,7 +61,8 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts
                               if temperature == 0 and ours else None),
         "speculative": None,
     }
-    if kind in vllm_engine.methods() and export is not None:
+    refusal = FAMILIES[kind].serve_cpu_refusal if kind in FAMILIES else None
+    if kind in vllm_engine.methods() and export is not None and refusal is None:
         served = served_folder(export, read_info(export).config, verifier, cache_dir)
         spec = vllm_engine.serve(verifier.checkpoint, prompts, max_new_tokens,
                                  spec=vllm_engine.speculative_config(kind, served, tokens), **common)
@@ -70,6 +72,8 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts
                               "accept_rate_per_position": spec.alpha, "counts": spec.spec,
                               "speedup": tps / out["plain"]["tokens_per_s"] if out["plain"]["tokens_per_s"] else None,
                               "load_seconds": spec.load_seconds}
+    elif refusal is not None:
+        out["note"] = f"vLLM {plain.version}'s CPU build does not serve {kind}: {refusal}; plain decoding only"
     else:
         out["note"] = f"vLLM {plain.version} does not serve {kind or 'this drafter'}: plain decoding only"
     return out

@@ -124,6 +124,8 @@ class Family:
     serve: vLLM's speculative method for its export (serve/vllm_engine.py), or None.
     serve_options: further --speculative-config keys that method needs for this family (P-EAGLE: vLLM serves it
         as eagle3 with parallel drafting).
+    serve_cpu_refusal: why vLLM's CPU build (the one this project runs) refuses this family's export although vLLM
+        serves it elsewhere, or None: `python -m serve` and the load sweep say so before starting a server.
     teacher_forced: for a family with an export, the function eval/offline.py scores its network with, teacher-
         forced: `(net, verifier, batch, depth, keep) -> (ranks, valid, top-1 probability)`, each (D, B, T).
     stored_verifier: for a family whose drafter's own files name a verifier (a distilled draft model), the function
@@ -144,6 +146,7 @@ class Family:
     min_drafts: int = 0
     serve: str | None = None
     serve_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys vLLM needs for it
+    serve_cpu_refusal: str | None = None
     teacher_forced: str | None = None
     stored_verifier: str | None = None
     # (config key, offset): the most tokens one engine step of this export drafts, its config value plus the offset
@@ -234,6 +237,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            decoder="eval.drafters.dflash2.dflash2_drafter", training="train.dflash2.DFlash2Module",
            network=DFlash2Net, needs_export=True, tree="fixed", acceptance=("eagle_topk_accuracy", "val_step_top1"),
            serve="dflash", teacher_forced="eval.drafters.dflash2.dflash2_ranks", drafts_per_step=("block_size", -1),
+           serve_cpu_refusal="its candidate selector runs only in vLLM's Model Runner V2, which needs Triton (a GPU); "
+                             "the CPU build's V1 runner refuses DFlash candidate-head drafts",
            export=ExportFormat(("DFlash2DraftModel",), dflash2_layout, dflash2_from_layout,
                                speculators_type="dflash2", to_speculators=dflash2_to_speculators,
                                from_speculators=dflash2_from_speculators, agrees=dflash_weights_agree)),

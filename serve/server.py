@@ -20,11 +20,13 @@ own speculative counters from its /metrics endpoint.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import hashlib
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +37,7 @@ from typing import Any
 
 from models.families import FAMILIES, family_of_config
 from runtime.errors import UserError
+from runtime.lifetime import stop_on_signals
 from serve import vllm_engine
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -49,17 +52,19 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 Schedule = tuple[tuple[int, int, int], ...]  # (first batch size, last batch size, K): vLLM's inclusive ranges
 
 
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?:(\d+)")  # FIRST-LAST:K or SIZE:K, whole numbers, nothing else
+
+
 def parse_schedule(text: str) -> Schedule:
     """`1-2:3,3-16:1` -> ((1, 2, 3), (3, 16, 1)): K per inclusive batch-size range, from batch size 1 up."""
     entries = []
     for part in (p.strip() for p in str(text).split(",") if p.strip()):
-        try:
-            sizes, k = part.split(":")
-            first, last = (sizes.split("-") + [sizes])[:2] if "-" in sizes else (sizes, sizes)
-            entries.append((int(first), int(last), int(k)))
-        except ValueError:
+        m = _RANGE.fullmatch(part)
+        if m is None:
             raise UserError(f"--schedule {text!r}: {part!r} is not FIRST-LAST:K (e.g. 1-2:3,3-16:1, batch sizes 1 to "
-                            f"2 drafting 3 tokens, 3 to 16 drafting 1).") from None
+                            f"2 drafting 3 tokens, 3 to 16 drafting 1).")
+        first, last, k = m.groups()
+        entries.append((int(first), int(last or first), int(k)))
     return check_schedule(entries, f"--schedule {text!r}")
 
 
@@ -100,7 +105,14 @@ def read_launch(folder: str | Path) -> Schedule | None:
     path = Path(folder) / LAUNCH_FILE
     if not path.is_file():
         return None
-    return check_schedule(json.loads(path.read_text())["num_speculative_tokens_per_batch_size"], str(path))
+    try:
+        entries = json.loads(path.read_text())["num_speculative_tokens_per_batch_size"]
+        return check_schedule(entries, str(path))
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, no schedule in it, or entries that are not [a, b, k]
+        raise UserError(f"{path} is damaged ({type(e).__name__}: {e}); it should hold "
+                        f"{{\"num_speculative_tokens_per_batch_size\": [[FIRST, LAST, K], ...]}}. Write it again with "
+                        f"`python -m scripts.tools.convert engine-ready EXPORT {Path(folder)} --schedule ...`, or "
+                        f"delete it and give --schedule or --tokens.") from None
 
 
 def most_drafts(config: dict[str, Any]) -> int | None:
@@ -142,6 +154,7 @@ class ServeSettings:
     threads: int | None = None
     name: str = "specdraft"  # the model name clients send
     prefix_caching: bool = True  # vLLM's default; the load sweep turns it off (it sends the same prompts every pass)
+    api_key: str | None = None  # vLLM's --api-key, handed over as VLLM_API_KEY (not on the command line: ps shows it)
 
     @property
     def speculative(self) -> dict[str, Any] | None:
@@ -156,7 +169,15 @@ class ServeSettings:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address, bracketed in a URL
+        return f"http://{host}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """The server's environment: vLLM's CPU settings (serve/vllm_engine.py), and the API key where one is set."""
+        env = vllm_engine.engine_env(self.threads)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        return env
 
     def command(self) -> list[str]:
         argv = [str(vllm_engine.vllm_python()), "-m", SERVER_MODULE, "--model", self.verifier,
@@ -179,9 +200,45 @@ class ServeSettings:
                 f"--enforce-eager, max_num_seqs {self.max_num_seqs}, max_model_len {self.max_model_len}")
 
 
-def read_export(export: str | Path) -> Any:
-    """An export's ExportInfo (config.json only, nothing loads), refusing a family vLLM does not serve."""
-    from models.formats.export import read_info
+def loopback(host: str) -> bool:
+    """Whether every address `host` names is this machine's own (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse, before anything loads, a host this machine cannot listen on and a port that is taken: another server
+    there would answer /health and be taken for this one."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port {port}: give a port from 1 to 65535 (default {PORT}).")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UserError(f"--host {host!r} is not an address or a name this machine resolves ({e.strerror}); give an "
+                        f"IP address (127.0.0.1, ::1, 0.0.0.0) or a resolvable host name.") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server binds it
+        try:
+            s.bind(addr)
+        except OSError as e:
+            taken = e.errno in (98, 48)  # EADDRINUSE (Linux, BSD)
+            raise UserError(
+                f"port {port} on {host} is already in use (another server listens there; `ss -ltnp 'sport = "
+                f":{port}'` names it): stop it, or give another --port." if taken else
+                f"--host {host}: this machine cannot listen there ({e.strerror}); give one of its own addresses "
+                f"(127.0.0.1 for this machine only, 0.0.0.0 for every network it is on).") from None
+
+
+def read_export(export: str | Path, drafting: bool = True) -> Any:
+    """An export's ExportInfo (config.json only, nothing loads), refusing a family vLLM does not serve and, where it
+    is to draft (`drafting`), one this CPU build refuses (the registry's `serve_cpu_refusal`) or one without its
+    weights file: each would start a server that fails a minute later."""
+    from models.formats.export import WEIGHTS_NAME, read_info
 
     info = read_info(Path(export).expanduser())
     if info.kind not in vllm_engine.methods():
@@ -189,6 +246,18 @@ def read_export(export: str | Path) -> Any:
                         f"{sorted(vllm_engine.methods())}.")
     if not info.verifier:
         raise UserError(f"{info.path} names no verifier; serve it with vLLM directly, naming the verifier first.")
+    if not drafting:
+        return info
+    refusal = FAMILIES[info.kind].serve_cpu_refusal
+    if refusal is not None:
+        raise UserError(f"{info.path} is a {FAMILIES[info.kind].title} export, which vLLM {vllm_engine.VERSION}'s CPU "
+                        f"build does not serve: {refusal}. Decode it with this project's decoder (`python -m eval "
+                        f"drafter={info.kind} checkpoint={info.path}`), serve it with vLLM on a GPU, or add --plain "
+                        f"to serve the verifier alone.")
+    if not (info.path / WEIGHTS_NAME).is_file():
+        raise UserError(f"{info.path} has no {WEIGHTS_NAME} (its config.json alone): vLLM would start and fail loading "
+                        f"the drafter. Export it again (train.py writes <run>/export on fit end; `python -m "
+                        f"scripts.tools.convert` for other layouts), or copy the weights file beside config.json.")
     return info
 
 
@@ -229,13 +298,17 @@ def served_folder(path: Path, config: dict[str, Any], verifier: Any, cache_dir: 
 
 @dataclass
 class Server:
-    """A running vLLM OpenAI-compatible server (a context manager): started in its own process group, ready when
-    /health answers, stopped (the group, SIGTERM then SIGKILL) on exit. Its log is kept in `log`."""
+    """A running vLLM OpenAI-compatible server (a context manager): started under the watchdog of
+    runtime/lifetime.py, which leads its process group and takes it down when this process ends however it ends;
+    ready when /health answers; stopped (the group, SIGTERM then SIGKILL) on exit. Its log is kept in `log`; a log
+    folder of its own (no `log` given) is removed when the server stops cleanly and kept, named in the error, when
+    it failed."""
 
     settings: ServeSettings
     timeout: float = 600.0
     log: Path | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    own_log_dir: Path | None = field(default=None, repr=False)
 
     def __enter__(self) -> Server:
         self.start()
@@ -243,23 +316,28 @@ class Server:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+        if exc[0] is None or issubclass(exc[0], KeyboardInterrupt):
+            self.clean_up()
 
     def start(self) -> None:
         import httpx
 
+        from runtime.lifetime import watched
+
+        check_address(self.settings.host, self.settings.port)  # another server there would answer /health
         if self.log is None:
-            self.log = Path(tempfile.mkdtemp(prefix="specdraft-serve-")) / "vllm.log"
-        out = open(self.log, "wb")
-        self.proc = subprocess.Popen(self.settings.command(), stdout=out, stderr=subprocess.STDOUT,
-                                     env=vllm_engine.engine_env(self.settings.threads), start_new_session=True)
-        out.close()
+            self.own_log_dir = Path(tempfile.mkdtemp(prefix="specdraft-serve-"))
+            self.log = self.own_log_dir / "vllm.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(watched(self.settings.command()), stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=self.settings.env(), start_new_session=True)
         deadline = time.monotonic() + self.timeout
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    log = self.log.read_text(errors="replace")
                     self.proc = None
-                    raise vllm_engine.EngineError(self.settings.verifier, self.settings.speculative, log)
+                    raise vllm_engine.EngineError(self.settings.verifier, self.settings.speculative,
+                                                  self.log.read_text(errors="replace"), self.log)
                 try:
                     if httpx.get(f"{self.settings.url}/health", timeout=2).status_code == 200:
                         return
@@ -274,7 +352,7 @@ class Server:
                         f"{self.log}")
 
     def stop(self) -> None:
-        """vLLM's process group: SIGTERM, then SIGKILL when it has not ended within 30 s (or when this stop is itself
+        """The process group: SIGTERM, then SIGKILL when it has not ended within 30 s (or when this stop is itself
         interrupted: a second Ctrl-C does not leave it running)."""
         if self.proc is None:
             return
@@ -297,23 +375,11 @@ class Server:
                     pass
             self.proc = None
 
-
-def log_cause(log: str) -> str:
-    """The root cause a vLLM log names: the first exception line after a traceback (with the failing `assert`, or
-    the file and line it was raised at), else its last line."""
-    lines = [ln.split("]", 1)[-1].strip() if "] " in ln else ln.strip() for ln in log.splitlines() if ln.strip()]
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("Traceback")), None)
-    if start is None:
-        return lines[-1] if lines else "no output"
-    where = ""
-    for ln in lines[start + 1:]:
-        if ln.startswith("File "):
-            where = ln
-        elif ln.startswith("assert "):
-            where = f"{ln} ({where})"
-        elif ln.split(":")[0].endswith(("Error", "Exception")) and not ln.startswith("^"):
-            return f"{ln} at {where}" if where else ln
-    return lines[-1]
+    def clean_up(self) -> None:
+        """Remove the log folder this server made for itself (a failed server's is kept: its error names it)."""
+        if self.own_log_dir is not None:
+            shutil.rmtree(self.own_log_dir, ignore_errors=True)
+            self.own_log_dir = None
 
 
 def spec_counters(url: str) -> dict[str, Any] | None:
@@ -351,18 +417,30 @@ def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
     return out
 
 
-def _stop_on_signals() -> None:
-    """Ctrl-C (SIGINT) and SIGTERM (`kill`, a container or service manager stopping it) both end the wait below as
-    KeyboardInterrupt, so `Server.stop` takes vLLM's process group down with it, set here whatever the parent left:
-    Python keeps SIGINT ignored when it started ignored, and SIGTERM would end this process at once and leave the
-    server, in its own session, running. SIGUSR1 prints every thread's stack to stderr (a stop that hangs can be
-    looked into)."""
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+def check_options(args: argparse.Namespace, schedule: Schedule | None) -> None:
+    """Refuse options that contradict each other or would be taken and ignored, before anything loads."""
+    if args.plain and (args.tokens is not None or args.schedule is not None):
+        given = "--tokens" if args.tokens is not None else "--schedule"
+        raise UserError(f"--plain serves the verifier alone, so {given} has nothing to set; drop one of the two.")
+    if args.tokens is not None and args.schedule is not None:
+        raise UserError("--tokens and --schedule both given: a schedule sets K per batch size; give one.")
+    if args.max_num_seqs < 1:
+        raise UserError(f"--max-num-seqs {args.max_num_seqs}: give 1 or more requests at once.")
+    if schedule is not None and not any(k for _, _, k in schedule):
+        raise UserError(f"--schedule {format_schedule(schedule)} drafts nothing at any batch size, yet vLLM would "
+                        f"still run the drafter every step: the project measured that at 0.70-0.81x plain "
+                        f"(docs/results/serving-under-load.md). Serve --plain instead.")
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+def zero_ranges_note(schedule: Schedule | None) -> str | None:
+    """Where a schedule drafts nothing above some batch size, what that costs and what to do about it."""
+    zero = [(a, b) for a, b, k in schedule or () if k == 0]
+    if not zero:
+        return None
+    ranges = ", ".join(f"{a}-{b}" for a, b in zero)
+    return (f"note: at batch sizes {ranges} this schedule drafts nothing (K=0), but vLLM {vllm_engine.VERSION} still "
+            f"runs the drafter each step there, measured at 0.70-0.81x plain (docs/results/serving-under-load.md). "
+            f"If your load stays at batch size {zero[0][0]} or above, `--plain` serves faster.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,8 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", default=None, help="K per batch-size range, FIRST-LAST:K,... from 1 (vLLM's "
                                                          "num_speculative_tokens_per_batch_size; K=0 drafts nothing)")
     parser.add_argument("--plain", action="store_true", help="serve the verifier alone")
-    parser.add_argument("--host", default=HOST)
+    parser.add_argument("--host", default=HOST, help=f"the address to listen on (default {HOST}, this machine only)")
     parser.add_argument("--port", type=int, default=PORT)
+    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                        help="the key clients must send (Authorization: Bearer KEY; vLLM's --api-key, default "
+                             "$VLLM_API_KEY); give one whenever --host is not a loopback address")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="requests batched at once")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
@@ -383,43 +464,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--print-command", action="store_true", help="print the command and environment only")
     args = parser.parse_args(argv)
+    stop_on_signals()  # from here on, Ctrl-C, SIGTERM and SIGHUP stop what was started and print no traceback
+    ready = False
     try:
-        if args.tokens is not None and args.schedule is not None:
-            raise UserError("--tokens and --schedule both given: a schedule sets K per batch size; give one.")
-        if args.max_num_seqs < 1:
-            raise UserError(f"--max-num-seqs {args.max_num_seqs}: give 1 or more requests at once.")
         schedule = parse_schedule(args.schedule) if args.schedule is not None else None
-        info = read_export(args.export)
+        check_options(args, schedule)
+        if not args.print_command:
+            check_address(args.host, args.port)
+        if not loopback(args.host) and not args.api_key:
+            print(f"warning: --host {args.host} serves to every network this machine is on, with no API key: anyone "
+                  f"who reaches port {args.port} can use it. Add --api-key KEY (clients then send 'Authorization: "
+                  f"Bearer KEY'), or serve on 127.0.0.1.", file=sys.stderr, flush=True)
+        info = read_export(args.export, drafting=not args.plain)
         if schedule is None and args.tokens is None and not args.plain:
             schedule = read_launch(info.path)  # convert engine-ready --schedule wrote it
         ks = [args.tokens] if args.tokens is not None else [k for _, _, k in schedule or () if k != 0]
         check_tokens(ks, info.config, info.path, "python -m serve")  # before anything loads
+        if (note := zero_ranges_note(None if args.plain else schedule)) is not None:
+            print(note, file=sys.stderr, flush=True)
+        print(f"[serve] loading the verifier {info.verifier.get('name', info.verifier)} and the drafter's folder for "
+              f"vLLM", flush=True)
         verifier, served = prepare(info, args.cache_dir)
         settings = ServeSettings(verifier, None if args.plain else served, None if args.plain else info.kind,
-                                 args.tokens or info.speculative_tokens, schedule, args.host, args.port,
-                                 args.max_num_seqs, args.max_model_len, args.dtype, args.threads,
-                                 served_name(info.path))
+                                 args.tokens or info.speculative_tokens, None if args.plain else schedule, args.host,
+                                 args.port, args.max_num_seqs, args.max_model_len, args.dtype, args.threads,
+                                 served_name(info.path), api_key=args.api_key)
         if args.print_command:
-            env = vllm_engine.engine_env(settings.threads)
+            env = settings.env()
             keep = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS")
-            print(" ".join(f"{k}={env[k]}" for k in keep if k in env), " ".join(
+            key = " VLLM_API_KEY=<your key>" if settings.api_key else ""
+            print(" ".join(f"{k}={env[k]}" for k in keep if k in env) + key, " ".join(
                 f"'{a}'" if any(c in a for c in " {}\"") else a for a in settings.command()))
             return 0
         print(f"[serve] starting: {settings.describe()}", flush=True)
-        _stop_on_signals()
         with Server(settings) as server:
             pid = server.proc.pid if server.proc is not None else None
-            print(f"[serve] ready at {settings.url}/v1 (vLLM's process group {pid}, log: {server.log}); Ctrl-C or "
-                  f"SIGTERM stops it. Try:\n  curl "
-                  f"{settings.url}/v1/completions -H 'Content-Type: application/json' -d '{{\"model\": "
-                  f"\"{settings.name}\", \"prompt\": \"What is a prime number?\", \"max_tokens\": 32}}'", flush=True)
-            try:
-                while server.proc is not None and server.proc.poll() is None:
-                    time.sleep(1)
-            except KeyboardInterrupt:
-                print("[serve] stopping", flush=True)
-                return 0
-            raise UserError(f"vLLM stopped by itself; its log: {server.log}")
+            auth = " -H 'Authorization: Bearer <your key>'" if settings.api_key else ""
+            print(f"[serve] ready at {settings.url}/v1 (process group {pid}, log: {server.log}); Ctrl-C or "
+                  f"SIGTERM stops it. Try:\n  curl {settings.url}/v1/completions -H 'Content-Type: "
+                  f"application/json'{auth} -d '{{\"model\": \"{settings.name}\", \"prompt\": \"What is a prime "
+                  f"number?\", \"max_tokens\": 32}}'", flush=True)
+            ready = True
+            while server.proc is not None and server.proc.poll() is None:
+                time.sleep(1)
+            raise vllm_engine.EngineError(settings.verifier, settings.speculative,
+                                          server.log.read_text(errors="replace") if server.log else "", server.log)
+    except KeyboardInterrupt as e:  # asked to stop: a clean exit once serving, 130 (as for Ctrl-C) before that
+        print(f"[serve] stopped ({e or 'Ctrl-C'}){'' if ready else ' while starting'}; vLLM's process group is down",
+              file=sys.stderr, flush=True)
+        return 0 if ready else 130
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,9 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -135,9 +137,12 @@ class _Worker:
         self.python, self.env, self.calls = python, env, 0
         self.dir = Path(tempfile.mkdtemp(prefix="specdraft-vllm-"))
         self.log_path = self.dir / "vllm.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([str(python), str(WORKER), "--loop"], stdin=subprocess.PIPE, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, cwd=self.dir, text=True)
+        from runtime.lifetime import watched
+
+        with open(self.log_path, "wb") as log:  # under the watchdog: it goes when this process goes, however
+            self.proc = subprocess.Popen(watched([str(python), str(WORKER), "--loop"]), stdin=subprocess.PIPE,
+                                         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.dir, text=True,
+                                         start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -176,7 +181,7 @@ class _Worker:
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the watchdog's group: the worker and its engine
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -204,14 +209,56 @@ def _close_kept() -> None:
         _KEPT.pop().close()
 
 
-class EngineError(UserError):
-    """vLLM refused to serve or failed: the last lines of its log, with the root cause first where it named one."""
+_PREFIX = re.compile(r"^\(\w+ pid=\d+\)\s*")  # vLLM's process tag: (APIServer pid=12), (EngineCore_DP0 pid=34)
+_RECORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")  # a log record, not a traceback's line
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(: |$)")
+_WRAPPERS = ("see root cause", "see stack trace", "engine core initialization failed", "exception in a background "
+             "process", "validation error for")  # exceptions that point elsewhere for their cause
+_QUIET = ("DEBUG", "INFO", "WARNING")  # records that never hold the cause (a traceback is logged as ERROR)
 
-    def __init__(self, model: Any, spec: dict[str, Any] | None, log: str) -> None:
+
+def log_cause(log: str) -> str:
+    """The root cause a vLLM log names: the first exception a traceback raised that is not a wrapper pointing at
+    another (pydantic's "N validation error for X" with its detail line), with the file and line it was raised at
+    or the failing `assert`; else the first ERROR record; else the last line. Warnings are never the cause: vLLM's
+    "Found ulimit ... can cause fd limit errors like OSError: Too many open files" starts every log here."""
+    lines = [_PREFIX.sub("", ln.rstrip()) for ln in log.splitlines() if ln.strip()]
+    plain = [ln.split("] ", 1)[-1].strip() if _RECORD.match(ln) else ln.strip() for ln in lines]
+    wrapped, where, inside = None, "", False
+    for ln, text in zip(lines, plain):
+        if ln.startswith(_QUIET):
+            continue
+        if text.startswith("Traceback"):
+            inside, where = True, ""
+            continue
+        if not inside:
+            continue
+        if text.startswith("File "):
+            where = text
+        elif text.startswith("assert "):
+            where = f"{text} ({where})"
+        elif _RAISED.match(text):
+            inside = False
+            if any(w in text.lower() for w in _WRAPPERS):
+                wrapped = wrapped or text
+                continue
+            return f"{text} at {where}" if where else text
+    if wrapped is not None:  # only a wrapper was raised: it, with the detail lines pydantic prints after it
+        i = plain.index(wrapped)
+        return " ".join([wrapped, *plain[i + 1:i + 2]])
+    errors = [t for ln, t in zip(lines, plain) if ln.startswith(("ERROR", "CRITICAL"))]
+    return errors[0] if errors else (plain[-1] if plain else "no output")
+
+
+class EngineError(UserError):
+    """vLLM refused to serve or failed: its root cause (log_cause) first, then the last lines of its log and, where
+    the log is kept in a file, its path."""
+
+    def __init__(self, model: Any, spec: dict[str, Any] | None, log: str, log_path: Path | None = None) -> None:
         lines = [ln for ln in log.splitlines() if ln.strip()]
-        causes = [ln for ln in lines if "Error:" in ln or "Exception:" in ln]
         self.log = log
-        self.cause = causes[0].split("]")[-1].strip() if causes else (lines[-1] if lines else "no output")
+        self.cause = log_cause(log)
         tail = "\n".join(lines[-15:])
-        super().__init__(f"vLLM failed serving {model} (speculative config {spec}): {self.cause}\n--- last lines of "
-                         f"its log ---\n{tail}")
+        where = f"\nits full log: {log_path}" if log_path is not None else ""
+        super().__init__(f"vLLM failed serving {model} (speculative config {spec}): {self.cause}{where}\n--- last "
+                         f"lines of its log ---\n{tail}")

@@ -100,21 +100,22 @@ def test_convert_engine_ready_records_the_schedule_and_python_m_serve_launches_w
 
 # -- the pieces, on real inputs ---------------------------------------------------------------------------------------
 
-def test_sigterm_and_ctrl_c_stop_python_m_serve_through_its_server_stop():
-    """`python -m serve` turns SIGINT and SIGTERM into the KeyboardInterrupt that makes `Server.stop` take vLLM's
-    process group down (by default SIGTERM would end it at once and leave the server, in its own session, running;
-    SIGINT inherited as ignored would never reach it)."""
-    from serve.server import _stop_on_signals
+def test_sigterm_sighup_and_ctrl_c_stop_python_m_serve_through_its_server_stop():
+    """`python -m serve` and `python -m eval` turn SIGINT, SIGTERM and SIGHUP into the KeyboardInterrupt that makes
+    `Server.stop` take vLLM's process group down (by default SIGTERM and SIGHUP would end it at once, leaving the
+    clean-up to the watchdog; SIGINT inherited as ignored would never reach it)."""
+    from runtime.lifetime import stop_on_signals
 
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         def unchanged(signum: int, frame: object) -> None:  # stands for SIGTERM's default (ending the process)
             raise LookupError("SIGTERM kept its old handler")
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a parent that ignores Ctrl-C would hand it down
         signal.signal(signal.SIGTERM, unchanged)
-        _stop_on_signals()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signal.SIGHUP, unchanged)
+        stop_on_signals()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             with pytest.raises(KeyboardInterrupt):
                 os.kill(os.getpid(), sig)
                 time.sleep(5)  # the handler runs at the next bytecode; the sleep is interrupted at once
@@ -383,7 +384,8 @@ def test_vllm_fails_medusa_under_a_schedule_and_the_cause_is_named(vllm, monkeyp
     The client says so (no silent short answers) and log_cause names vLLM's assertion. If a later vLLM drafts
     Medusa under a schedule, this test fails: then the sweep's Medusa rows need no caveat."""
     from serve.client import run_pass
-    from serve.server import Server, ServeSettings, log_cause, prepare, read_export
+    from serve.server import Server, ServeSettings, prepare, read_export
+    from serve.vllm_engine import log_cause
 
     _server_env(monkeypatch)
     info = read_export(MEDUSA)

@@ -5,6 +5,8 @@ speculative decoding and HF's references) can take longer than the sweep itself.
     python -m scripts.bench.serving_load pretrained/eagle3-smollm2 --concurrency 1 2 4 8 16 --tokens 1 2 3 5 \\
         --num-prompts 16 --max-new-tokens 64 --out outputs/load/eagle3
 
+Without --out each run writes to a new outputs/load/<export>-<date-time>; an --out holding a report is refused.
+
 The same prompts as `python -m eval` takes (`--prompts`, default the built-in eval split, round-robin over its
 categories), the same sweep, schedule and prediction (the batch cost model without a draft cost: no drafter is built
 here), written to <out>/report.json as `{"engine_peers": {"vllm": ...}}` with load_speedup.png and the servers' logs.
@@ -19,15 +21,32 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 
+def fresh_out(out: str | None, export: str) -> Path:
+    """The sweep's folder: `out`, refused where it holds an earlier sweep's report (it would be overwritten); by
+    default a new folder per run, outputs/load/<export>-<date-time>."""
+    from runtime.errors import UserError
+
+    if out is None:
+        base = Path("outputs/load") / f"{Path(export).resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return next(p for i in range(1, 1000) if not (p := base.with_name(f"{base.name}-{i}" if i > 1 else base.name))
+                    .exists())
+    path = Path(out)
+    if (path / "report.json").exists():
+        raise UserError(f"--out {path} holds an earlier sweep's report.json; give a new folder (or leave --out out "
+                        f"for a fresh outputs/load/<export>-<date-time>), or move that report away first.")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     from data.chat import prompt_ids
     from data.prompts import load_prompt_sets
-    from eval.load import batch_predictor, load_settings, sweep, with_groups
+    from eval.load import batch_predictor, check_clients, load_settings, sweep, with_groups
     from eval.planner.cost import auto_dtype
     from eval.runner import user_turns
     from models.verifiers.load import load_verifier
@@ -47,9 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-predict", action="store_true", help="skip the batch cost model")
-    parser.add_argument("--out", default="outputs/load/run")
+    parser.add_argument("--out", default=None, help="the folder for report.json, the plot and the servers' logs "
+                                                    "(default: a new outputs/load/<export>-<date-time>); one that "
+                                                    "holds a report already is refused")
     args = parser.parse_args(argv)
     try:
+        out = fresh_out(args.out, args.export)
         load = load_settings(args.concurrency, args.tokens, ["vllm"], args.export, args.lengths)
         assert load is not None
         dtype = auto_dtype("cpu")[0] if args.dtype == "auto" else args.dtype
@@ -64,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             convs = load_prompt_sets(args.prompts, args.num_prompts)
             prompts = [prompt_ids(verifier.tokenizer, user_turns(c)[0], verifier.rendering) for c in convs]
         predict = None if args.no_predict else batch_predictor(verifier.model, info.acceptance, prompts[0])
-        out = Path(args.out)
+        check_clients(load, len(prompts))
         out.mkdir(parents=True, exist_ok=True)
         result = sweep(load, args.export, prompts, args.max_new_tokens, dtype, args.threads, 0.0, 0, out,
                        predict=predict)
