@@ -171,7 +171,9 @@ class _Worker:
         res.unlink(missing_ok=True)
         if "error" in out:
             self.close()
-            raise EngineError(request["model"], request["speculative_config"], f"{log}\n{out['error']}")
+            kept = Path(tempfile.mkstemp(prefix="specdraft-vllm-failed-", suffix=".log")[1])  # the worker's folder
+            kept.write_text(f"{log}\n{out['error']}")  # went with close(); the error names this copy
+            raise EngineError(request["model"], request["speculative_config"], f"{log}\n{out['error']}", kept)
         return out
 
     def close(self) -> None:

@@ -64,6 +64,9 @@ def test_vllm_cpu_refuses_to_serve_dflash2_in_its_own_words(vllm, dflash2_export
     VLLM_USE_V2_MODEL_RUNNER=1) needs Triton."""
     if runner is not None:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
-    with pytest.raises(vllm.EngineError, match=message):
+    with pytest.raises(vllm.EngineError, match=message) as e:
         vllm.serve(smollm2.checkpoint, [[1, 2, 3]], 4, dtype="float32",
                    spec=vllm.speculative_config("dflash2", dflash2_export, TOKENS))
+    assert message in e.value.cause  # the headline is vLLM's own refusal, not a warning before it
+    kept = str(e.value).split("its full log: ")[1].splitlines()[0]
+    assert message in open(kept).read()
