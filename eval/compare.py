@@ -10,7 +10,6 @@ Outside references: Hugging Face `generate`, its prompt lookup, and its assisted
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,9 @@ from eval.report import (
     num_or_dash,
     predicted_speedup,
     prompt_set_of,
+    save_figure,
+    write_json,
+    write_report_files,
     write_samples,
 )
 from eval.settings import EvalSettings
@@ -113,9 +115,7 @@ def save_chart(table: dict[str, dict[str, Any]], title: str, path: Path) -> Path
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set(ylabel="speedup over plain greedy (tokens/s ratio)", title=title)
     ax.tick_params(axis="x", labelsize=6, rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -145,10 +145,11 @@ def report(s: EvalSettings, verifier: Verifier, drafters: dict[str, Drafter], ex
         report["by_prompt_set"] = {p: rows([s for s in samples if prompt_set_of(s.category) == p], methods, depths)
                                    for p in sets}
     out_dir = s.output_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
-    write_samples(samples, out_dir)
-    save_chart(report["methods"], f"{verifier.name}, {len(samples)} prompts", out_dir / "families.png")
+    write_report_files(out_dir, [
+        ("report.json", lambda: write_json(out_dir / "report.json", report)),
+        ("outputs.jsonl", lambda: write_samples(samples, out_dir)),
+        ("families.png", lambda: save_chart(report["methods"], f"{verifier.name}, {len(samples)} prompts",
+                                            out_dir / "families.png"))])
     console = Console()
     exact = "exact" if sampling["rule"] == "greedy" else "= plain"
     console.print(_table(f"every family on {len(samples)} prompts ({verifier.name}, {sampling['rule']})",

@@ -7,8 +7,11 @@ as they cost. tau and alpha_k pool every speculative round of every prompt (see 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from rich.table import Table
 from torch import Tensor
 
 from eval.engine.accept import mean_accept_length, per_position_acceptance
+from runtime.errors import disk_full, disk_full_error
 from runtime.wandb_mode import wandb_mode
 
 SPECULATIVE = "speculative"  # the method label of a single-family run's drafter
@@ -343,7 +347,7 @@ def save_plots(samples: Sequence[Sample], report: Mapping[str, Any], out_dir: Pa
     ax.bar(range(depth + 1), (counts / counts.sum().clamp(min=1)).tolist())
     ax.set(xlabel="draft tokens accepted in a round", ylabel="fraction of rounds",
            title=f"{report['method']}: tau = {report['tau']:.2f}")
-    paths.append(_save(fig, out_dir / "accept_length_hist.png"))
+    paths.append(save_figure(fig, out_dir / "accept_length_hist.png"))
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     k = list(range(1, depth + 1))
@@ -353,7 +357,7 @@ def save_plots(samples: Sequence[Sample], report: Mapping[str, Any], out_dir: Pa
     ax.set(xlabel="draft position k", ylabel="alpha_k (fraction of rounds)", ylim=(0, 1), xticks=k,
            title="acceptance per draft position")
     ax.legend(fontsize=6, ncol=2)
-    paths.append(_save(fig, out_dir / "accept_per_position.png"))
+    paths.append(save_figure(fig, out_dir / "accept_per_position.png"))
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     names = ["speculative", "baseline", "hf_generate", "hf_prompt_lookup"]
@@ -369,7 +373,7 @@ def save_plots(samples: Sequence[Sample], report: Mapping[str, Any], out_dir: Pa
     ax.bar(names, values, color=["tab:green", "tab:blue"] + ["tab:gray"] * (len(names) - 2))
     ax.set(ylabel="tokens/s", title=f"speedup {report['speedup']:.2f}x over plain greedy")
     ax.tick_params(axis="x", labelsize=7)
-    paths.append(_save(fig, out_dir / "tokens_per_s.png"))
+    paths.append(save_figure(fig, out_dir / "tokens_per_s.png"))
     return paths
 
 
@@ -383,13 +387,62 @@ def peer_rates(report: Mapping[str, Any]) -> dict[str, float]:
     return rates
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write and close a matplotlib figure as `path` (its suffix the format), whole or not at all."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        _replace(path, lambda tmp: fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".")))
+    finally:
+        plt.close(fig)
     return path
+
+
+def _replace(path: Path, write: Any) -> None:
+    """`write(tmp)` a scratch file beside `path`, then rename it over `path`: a full disk leaves the previous file
+    whole (or none), never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_report_files(out_dir: Path, steps: Sequence[tuple[str, Callable[[], Any]]]) -> list[str]:
+    """Run each (name, write) step into `out_dir`; returns the names written. Each file is written whole or not at all
+    (a scratch file renamed over it), so a full disk ends in one message that says which are written and that the
+    others keep their previous version."""
+    written: list[str] = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, write in steps:
+            write()
+            written.append(name)
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        kept = f"Written whole: {', '.join(written)}; " if written else "Nothing of this run's report was written; "
+        raise disk_full_error(out_dir, "writing the report", f"{kept}every file not written keeps its previous "
+                                                             f"version, if any.") from e
+    return written
+
+
+def write_json(path: Path, content: Any) -> Path:
+    """`content` as indented JSON in `path`, whole or not at all (a scratch file renamed over it)."""
+    _write_text(path, json.dumps(content, indent=2))
+    return path
+
+
+def _write_text(path: Path, text: str) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # a full disk may show only here (delayed allocation, network file systems)
+
+    _replace(path, write)
 
 
 def log_wandb(
@@ -407,6 +460,20 @@ def log_wandb(
     run = wandb.init(dir=str(out_dir), mode=mode, project=project, name=name, job_type="eval",
                      config={**settings, "method": report["method"], "verifier": report["verifier"],
                              "checkpoint": report["checkpoint"]})
+    try:
+        _log_run(run, report, profile, plots)
+    except Exception as e:
+        if disk_full(e):  # the log files on the same disk fail too: not a traceback per log record
+            logging.raiseExceptions = False
+        with contextlib.suppress(Exception):  # (a full disk fails the finish too): the run is closed, not left open
+            run.finish(exit_code=1)
+        raise
+    return mode
+
+
+def _log_run(run: Any, report: Mapping[str, Any], profile: Mapping[str, Any], plots: Sequence[Path]) -> None:
+    import wandb
+
     scalars = {f"eval/{k}": v for k, v in report.items() if isinstance(v, (int, float))}
     scalars |= {f"eval/alpha_{k}": a for k, a in enumerate(report["accept_rate_per_position"], 1)}
     for part in (ALONE, GRAFTED):
@@ -425,17 +492,15 @@ def log_wandb(
     run.log({**scalars, "eval/by_category": by_cat, "eval/prompts": prompts, **images})
     run.summary.update(scalars)
     run.finish()
-    return mode
 
 
 def write_samples(samples: Sequence[Sample], out_dir: Path) -> Path:
     """outputs.jsonl: one line per decoded prompt, each method's output token ids (what every figure was measured
     on)."""
     path = out_dir / "outputs.jsonl"
-    with open(path, "w") as f:
-        for s in samples:
-            f.write(json.dumps({"id": s.id, "category": s.category, "turn": s.turn, "prompt_tokens": s.prompt_tokens,
-                                "outputs": s.outputs}) + "\n")
+    _write_text(path, "".join(json.dumps({"id": s.id, "category": s.category, "turn": s.turn,
+                                          "prompt_tokens": s.prompt_tokens, "outputs": s.outputs}) + "\n"
+                              for s in samples))
     return path
 
 
@@ -447,19 +512,27 @@ def write_outputs(
     """Write report.json, profile.json and the plots to out_dir, print the table, log to W&B; returns the report.
     `peers`: serving engines measured on the same prompts (eval.peers), reported as `engine_peers`; `alone_depths`:
     the deepest draft of each part of a combination measured alone beside it (drafter_alone, grafted_alone)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = build_report(samples, meta, depth, alone_depths)
     if peers:
         report["engine_peers"] = dict(peers)
     profile = build_profile(samples, setting)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "profile.json").write_text(json.dumps(profile, indent=2))
-    write_samples(samples, out_dir)
-    plots = save_plots(samples, report, out_dir)
+    plots: list[Path] = []
+    written = write_report_files(out_dir, [
+        ("report.json", lambda: write_json(out_dir / "report.json", report)),
+        ("profile.json", lambda: write_json(out_dir / "profile.json", profile)),
+        ("outputs.jsonl", lambda: write_samples(samples, out_dir)),
+        ("the plots", lambda: plots.extend(save_plots(samples, report, out_dir)))])
     plots += [Path(p["plot"]) for p in (peers or {}).values() if p.get("plot")]  # a load sweep's (eval/load.py)
     print_summary(report, profile, console)
     wandb_cfg = dict(wandb_cfg or {})
-    log_wandb(report, profile, plots, out_dir, wandb_cfg.get("mode"), wandb_cfg.get("project", "specdraft"),
-              wandb_cfg.get("name"))
+    try:
+        log_wandb(report, profile, plots, out_dir, wandb_cfg.get("mode"), wandb_cfg.get("project", "specdraft"),
+                  wandb_cfg.get("name"))
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        raise disk_full_error(out_dir, "logging the run to W&B", f"The report is written whole ({', '.join(written)} "
+                              f"in {out_dir}); the W&B run under {out_dir / 'wandb'} is incomplete. "
+                              f"(wandb.mode=disabled skips W&B.)") from e
     (console or Console()).print(f"report: {out_dir / 'report.json'}")
     return report

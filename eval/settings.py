@@ -84,6 +84,66 @@ def _whole(cfg: DictConfig, key: str, least: int | None = None) -> int:
     return value
 
 
+def flag(cfg: Any, key: str, default: bool) -> bool:
+    """A true/false setting, strictly: Hydra reads `true` / `false` as booleans; a word (`no`, `yes`, `off`) stays
+    a string, which bool() would take as true."""
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise UserError(f"{key}={value!r}: give true or false, e.g. {key}={str(default).lower()}.")
+    return value
+
+
+# The kinds a drafter factory's annotation names that the door checks (any other annotation is the factory's own).
+_KINDS = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _fits(value: Any, kinds: set[str]) -> bool:
+    if value is None:
+        return "None" in kinds
+    if isinstance(value, bool):
+        return "bool" in kinds
+    return (isinstance(value, int) and bool(kinds & {"int", "float"}) or isinstance(value, float) and "float" in kinds
+            or isinstance(value, str) and "str" in kinds)
+
+
+def check_drafter(node: DictConfig, engine: str) -> None:
+    """The drafter group's options (conf/drafter/<name>.yaml, drafter.<key>=... on the command line) against what its
+    factory declares: a whole number where it takes an int, true or false where a bool, null only where it takes
+    None; and drafter.budget within what a round verifies. Before anything loads: a word where a number goes ended
+    in a TypeError once the drafter was built (drafter.num_tokens=abc), and drafter.sit_out=no turned it on."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    from eval.engine.decode import TREE_ROOM
+
+    try:
+        params = inspect.signature(get_object(str(node._target_))).parameters
+    except Exception:  # no target, or one that does not resolve: instantiate's own message
+        return
+    for key in node:
+        param = params.get(str(key))
+        if param is None or not isinstance(param.annotation, str):
+            continue
+        kinds = {part.strip() for part in param.annotation.split("|")}
+        if not kinds <= {*_KINDS, "None"}:
+            continue
+        value = node[key]
+        if _fits(value, kinds):
+            continue
+        what = " or ".join(_KINDS[k] for k in _KINDS if k in kinds and not (k == "int" and "float" in kinds))
+        default = param.default
+        fix = (", or null (the default)" if default is None else ", or null" if "None" in kinds else "") + (
+            f", e.g. drafter.{key}={str(default).lower() if isinstance(default, bool) else default}"
+            if default not in (None, inspect.Parameter.empty) else "")
+        raise UserError(f"drafter.{key}={value!r}: give {what}{fix}.")
+    budget = node.get("budget")
+    if "budget" in params and isinstance(budget, int) and budget > TREE_ROOM and engine != "hf":
+        raise UserError(f"drafter.budget={budget}: the budget is the nodes one round verifies (the root included), "
+                        f"and a round verifies at most {TREE_ROOM}. Give drafter.budget in [2, {TREE_ROOM}], or null "
+                        f"(the export drafter's own node count); engine=hf verifies more, not exact in bfloat16.")
+
+
 def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
@@ -123,6 +183,9 @@ def parse(cfg: DictConfig) -> EvalSettings:
         raise UserError(f"method={method!r} is not one of {', '.join(METHODS)} (single: the configured drafter, all: "
                         f"every family available).")
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k / verify fail before anything loads
+    check_drafter(cfg.drafter, engine)
+    flags = {key: flag(cfg, key, default) for key, default in (
+        ("alone", True), ("multi_turn", False), ("sampled_drafts", False), ("warmup", True), ("profile", False))}
     drafter_dtype = resolve_drafter_dtype(cfg.get("drafter_dtype", "auto"), dtype)
     value = None if OmegaConf.is_missing(cfg, "checkpoint") else cfg.get("checkpoint")
     is_list = OmegaConf.is_list(value) or isinstance(value, list | tuple)
@@ -132,19 +195,19 @@ def parse(cfg: DictConfig) -> EvalSettings:
     num = cfg.get("num_prompts")
     return EvalSettings(
         checkpoints=checkpoints, checkpoint_list=is_list, checkpoint_label=None if value is None else str(value),
-        method=method, alone=bool(cfg.get("alone", True)), drafter=cfg.drafter,
+        method=method, alone=flags["alone"], drafter=cfg.drafter,
         tree=instantiate(cfg.tree, _convert_="all"), plan=cfg.get("plan"),
         verifier_path=_plain(cfg.get("verifier_path")), dtype=dtype, dtype_reason=dtype_reason,
         drafter_dtype=drafter_dtype, device=str(cfg.get("device", "auto")), engine=engine,
         cache_dir=cfg.get("cache_dir"), prompts=prompts, num_prompts=num,
-        max_new_tokens=max_new_tokens, multi_turn=bool(cfg.get("multi_turn", False)),
+        max_new_tokens=max_new_tokens, multi_turn=flags["multi_turn"],
         prompt_lookup_num_tokens=lookup_tokens, sampling=sampling,
-        sampled_drafts=bool(cfg.get("sampled_drafts", False)),
+        sampled_drafts=flags["sampled_drafts"],
         engine_peers=tuple(str(p) for p in (cfg.get("engine_peers") or [])),
         engine_peer_tokens=_plain(cfg.get("engine_peer_tokens")),
         engine_concurrency=_plain(cfg.get("engine_concurrency")),
-        engine_prompt_lengths=_plain(cfg.get("engine_prompt_lengths")), warmup=bool(cfg.get("warmup", True)),
-        threads=threads, seed=seed, profile=bool(cfg.get("profile", False)),
+        engine_prompt_lengths=_plain(cfg.get("engine_prompt_lengths")), warmup=flags["warmup"],
+        threads=threads, seed=seed, profile=flags["profile"],
         profile_dtypes=tuple(str(d) for d in (cfg.get("profile_dtypes") or [dtype])),
         profile_threads=tuple(int(t) for t in (cfg.get("profile_threads") or [threads])),
         output_dir=Path(str(cfg.get("output_dir", "outputs/eval"))), wandb=dict(_plain(cfg.get("wandb")) or {}))

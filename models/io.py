@@ -18,13 +18,14 @@ import ctypes.util
 import errno
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from torch import Tensor, nn
 
-from runtime.errors import UserError
+from runtime.errors import UserError, disk_full, disk_full_error
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -125,15 +126,27 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     `.tmp-` name that readers never look at and the next writer of `final` removes.
     """
     final = Path(final).expanduser()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    recover(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-{os.getpid()}-", dir=final.parent))
+    existed = final.exists()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        recover(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-{os.getpid()}-", dir=final.parent))
+    except OSError as e:
+        if disk_full(e):
+            raise _full(final, existed) from e
+        raise
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the published directory gets the usual mode
     try:
-        yield tmp
-        fsync_tree(tmp)
+        try:
+            yield tmp
+            usual_modes(tmp, umask)
+            fsync_tree(tmp)
+        except Exception as e:  # nothing is published yet: a full disk is the user's to fix, and `final` is as it was
+            if disk_full(e) and not isinstance(e, UserError):
+                raise _full(final, existed) from e
+            raise
         if final.exists() and exchange(tmp, final):
             fsync_dir(final.parent)  # `final` is the new version now; `tmp` holds the old one
             shutil.rmtree(tmp, ignore_errors=True)
@@ -149,6 +162,27 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def usual_modes(root: Path, umask: int) -> None:
+    """Give every file under `root` the read and write bits a plain `open` gives under `umask` (0644 under umask 022):
+    safetensors writes its files through a private temporary file (0600), which other users of a shared export or
+    cache could not read."""
+    usual = 0o666 & ~umask
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                continue
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            if mode | usual != mode:
+                os.chmod(path, mode | usual)
+
+
+def _full(final: Path, existed: bool) -> UserError:
+    kept = (f"Nothing was replaced: {final} holds its previous version, whole." if existed else
+            f"Nothing was written to {final}.")
+    return disk_full_error(final.parent, f"writing {final}", kept)
 
 
 def refuse_existing(paths: Iterable[str | os.PathLike], replace: bool = False, flag: str = "--force") -> None:

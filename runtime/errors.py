@@ -6,6 +6,8 @@ Entry points (train.py, python -m eval) print the message alone instead of a tra
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,6 +25,27 @@ class VerifierMismatchError(UserError):
 
 class NonFiniteLossError(UserError):
     """Training produced a NaN or infinite loss; the message says which settings to change."""
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc`, or an exception behind it, is a full disk (ENOSPC) or a full quota (EDQUOT). Some say it in
+    their message only: safetensors (`I/O error: No space left on device (os error 28)`), shutil.copytree (a
+    shutil.Error listing each file's `[Errno 28] ...`)."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in codes:
+            return True
+        if any(f"(os error {code})" in str(exc) or f"[Errno {code}]" in str(exc) for code in codes):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_error(folder: str | os.PathLike, doing: str, kept: str) -> UserError:
+    """The message for a full disk met while `doing` (e.g. "writing report.json") in `folder`: what is `kept` (what
+    was finished, what still holds its previous version), and what to do."""
+    return UserError(f"no space left on the disk that holds {os.fspath(folder)} while {doing}. {kept} Free space "
+                     f"there (df -h {os.fspath(folder)}) and run the command again.")
 
 
 def user_error(exc: BaseException | None) -> UserError | None:

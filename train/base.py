@@ -74,6 +74,7 @@ class DrafterModule(L.LightningModule, ABC):
     def configure_optimizers(self) -> Any:
         # named: a factory that splits parameters by role reads the names (train/muon.py); torch's others take them
         opt = self.optimizer_factory(params=[(n, p) for n, p in self.named_parameters() if p.requires_grad])
+        self._given_lrs = [float(g["lr"]) for g in opt.param_groups]  # before a schedule or a resume changes them
         if self.scheduler_factory is None:
             return opt
         total = int(self.trainer.estimated_stepping_batches)
@@ -81,6 +82,19 @@ class DrafterModule(L.LightningModule, ABC):
         sched = self.scheduler_factory(opt, num_warmup_steps=int(hparams.warmup_ratio * total),
                                        num_training_steps=max(total, 1))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    _given_lrs: list[float] = []  # each param group's learning rate as this run's settings give it
+
+    def on_train_start(self) -> None:
+        """A resume restores the checkpoint's optimizer and schedule, their learning rates included (Lightning loads
+        them after configure_optimizers): put back the rates this run was given (model.optimizer.lr, and adamw_lr
+        under Muon, may change on resume: train/resume.py), the schedule going on at its step."""
+        for opt in self.trainer.optimizers:
+            schedules = [c.scheduler for c in self.trainer.lr_scheduler_configs if c.scheduler.optimizer is opt]
+            was = apply_lrs(opt, schedules, self._given_lrs)
+            if was is not None and self.trainer.is_global_zero:
+                print(f"[resume] learning rate {_rates(was)} -> {_rates(self._given_lrs)} "
+                      f"(model.optimizer), the schedule going on from step {self.global_step}")
 
     def on_train_epoch_start(self) -> None:
         self._epoch_start, self._epoch_assistant = None, 0
@@ -266,3 +280,34 @@ class DrafterModule(L.LightningModule, ABC):
         """Optimizer steps behind these weights: the trainer's count, or the loaded checkpoint's when only validating
         (trainer.validate restores weights, not the loop's step count)."""
         return max(int(self.global_step), getattr(self, "_loaded_steps", 0))
+
+
+def apply_lrs(opt: torch.optim.Optimizer, schedules: list[Any], given: list[float]) -> list[float] | None:
+    """Set `opt`'s param groups to the base rates `given` (one per group) where a restored state holds others, and
+    rescale `schedules` (theirs over `opt`) so each goes on at its step from the new base: a LambdaLR (transformers'
+    warmup schedules) recomputed at its step, another scaled by new / old. Returns the rates the state held, or None
+    when they were the given ones already."""
+    groups = opt.param_groups
+    if len(given) != len(groups):  # another optimizer than configure_optimizers built: not ours to set
+        return None
+    was = [float(g.get("initial_lr", g["lr"]) if schedules else g["lr"]) for g in groups]
+    if was == given:
+        return None
+    now = [float(g["lr"]) for g in groups]
+    for g, lr, old, cur in zip(groups, given, was, now):
+        g["lr"] = lr * cur / old if schedules and old else lr
+        if "initial_lr" in g:
+            g["initial_lr"] = lr
+    for schedule in schedules:
+        schedule.base_lrs = list(given)
+        lambdas = getattr(schedule, "lr_lambdas", None)
+        if lambdas is not None and len(lambdas) == len(groups):  # closed form: exact even from a rate of 0
+            for g, lr, factor in zip(groups, given, lambdas):
+                g["lr"] = lr * factor(schedule.last_epoch)
+        schedule._last_lr = [float(g["lr"]) for g in groups]
+    return was
+
+
+def _rates(lrs: list[float]) -> str:
+    distinct = list(dict.fromkeys(lrs))
+    return f"{distinct[0]:g}" if len(distinct) == 1 else "[" + ", ".join(f"{lr:g}" for lr in lrs) + "]"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runtime.errors import UserError
 
@@ -32,11 +32,28 @@ def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _betas(v: Any) -> bool:
+    return isinstance(v, (ListConfig, list, tuple)) and len(v) == 2 and all(_num(b) and 0 <= b < 1 for b in v)
+
+
+MUON_LR_FNS = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
+
 # key, valid when, what to give, an example value. A key the config does not have is skipped.
 RULES: list[tuple[str, Callable[[Any], bool], str, str]] = [
     # 0 is allowed: the weights stay as they start (a warm start re-validated on new data, as tests do)
     ("model.optimizer.lr", lambda v: _num(v) and v >= 0, "a learning rate of 0 or more", "1e-3"),
     ("model.optimizer.weight_decay", lambda v: _num(v) and v >= 0, "a weight decay of 0 or more", "0.0"),
+    ("model.optimizer.betas", lambda v: _betas(v), "two moment decays, each in [0, 1) (1 or more never forgets a "
+     "gradient)", "[0.9,0.95]"),
+    # Muon's (model/optim=muon, train/muon.py): torch.optim.Muon / AdamW would refuse them only after the data step
+    ("model.optimizer.adamw_lr", lambda v: _num(v) and v >= 0, "AdamW's learning rate, 0 or more", "1e-3"),
+    ("model.optimizer.adamw_weight_decay", lambda v: _num(v) and v >= 0, "AdamW's weight decay, 0 or more", "0.0"),
+    ("model.optimizer.adjust_lr_fn", lambda v: v is None or v in MUON_LR_FNS,
+     f"one of {', '.join(MUON_LR_FNS)} (how Muon scales its update), or null (torch's original)", "match_rms_adamw"),
+    ("model.optimizer.momentum", lambda v: _num(v) and 0 <= v < 1, "a share of the last update kept, in [0, 1) (1 "
+     "or more never forgets a gradient and diverges)", "0.95"),
+    ("model.optimizer.ns_steps", lambda v: _int(v) and v >= 1, "a whole number of Newton-Schulz iterations >= 1",
+     "5"),
     ("model.warmup_ratio", lambda v: _num(v) and 0 <= v <= 1, "a fraction of the steps in [0, 1]", "0.05"),
     ("data.batch_size", lambda v: _int(v) and v >= 1, "a whole number of sequences >= 1", "8"),
     ("data.gen_batch_size", lambda v: _int(v) and v >= 1, "a whole number of prompts >= 1", "32"),

@@ -39,6 +39,7 @@ SHAPES_THE_RUN = (
 # Inside those, what may change on resume: how the run is fed or where it computes, not what it trains on.
 MAY_CHANGE = (
     "model.optimizer.lr",               # the divergence guard's advice: lower it and resume from last-good.ckpt
+    "model.optimizer.adamw_lr",         # ... and under Muon (model/optim=muon) AdamW's, for the rest
     "model.val_steps",                  # what validation measures, not what training sees
     "verifier.device",
     "verifier.cache_dir",

@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from runtime.errors import NonFiniteLossError, UserError, exit_on_user_error
+from train.muon import MuonAdamW
 
 LAST_GOOD = "last-good.ckpt"
 CANDIDATE = ".candidate.ckpt"
@@ -38,7 +39,9 @@ class DivergenceError(UserError):
 
 def last_good_advice(trainer: L.Trainer | None) -> str:
     """What to do after a divergence: resume from the last good checkpoint, if the run has one."""
-    base = "Lower model.optimizer.lr (or use trainer.precision=32-true)"
+    muon = trainer is not None and any(isinstance(o, MuonAdamW) for o in getattr(trainer, "optimizers", []))
+    lrs = "model.optimizer.lr and model.optimizer.adamw_lr" if muon else "model.optimizer.lr"
+    base = f"Lower {lrs} (or use trainer.precision=32-true)"
     guard = next((c for c in trainer.callbacks if isinstance(c, DivergenceGuard)), None) if trainer else None
     if guard is None or guard.dirpath is None:
         return f"{base}."

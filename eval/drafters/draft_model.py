@@ -38,7 +38,8 @@ def stored_verifier(drafter_cfg: Any) -> Any:
     from this machine only, without running code (models.verifiers.hf.from_file); None where it names none."""
     path = drafter_cfg.get("path")
     described = (read_draft_info(path) or {}).get("verifier") if path else None
-    return from_file(verifier_source(described), f"drafter.path={str(path)!r}'s `verifier`") if described else None
+    where = f"drafter.path={str(path)!r}'s `verifier`"
+    return from_file(verifier_source(described, where), where) if described else None
 
 
 def truncated_copy(verifier: Verifier, layers: int) -> nn.Module:

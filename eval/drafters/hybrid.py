@@ -385,7 +385,7 @@ class HybridDrafter:
         even with the drafter's nodes valued as its planner says, none of them discounted for the chain beside them
         (an upper bound on what drafting adds), and the drafting's price paid."""
         primary: Any = self.primary
-        if (not self.sit_out or self.budget is not None or extra.tree.num_drafts == 0
+        if (not self.sit_out or extra.tree.num_drafts == 0
                 or not isinstance(primary, Planned) or not isinstance(primary, Skippable)
                 or not getattr(primary, "can_skip", True)):
             return False

@@ -265,13 +265,17 @@ def check_draft_p(p: Tensor | None, tokens: Tensor, vocab_size: int) -> None:
 def sampling_config(cfg: Any) -> SamplingConfig:
     """temperature / top_p / top_k / typical / verify from a run's config (any mapping with `.get`), checked
     (SamplingConfig raises one UserError each)."""
-    values = {k: cfg.get(k, d) for k, d in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0))}
+    values = {k: cfg.get(k, d) for k, d in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0),
+                                            ("posterior_threshold", 0.09), ("posterior_alpha", 0.3))}
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{key}={value!r} must be a number.")
-    return SamplingConfig(float(values["temperature"]), float(values["top_p"]), values["top_k"],
-                          bool(cfg.get("typical", False)), float(cfg.get("posterior_threshold", 0.09)),
-                          float(cfg.get("posterior_alpha", 0.3)), str(cfg.get("verify", "token")))
+    typical = cfg.get("typical", False)
+    if not isinstance(typical, bool):  # a word stays a string, which bool() would take as true: lossy acceptance
+        raise UserError(f"typical={typical!r}: give true or false, e.g. typical=false.")
+    return SamplingConfig(float(values["temperature"]), float(values["top_p"]), values["top_k"], typical,
+                          float(values["posterior_threshold"]), float(values["posterior_alpha"]),
+                          str(cfg.get("verify", "token")))
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class ExportInfo:
     @property
     def verifier(self) -> dict[str, Any] | None:
         """The verifier description the export stores (export_verifier), or None."""
-        return export_verifier(self.config)
+        return export_verifier(self.config, self.path / CONFIG_NAME)
 
     @property
     def acceptance(self) -> list[list[float]] | None:
@@ -238,12 +238,14 @@ def export_kind(config: dict[str, Any]) -> str | None:
     return family_of_config(config)
 
 
-def export_verifier(config: dict[str, Any]) -> dict[str, Any] | None:
+def export_verifier(config: dict[str, Any], file: str | Path | None = None) -> dict[str, Any] | None:
     """The verifier description an export stores (older exports: the `verifier_path` string), or None. Named by a
     file, not by the user, it loads from this machine only and never with the checkpoint's own code
-    (models.verifiers.hf.from_file): a user who trusts it passes it themselves (verifier_path=, --verifier)."""
+    (models.verifiers.hf.from_file): a user who trusts it passes it themselves (verifier_path=, --verifier). `file`:
+    the config.json it was read from, for messages."""
     if config.get("verifier"):
-        return from_file(verifier_source(config["verifier"]), "the export's config.json `verifier`")
+        where = f"{file}: `verifier`" if file is not None else "the export's config.json `verifier`"
+        return from_file(verifier_source(config["verifier"], where), "the export's config.json `verifier`")
     if config.get("verifier_path"):
         return from_file(verifier_source(str(config["verifier_path"])), "the export's config.json `verifier_path`")
     return None

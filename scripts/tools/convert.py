@@ -41,7 +41,7 @@ from models.formats.export import (
 )
 from models.formats.shipped import engine_ready, ship
 from models.verifiers.load import load_verifier
-from runtime.errors import UserError
+from runtime.errors import UserError, disk_full, disk_full_error
 from serve.server import check_tokens, parse_schedule, write_launch
 
 
@@ -117,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                                  force=args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a full disk after the folder was published (--schedule's launch file): it is whole
+        if not disk_full(e):
+            raise
+        done = Path(args.out_dir)
+        kept = f"{done} is written and whole; what was to be written after it was not ({e})."
+        print(f"error: {disk_full_error(done.parent, f'writing into {done}', kept)}", file=sys.stderr)
         return 2
     print(out)
     return 0
