@@ -318,8 +318,8 @@ def test_the_concurrency_sweep_by_prompt_length_writes_rows_schedule_and_predict
                                                                                       capsys):
     """`python -m eval checkpoint=pretrained/eagle3-smollm2 engine_peers=[vllm] engine_concurrency=[2,1]
     engine_peer_tokens=[1] engine_prompt_lengths=[short:2,long:2]` (2 prompts each, 8 tokens; our decoder drafting a
-    chain of 1: no cost curve to measure). report.json's engine_peers.vllm: per length group its prompts' token counts, its
-    own rows and schedule; the whole set's rows pool the groups (every request, their tokens and seconds, vLLM's
+    chain of 1: no cost curve to measure). report.json's engine_peers.vllm: per length group its prompts' token counts,
+    its own rows and schedule; the whole set's rows pool the groups (every request, their tokens and seconds, vLLM's
     counters summed), each with plain and K=1 figures read from the client and from vLLM's counters; a schedule over
     batch sizes 1-2 measured once more where it drafts somewhere (one of K=0 everywhere is plain, already measured, and
     says so); the prediction beside it; servers that fit the long prompt and cache no
