@@ -141,6 +141,15 @@ def test_eval_drafter_settings_are_read_at_the_door(export, tmp_path, overrides,
     assert not out.exists()
 
 
+def test_a_lookup_chain_past_what_a_round_verifies_names_its_own_setting(smollm2, tmp_path):
+    """drafter=prompt_lookup drafter.num_tokens=500 on the default verifier: the engine's refusal named only
+    tree.size / tree.depth, which this drafter does not read."""
+    cfg = _compose_eval(["drafter=prompt_lookup", "drafter.num_tokens=500", "engine=engine",
+                         f"output_dir={tmp_path / 'eval'}"])
+    with pytest.raises(UserError, match=r"proposes up to 501 nodes.*fewer tokens \(drafter.num_tokens"):
+        evaluate(cfg, progress=False)
+
+
 def test_sit_out_with_a_budget_sits_rounds_out(base, one_thread):  # noqa: F811
     """The same drafter and prompts as test_adaptive_hybrid's sit-out test, within a node budget: rounds lookup carries
     alone still skip the drafter's forward (a budget once turned sit_out off without a word); output plain greedy's."""

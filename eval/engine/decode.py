@@ -136,8 +136,9 @@ class VerifierSession:
             return
         if tree_nodes > TREE_ROOM or tree_depth >= fast.WINDOW:
             raise UserError(f"The engine verifies trees of at most {TREE_ROOM} nodes and depth {fast.WINDOW - 1}; "
-                            f"this drafter proposes up to {tree_nodes} nodes, {tree_depth} deep. Use a smaller "
-                            f"tree (tree.size, tree.depth), or engine=hf (not exact in bfloat16).")
+                            f"this drafter proposes up to {tree_nodes} nodes, {tree_depth} deep. Draft less: a "
+                            f"smaller tree (tree.size, tree.depth) or, for a drafter sized by its own options, fewer "
+                            f"tokens (drafter.num_tokens, drafter.budget); or engine=hf (not exact in bfloat16).")
         self.cache = fast.new_cache(engine_of(self.model), max_length + TREE_ROOM)
 
     def forward(self, tokens: Tensor, positions=None, mask=None, layers=None, last_logits=False) -> kv.ForwardOutput:
