@@ -25,17 +25,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from test_adaptive import PROMPTS, base  # noqa: F401
 from test_adaptive_hybrid import MAX_NEW, planned_eagle
+from test_untrusted_input import _compose
 
 from eval.drafters.hybrid import HybridDrafter
 from eval.drafters.lookup import PromptLookupDrafter
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Chain
 from eval.harness import evaluate
-from helpers import ROOT, compose_train
+from helpers import compose_train
 from models.formats.export import save_export
 from models.medusa import MedusaHeads
 from runtime.errors import UserError
@@ -101,11 +100,7 @@ def test_muon_settings_are_refused_before_the_data_step(train_script, tmp_path, 
 
 
 # -- 3, 6, 7. eval's drafter settings, at the door --------------------------------------------------------------------
-def _compose_eval(overrides: list[str]):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        return compose(config_name="eval", overrides=["threads=1", "max_new_tokens=4", "num_prompts=1",
-                                                       "wandb.mode=disabled", "dtype=float32", *overrides])
+_compose_eval = _compose  # the eval config of tests/test_untrusted_input.py: one prompt, 4 tokens, fp32, no W&B
 
 
 @pytest.fixture

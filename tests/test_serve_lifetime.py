@@ -39,31 +39,26 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _members(pgid: int) -> list[int]:
-    """The live processes of group `pgid` (zombies, already ended, left out)."""
+def _processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent, group) of every process, from /proc."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
+                state, ppid, pgrp = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+            except (OSError, ValueError):
                 continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry))
+            out.append((int(entry), state, int(ppid), int(pgrp)))
     return out
+
+
+def _members(pgid: int) -> list[int]:
+    """The live processes of group `pgid` (zombies, already ended, left out)."""
+    return [pid for pid, state, _, group in _processes() if group == pgid and state != "Z"]
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
+    return [child for child, _, parent, _ in _processes() if parent == pid]
 
 
 def _gone(pgid: int, port: int | None, timeout: float) -> bool:
