@@ -18,10 +18,9 @@ from transformers import GenerationConfig
 from data.chat import prompt_ids
 from data.prompts import Conversation
 from eval.engine.decode import DecodeResult, prepare, sample_decode, speculative_decode
-from eval.engine.protocol import Assistant, Drafter
+from eval.engine.protocol import Assistant, CategoryPriced, Drafter, Paced
 from eval.engine.rules import rule_for
 from eval.engine.sampling import SamplingConfig
-from eval.planner.adaptive import prediction_of, tell_category, tell_plain_step
 from eval.report import SPECULATIVE, Sample
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -104,7 +103,8 @@ class Runner:
         seconds, outputs, results = {}, {}, {}
         prepare(self.verifier, len(ids) + self.max_new, self.engine)  # untimed: the first loop would pay it alone
         for drafter in self.drafters.values():
-            tell_category(drafter, category)
+            if isinstance(drafter, CategoryPriced):
+                drafter.prompt_category(category)
         v, n, s, g, e = self.verifier, self.max_new, self.sampling, self.generator, self.engine
         calls: dict[str, Callable[[], Any]] = {"baseline": lambda: sample_decode(v, x, n, self.eos, s, g, engine=e)}
         for name, drafter in self.drafters.items():
@@ -126,10 +126,11 @@ class Runner:
             if method == "baseline":  # the plain step on this prompt: the pace of the drafters' predictions
                 steps = max(out.num_forwards - 1, 1)
                 for drafter in self.drafters.values():
-                    tell_plain_step(drafter, 1e3 * (seconds[method] - out.times.get("prefill_s", 0.0)) / steps)
+                    if isinstance(drafter, Paced):
+                        drafter.plain_step(1e3 * (seconds[method] - out.times.get("prefill_s", 0.0)) / steps)
         predicted = {}  # what a planned drafter predicted for its rounds of this prompt, each before it ran
         for name, drafter in self.drafters.items():
-            if (p := prediction_of(drafter)) is not None:
+            if isinstance(drafter, Paced) and (p := drafter.prediction()) is not None:
                 # The rounds' prediction, and the prompt's prefill as this decode timed it before its first round:
                 # the same verifier forward plain decoding runs, on both sides of the speedup the report predicts.
                 predicted[name] = asdict(p) | {"prefill_ms": 1000 * results[name].times.get("prefill_s", 0.0)}

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from eval.drafters.build import export_of, make_drafter
 from eval.drafters.lookup import LOOKUP_TOKENS, PromptLookupDrafter, match
-from eval.engine.protocol import Draft, Drafter, Planned, Prediction, Skippable
+from eval.engine.protocol import Draft, Drafter, Observing, Planned, Prediction, Skippable
 from eval.engine.timing import RoundOverhead
 from eval.engine.tree import Chain, Tree, TreePolicy, chain
 from models.formats.export import ExportInfo
@@ -239,7 +239,7 @@ class HybridDrafter:
         if getattr(extra, "reads_hidden", True) and tuple(extra.feature_layers) != tuple(primary.feature_layers):
             raise UserError(f"A hybrid hands both drafters the same verifier features; {type(extra).__name__} reads "
                             f"layers {extra.feature_layers} and {type(primary).__name__} {primary.feature_layers}.")
-        if hasattr(extra, "observe") or hasattr(primary, "observe"):
+        if isinstance(extra, Observing) or isinstance(primary, Observing):
             raise UserError("Lookahead learns from the verifier's outputs on its own nodes and cannot be a hybrid "
                             "part; use prompt_lookup as the grafted drafter.")
         self.extra, self.budget, self.sit_out = extra, budget, sit_out
@@ -296,7 +296,7 @@ class HybridDrafter:
         """This round's node budget without a planned primary: `budget`, else the primary's own max_nodes."""
         if self.budget is not None:
             return self.budget
-        return int(getattr(self.primary, "planned_nodes", self.primary.max_nodes))
+        return int(self.primary.planned_nodes if isinstance(self.primary, Planned) else self.primary.max_nodes)
 
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
         # 1. A new decode: the prompt's lookup rate starts from the run's, and no features are held for the drafter.
@@ -387,7 +387,7 @@ class HybridDrafter:
         primary: Any = self.primary
         if (not self.sit_out or extra.tree.num_drafts == 0
                 or not isinstance(primary, Planned) or not isinstance(primary, Skippable)
-                or not getattr(primary, "can_skip", True)):
+                or not primary.can_skip):
             return False
         own = self._own[0] / self._own[1] if self._own[1] else 0.0
         chain_values = self.lookup.values([False] * extra.tree.num_drafts, self._size)

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from eval.engine.accept import Acceptance
-from eval.engine.protocol import Draft, Drafter
+from eval.engine.protocol import Branching, Draft, Drafter
 from eval.engine.rules import AcceptanceRule
 from eval.engine.sampling import SampledRule, check_draft_p
 from runtime.errors import UserError
@@ -63,7 +63,7 @@ def may_branch(drafter: Drafter) -> bool:
     """Whether `drafter`'s rounds can be trees: more nodes than a chain of its depth holds (eval.engine.protocol's
     max_nodes / max_depth), or a drafter that says so (`branches = True`: one that grafts chains side by side within
     a chain's node count, as the hybrid does)."""
-    return bool(getattr(drafter, "branches", False)) or drafter.max_nodes > drafter.max_depth + 1
+    return (isinstance(drafter, Branching) and drafter.branches) or drafter.max_nodes > drafter.max_depth + 1
 
 
 def check_chain_drafters(rule: AcceptanceRule, drafters: Iterable[Drafter]) -> None:

@@ -24,7 +24,7 @@ from eval.engine import hf_forward as kv
 from eval.engine.accept import mean_accept_length, per_position_acceptance
 from eval.engine.arch import fallback_note, supported
 from eval.engine.block_verify import check_chain_drafters
-from eval.engine.protocol import Draft, Drafter
+from eval.engine.protocol import Draft, Drafter, Observing
 from eval.engine.rules import rule_for
 from eval.engine.sampling import SamplingConfig, warp
 from eval.engine.tree import Tree, TreeBuffers, tree_buffers, truncate
@@ -330,7 +330,7 @@ def speculative_decode(
 
         # 7. Reuse this forward's outputs at the accepted nodes for the next round, and tell the drafter.
         hidden = step.hidden[:, nodes[0]]  # (B, 1+A, len(layers) * D)
-        if kept is None and hasattr(drafter, "observe"):  # optional: lookahead learns from the logits at its nodes
+        if kept is None and isinstance(drafter, Observing):  # lookahead learns from the logits at its nodes
             drafter.observe(draft.tokens, step.logits)
         drafter.accepted(acc.num_accepted, nodes if kept is None else kept[nodes])  # in the drafter's own tree
 

@@ -131,6 +131,7 @@ class Planned(Protocol):
 
     planned_nodes: int  # the nodes the round just proposed drafts, root included
     step_ms: float  # the plain step's predicted ms (the speedup's unit)
+    can_skip: bool  # whether the drafter it plans can sit a round out (Skippable)
 
     def node_values(self) -> list[float]:
         """The round just proposed: each draft's predicted path-acceptance probability, best first."""
@@ -168,6 +169,61 @@ class Combination(Protocol):
 
     def grafted_alone(self) -> Drafter:
         """A fresh drafter that drafts as the grafted part does, to decode by itself."""
+        ...
+
+
+# -- what the decode loop, the runner and the planner ask of a drafter that offers more (each optional: checked with
+# isinstance against the protocol here, never by probing an attribute's name) ----------------------------------------
+
+@runtime_checkable
+class Observing(Protocol):
+    """A drafter that learns from what the verifier computed at its nodes (lookahead): the decode loop hands it the
+    round's tokens and the verifier's logits there, after each verify."""
+
+    def observe(self, tokens: Tensor, q_logits: Tensor) -> None:
+        """tokens: (B, N) the round's draft; q_logits: (B, N, V) M_q's logits at those nodes."""
+        ...
+
+
+@runtime_checkable
+class Branching(Protocol):
+    """A drafter that says whether its rounds may branch although its node count would fit a chain (the hybrid:
+    lookup chains grafted beside the drafter's); block verification (eval.engine.block_verify) takes chains only."""
+
+    branches: bool
+
+
+@runtime_checkable
+class Paced(Protocol):
+    """A drafter whose rounds a planner predicts (a planned drafter, or a hybrid over one): the runner hands it the
+    plain step measured on the coming prompt, and asks it, once the prompt is decoded, what it predicted."""
+
+    def plain_step(self, ms: float) -> None:
+        """The plain step's ms measured on the coming prompt: the prediction's pace."""
+        ...
+
+    def prediction(self) -> Prediction | None:
+        """What was predicted for the decode just finished (None: nothing); starts the next count."""
+        ...
+
+
+@runtime_checkable
+class CategoryPriced(Protocol):
+    """A drafter that prices its rounds by the prompt's category (the hybrid's lookup chains): the runner tells it
+    the category of the prompt it decodes next."""
+
+    def prompt_category(self, category: str) -> None:
+        ...
+
+
+@runtime_checkable
+class BuiltOn(Protocol):
+    """A drafter built around another one (the hybrid around its `primary`): the planner plans that one in place."""
+
+    primary: Drafter
+
+    def set_primary(self, primary: Drafter) -> None:
+        """Draft with `primary` (the same drafter under a planner) from now on."""
         ...
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import Tensor
 
-from eval.engine.protocol import Draft, Drafter, Prediction, Skippable
+from eval.engine.protocol import BuiltOn, Draft, Drafter, Prediction, Skippable
 from eval.engine.timing import RoundOverhead
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, rank_probs
 from eval.planner import cost
@@ -402,28 +402,7 @@ def plan(drafter: Any, kind: TreeShape | str, table: Sequence[Sequence[float]], 
          draft: Sequence[float] | None, size: int, adaptive: bool, min_drafts: int = 0) -> Drafter:
     """The drafter under the planner: a drafter of an export family wrapped in a PlannedDrafter; a drafter built
     around one (the hybrid: its `primary`) with that one wrapped in place, its budget then the plan's."""
-    primary = getattr(drafter, "primary", None)
-    if primary is not None:
-        drafter.set_primary(PlannedDrafter(primary, table, kind, curve, draft, size, adaptive, min_drafts))
+    if isinstance(drafter, BuiltOn):
+        drafter.set_primary(PlannedDrafter(drafter.primary, table, kind, curve, draft, size, adaptive, min_drafts))
         return drafter
     return PlannedDrafter(drafter, table, kind, curve, draft, size, adaptive, min_drafts)
-
-
-def prediction_of(drafter: Any) -> Prediction | None:
-    """What a planned drafter (or a hybrid over a planned primary) predicted for the decode just finished, or None."""
-    take = getattr(drafter, "prediction", None)
-    return take() if callable(take) else None
-
-
-def tell_category(drafter: Any, category: str) -> None:
-    """Hand a drafter that prices by category (a hybrid's lookup chains) the category of the prompt it decodes next."""
-    tell = getattr(drafter, "prompt_category", None)
-    if callable(tell):
-        tell(category)
-
-
-def tell_plain_step(drafter: Any, ms: float) -> None:
-    """Hand a planned drafter (or a hybrid over one) the plain step's ms measured on the prompt it decodes next."""
-    tell = getattr(drafter, "plain_step", None)
-    if callable(tell):
-        tell(ms)
