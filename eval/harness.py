@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation, load_prompt_sets, prompt_set_label
-from eval import compare
+from eval import compare, serving
 from eval.drafters.build import (
     build_drafter,
     check_proposals,
@@ -43,8 +43,6 @@ from eval.engine.decode import engine_of, use_engine
 from eval.engine.protocol import Combination, Drafter
 from eval.engine.rules import named_rule
 from eval.engine.tree import AutoTree
-from eval.load import LoadSettings, check_clients, load_settings, predictor, sweep, with_groups
-from eval.peers import check_peers, vllm_peer
 from eval.planner import adaptive, cost, shapes
 from eval.report import ALONE, GRAFTED, SPECULATIVE, write_outputs
 from eval.runner import Runner, assistant_of, check_length, run_prompts, sampling_record, user_turns
@@ -303,22 +301,6 @@ def setup(s: EvalSettings) -> Setup:
                  curves, predicted, built.planned is not None, built.draft)
 
 
-def run_peers(s: EvalSettings, run: Setup, samples: list[Any], load: LoadSettings | None = None) -> dict[str, Any]:
-    """engine_peers=[vllm]: the run's prompts through the real vLLM, plain and with the export drafting."""
-    export = run.exports[0] if run.exports else None
-    kind = export.kind if export is not None else None
-    prompts = [prompt_ids(run.verifier.tokenizer, user_turns(c)[0], run.verifier.rendering) for c in run.convs]
-    tokens = s.engine_peer_tokens or (export.speculative_tokens if export is not None else None)
-    if load is not None and export is not None:  # engine_concurrency: the sweep in vLLM's server (eval/load.py)
-        return {"vllm": sweep(load, str(export.path), prompts, s.max_new_tokens, s.dtype, s.threads,
-                              s.sampling.temperature, s.seed, s.output_dir, s.cache_dir, predictor(run, prompts[0]))}
-    print(f"engine_peers: vLLM plain and {kind or 'no drafter'} on {len(prompts)} prompts")
-    return {"vllm": vllm_peer(run.verifier, kind, export.path if export else None, prompts,
-                              [s.outputs["baseline"] for s in samples],
-                              s.max_new_tokens, s.dtype, s.threads, s.sampling.temperature, s.sampling.top_p, s.seed,
-                              tokens, s.cache_dir)}
-
-
 def chains_only(run: Any) -> list[str]:
     """method=all under verify=block: the methods whose drafters propose trees (block verification is defined on
     chains) leave the run, each named on the console and in report.json's sampling record; a one-family run is
@@ -340,16 +322,13 @@ def evaluate(cfg: DictConfig, progress: bool = True) -> dict[str, Any]:
 
 def evaluate_settings(s: EvalSettings, progress: bool = True) -> dict[str, Any]:
     """The run for settings already parsed (eval.settings.parse)."""
-    peers = check_peers(list(s.engine_peers), s.multi_turn, s.method)
-    load = load_settings(s.engine_concurrency, s.engine_peer_tokens, peers, s.checkpoint_label,
-                         s.engine_prompt_lengths)
+    wing = serving.settings(s)  # the serving engines' settings, refused here before anything loads
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     try:
         run = setup(s)
-        load = with_groups(load, s.prompts, s.num_prompts, run.verifier)  # length groups, before decoding
-        check_clients(load, len(run.convs))
+        wing = serving.ready(wing, s, run)  # the sweep's length groups and clients, before decoding
         rule = named_rule(s.sampling)  # the acceptance rule asked for (eval.engine.rules)
         left_out = chains_only(run) if run.method == "all" and rule.chains_only else []
         check_chain_drafters(rule, run.drafters.values())  # verify=block: chains only, before decoding
@@ -359,7 +338,7 @@ def evaluate_settings(s: EvalSettings, progress: bool = True) -> dict[str, Any]:
         runner = Runner(run.verifier, run.drafters, s.max_new_tokens, s.prompt_lookup_num_tokens, s.sampling, s.seed,
                         s.engine, assistant, depth)
         samples = run_prompts(runner, run.convs, s.multi_turn, s.warmup, progress)
-        peer_report = run_peers(s, run, samples, load) if peers else None
+        peer_report = serving.measure(wing, s, run, samples)
     finally:
         torch.set_num_threads(threads)  # callers in the same process (tests) keep their own setting
     engine = "engine" if use_engine(run.verifier, s.engine) else "hf"

@@ -510,7 +510,7 @@ def write_outputs(
     peers: Mapping[str, Any] | None = None, alone_depths: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Write report.json, profile.json and the plots to out_dir, print the table, log to W&B; returns the report.
-    `peers`: serving engines measured on the same prompts (eval.peers), reported as `engine_peers`; `alone_depths`:
+    `peers`: serving engines measured on the same prompts (eval.serving), reported as `engine_peers`; `alone_depths`:
     the deepest draft of each part of a combination measured alone beside it (drafter_alone, grafted_alone)."""
     report = build_report(samples, meta, depth, alone_depths)
     if peers:
@@ -522,7 +522,7 @@ def write_outputs(
         ("profile.json", lambda: write_json(out_dir / "profile.json", profile)),
         ("outputs.jsonl", lambda: write_samples(samples, out_dir)),
         ("the plots", lambda: plots.extend(save_plots(samples, report, out_dir)))])
-    plots += [Path(p["plot"]) for p in (peers or {}).values() if p.get("plot")]  # a load sweep's (eval/load.py)
+    plots += [Path(p["plot"]) for p in (peers or {}).values() if p.get("plot")]  # a load sweep's (eval.serving.sweep)
     print_summary(report, profile, console)
     wandb_cfg = dict(wandb_cfg or {})
     try:

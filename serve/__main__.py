@@ -1,7 +1,7 @@
-"""python -m serve EXPORT_DIR [--tokens K | --schedule 1-2:3,3-16:1] [--port 8000]: serve.server."""
+"""python -m serve EXPORT_DIR [--tokens K | --schedule 1-2:3,3-16:1] [--port 8000]: serve.cli."""
 
 import sys
 
-from serve.server import main
+from serve.cli import main
 
 sys.exit(main())

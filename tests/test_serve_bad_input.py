@@ -22,7 +22,7 @@ LOGS = Path(__file__).with_name("vllm_logs")
 
 
 def _serve(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    from serve.server import main
+    from serve.cli import main
 
     code = main(argv)
     captured = capsys.readouterr()
@@ -227,7 +227,7 @@ def test_a_server_that_died_mid_sweep_leaves_error_rows_and_no_schedule():
     """The K=1 server died after its concurrency-1 pass: concurrency 2 has an error entry with vLLM's cause, its
     best K is unknown, and no schedule, crossover or scheduled speedup is derived from the missing pass (it was:
     best K 0, crossover 1, a plain schedule measured against plain)."""
-    from eval.load import ALL, _crossover, _rows, _schedule_note, schedule_of, to_measure
+    from eval.serving.sweep import ALL, _crossover, _rows, _schedule_note, schedule_of, to_measure
 
     cause = "RuntimeError: Cannot find any model weights"
     plain = {(ALL, 1): (_pass(1, 64, 2.0), None), (ALL, 2): (_pass(2, 64, 1.0), None)}
@@ -246,7 +246,7 @@ def test_a_server_that_died_mid_sweep_leaves_error_rows_and_no_schedule():
 
 
 def test_a_schedule_that_drafts_nowhere_is_plain_and_is_not_measured_against_plain():
-    from eval.load import ALL, _crossover, _rows, _schedule_note, _schedule_record, schedule_of, to_measure
+    from eval.serving.sweep import ALL, _crossover, _rows, _schedule_note, _schedule_record, schedule_of, to_measure
 
     plain = {(ALL, 1): (_pass(1, 64, 1.0), None), (ALL, 4): (_pass(4, 64, 0.5), None)}
     slower = {(ALL, 1): (_pass(1, 64, 1.2), _counts(40, 10)), (ALL, 4): (_pass(4, 64, 0.7), _counts(40, 8))}

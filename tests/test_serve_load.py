@@ -67,7 +67,7 @@ def test_bad_load_settings_are_one_message_before_anything_loads(overrides, word
 
 
 def test_python_m_serve_refuses_bad_settings_before_loading(capsys):
-    from serve.server import main
+    from serve.cli import main
 
     assert main([str(MEDUSA), "--tokens", "5", "--print-command"]) == 2
     err = capsys.readouterr().err
@@ -83,7 +83,7 @@ def test_python_m_serve_refuses_bad_settings_before_loading(capsys):
 @pytest.mark.slow
 def test_convert_engine_ready_records_the_schedule_and_python_m_serve_launches_with_it(tmp_path, capsys):
     from scripts.tools.convert import main as convert
-    from serve.server import main as serve
+    from serve.cli import main as serve
 
     out = tmp_path / "served"
     assert convert(["engine-ready", str(EAGLE3), str(out), "--schedule", "1-1:5,2-2:2,3-16:0"]) == 0
@@ -127,7 +127,7 @@ def test_sigterm_sighup_and_ctrl_c_stop_python_m_serve_through_its_server_stop()
 def test_prompts_fall_in_the_length_group_their_tokens_say():
     """short: 1-511 tokens, long: 512+, both bounds inclusive; each group drawn round-robin over its categories;
     a group no prompt falls into is refused, naming the lengths the set has."""
-    from eval.prompt_lengths import group_prompts, parse_lengths
+    from eval.serving.prompt_lengths import group_prompts, parse_lengths
     from runtime.errors import UserError
 
     pool = [("a", "chat", [7] * 40), ("b", "doc", [7] * 600), ("c", "chat", [7] * 511), ("d", "doc", [7] * 512),
@@ -148,7 +148,7 @@ def test_prompts_fall_in_the_length_group_their_tokens_say():
 
 @pytest.mark.slow
 def test_on_the_builtin_split_long_is_its_long_context_category_and_short_the_chat_ones(smollm2):
-    from eval.prompt_lengths import group_prompts, parse_lengths, rendered_pool
+    from eval.serving.prompt_lengths import group_prompts, parse_lengths, rendered_pool
 
     pool = rendered_pool("builtin", smollm2.tokenizer, smollm2.rendering)
     cats = {cid: cat for cid, cat, _ in pool}
@@ -174,7 +174,7 @@ def test_a_length_group_no_prompt_falls_into_is_refused_before_any_server(tmp_pa
     assert not (tmp_path / "out" / "vllm_load").exists()
 
 def test_the_schedule_takes_each_concurrencys_best_k_and_merges_neighbours():
-    from eval.load import schedule_of
+    from eval.serving.sweep import schedule_of
     from serve.server import format_schedule, parse_schedule
 
     rows = [{"concurrency": 1, "best_k": 3}, {"concurrency": 2, "best_k": 3}, {"concurrency": 4, "best_k": 1},
@@ -197,7 +197,7 @@ def test_the_batch_cost_model_finds_the_crossover_where_verifying_gets_dear():
     """Verify costs flat in width at batch 1 (memory-bound) and linear in tokens at batch 16 (compute-bound): the
     best K falls with the batch and speculation stops paying; negative control: flat costs everywhere pay at every
     batch size."""
-    from eval.batch_cost import expected_tokens, predict
+    from eval.serving.batch_cost import expected_tokens, predict
 
     table = [[0.8], [0.8], [0.8]]
     batches, ks = [1, 4, 16], [1, 2, 3]
@@ -214,7 +214,7 @@ def test_the_batch_cost_model_finds_the_crossover_where_verifying_gets_dear():
 def test_batched_verify_costs_are_measured_on_the_real_verifier(smollm2):
     import torch
 
-    from eval.batch_cost import verify_costs
+    from eval.serving.batch_cost import verify_costs
 
     costs = verify_costs(smollm2.model, torch.arange(1, 33)[None], [1, 2], [1, 3], reps=1)
     assert set(costs) == {(1, 1), (1, 3), (2, 1), (2, 3)} and all(ms > 0 for ms in costs.values())

@@ -1,4 +1,4 @@
-"""The concurrency sweep of `python -m eval ... engine_peers=[vllm] engine_concurrency=[...]` (eval/load.py) alone,
+"""The concurrency sweep of `python -m eval ... engine_peers=[vllm] engine_concurrency=[...]` (eval.serving) alone,
 without our own decoder's pass over the prompts first: on a shared CPU that pass (every prompt through our plain and
 speculative decoding and HF's references) can take longer than the sweep itself.
 
@@ -11,7 +11,7 @@ The same prompts as `python -m eval` takes (`--prompts`, default the built-in ev
 categories), the same sweep, schedule and prediction (the batch cost model without a draft cost: no drafter is built
 here), written to <out>/report.json as `{"engine_peers": {"vllm": ...}}` with load_speedup.png and the servers' logs.
 
-By prompt length (eval/prompt_lengths.py; `engine_prompt_lengths` in `python -m eval`): `--lengths short long:8`
+By prompt length (eval/serving/prompt_lengths.py; `engine_prompt_lengths` in `python -m eval`): `--lengths short long:8`
 sweeps the short prompts (up to 511 tokens; --num-prompts of them) and 8 long ones (512+; on the built-in split its
 long_context category) on the same servers, a table and a plot panel each, report.json `engine_peers.vllm.by_length`.
 """
@@ -46,12 +46,11 @@ def fresh_out(out: str | None, export: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     from data.chat import prompt_ids
     from data.prompts import load_prompt_sets
-    from eval.load import batch_predictor, check_clients, load_settings, sweep, with_groups
     from eval.planner.cost import auto_dtype
     from eval.runner import user_turns
+    from eval.serving.sweep import batch_predictor, check_clients, load_settings, sweep, with_groups
     from models.verifiers.load import load_verifier
     from runtime.errors import UserError
-    from serve.server import read_export
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("export")
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         load = load_settings(args.concurrency, args.tokens, ["vllm"], args.export, args.lengths)
         assert load is not None
         dtype = auto_dtype("cpu")[0] if args.dtype == "auto" else args.dtype
-        info = read_export(args.export)
+        info = load.export  # read once, by load_settings
         torch.set_num_threads(args.threads)
         verifier = load_verifier(info.verifier, dtype, "cpu")
         load = with_groups(load, args.prompts, args.num_prompts, verifier)
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         predict = None if args.no_predict else batch_predictor(verifier.model, info.acceptance, prompts[0])
         check_clients(load, len(prompts))
         out.mkdir(parents=True, exist_ok=True)
-        result = sweep(load, args.export, prompts, args.max_new_tokens, dtype, args.threads, 0.0, 0, out,
+        result = sweep(load, prompts, args.max_new_tokens, dtype, args.threads, 0.0, 0, out,
                        predict=predict)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

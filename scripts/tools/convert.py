@@ -19,7 +19,7 @@ Each command replaces its output folder whole: one that holds anything but an ex
         --recipe outputs/<run>/.hydra/config.yaml --training outputs/<run>/training.json \
         --eval-report outputs/<eval run>/report.json
     # a shipped export -> the folder an engine (vLLM) loads as it is; --schedule records the K per batch-size range
-    # (a load sweep's, eval/load.py) that `python -m serve served/<name>` then launches with
+    # (a load sweep's, eval/serving/sweep.py) that `python -m serve served/<name>` then launches with
     python -m scripts.tools.convert engine-ready pretrained/<name> served/<name> [--schedule 1-1:5,2-2:2,3-16:0]
 """
 

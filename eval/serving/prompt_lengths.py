@@ -1,4 +1,4 @@
-"""Prompts of several lengths for the load sweep (eval/load.py), as SPEED-Bench's throughput split reports short chat
+"""Prompts of several lengths for the load sweep (sweep.py), as SPEED-Bench's throughput split reports short chat
 turns apart from long inputs: named groups with token bounds, counted after the verifier's chat template.
 
     engine_prompt_lengths=[short,long]      # python -m eval; scripts.bench.serving_load: --lengths short long:8

@@ -1,4 +1,4 @@
-"""The load sweep's result (eval/load.py) as a person reads it: the table in the terminal (one per length group,
+"""The load sweep's result (sweep.py) as a person reads it: the table in the terminal (one per length group,
 then the whole set) and load_speedup.png (speedup against concurrency, a panel per length group)."""
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ its answer is complete, until the prompts run out. vLLM's speculative counters a
 after each pass. report.json `engine_peers.vllm`: `by_concurrency` (per concurrency: plain and per K output tokens/s,
 per-request tokens/s and time to first token (median, p90), speedup, acceptance length and per position),
 `schedule` (K per batch-size range, K = 0 where no K pays, and `scheduled_speedup` per concurrency), `prediction`
-(eval/batch_cost.py: the best K per batch size and the crossover predicted from this machine's verify costs and the
+(batch_cost.py: the best K per batch size and the crossover predicted from this machine's verify costs and the
 export's acceptance, beside the measured ones). A setting vLLM refuses is named in `errors` and the sweep goes on.
 
-engine_prompt_lengths=[short,long] (eval/prompt_lengths.py): every pass runs once per length group on the same
+engine_prompt_lengths=[short,long] (eval/serving/prompt_lengths.py): every pass runs once per length group on the same
 servers; `by_length.<group>` holds the group's prompts (count, tokens median/min/max), its own `by_concurrency`,
 best K per concurrency, schedule (measured on a server of its own where it differs from the whole set's) and
 crossover; the whole-set keys above pool the groups' passes (their tokens over their seconds, every request).
@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from eval.prompt_lengths import LengthGroup, PromptGroup, group_prompts, parse_lengths, rendered_pool
+from eval.serving.prompt_lengths import LengthGroup, PromptGroup, group_prompts, parse_lengths, rendered_pool
 from runtime.errors import UserError
 
 PORT = 18400  # loopback port of the sweep's servers (a free one is looked for from here)
@@ -41,6 +41,7 @@ class LoadSettings:
 
     concurrency: tuple[int, ...]
     ks: tuple[int, ...]
+    export: Any  # the export swept (models.formats.export.ExportInfo), read once here
     lengths: tuple[LengthGroup, ...] = ()
     groups: tuple[PromptGroup, ...] = ()
 
@@ -58,7 +59,7 @@ def load_settings(concurrency: Any, tokens: Any, peers: Sequence[str], export: s
     """engine_concurrency (None or [] : no sweep), engine_peer_tokens and engine_prompt_lengths, refused before
     anything loads: a concurrency of 0 or below, engine_concurrency without engine_peers, a K that is not whole,
     below 1 or beyond what the export drafts; several K, or length groups, without engine_concurrency; an unknown
-    length group (eval/prompt_lengths.py)."""
+    length group (eval/serving/prompt_lengths.py)."""
     from serve.server import check_tokens, read_export
 
     ks_given = None if tokens is None else _whole_list(tokens, "engine_peer_tokens")
@@ -86,12 +87,12 @@ def load_settings(concurrency: Any, tokens: Any, peers: Sequence[str], export: s
     info = read_export(export)
     ks = ks_given if ks_given is not None else [info.speculative_tokens or 3]
     check_tokens(ks, info.config, info.path, "engine_peer_tokens")
-    return LoadSettings(tuple(sorted(set(levels))), tuple(sorted(set(ks))), groups)
+    return LoadSettings(tuple(sorted(set(levels))), tuple(sorted(set(ks))), info, groups)
 
 
 def with_groups(load: LoadSettings | None, prompts: Any, num: int | None, verifier: Any) -> LoadSettings | None:
     """`load` with its length groups' prompts drawn from every eval prompt of `prompts=` as `verifier` renders
-    them (eval/prompt_lengths.py; a group no prompt falls into is refused here, before any pass); unchanged where
+    them (prompt_lengths.py; a group no prompt falls into is refused here, before any pass); unchanged where
     no groups were asked for."""
     if load is None or not load.lengths:
         return load
@@ -109,13 +110,13 @@ def predictor(run: Any, prefix: list[int]) -> Callable[[list[int], list[int]], A
 
 def batch_predictor(model: Any, acceptance: Any, prefix: list[int], sizes: Sequence[int] | None = None,
                     draft_curve: Sequence[float] | None = None) -> Callable[[list[int], list[int]], Any]:
-    """The batch cost model (eval/batch_cost.py): verify costs of `model` measured when called, on the prefix
+    """The batch cost model (eval/serving/batch_cost.py): verify costs of `model` measured when called, on the prefix
     `prefix`, the export's acceptance table, the draft curve (ms at `sizes` nodes) or no draft cost."""
 
     def predict(levels: list[int], ks: list[int]) -> Any:
         import torch
 
-        from eval.batch_cost import draft_ms_per_k, predict, verify_costs
+        from eval.serving.batch_cost import draft_ms_per_k, predict, verify_costs
 
         print(f"[load] the batch cost model: verify costs at batch sizes {levels}, widths K + 1", flush=True)
         costs = verify_costs(model, torch.tensor([prefix]), levels, sorted({1, *(k + 1 for k in ks)}))
@@ -315,15 +316,15 @@ def _schedule_note(schedule: tuple[tuple[int, int, int], ...] | None) -> str | N
     return None
 
 
-def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tokens: int, dtype: str,
+def sweep(load: LoadSettings, prompts: list[list[int]], max_new_tokens: int, dtype: str,
           threads: int | None, temperature: float, seed: int, out_dir: Path,
           cache_dir: str | None = None, predict: Any = None) -> dict[str, Any]:
-    """The whole sweep (module docstring) on `prompts`, or on the length groups' prompts where `load` has them;
-    `predict(levels, ks)`: the batch cost model's Prediction, or None."""
+    """The whole sweep (module docstring) of the export `load` read, on `prompts`, or on the length groups' prompts
+    where `load` has them; `predict(levels, ks)`: the batch cost model's Prediction, or None."""
     from serve import vllm_engine
-    from serve.server import ServeSettings, prepare, read_export, served_name
+    from serve.server import ServeSettings, prepare, served_name
 
-    info = read_export(export)
+    info = load.export
     check_clients(load, len(prompts))
     verifier, served = prepare(info, cache_dir)
     most = max(load.concurrency)
@@ -411,7 +412,7 @@ def sweep(load: LoadSettings, export: str, prompts: list[list[int]], max_new_tok
         "method": info.kind, "speculative_tokens": best["k"], "tokens_per_s": best["tokens_per_s"],
         "tau": best["acceptance_length"], "accept_rate_per_position": best["acceptance_per_position"],
         "speedup": best["speedup"], "concurrency": first["concurrency"]}
-    from eval.load_report import plot, print_table
+    from eval.serving.report import plot, print_table
 
     print_table(result)
     result["plot"] = str(plot(result, out_dir / "load_speedup.png"))

@@ -9,7 +9,6 @@ first request after a warm-up request (model load excluded), with Intel OpenMP p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from models.families import FAMILIES
@@ -34,13 +33,12 @@ def check_peers(peers: Sequence[str], multi_turn: bool, method: str) -> list[str
     return peers
 
 
-def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts: list[list[int]],
+def vllm_peer(verifier: Verifier, kind: str | None, export: Any | None, prompts: list[list[int]],
               ours: list[list[int]], max_new_tokens: int, dtype: str, threads: int, temperature: float,
               top_p: float, seed: int, tokens: int | None = None, cache_dir: str | None = None) -> dict[str, Any]:
     """vLLM plain and (for a family vLLM serves) with the export drafting `tokens` per step, on `prompts` (a compact
     shipped export written back in full first: serve.server.served_folder). `ours`: our plain decoding's outputs on
-    the same prompts, for the greedy agreement."""
-    from models.formats.export import read_info
+    the same prompts, for the greedy agreement. `export`: the run's ExportInfo (models.formats.export), or None."""
     from serve import vllm_engine
     from serve.server import served_folder
 
@@ -63,7 +61,7 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Path | None, prompts
     }
     refusal = FAMILIES[kind].serve_cpu_refusal if kind in FAMILIES else None
     if kind in vllm_engine.methods() and export is not None and refusal is None:
-        served = served_folder(export, read_info(export).config, verifier, cache_dir)
+        served = served_folder(export.path, export.config, verifier, cache_dir)
         spec = vllm_engine.serve(verifier.checkpoint, prompts, max_new_tokens,
                                  spec=vllm_engine.speculative_config(kind, served, tokens), **common)
         tps = spec.tokens / spec.seconds if spec.seconds else 0.0
