@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--print-command", action="store_true", help="print the command and environment only")
     args = parser.parse_args(argv)
-    stop_on_signals()  # from here on, Ctrl-C, SIGTERM and SIGHUP stop what was started and print no traceback
     ready = False
     try:
         schedule = parse_schedule(args.schedule) if args.schedule is not None else None
@@ -123,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             print(" ".join(f"{k}={env[k]}" for k in keep if k in env) + key, " ".join(
                 f"'{a}'" if any(c in a for c in " {}\"") else a for a in settings.command()))
             return 0
+        stop_on_signals()  # from here on SIGTERM and SIGHUP stop the server as Ctrl-C does, with no traceback
         print(f"[serve] starting: {settings.describe()}", flush=True)
         with Server(settings) as server:
             pid = server.proc.pid if server.proc is not None else None
