@@ -23,8 +23,10 @@ from eval.engine.protocol import Drafter
 from eval.report import (
     LENGTH_EDGES,
     Sample,
+    accept_by_window,
     length_group,
     num_or_dash,
+    per_prompt,
     predicted_speedup,
     prompt_set_of,
     save_figure,
@@ -136,6 +138,8 @@ def report(s: EvalSettings, verifier: Verifier, drafters: dict[str, Drafter], ex
         "sampling": sampling,
         "trees": {m: d.describe() for m, d in drafters.items()}, "plans": plans or {},
         "methods": rows(samples, methods, depths),
+        "accept_by_window": {m: accept_by_window(samples, m) for m in drafters},
+        "per_prompt": per_prompt(samples),
         "by_category": {c: rows([s for s in samples if s.category == c], methods, depths) for c in categories},
         "by_prompt_length": {g: rows([s for s in samples if length_group(s.prompt_tokens) == g], methods, depths)
                              for g in groups},

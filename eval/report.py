@@ -41,8 +41,10 @@ REPORT_KEYS = (
     "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "drafter_alone", "grafted_alone",
     "prompt_tokens",
     "prefill",
-    "sampling", "by_category", "by_prompt_length", "by_prompt_set",
+    "sampling", "by_category", "by_prompt_length", "by_prompt_set", "accept_by_window", "per_prompt",
 )
+RUN_KEYS = ("accept_by_window", "per_prompt")  # the whole run's only: not repeated per category or length
+WINDOW = 64  # output tokens per window of accept_by_window
 PARTS = ("prefill_s", "verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times; the rest of total_s: "other"
 LENGTH_EDGES = (256, 512, 1024)  # prompt-length groups of the report: <256, 256-511, 512-1023, >=1024 tokens
 OURS = ("baseline", SPECULATIVE)  # our loops: their prefill is timed apart
@@ -178,6 +180,36 @@ def metrics(samples: Sequence[Sample], depth: int, alone_depths: Mapping[str, in
     }
 
 
+def accept_by_window(samples: Sequence[Sample], method: str, window: int = WINDOW) -> list[dict[str, Any]]:
+    """Acceptance against output position: the rounds of `method` that started in each `window`-token window of the
+    output (the prefill emits token 0; round r starts at 1 + sum of the earlier rounds' accepted + 1), over every
+    prompt, with their tau (1 + drafts accepted per round). Decay over long outputs shows as a falling tau."""
+    rounds: dict[int, list[int]] = {}
+    for sample in samples:
+        position = 1
+        for accepted in sample.lengths[method].tolist():
+            rounds.setdefault(position // window, []).append(int(accepted))
+            position += int(accepted) + 1
+    return [{"window": [w * window, (w + 1) * window - 1], "rounds": len(a), "tau": round(1 + sum(a) / len(a), 4)}
+            for w, a in sorted(rounds.items())]
+
+
+def per_prompt(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """Every prompt's figures per method, in the order decoded (a stream's halves can be compared): new tokens,
+    rounds (verifier forwards for our plain loop; null for HF's), tau (null where no drafter ran) and tokens/s."""
+    out = []
+    for sample in samples:
+        for method in sample.outputs:  # every method measured on it, in the order run
+            drafts = sample.lengths.get(method)
+            seconds = sample.seconds[method]
+            out.append({"id": sample.id, "category": sample.category, "turn": sample.turn, "method": method,
+                        "new_tokens": sample.new_tokens[method],
+                        "rounds": len(drafts) if drafts is not None else sample.forwards.get(method),
+                        "tau": round(mean_accept_length(drafts), 4) if drafts is not None and len(drafts) else None,
+                        "tokens_per_s": round(sample.new_tokens[method] / seconds, 2) if seconds > 0 else 0.0})
+    return out
+
+
 def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int,
                  alone_depths: Mapping[str, int] | None = None) -> dict[str, Any]:
     """report.json: `meta` (method, tree, verifier, checkpoint, sampling), the metrics overall, and the same per
@@ -191,8 +223,11 @@ def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int,
                  for g in groups}
     by_set = {p: metrics([s for s in samples if prompt_set_of(s.category) == p], depth, alone_depths)
               for p in meta.get("prompt_sets") or []}
+    drafting = [m for m in methods_of(samples) if samples and m in samples[0].lengths]
     report = {**meta, **metrics(samples, depth, alone_depths), "by_category": by_category,
-              "by_prompt_length": by_length, "by_prompt_set": by_set}
+              "by_prompt_length": by_length, "by_prompt_set": by_set,
+              "accept_by_window": {m: accept_by_window(samples, m) for m in drafting},
+              "per_prompt": per_prompt(samples)}
     report.setdefault("sampling", {"temperature": 0.0, "rule": "greedy", "exact": True, "lossy": False})
     report.setdefault("drafter_dtype", "float32")  # eval's default: the export's weights as saved
     if report["sampling"].get("rule", "greedy") != "greedy":

@@ -25,7 +25,7 @@ from eval.engine import decode
 from eval.engine import hf_forward as kv
 from eval.engine.tree import Tree, auto_tree, from_medusa_choices
 from eval.harness import evaluate
-from eval.report import REPORT_KEYS, write_outputs
+from eval.report import REPORT_KEYS, RUN_KEYS, write_outputs
 from eval.runner import Runner, run_prompts
 from helpers import ROOT, varied_llama
 from models.formats.export import save_export
@@ -34,7 +34,7 @@ from models.verifiers.core import Verifier
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
 METRIC_KEYS = set(REPORT_KEYS) - {"method", "tree", "verifier", "checkpoint", "drafter_dtype", "sampling",
-                                   "by_category", "by_prompt_length", "by_prompt_set"}
+                                   "by_category", "by_prompt_length", "by_prompt_set", *RUN_KEYS}
 FAST = ["threads=1", "max_new_tokens=12", "wandb.mode=disabled", "dtype=float32"]  # fp32: HF generate is exact too
 
 
@@ -100,6 +100,35 @@ def _check_sane(report: dict, depth: int) -> None:
         assert all(r > 0 for r in rates)
         assert metrics["speedup"] == pytest.approx(rates[0] / rates[1], rel=1e-2)
         assert metrics["speedup_vs_hf_generate"] == pytest.approx(rates[0] / rates[2], rel=1e-2)
+    # per prompt, in the order decoded, and acceptance per 64-token window of the output: the same rounds
+    rows = [r for r in report["per_prompt"] if r["method"] == "speculative"]
+    assert len(rows) == report["num_prompts"] and sum(r["new_tokens"] for r in rows) == report["new_tokens"]
+    assert {r["method"] for r in report["per_prompt"]} >= {"baseline", "speculative", "hf_generate"}
+    windows = report["accept_by_window"]["speculative"]
+    assert [w["window"][0] for w in windows] == [64 * i for i in range(len(windows))]
+    assert sum(w["rounds"] for w in windows) == sum(r["rounds"] for r in rows)
+    tau = sum(w["tau"] * w["rounds"] for w in windows) / sum(w["rounds"] for w in windows)
+    assert tau == pytest.approx(report["tau"], abs=1e-3)
+
+
+def test_acceptance_is_counted_in_the_window_of_the_output_position_each_round_starts_at():
+    """The prefill emits position 0; a round starting at position p falls in window p // 64. Rounds here start at
+    1 (62 accepted: 63 tokens, to position 63), 64 and 65: one round in the first window, two in the second (a
+    count from position 0 would put two in the first)."""
+    import torch
+
+    from eval.report import Sample, accept_by_window, per_prompt
+
+    sample = Sample(id="p0", category="c", turn=0, prompt_tokens=5, seconds={"baseline": 1.0, "speculative": 0.5},
+                    outputs={"baseline": [0] * 70, "speculative": [0] * 70},
+                    lengths={"speculative": torch.tensor([62, 0, 4])}, forwards={"baseline": 70, "speculative": 4})
+    assert accept_by_window([sample], "speculative") == [{"window": [0, 63], "rounds": 1, "tau": 63.0},
+                                                         {"window": [64, 127], "rounds": 2, "tau": 3.0}]
+    assert per_prompt([sample]) == [
+        {"id": "p0", "category": "c", "turn": 0, "method": "baseline", "new_tokens": 70, "rounds": 70, "tau": None,
+         "tokens_per_s": 70.0},
+        {"id": "p0", "category": "c", "turn": 0, "method": "speculative", "new_tokens": 70, "rounds": 3,
+         "tau": 23.0, "tokens_per_s": 140.0}]
 
 
 @pytest.mark.parametrize("tree", [["tree=auto", "tree.size=8"], ["tree=chain"]], ids=["auto", "chain"])
