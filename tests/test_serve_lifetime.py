@@ -18,6 +18,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -165,6 +167,18 @@ def _wait_for(proc: subprocess.Popen[str], lines: list[str], done: object, timeo
             lines.append(proc.stdout.readline())
 
 
+@contextmanager
+def _cleaned_up(proc: subprocess.Popen[str]) -> Iterator[list[int]]:
+    """Whatever a test asserts, `proc` and the server groups it appends (its children's) are killed after it."""
+    groups: list[int] = []
+    try:
+        yield groups
+    finally:
+        proc.kill()
+        for pgid in groups:
+            _kill_group(pgid)
+
+
 def _group_of(pid: int, timeout: float = 120) -> int:
     """The process group the process `pid` started its server in (its child that leads a group of its own)."""
     deadline = time.monotonic() + timeout
@@ -186,10 +200,10 @@ def test_python_m_serve_killed_once_serving_leaves_no_server(vllm, sig):
     port = _port()
     proc = _serve(port)
     lines: list[str] = []
-    pgid = None
-    try:
+    with _cleaned_up(proc) as groups:
         _wait_for(proc, lines, lambda: any("ready at" in ln for ln in lines), 600)
         pgid = _group_of(proc.pid)
+        groups.append(pgid)
         assert _listening(port) and len(_members(pgid)) >= 3  # the watchdog, vLLM's API server, its engine
         proc.send_signal(sig)
         out = proc.communicate(timeout=120)[0]
@@ -200,10 +214,6 @@ def test_python_m_serve_killed_once_serving_leaves_no_server(vllm, sig):
             ready = next(ln for ln in lines if "ready at" in ln)
             log = Path(ready.split("log: ")[1].split(")")[0])
             assert log.parent.name.startswith("specdraft-serve-") and not log.parent.exists()  # its temporary folder
-    finally:
-        proc.kill()
-        if pgid is not None:
-            _kill_group(pgid)
 
 
 @pytest.mark.engine
@@ -212,10 +222,10 @@ def test_ctrl_c_while_python_m_serve_starts_stops_vllm_with_one_line(vllm):
     port = _port()
     proc = _serve(port)
     lines: list[str] = []
-    pgid = None
-    try:
+    with _cleaned_up(proc) as groups:
         _wait_for(proc, lines, lambda: any("[serve] starting" in ln for ln in lines), 600)
         pgid = _group_of(proc.pid)
+        groups.append(pgid)
         time.sleep(3)  # vLLM's API server is importing
         assert _members(pgid) and not any("ready at" in ln for ln in lines)
         proc.send_signal(signal.SIGINT)
@@ -223,10 +233,6 @@ def test_ctrl_c_while_python_m_serve_starts_stops_vllm_with_one_line(vllm):
         assert proc.returncode == 130 and "[serve] stopped (SIGINT) while starting" in out
         assert "Traceback" not in out and "KeyboardInterrupt" not in out
         assert _gone(pgid, port, 60), f"group {pgid} left {_members(pgid)}"
-    finally:
-        proc.kill()
-        if pgid is not None:
-            _kill_group(pgid)
 
 
 @pytest.mark.engine
@@ -238,10 +244,10 @@ def test_sigterm_to_python_m_eval_in_its_load_sweep_leaves_no_server(vllm, tmp_p
                              "wandb.mode=disabled", "threads=2", f"output_dir={tmp_path}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     lines: list[str] = []
-    pgid = None
-    try:
+    with _cleaned_up(proc) as groups:
         _wait_for(proc, lines, lambda: any("[load] vLLM" in ln for ln in lines), 600)
         pgid = _group_of(proc.pid)
+        groups.append(pgid)
         cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().split(b"\0")  # the server's command, its port
         port = int(cmdline[cmdline.index(b"--port") + 1])
         _wait_for(proc, lines, lambda: _listening(port), 600)  # the sweep's server is up
@@ -249,7 +255,3 @@ def test_sigterm_to_python_m_eval_in_its_load_sweep_leaves_no_server(vllm, tmp_p
         out = proc.communicate(timeout=120)[0]
         assert proc.returncode == 130 and "[eval] stopped (SIGTERM)" in out and "Traceback" not in out
         assert _gone(pgid, port, 60), f"group {pgid} left {_members(pgid)}"
-    finally:
-        proc.kill()
-        if pgid is not None:
-            _kill_group(pgid)
