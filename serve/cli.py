@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         with Server(settings) as server:
             pid = server.proc.pid if server.proc is not None else None
             auth = " -H 'Authorization: Bearer <your key>'" if settings.api_key else ""
+            ready = True  # before the line that says so: a stop sent the moment a caller reads it is a clean stop
             print(f"[serve] ready at {settings.url}/v1 (process group {pid}, log: {server.log}); Ctrl-C or "
                   f"SIGTERM stops it. Try:\n  curl {settings.url}/v1/completions -H 'Content-Type: "
                   f"application/json'{auth} -d '{{\"model\": \"{settings.name}\", \"prompt\": \"What is a prime "
                   f"number?\", \"max_tokens\": 32}}'", flush=True)
-            ready = True
             while server.proc is not None and server.proc.poll() is None:
                 time.sleep(1)
             raise vllm_engine.EngineError(settings.verifier, settings.speculative,
