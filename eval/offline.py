@@ -8,7 +8,9 @@ EAGLE's unrolled step d. From them:
 - chain conditional accuracy: P(depth d right | depths < d right) for a chain of top-1 drafts;
 - tau of that chain, averaged over positions (what training's `val/estimated_tau` reports) and over simulated decode
   rounds, each round starting where the previous accepted run ended (what `python -m eval tree=chain` measures;
-  easy stretches are crossed in fewer rounds, so it is lower when acceptance comes in runs).
+  easy stretches are crossed in fewer rounds, so it is lower when acceptance comes in runs);
+- per-position acceptance over those simulated rounds (`round_accept_per_position`), what a live chain decode
+  reports as `accept_rate_per_position`.
 """
 
 from __future__ import annotations
@@ -27,17 +29,25 @@ from runtime.errors import UserError
 TOPK = (1, 2, 4, 8, 16)
 
 
-def chain_rounds(lead: Tensor, first: int, last: int) -> tuple[int, int]:
-    """Simulate chain decoding over one answer. lead[t]: drafts a chain rooted after position t would get accepted;
-    the first round's features end at `first` (the last prompt position; the prefill already gave x_{first+1});
-    `last` is the answer's final position. A round at t emits x_{t+2}.. Returns (tokens emitted, rounds); their ratio
-    is tau as `eval.engine.decode.DecodeResult.tau` counts it."""
-    tokens = rounds = 0
+def round_leads(lead: Tensor, first: int, last: int) -> list[int]:
+    """Simulate chain decoding over one answer: the drafts each round gets accepted, in order. lead[t]: drafts a
+    chain rooted after position t would get accepted; the first round's features end at `first` (the last prompt
+    position; the prefill already gave x_{first+1}); `last` is the answer's final position. A round at t emits
+    x_{t+2}.. (its accepted drafts and M_q's own token), so the next round starts after them: rounds start where the
+    drafter last failed, which is why their acceptance differs from the average over positions."""
+    leads = []
     t = first
     while t + 1 < last:
-        step = int(lead[t]) + 1  # accepted drafts + M_q's own token (lead only counts targets inside the answer)
-        tokens, rounds, t = tokens + step, rounds + 1, t + step
-    return tokens, rounds
+        leads.append(int(lead[t]))  # lead only counts targets inside the answer
+        t += leads[-1] + 1
+    return leads
+
+
+def chain_rounds(lead: Tensor, first: int, last: int) -> tuple[int, int]:
+    """(tokens emitted, rounds) of round_leads' simulated chain decode; their ratio is tau as
+    `eval.engine.decode.DecodeResult.tau` counts it."""
+    leads = round_leads(lead, first, last)
+    return sum(leads) + len(leads), len(leads)
 
 
 def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tuple[int, ...] = TOPK,
@@ -54,12 +64,13 @@ def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tupl
     reach = [v0] + [run[d - 1].bool() & valid[d] for d in range(1, rank.shape[0])]  # the chain got to depth d+1
     cond += [float(run[d][reach[d]].sum() / reach[d].sum().clamp(min=1)) for d in range(1, rank.shape[0])]
     lead = run.sum(0)  # (B, T)
-    tokens = rounds = 0
+    leads: list[int] = []
     for b in range(rank.shape[1]):
         answer = loss_mask[b].nonzero().flatten()
         if answer.numel():
-            n_tok, n_rounds = chain_rounds(lead[b], int(answer[0]) - 1, int(answer[-1]))
-            tokens, rounds = tokens + n_tok, rounds + n_rounds
+            leads += round_leads(lead[b], int(answer[0]) - 1, int(answer[-1]))
+    tokens, rounds = sum(leads) + len(leads), len(leads)
+    per_round = torch.tensor(leads or [0])
     extra = {}
     if confidence is not None:
         extra["chain_confidence"] = [float(confidence[d][r].float().mean()) if r.any() else float("nan")
@@ -69,6 +80,9 @@ def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tupl
         "chain_conditional": cond,
         "tau_positions": float(1 + lead[v0].float().mean()),
         "tau_rounds": tokens / max(rounds, 1),
+        # alpha_k over the simulated rounds (the fraction whose k-th draft is accepted): what a live chain decode's
+        # accept_rate_per_position reports (eval.engine.accept.per_position_acceptance), teacher-forced
+        "round_accept_per_position": [float((per_round >= k).float().mean()) for k in range(1, rank.shape[0] + 1)],
         "positions": int(v0.sum()),
     }
 

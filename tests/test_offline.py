@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.offline import acceptance_tables, chain_rounds
+from eval.offline import acceptance_tables, chain_rounds, round_leads
 from models.eagle import target_rank
 
 
@@ -63,6 +63,7 @@ def test_acceptance_tables_hand_built():
     assert out["tau_positions"] == pytest.approx(1 + (2 + 2 + 0 + 1) / 4)
     # The first round roots at x_2 (features end at t=1), accepts 2 drafts + M_q's token: x_3..x_5, done.
     assert out["tau_rounds"] == 3.0
+    assert out["round_accept_per_position"] == [1.0, 1.0]  # that one round accepted both drafts
     assert out["positions"] == 4
 
 
@@ -72,6 +73,19 @@ def test_chain_rounds_step_over_accepted_runs():
     lead = torch.tensor([0, 3, 0, 0, 0, 1, 0, 0, 0, 0])
     # t=1 accepts 3 (4 tokens, to t=5), t=5 accepts 1 (2 tokens, to t=7), t=7 emits x_9 alone.
     assert chain_rounds(lead, 1, 9) == (7, 3)
+    assert round_leads(lead, 1, 9) == [3, 1, 0]  # the rounds start where the last one failed: t = 1, 5, 7
+
+
+def test_round_acceptance_counts_rounds_not_positions():
+    """Depth-1 drafts right at every other position: right half the time over positions, but after the first round
+    (wrong, at t=0) every round starts two past a right one, on a right one again: 3 of 4 rounds accept."""
+    rank = torch.tensor([[[1, 0, 1, 0, 1, 0, 1, 0]]])  # (D=1, B=1, T=8): right at t = 1, 3, 5, 7
+    valid = torch.ones(1, 1, 8, dtype=torch.bool)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])  # the answer is x_1..x_7: the first round roots at t=0
+    out = acceptance_tables(rank, valid, mask)
+    assert out["chain_conditional"][0] == pytest.approx(0.5)
+    assert round_leads(torch.tensor([0, 1, 0, 1, 0, 1, 0, 1]), 0, 7) == [0, 1, 1, 1]  # rounds at t = 0, 1, 3, 5
+    assert out["round_accept_per_position"] == pytest.approx([3 / 4])
 
 
 def test_acceptance_tables_refuse_empty_answers():
