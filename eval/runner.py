@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 
 from data.chat import prompt_ids
 from data.prompts import Conversation
+from eval.drafters import online
 from eval.engine.decode import DecodeResult, prepare, sample_decode, speculative_decode
 from eval.engine.protocol import Assistant, CategoryPriced, Drafter, Paced
 from eval.engine.rules import rule_for
@@ -166,7 +167,8 @@ def run_prompts(
         check_length(runner.verifier, ids, runner.max_new, f"prompt {conv.id!r}")
     if warmup and first:
         # Uncounted: the first calls pay for lazy initialisation (kernels, allocator, HF's generation setup).
-        runner.decode(first[0])
+        with online.frozen():  # and no drafter learning while it decodes (drafter.adapt) learns the prompt first
+            runner.decode(first[0])
     total = sum(len(user_turns(c)) if multi_turn else 1 for c in convs)
     with tqdm(total=total, desc="eval", unit="prompt", disable=not progress) as bar:
         for conv in convs:

@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from eval.drafters.online import Adaptable, adapt_settings
 from eval.engine.protocol import Draft, Drafter  # noqa: F401  (the protocol, importable from here as before)
 from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import TreePolicy
@@ -32,14 +33,16 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy,
                  checkpoint: str | Path | Export | None = None,
                  net: nn.Module | None = None, sampling: SamplingConfig | None = None,
                  generator: torch.Generator | None = None, draft_vocab: int | None = None,
-                 dtype: str | None = None) -> Drafter:
+                 dtype: str | None = None, adapt: str | None = None, **adapt_options: Any) -> Drafter:
     """A drafter for `verifier` proposing trees under the policy `tree`, from an export (checkpoint=<dir>; `kind`
     None takes the export's own) or a network (net=<MedusaHeads or EAGLE net>, `kind` naming it). With `sampling`
     (temperature > 0) it samples its proposals from its warped distribution instead of taking the top-k.
     `draft_vocab` (EAGLE-1, shared-head Medusa): draft over the export's `draft_vocab` most frequent training targets
     only, through those rows of the verifier's lm_head. None: the export's `train_vocab` (a drafter trained over that
     many rows: train/base.py), else the full vocabulary. `dtype` (eval's `drafter_dtype`): the network's weights
-    cast to it, on a copy (an export's network is shared by the drafters built from it); None keeps them."""
+    cast to it, on a copy (an export's network is shared by the drafters built from it); None keeps them.
+    `adapt` ("online") and `adapt_*` (eval.drafters.online.adapt_settings): the drafter learns while it decodes."""
+    learning = adapt_settings(adapt, **adapt_options)
     if (checkpoint is None) == (net is None):
         raise UserError(f"make_drafter({kind!r}, ...) needs exactly one of checkpoint=<export dir> or net=<network>.")
     if kind is not None and kind not in export_families():
@@ -76,7 +79,14 @@ def make_drafter(kind: str | None, verifier: Verifier, tree: TreePolicy,
         head_ids = frequent_ids(counts, int(draft_vocab)).to(verifier.device)
     # e.g. eval.drafters.medusa.medusa_drafter, eval.drafters.eagle.eagle_drafter
     build = resolve(FAMILIES[kind].decoder)
-    return build(net, config, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids)
+    drafter = build(net, config, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids)
+    if learning is not None:
+        if not isinstance(drafter, Adaptable):
+            raise UserError(f"drafter.adapt=online: the {title(kind)} drafter cannot learn while it decodes yet "
+                            f"(the drafters of eval/drafters/online.py's Adaptable can: EAGLE-1, EAGLE-3). Drop "
+                            f"drafter.adapt, or evaluate an export of those.")
+        drafter.learn_online(learning)
+    return drafter
 
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "drafter"

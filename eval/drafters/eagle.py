@@ -22,6 +22,7 @@ budget spent layer by layer (`EagleDrafter._sample_tree` says why that keeps the
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from eval.drafters.heads import row_head, weights_dtype
+from eval.drafters.online import AdaptSettings, OnlineLearner
 from eval.engine.forward import packed_head
 from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
@@ -101,6 +103,15 @@ class EagleDrafter:
         self._next: int | None = None  # positions the next round must bring (1 + accepted), for a sync check
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.generator, self.vocab_size = generator, int(verifier.vocab_size)
+        self.learner: OnlineLearner | None = None  # drafter.adapt=online (learn_online)
+        self._verifier = verifier
+
+    def learn_online(self, settings: AdaptSettings) -> None:
+        """eval.drafters.online.Adaptable: learn from the verifier's tokens while decoding, from now on, on a copy of
+        the network (an export's network is shared by the drafters built from it)."""
+        self.net, self._step = copy.deepcopy(self.net), None
+        self.learner = OnlineLearner(self.net, self.embed, self._verifier.lm_head, settings,
+                                     autocast=self._verifier.dtype == torch.bfloat16)
 
     def planned_depth(self, drafts: int) -> int:
         """How deep a tree of `drafts` drafts grows: the policy's depth, capped under tree=auto with the export's table
@@ -113,7 +124,8 @@ class EagleDrafter:
         policy = {Chain: "chain", AutoTree: "auto", DynamicTree: "dynamic"}[type(self.policy)]
         return {"policy": policy, "proposals": "sampled" if self.sampling else "topk",
                 "weights": weights_dtype(self.net), "dynamic": self.topk > 1,
-                "size": self.size, "depth": self.max_depth, "topk": self.topk, "max_nodes": self.max_nodes}
+                "size": self.size, "depth": self.max_depth, "topk": self.topk, "max_nodes": self.max_nodes,
+                **({"learning": self.learner.describe()} if self.learner is not None else {})}
 
     @property
     def cache_length(self) -> int:
@@ -305,6 +317,8 @@ class EagleDrafter:
         """Extend the drafter's cache with M_q's newly committed features, then grow this round's tree."""
         if input_ids.shape[0] != 1:
             raise UserError(f"EAGLE drafting runs one sequence at a time; got batch size {input_ids.shape[0]}.")
+        if self.learner is not None and self.learner.committed(input_ids, hidden):
+            self._step = None  # the fused decode layer is rebuilt from the updated weights
         root_out = self._extend(input_ids, hidden)  # (1, D)
         root = input_ids[:, -1:]  # (1, 1)
         if self.size == 0:
