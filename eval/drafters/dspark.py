@@ -23,10 +23,11 @@ import torch
 from torch import Tensor
 
 from eval.drafters.dflash import DFlashDrafter
+from eval.drafters.parallel import family_tree
 from eval.engine.forward import packed_head
 from eval.engine.protocol import Draft, Drafter
 from eval.engine.sampling import SamplingConfig
-from eval.engine.tree import TreePolicy, fixed_tree, truncate
+from eval.engine.tree import TreePolicy, truncate
 from models.dspark import DSparkNet
 from models.formats.export import ExportInfo
 from models.verifiers.core import Verifier
@@ -95,18 +96,11 @@ class DSparkDrafter(DFlashDrafter):
         logits, state = self._bias_logits(out, base, emb, state)
         return logits, conf, state
 
-    def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
-        """The top-1 chain's logits per depth (K, V): each depth's base logits plus the bias of the token the depth
-        before drafted (its argmax), as a chain round computes them."""
-        k = self.max_depth if depth is None else depth
-        out = self._slots(k)
-        base = self.net.logits(out, self.lm_head).float()  # (K, V)
-        prev, state, rows = self._root[0], None, []
-        for d in range(k):
-            logits, _, state = self._children(out[d : d + 1], base[d], prev, state)
-            rows.append(logits[0])
-            prev = logits.argmax(-1)
-        return torch.stack(rows)
+    conditions_on_parent = True
+
+    def _child_logits(self, out: Tensor, base: Tensor, prev: Tensor, state: Any) -> tuple[Tensor, Any]:
+        """The base logits plus the Markov bias of each parent's token (the rnn head's state passed on)."""
+        return self._bias_logits(out, base, self.net.markov_head.embed(prev), state)
 
     @torch.no_grad()
     def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
@@ -163,8 +157,7 @@ def dspark_drafter(net: DSparkNet, config: dict[str, Any], verifier: Verifier, t
                         "vocabulary; leave drafter.draft_vocab=null for a DSpark export.")
 
 
-    table = config.get("dspark_confidence_table") or config.get("eagle_topk_accuracy")
-    shape, name = fixed_tree(tree, net.parallel, table, "DSpark", "eagle_topk_accuracy")
+    shape, name, table = family_tree("dspark", net.parallel, config, tree)
     return DSparkDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table,
                          threshold=threshold)
 
