@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from eval.drafters.parallel import ParallelDrafter, family_tree
+from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import TreePolicy
 from models.dflash import DFlashNet
@@ -69,6 +70,28 @@ class DFlashDrafter(ParallelDrafter):
 
     # -- a block whose depths condition on the parent's token (DSpark's Markov bias, DFlash2's selector) --------------
     conditions_on_parent = False  # True: a depth's logits depend on its parent's token (`_child_logits`)
+
+    @torch.no_grad()
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        """A block whose depths condition on the parent's token: 1. the new committed positions; 2. one block
+        forward; 3. its depths (`_draft_block`). Otherwise every parallel drafter's round."""
+        if not self.conditions_on_parent:
+            return super().propose(input_ids, hidden)
+        _, root = self._start_round(input_ids, hidden)
+        tree = self.tree
+        if tree.num_drafts == 0:
+            return Draft(tree=tree, tokens=root)
+        out = self._slots(tree.max_depth)
+        tokens = torch.empty(tree.num_nodes, dtype=root.dtype, device=root.device)
+        tokens[0] = root[0, 0]
+        p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
+        return self._draft_block(out, tokens, p)
+
+    def _draft_block(self, out: Tensor, tokens: Tensor, p: Tensor | None) -> Draft:
+        """The block step of a family whose depths condition on the parent's token: from the slot outputs `out`
+        (K, D), fill the nodes' `tokens` (N,; the root's in place) depth by depth (`_draft_children`), and their
+        sampled distributions `p` (N, V; None without sampling); return the round's Draft."""
+        raise NotImplementedError
 
     def _child_logits(self, out: Tensor, base: Tensor, prev: Tensor, state: Any) -> tuple[Tensor, Any]:
         """The block step of a family whose depths condition on the parent's token: the logits (m, V) of the

@@ -51,19 +51,11 @@ class DFlash2Drafter(DFlashDrafter):
     def _child_logits(self, out: Tensor, base: Tensor, prev: Tensor, state: Any) -> tuple[Tensor, Any]:
         return self._children(out, base, prev), None
 
-    @torch.no_grad()
-    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
-        _, root = self._start_round(input_ids, hidden)  # 1. the new committed positions
-        tree = self.tree
-        if tree.num_drafts == 0:
-            return Draft(tree=tree, tokens=root)
-        out = self._slots(tree.max_depth)  # 2. one block forward
+    def _draft_block(self, out: Tensor, tokens: Tensor, p: Tensor | None) -> Draft:
+        tree, device = self.tree, tokens.device
         unary = self.net.logits(out, self.lm_head).float()  # (K, V)
-        tokens = torch.empty(tree.num_nodes, dtype=root.dtype, device=root.device)
-        tokens[0] = root[0, 0]
-        p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
         for d in range(1, tree.max_depth + 1):  # 3. depth by depth: each parent's children through the selector
-            kids, parents, row = self._depth_nodes(d, root.device)
+            kids, parents, row = self._depth_nodes(d, device)
             self._draft_children(self._children(out[d - 1 : d], unary[d - 1], tokens[parents]), kids, row, tokens, p)
         return Draft(tree=tree, tokens=tokens[None], p=None if p is None else p[None])
 

@@ -102,22 +102,14 @@ class DSparkDrafter(DFlashDrafter):
         """The base logits plus the Markov bias of each parent's token (the rnn head's state passed on)."""
         return self._bias_logits(out, base, self.net.markov_head.embed(prev), state)
 
-    @torch.no_grad()
-    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
-        _, root = self._start_round(input_ids, hidden)  # 1. the new committed positions
-        tree = self.tree
-        if tree.num_drafts == 0:
-            return Draft(tree=tree, tokens=root)
-        out = self._slots(tree.max_depth)  # 2. one block forward
+    def _draft_block(self, out: Tensor, tokens: Tensor, p: Tensor | None) -> Draft:
+        tree, device = self.tree, tokens.device
         base: Tensor | None = None  # the base logits (K, V), made once a depth is kept (one head call for all K)
-        tokens = torch.empty(tree.num_nodes, dtype=root.dtype, device=root.device)
-        tokens[0] = root[0, 0]
-        conf = torch.ones(tree.num_nodes, device=root.device)  # the slot confidence under each node's parent
+        conf = torch.ones(tree.num_nodes, device=device)  # the slot confidence under each node's parent
         states: dict[int, Tensor] = {}
-        p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
         path, node, survival, keep_depth = [], 0, 1.0, 0  # the top-1 path's confidences; the depth proposed
         for d in range(1, tree.max_depth + 1):  # 3. depth by depth: the confidence, the cut, the Markov bias
-            kids, parents, row = self._depth_nodes(d, root.device)
+            kids, parents, row = self._depth_nodes(d, device)
             c, emb = self._confidence(out[d - 1 : d], tokens[parents])
             conf[kids] = c[row]
             first = next((i for i in kids if tree.parents[i] == node and tree.ranks[i] == 0), None)
@@ -142,7 +134,7 @@ class DSparkDrafter(DFlashDrafter):
         if keep_depth >= tree.max_depth:
             return full
         cut, keep = truncate(tree, keep_depth)
-        index = torch.tensor(keep, device=root.device)
+        index = torch.tensor(keep, device=device)
         return Draft(tree=cut, tokens=full.tokens[:, index], p=None if p is None else full.p[:, index])
 
 
