@@ -194,14 +194,21 @@ def _defs(code: str) -> list[str]:
 Template = Callable[[list[tuple[str, str]], random.Random], "str | None"]
 
 
-def _summarise(p: list[tuple[str, str]], rng: random.Random) -> str:
-    ask = rng.choice([
-        "Summarise the following text in five bullet points, keeping its own terms.",
-        "Write a one-paragraph summary of the text below for someone who has not read it.",
-        "Give a short summary of this document, then list the three points a reader most needs to remember.",
-        "TL;DR the following, then give the key details as a short list.",
-    ])
-    return f"{ask}\n\n{p[0][0]}"
+def _ask_of_text(asks: Sequence[str], lead: str = "") -> Template:
+    """A template that asks one of `asks` (picked at random), then gives the first passage (after `lead`)."""
+
+    def template(p: list[tuple[str, str]], rng: random.Random) -> str:
+        return f"{rng.choice(asks)}\n\n{lead}{p[0][0]}"
+
+    return template
+
+
+_summarise = _ask_of_text([
+    "Summarise the following text in five bullet points, keeping its own terms.",
+    "Write a one-paragraph summary of the text below for someone who has not read it.",
+    "Give a short summary of this document, then list the three points a reader most needs to remember.",
+    "TL;DR the following, then give the key details as a short list.",
+])
 
 
 def _qa(p: list[tuple[str, str]], rng: random.Random) -> str | None:
@@ -228,14 +235,12 @@ def _retrieval(p: list[tuple[str, str]], rng: random.Random) -> str | None:
             f"it: what does it say about `{term}`? Quote the relevant sentence.\n\n{passages}")
 
 
-def _rewrite(p: list[tuple[str, str]], rng: random.Random) -> str:
-    ask = rng.choice([
-        "Rewrite the following text in plain, simple English for a beginner, keeping every fact.",
-        "Rewrite this text as a numbered list of its main points.",
-        "Turn the following documentation into a short email to a colleague explaining what it covers.",
-        "Proofread and rewrite the first paragraphs of the text below so they read more clearly.",
-    ])
-    return f"{ask}\n\n{p[0][0]}"
+_rewrite = _ask_of_text([
+    "Rewrite the following text in plain, simple English for a beginner, keeping every fact.",
+    "Rewrite this text as a numbered list of its main points.",
+    "Turn the following documentation into a short email to a colleague explaining what it covers.",
+    "Proofread and rewrite the first paragraphs of the text below so they read more clearly.",
+])
 
 
 def _translate(p: list[tuple[str, str]], rng: random.Random) -> str:
@@ -246,14 +251,26 @@ def _translate(p: list[tuple[str, str]], rng: random.Random) -> str:
     return f"{ask}\n\n{p[0][0]}"
 
 
-def _extract(p: list[tuple[str, str]], rng: random.Random) -> str:
-    ask = rng.choice([
-        "List every function, class, option or command named in the document below, one per line, each with a "
-        "few words on what it is.",
-        "Extract the key terms from this document as a glossary: each term, then its meaning as the text gives it.",
-        "From the document below, extract every example (code or command) it shows, and say what each one does.",
-    ])
-    return f"{ask}\n\nDocument:\n{p[0][0]}"
+_extract = _ask_of_text([
+    "List every function, class, option or command named in the document below, one per line, each with a few "
+    "words on what it is.",
+    "Extract the key terms from this document as a glossary: each term, then its meaning as the text gives it.",
+    "From the document below, extract every example (code or command) it shows, and say what each one does.",
+], lead="Document:\n")
+
+
+def _python(ask: str, p: list[tuple[str, str]]) -> str:
+    """The request `ask`, then the passage's code in a Python block."""
+    return f"{ask}\n\n```python\n{p[0][0]}\n```"
+
+
+def _about_a_def(p: list[tuple[str, str]], rng: random.Random, asks: Callable[[str], list[str]]) -> str | None:
+    """A request about one function or class the code defines (picked at random; `asks(name)` the phrasings to pick
+    from); None where it defines none."""
+    defs = _defs(p[0][0])
+    if not defs:
+        return None
+    return _python(rng.choice(asks(rng.choice(defs))), p)
 
 
 def _code_explain(p: list[tuple[str, str]], rng: random.Random) -> str:
@@ -262,32 +279,24 @@ def _code_explain(p: list[tuple[str, str]], rng: random.Random) -> str:
                       "fit together.",
                       "Review this Python code: describe what it does, then point out anything that could be "
                       "simplified or might be a bug."])
-    return f"{ask}\n\n```python\n{p[0][0]}\n```"
+    return _python(ask, p)
 
 
 def _code_document(p: list[tuple[str, str]], rng: random.Random) -> str | None:
-    defs = _defs(p[0][0])
-    if not defs:
-        return None
-    name = rng.choice(defs)
-    ask = rng.choice([f"Write a docstring for `{name}` in the code below (arguments, return value, errors), and "
-                      f"show the function with it.",
-                      "Write Markdown documentation for the functions and classes in the code below: a heading and "
-                      "a short description for each.",
-                      f"Add comments to `{name}` below explaining each step, and return the commented function."])
-    return f"{ask}\n\n```python\n{p[0][0]}\n```"
+    return _about_a_def(p, rng, lambda name: [
+        f"Write a docstring for `{name}` in the code below (arguments, return value, errors), and show the function "
+        f"with it.",
+        "Write Markdown documentation for the functions and classes in the code below: a heading and a short "
+        "description for each.",
+        f"Add comments to `{name}` below explaining each step, and return the commented function."])
 
 
 def _code_edit(p: list[tuple[str, str]], rng: random.Random) -> str | None:
-    defs = _defs(p[0][0])
-    if not defs:
-        return None
-    name = rng.choice(defs)
-    ask = rng.choice([f"Add type hints to `{name}` in the code below and return the edited function.",
-                      f"Rewrite `{name}` from the code below to be easier to read, keeping its behaviour.",
-                      f"Write a pytest test for `{name}` from the code below.",
-                      f"Rename the local variables of `{name}` below to clearer names and return the function."])
-    return f"{ask}\n\n```python\n{p[0][0]}\n```"
+    return _about_a_def(p, rng, lambda name: [
+        f"Add type hints to `{name}` in the code below and return the edited function.",
+        f"Rewrite `{name}` from the code below to be easier to read, keeping its behaviour.",
+        f"Write a pytest test for `{name}` from the code below.",
+        f"Rename the local variables of `{name}` below to clearer names and return the function."])
 
 
 TASKS: dict[str, tuple[str, int, Template]] = {

@@ -74,10 +74,10 @@ class DFlashLayer(nn.Module):
         k = apply_rope(a.k_norm(self._heads(ctx, a.k_proj, self.num_kv_heads)), cos, sin)
         return k, self._heads(ctx, a.v_proj, self.num_kv_heads)
 
-    def forward(self, x: Tensor, positions: Tensor, mask: Tensor, ctx_k: Tensor, ctx_v: Tensor) -> Tensor:
-        """x (B, M, D) the block rows; mask (B, 1, M, T + M) over [context keys, block keys]."""
+    def attend(self, h: Tensor, positions: Tensor, mask: Tensor, ctx_k: Tensor, ctx_v: Tensor) -> Tensor:
+        """The attention of the normed block rows h (B, M, D) over [context keys, block keys] (mask (B, 1, M, T + M)),
+        through o_proj: the part every block layer shares (DFlash2's wraps it in its convolutions). (B, M, D)"""
         a = self.self_attn
-        h = self.input_layernorm(x)
         cos, sin = rope(positions, self.head_dim, self.rope_theta)
         q = apply_rope(a.q_norm(self._heads(h, a.q_proj, self.num_heads)), cos, sin)
         k = apply_rope(a.k_norm(self._heads(h, a.k_proj, self.num_kv_heads)), cos, sin)
@@ -86,7 +86,11 @@ class DFlashLayer(nn.Module):
         values = torch.cat([ctx_v.to(q.dtype), v], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        x = x + a.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        return a.o_proj(out.transpose(1, 2).reshape(*h.shape[:2], -1))
+
+    def forward(self, x: Tensor, positions: Tensor, mask: Tensor, ctx_k: Tensor, ctx_v: Tensor) -> Tensor:
+        """x (B, M, D) the block rows; mask (B, 1, M, T + M) over [context keys, block keys]."""
+        x = x + self.attend(self.input_layernorm(x), positions, mask, ctx_k, ctx_v)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

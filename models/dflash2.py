@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from models.dflash import DFlashLayer, DFlashNet, check_block_size
 from models.eagle import layer_config
-from models.eagle_layers import apply_rope, rope
 from runtime.errors import UserError
 
 
@@ -105,18 +104,9 @@ class DFlash2Layer(DFlashLayer):
 
     def forward(self, x: Tensor, positions: Tensor, mask: Tensor, ctx_k: Tensor, ctx_v: Tensor,  # type: ignore[override]
                 size: int = 0) -> Tensor:
-        a = self.self_attn
         size = size or x.shape[1]
         h, delta = self.attention_conv.prepare(self.input_layernorm(x), size)
-        cos, sin = rope(positions, self.head_dim, self.rope_theta)
-        q = apply_rope(a.q_norm(self._heads(h, a.q_proj, self.num_heads)), cos, sin)
-        k = apply_rope(a.k_norm(self._heads(h, a.k_proj, self.num_kv_heads)), cos, sin)
-        v = self._heads(h, a.v_proj, self.num_kv_heads)
-        keys = torch.cat([ctx_k.to(q.dtype), k], dim=2)
-        values = torch.cat([ctx_v.to(q.dtype), v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        out = a.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        out = self.attend(h, positions, mask, ctx_k, ctx_v)
         x = x + self.attention_conv.finish(out, delta, size)
         h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), size)
         return x + self.mlp_conv.finish(self.mlp(h), delta, size)

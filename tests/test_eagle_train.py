@@ -13,7 +13,7 @@ from helpers import compose_train
 from models.eagle import build_eagle, step_inputs, unroll_mask
 from models.formats.export import load_export, read_config, save_export
 from runtime.errors import UserError
-from train.eagle import draft_vocab_from_counts, validation_summary, validation_tallies
+from train.verifier_fed import draft_vocab_from_counts, validation_summary, validation_tallies
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",
         "data.val_fraction=0.25", "model.draft_vocab_size=256"]

@@ -130,7 +130,7 @@ def test_dpace_weights_by_hand() -> None:
 
 def test_expected_accepted_length_by_hand() -> None:
     """Validation's tally: per chain start, sum_k prod_{j<=k} alpha_j over the steps, an invalid step ending it."""
-    from train.eagle import validation_summary, validation_tallies
+    from train.verifier_fed import validation_summary, validation_tallies
 
     alpha = torch.tensor([[[0.5, 0.4]], [[0.8, 0.9]]])  # (S=2, B=1, n=2)
     valid = torch.tensor([[[True, True]], [[True, False]]])

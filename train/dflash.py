@@ -1,6 +1,6 @@
 """DFlashModule: trains a DFlash drafter (models/dflash.py) on the frozen verifier's features.
 
-The loss and the tables are EAGLE-1's (train/eagle.py), which drafts through the verifier's own head as DFlash does:
+The loss and the tables are every verifier-fed drafter's (train/verifier_fed.py), through the verifier's own head:
 per slot k, the cross-entropy to q at the position before its target (soft targets, through the frozen head, fused
 and chunked; `model.loss` picks another acceptance loss, train/losses.py), weighted decay^(k-1) (`step_decay`,
 exp(-1/4) as the paper sets it for blocks of 8; `slot_weighting: exp`) or by D-PACE (`slot_weighting: dpace`: slot k
@@ -22,15 +22,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from data.hidden_cache import gather_layers
 from models.dflash import block_rows, build_dflash
 from models.eagle import UnrolledStep
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
-from train.eagle import EagleModule
 from train.losses import dpace_weights
+from train.verifier_fed import StepTally, VerifierFedModule
 
 SLOT_WEIGHTINGS = ("exp", "dpace")
+
+
+def check_weight(name: str, value: Any, what: str) -> None:
+    """A head's loss weight `model.<name>`: a number >= 0 (`what` says which loss and speculators' default)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise UserError(f"model.{name}={value!r}: {what} must be a number >= 0 (speculators: 1.0).")
 
 
 @dataclass
@@ -47,7 +52,7 @@ class SlotTerms:
     top1: Tensor | None = None  # validation: the draft's top-1 probability
 
 
-class DFlashModule(EagleModule):
+class DFlashModule(VerifierFedModule):
     """Args (beyond the optimiser's):
         mask_token_id: the token of every mask slot (SmolLM2: 16, `<empty_output>`; training refuses one the data
             holds as a target).
@@ -57,7 +62,7 @@ class DFlashModule(EagleModule):
         num_anchors: blocks per sequence in a training step (validation: every anchor).
         step_decay: slot k's loss weight is step_decay^(k-1) (default exp(-1/4)), with slot_weighting=exp.
         train_vocab: as EAGLE-1's.
-        loss, lk_eta: the loss per slot (train/losses.py), as EagleModule's.
+        loss, lk_eta: the loss per slot (train/losses.py), as VerifierFedModule's.
         slot_weighting: exp (step_decay^(k-1)) or dpace (per block, the expected tokens accepted from slot k on).
         dpace_alpha: D-PACE's smoothing of each slot's confidence c -> (1 - dpace_alpha) c + dpace_alpha
             (speculators' default 0.5), so that an untrained drafter's near-zero acceptance does not zero the weights.
@@ -76,13 +81,19 @@ class DFlashModule(EagleModule):
             raise UserError(f"model.dpace_alpha={dpace_alpha!r}: D-PACE's smoothing is a share in [0, 1] "
                             f"(speculators' default 0.5).")
         net = build_dflash(verifier, mask_token_id, block_size, num_layers, aux_layer_ids)
-        super().__init__(verifier, optimizer, scheduler, ttt_steps=net.parallel,
-                         val_steps=net.parallel, step_decay=step_decay, feature_weight=0.0, ce_weight=1.0, noise=0.0,
-                         warmup_ratio=warmup_ratio, train_vocab=train_vocab, net=net, loss=loss, lk_eta=lk_eta)
+        super().__init__(verifier, optimizer, scheduler, net, ttt_steps=net.parallel, val_steps=net.parallel,
+                         step_decay=step_decay, warmup_ratio=warmup_ratio, train_vocab=train_vocab, loss=loss,
+                         lk_eta=lk_eta)
         self.hparams.update(mask_token_id=mask_token_id, block_size=block_size, num_layers=num_layers,
                             aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else None,  # plain, not a ListConfig
                             num_anchors=num_anchors, slot_weighting=slot_weighting,
                             dpace_alpha=dpace_alpha)
+
+    def replace_net(self, build: Callable[..., Any], *own: Any) -> None:
+        """A family built on DFlash's block (DSpark, DFlash2): its network `build(verifier, DFlash's block settings,
+        *own)` in place of DFlash's."""
+        hp = self.hparams
+        self.net = build(self.verifier, hp.mask_token_id, hp.block_size, hp.num_layers, hp.aux_layer_ids, *own)
 
     # -- D-PACE ----------------------------------------------------------------------------------------------------
     @property
@@ -125,49 +136,31 @@ class DFlashModule(EagleModule):
         raise NotImplementedError
 
     def head_step(self, batch: dict[str, Tensor], steps: int, train: bool) -> dict[str, Any]:
-        """EagleModule.model_step's outputs (per-slot losses, top-1 hits, valid targets, alpha; validation: ranks and
-        the draft's top-1 probability) for a block drafter whose draft comes through a head of its own: DFlash's
-        blocks (`unrolled`), per slot `slot_terms`, the token loss weighted as `slot_weighting` says (D-PACE on the
-        overlaps) plus `head_term`."""
-        if self.verifier.device != self.device:
-            self.verifier.to(self.device)
-        ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
-        n = ids.shape[1] - 1
-        states = gather_layers(batch, self.hidden_layers, self.verifier, self.hidden_layers)
-        final = states[-1]
-        feats = self.net.features(states)[:, :n]
+        """VerifierFedModule.model_step's outputs (per-slot losses, top-1 hits, valid targets, alpha; validation:
+        ranks and the draft's top-1 probability) for a block drafter whose draft comes through a head of its own:
+        DFlash's blocks (`unrolled`), per slot `slot_terms`, the token loss weighted as `slot_weighting` says
+        (D-PACE on the overlaps) plus `head_term`."""
+        ids, attn, loss_mask, final, feats = self.prepare(batch, train)
         embed, lm_head = self.verifier.token_embedding, self.verifier.lm_head
-        terms, correct, valid_at, ranks, confs, alphas = [], [], [], [], [], []
+        tally = StepTally(self.net.vocab_size)
+        terms = []
         for j, step in enumerate(self.unrolled(feats, ids, attn, loss_mask, embed, steps, train)):
-            valid, bi, ti = step.valid, step.batch, step.position
+            bi, ti = step.batch, step.position
             with torch.no_grad():
                 q = lm_head(final[bi, ti + j + 1]).float().softmax(-1)  # (N, V): the verifier's next token after t+j+1
                 q_arg = q.argmax(-1)
             t = self.slot_terms(j, step, q, q_arg, ids, train)
             terms.append((t, bi, ti))
-            alpha = torch.zeros(valid.shape, device=valid.device)
-            alpha[bi, ti] = t.accept
-            alphas.append(alpha)
-            hit = torch.zeros_like(valid)
-            hit[bi, ti] = t.draft == q_arg
-            correct.append(hit)
-            valid_at.append(valid)
             if train:
+                tally.add(step, t.draft == q_arg, t.accept)
                 continue
             assert t.logits is not None and t.top1 is not None
-            rank = torch.full(valid.shape, self.net.vocab_size, dtype=torch.long, device=valid.device)
-            rank[bi, ti] = self.net.target_rank(t.logits, q_arg)
-            ranks.append(rank)
-            conf = torch.zeros(valid.shape, device=valid.device)
-            conf[bi, ti] = t.top1
-            confs.append(conf)
-        valid_all, alpha_all = torch.stack(valid_at), torch.stack(alphas)
-        weights = self.slot_weights(alpha_all, valid_all)  # (S, B, n) or None: step_decay^j per step (_loss)
-        losses = []
-        for j, (t, bi, ti) in enumerate(terms):
-            w = 1.0 if weights is None else weights[j][bi, ti]
-            step_loss = self.global_mean((t.token_loss * w).sum(), t.token_loss.numel()) + \
-                self.head_term(j, t.head_loss, w)
-            losses.append(step_loss if bi.numel() else t.zero)
-        out = {"losses": losses, "correct": torch.stack(correct), "valid": valid_all, "alpha": alpha_all}
-        return out | ({"rank": torch.stack(ranks), "confidence": torch.stack(confs)} if not train else {})
+            tally.add(step, t.draft == q_arg, t.accept, self.net.target_rank(t.logits, q_arg), t.top1)
+
+        def step_loss(j: int, weights: Tensor | None) -> Tensor:
+            t, bi, ti = terms[j]
+            w = 1.0 if weights is None else weights[bi, ti]
+            loss = self.global_mean((t.token_loss * w).sum(), t.token_loss.numel()) + self.head_term(j, t.head_loss, w)
+            return loss if bi.numel() else t.zero
+
+        return self.finish(tally, step_loss, train)

@@ -17,7 +17,6 @@ logs the unary argmax's top-1 beside it, what the selector adds.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +27,7 @@ from torch import Tensor
 from models.dflash2 import DFlash2Net, build_dflash2
 from models.eagle import UnrolledStep
 from models.verifiers.core import Verifier
-from runtime.errors import UserError
-from train.dflash import DFlashModule, SlotTerms
+from train.dflash import DFlashModule, SlotTerms, check_weight
 from train.losses import chunked_loss
 
 
@@ -46,29 +44,20 @@ def selector_labels(cand: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tenso
 
 
 class DFlash2Module(DFlashModule):
-    """Args: DFlash's (train/dflash.py; no train_vocab: the selector's codebooks span the vocabulary), and
+    """Args: DFlash's (train/dflash.py, passed on as they are; no train_vocab: the selector's codebooks span the
+    vocabulary), and
         conv_kernel_size, conv_group_size: the dynamic convolution's taps and channels per kernel (speculators: 2, 16).
         selector_rank, selector_top_k: the selector's codebook rank and the candidates it re-scores (256, 16).
         selector_weight: the selector loss's weight (speculators' selector_loss_alpha, 1.0).
     """
 
     def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
-                 scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, block_size: int = 8,
-                 num_layers: int = 1, aux_layer_ids: list[int] | None = None, num_anchors: int | None = 64,
-                 step_decay: float = math.exp(-0.25), warmup_ratio: float = 0.05, loss: str = "kl",
-                 lk_eta: float = 3.0, slot_weighting: str = "exp", dpace_alpha: float = 0.5,
-                 conv_kernel_size: int = 2, conv_group_size: int = 16, selector_rank: int = 256,
-                 selector_top_k: int = 16, selector_weight: float = 1.0) -> None:
-        if isinstance(selector_weight, bool) or not isinstance(selector_weight, (int, float)) \
-                or not selector_weight >= 0:
-            raise UserError(f"model.selector_weight={selector_weight!r}: the selector loss's weight must be a number "
-                            f">= 0 (speculators: 1.0).")
-        super().__init__(verifier, optimizer, scheduler, mask_token_id=mask_token_id, block_size=block_size,
-                         num_layers=num_layers, aux_layer_ids=aux_layer_ids, num_anchors=num_anchors,
-                         step_decay=step_decay, warmup_ratio=warmup_ratio, train_vocab=None, loss=loss,
-                         lk_eta=lk_eta, slot_weighting=slot_weighting, dpace_alpha=dpace_alpha)
-        self.net = build_dflash2(verifier, mask_token_id, block_size, num_layers, aux_layer_ids, conv_kernel_size,
-                                 conv_group_size, selector_rank, selector_top_k)
+                 scheduler: Callable[..., Any] | None = None, conv_kernel_size: int = 2, conv_group_size: int = 16,
+                 selector_rank: int = 256, selector_top_k: int = 16, selector_weight: float = 1.0,
+                 **dflash: Any) -> None:
+        check_weight("selector_weight", selector_weight, "the selector loss's weight")
+        super().__init__(verifier, optimizer, scheduler, train_vocab=None, **dflash)
+        self.replace_net(build_dflash2, conv_kernel_size, conv_group_size, selector_rank, selector_top_k)
         self.hparams.update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
                             selector_rank=selector_rank, selector_top_k=selector_top_k,
                             selector_weight=selector_weight)

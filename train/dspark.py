@@ -17,7 +17,6 @@ head's mean predicted acceptance there (the table tree.size=auto plans on for th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +27,7 @@ from torch import Tensor
 from models.dspark import DSparkNet, build_dspark
 from models.eagle import UnrolledStep
 from models.verifiers.core import Verifier
-from runtime.errors import UserError
-from train.dflash import DFlashModule, SlotTerms
+from train.dflash import DFlashModule, SlotTerms, check_weight
 from train.losses import chunked_loss
 
 
@@ -58,29 +56,19 @@ def confidence_table(topk: list[list[float]], confidence: list[float]) -> list[l
 
 
 class DSparkModule(DFlashModule):
-    """Args: DFlash's (train/dflash.py: loss, lk_eta, slot_weighting, dpace_alpha included; no train_vocab: the
-    Markov bias spans the whole vocabulary), and
+    """Args: DFlash's (train/dflash.py, passed on as they are: loss, lk_eta, slot_weighting, dpace_alpha included;
+    no train_vocab: the Markov bias spans the whole vocabulary), and
         markov_rank: the rank r of the Markov bias (speculators 0.9: 256).
         markov_head_type: vanilla | gated | rnn (vLLM 0.32 serves vanilla).
         confidence_weight: the confidence BCE's weight (speculators' confidence_head_alpha).
     """
 
     def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
-                 scheduler: Callable[..., Any] | None = None, mask_token_id: int = 16, block_size: int = 8,
-                 num_layers: int = 1, aux_layer_ids: list[int] | None = None, num_anchors: int | None = 64,
-                 step_decay: float = math.exp(-0.25), warmup_ratio: float = 0.05, loss: str = "kl",
-                 lk_eta: float = 3.0, slot_weighting: str = "exp", dpace_alpha: float = 0.5, markov_rank: int = 256,
-                 markov_head_type: str = "vanilla", confidence_weight: float = 1.0) -> None:
-        if isinstance(confidence_weight, bool) or not isinstance(confidence_weight, (int, float)) \
-                or not confidence_weight >= 0:
-            raise UserError(f"model.confidence_weight={confidence_weight!r}: the confidence head's BCE weight must be "
-                            f"a number >= 0 (speculators: 1.0).")
-        super().__init__(verifier, optimizer, scheduler, mask_token_id=mask_token_id, block_size=block_size,
-                         num_layers=num_layers, aux_layer_ids=aux_layer_ids, num_anchors=num_anchors,
-                         step_decay=step_decay, warmup_ratio=warmup_ratio, train_vocab=None, loss=loss,
-                         lk_eta=lk_eta, slot_weighting=slot_weighting, dpace_alpha=dpace_alpha)
-        self.net = build_dspark(verifier, mask_token_id, block_size, num_layers, aux_layer_ids, markov_rank,
-                                markov_head_type)
+                 scheduler: Callable[..., Any] | None = None, markov_rank: int = 256,
+                 markov_head_type: str = "vanilla", confidence_weight: float = 1.0, **dflash: Any) -> None:
+        check_weight("confidence_weight", confidence_weight, "the confidence head's BCE weight")
+        super().__init__(verifier, optimizer, scheduler, train_vocab=None, **dflash)
+        self.replace_net(build_dspark, markov_rank, markov_head_type)
         self.hparams.update(markov_rank=markov_rank, markov_head_type=markov_head_type,
                             confidence_weight=confidence_weight)
         self._calib: dict[str, Tensor] = {}

@@ -17,6 +17,8 @@ allows" for a frozen head. Liger-Kernel's fused linear cross-entropy is the same
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -24,17 +26,62 @@ CHUNK = 512  # rows per chunk: a (512, 49152) fp32 block is 100 MB
 SOFT_CHUNK = 64  # soft_target_ce's rows per chunk: a (64, 8192) fp32 block (2 MB) stays in cache
 
 
-class _FrozenHeadCE(torch.autograd.Function):
+class FrozenHeadFunction(torch.autograd.Function):
+    """A per-row loss through a frozen head `weight` (V, D) whose forward computes dL/dhidden chunk by chunk: what
+    this file's and train/losses.py's share. `buffers`: the hidden rows in the head's dtype and the forward's outputs;
+    `finish`: saves the gradient and returns (losses, p's argmax, the target's argmax, alpha); backward scales it."""
+
+    @staticmethod
+    def buffers(hidden: Tensor, weight: Tensor, dtype: torch.dtype
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """hidden in the head's dtype (N, D), dL/dh (N, D) to fill, the losses (N,) in `dtype` and the two argmaxes."""
+        n = hidden.shape[0]
+        h = hidden.to(weight.dtype)
+        argmax, target_argmax = (torch.empty(n, dtype=torch.long, device=h.device) for _ in range(2))
+        return h, torch.empty_like(h), torch.empty(n, dtype=dtype, device=h.device), argmax, target_argmax
+
+    @staticmethod
+    def finish(ctx: Any, hidden: Tensor, grad: Tensor, losses: Tensor, argmax: Tensor, target_argmax: Tensor,
+               alpha: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        ctx.save_for_backward(grad)
+        ctx.dtype = hidden.dtype
+        ctx.mark_non_differentiable(argmax, target_argmax, alpha)
+        return losses, argmax, target_argmax, alpha
+
+    @staticmethod
+    def backward(ctx: Any, grad_losses: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
+        (grad,) = ctx.saved_tensors
+        nones = (None,) * (len(ctx.needs_input_grad) - 1)  # the head, labels, teacher, settings: no gradient
+        return ((grad.to(grad_losses.dtype) * grad_losses[:, None]).to(ctx.dtype), *nones)
+
+
+class LogitsLossFunction(torch.autograd.Function):
+    """A per-row loss of logits (N, V) whose forward computes dL/dlogits chunk by chunk (None where the logits need
+    no gradient): what this file's soft-target cross-entropy and train/losses.py's chunked losses share. `finish`
+    saves the gradient and returns (losses, p's argmax, alpha); backward scales it, in the gradient's own dtype (a
+    mixed bf16 x fp32 product would cast the whole (N, V) tensor twice)."""
+
+    @staticmethod
+    def finish(ctx: Any, grad: Tensor | None, losses: Tensor, argmax: Tensor, alpha: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(argmax, alpha)
+        return losses, argmax, alpha
+
+    @staticmethod
+    def backward(ctx: Any, grad_losses: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
+        (grad,) = ctx.saved_tensors
+        nones = (None,) * (len(ctx.needs_input_grad) - 1)  # q, its index, settings: no gradient
+        return (grad * grad_losses.to(grad.dtype)[:, None], *nones)
+
+
+class _FrozenHeadCE(FrozenHeadFunction):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor | None, teacher: Tensor | None,
                 chunk: int, want_alpha: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         n = hidden.shape[0]
         alpha = torch.empty(n if want_alpha else 0, dtype=torch.float32, device=hidden.device)
-        h = hidden.to(weight.dtype)
-        grad = torch.empty_like(h)
-        losses = torch.empty(n, dtype=torch.float32, device=h.device)
-        argmax = torch.empty(n, dtype=torch.long, device=h.device)
-        target_argmax = torch.empty(n, dtype=torch.long, device=h.device)
+        h, grad, losses, argmax, target_argmax = FrozenHeadFunction.buffers(hidden, weight, torch.float32)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             logits = (h[s:e] @ weight.T).float()  # (c, V)
@@ -61,15 +108,7 @@ class _FrozenHeadCE(torch.autograd.Function):
             else:
                 probs.sub_(q)  # dL/dlogits = softmax - q
             grad[s:e] = probs.to(weight.dtype) @ weight
-        ctx.save_for_backward(grad)
-        ctx.dtype = hidden.dtype
-        ctx.mark_non_differentiable(argmax, target_argmax, alpha)
-        return losses, argmax, target_argmax, alpha
-
-    @staticmethod
-    def backward(ctx, grad_losses: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        (grad,) = ctx.saved_tensors
-        return (grad.float() * grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None
+        return FrozenHeadFunction.finish(ctx, hidden, grad, losses, argmax, target_argmax, alpha)
 
 
 def frozen_head_ce(hidden: Tensor, weight: Tensor, labels: Tensor | None = None, teacher: Tensor | None = None,
@@ -97,7 +136,7 @@ def frozen_head_ce_alpha(hidden: Tensor, weight: Tensor, labels: Tensor | None =
                                want_alpha)
 
 
-class _SoftTargetCE(torch.autograd.Function):
+class _SoftTargetCE(LogitsLossFunction):
     @staticmethod
     def forward(ctx, logits: Tensor, q: Tensor, index: Tensor | None, chunk: int,
                 want_alpha: bool = False) -> tuple[Tensor, Tensor, Tensor]:
@@ -122,15 +161,7 @@ class _SoftTargetCE(torch.autograd.Function):
                 total.fill_(1.0)  # probs is normalised already
             if grad is not None:
                 grad[s:e] = probs.div_(total[:, None]).sub_(qc)  # dL/dlogits = softmax - q
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(argmax, alpha)
-        return losses, argmax, alpha
-
-    @staticmethod
-    def backward(ctx, grad_losses: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        (grad,) = ctx.saved_tensors
-        # In the gradient's own dtype: a mixed bf16 x fp32 product would cast the whole (N, V) tensor twice
-        return grad * grad_losses.to(grad.dtype)[:, None], None, None, None, None
+        return LogitsLossFunction.finish(ctx, grad, losses, argmax, alpha)
 
 
 def soft_target_ce(logits: Tensor, q: Tensor, index: Tensor | None = None,

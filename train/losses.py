@@ -30,7 +30,14 @@ import torch
 from torch import Tensor
 
 from runtime.errors import UserError
-from train.fused_head import CHUNK, SOFT_CHUNK, frozen_head_ce_alpha, soft_target_ce_alpha
+from train.fused_head import (
+    CHUNK,
+    SOFT_CHUNK,
+    FrozenHeadFunction,
+    LogitsLossFunction,
+    frozen_head_ce_alpha,
+    soft_target_ce_alpha,
+)
 
 LOSSES = ("kl", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
 NLA_EPS = 1e-5  # speculators' clamp on alpha in -log(alpha)
@@ -132,7 +139,7 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # -- the chunked drivers -----------------------------------------------------------------------------------------
-class _ChunkedLoss(torch.autograd.Function):
+class _ChunkedLoss(LogitsLossFunction):
     @staticmethod
     def forward(ctx, logits: Tensor, q: Tensor, index: Tensor | None, name: str, eta: float,
                 chunk: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -150,14 +157,7 @@ class _ChunkedLoss(torch.autograd.Function):
             losses[s:e], g, alpha[s:e] = terms(z, qc, None, eta)
             if grad is not None:
                 grad[s:e] = g
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(argmax, alpha)
-        return losses, argmax, alpha
-
-    @staticmethod
-    def backward(ctx, grad_losses: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        (grad,) = ctx.saved_tensors
-        return grad * grad_losses.to(grad.dtype)[:, None], None, None, None, None, None
+        return LogitsLossFunction.finish(ctx, grad, losses, argmax, alpha)
 
 
 def chunked_loss(logits: Tensor, q: Tensor, index: Tensor | None = None, loss: str = "kl", eta: float = 3.0,
@@ -173,17 +173,13 @@ def chunked_loss(logits: Tensor, q: Tensor, index: Tensor | None = None, loss: s
     return _ChunkedLoss.apply(logits, q.detach(), index, loss, eta, chunk)
 
 
-class _FrozenHeadLoss(torch.autograd.Function):
+class _FrozenHeadLoss(FrozenHeadFunction):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor | None, teacher: Tensor | None, name: str,
                 eta: float, chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         n, wd = hidden.shape[0], _work_dtype(weight.dtype)
-        h = hidden.to(weight.dtype)
-        grad = torch.empty_like(h)
-        losses = torch.empty(n, dtype=wd, device=h.device)
+        h, grad, losses, argmax, target_argmax = FrozenHeadFunction.buffers(hidden, weight, wd)
         alpha = torch.empty(n, dtype=wd, device=h.device)
-        argmax = torch.empty(n, dtype=torch.long, device=h.device)
-        target_argmax = torch.empty(n, dtype=torch.long, device=h.device)
         terms = TERMS[name]
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
@@ -199,15 +195,7 @@ class _FrozenHeadLoss(torch.autograd.Function):
             target_argmax[s:e] = y
             losses[s:e], g, alpha[s:e] = terms(z, q, y, eta)
             grad[s:e] = g.to(weight.dtype) @ weight
-        ctx.save_for_backward(grad)
-        ctx.dtype = hidden.dtype
-        ctx.mark_non_differentiable(argmax, target_argmax, alpha)
-        return losses, argmax, target_argmax, alpha
-
-    @staticmethod
-    def backward(ctx, grad_losses: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        (grad,) = ctx.saved_tensors
-        return (grad.to(grad_losses.dtype) * grad_losses[:, None]).to(ctx.dtype), None, None, None, None, None, None
+        return FrozenHeadFunction.finish(ctx, hidden, grad, losses, argmax, target_argmax, alpha)
 
 
 def frozen_head_loss(hidden: Tensor, weight: Tensor, teacher: Tensor | None = None, labels: Tensor | None = None,

@@ -1,9 +1,10 @@
 """PEagleModule: trains a P-EAGLE drafter (models/peagle.py) on the frozen verifier's features.
 
-Everything but the forward is EAGLE-3's (train/eagle.py): the draft vocabulary, the targets (q restricted to it,
-from the argmax cache offline), the soft-target cross-entropy per depth, validation's per-depth top-1, estimated
-tau and top-k table (which tree planning reads), and the export. The forward is `models.peagle.parallel_rows`: step
-0 over every position, then COD-sampled mask slots for depths 1..K-1 in one forward (validation: every chain).
+Everything but the forward is every verifier-fed drafter's (train/verifier_fed.py), as EAGLE-3 trains: the draft
+vocabulary, the targets (q restricted to it, from the argmax cache offline), the soft-target cross-entropy per depth,
+validation's per-depth top-1, estimated tau and top-k table (which tree planning reads), and the export. The forward
+is `models.peagle.parallel_rows`: step 0 over every position, then COD-sampled mask slots for depths 1..K-1 in one
+forward (validation: every chain).
 Every depth weighs the same by default (`step_decay` 1.0), as the published recipe's loss does.
 """
 
@@ -18,16 +19,17 @@ from torch import Tensor
 from models.peagle import build_peagle, parallel_rows
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
-from train.eagle import EagleModule
+from train.verifier_fed import VerifierFedModule
 
 
-class PEagleModule(EagleModule):
-    """Args (beyond EagleModule's EAGLE-3 ones; `ttt_steps` and `val_steps` are `parallel_tokens` here):
+class PEagleModule(VerifierFedModule):
+    """Args (beyond VerifierFedModule's; `ttt_steps` and `val_steps` are `parallel_tokens` here):
         mask_token_id: the token of every mask slot (one the data never holds; SmolLM2: 16, `<empty_output>`).
         parallel_tokens: K, the tokens one drafter forward drafts (vLLM's speculative tokens for the export).
         cod_ratio, cod_min_ratio: depth d trains a share max(ratio^d, min_ratio) of the chains (COD sampling).
         max_anchors: at most this many chains per sequence at depth 1 (bounds a step's mask slots).
-        loss, lk_eta: the loss per depth (train/losses.py), as EagleModule's.
+        draft_vocab_size, aux_layer_ids, fc_norm: EAGLE-3's (train/eagle.py).
+        loss, lk_eta: the loss per depth (train/losses.py), as VerifierFedModule's.
     """
 
     def __init__(self, verifier: Verifier, optimizer: Callable[..., torch.optim.Optimizer],
@@ -40,9 +42,8 @@ class PEagleModule(EagleModule):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise UserError(f"model.{name}={value!r}: give a share in (0, 1] (defaults 0.7 and 0.2).")
         net = build_peagle(verifier, mask_token_id, parallel_tokens, draft_vocab_size, aux_layer_ids, fc_norm)
-        super().__init__(verifier, optimizer, scheduler, ttt_steps=parallel_tokens,
-                         val_steps=parallel_tokens, step_decay=step_decay, draft_vocab_size=draft_vocab_size,
-                         aux_layer_ids=aux_layer_ids, warmup_ratio=warmup_ratio, net=net, loss=loss, lk_eta=lk_eta)
+        super().__init__(verifier, optimizer, scheduler, net, ttt_steps=parallel_tokens, val_steps=parallel_tokens,
+                         step_decay=step_decay, warmup_ratio=warmup_ratio, loss=loss, lk_eta=lk_eta)
         self.hparams.update(mask_token_id=mask_token_id, parallel_tokens=parallel_tokens, cod_ratio=cod_ratio,
                             cod_min_ratio=cod_min_ratio, max_anchors=max_anchors, fc_norm=fc_norm)
 

@@ -36,57 +36,65 @@ def _betas(v: Any) -> bool:
     return isinstance(v, (ListConfig, list, tuple)) and len(v) == 2 and all(_num(b) and 0 <= b < 1 for b in v)
 
 
+def _whole(least: int, null: bool = False) -> Callable[[Any], bool]:
+    """Valid when a whole number >= `least` (or None, with `null`)."""
+    return lambda v: (null and v is None) or (_int(v) and v >= least)
+
+
+def _non_negative(v: Any) -> bool:
+    return _num(v) and v >= 0
+
+
 MUON_LR_FNS = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
 
 # key, valid when, what to give, an example value. A key the config does not have is skipped.
 RULES: list[tuple[str, Callable[[Any], bool], str, str]] = [
     # 0 is allowed: the weights stay as they start (a warm start re-validated on new data, as tests do)
-    ("model.optimizer.lr", lambda v: _num(v) and v >= 0, "a learning rate of 0 or more", "1e-3"),
-    ("model.optimizer.weight_decay", lambda v: _num(v) and v >= 0, "a weight decay of 0 or more", "0.0"),
-    ("model.optimizer.betas", lambda v: _betas(v), "two moment decays, each in [0, 1) (1 or more never forgets a "
+    ("model.optimizer.lr", _non_negative, "a learning rate of 0 or more", "1e-3"),
+    ("model.optimizer.weight_decay", _non_negative, "a weight decay of 0 or more", "0.0"),
+    ("model.optimizer.betas", _betas, "two moment decays, each in [0, 1) (1 or more never forgets a "
      "gradient)", "[0.9,0.95]"),
     # Muon's (model/optim=muon, train/muon.py): torch.optim.Muon / AdamW would refuse them only after the data step
-    ("model.optimizer.adamw_lr", lambda v: _num(v) and v >= 0, "AdamW's learning rate, 0 or more", "1e-3"),
-    ("model.optimizer.adamw_weight_decay", lambda v: _num(v) and v >= 0, "AdamW's weight decay, 0 or more", "0.0"),
+    ("model.optimizer.adamw_lr", _non_negative, "AdamW's learning rate, 0 or more", "1e-3"),
+    ("model.optimizer.adamw_weight_decay", _non_negative, "AdamW's weight decay, 0 or more", "0.0"),
     ("model.optimizer.adjust_lr_fn", lambda v: v is None or v in MUON_LR_FNS,
      f"one of {', '.join(MUON_LR_FNS)} (how Muon scales its update), or null (torch's original)", "match_rms_adamw"),
     ("model.optimizer.momentum", lambda v: _num(v) and 0 <= v < 1, "a share of the last update kept, in [0, 1) (1 "
      "or more never forgets a gradient and diverges)", "0.95"),
-    ("model.optimizer.ns_steps", lambda v: _int(v) and v >= 1, "a whole number of Newton-Schulz iterations >= 1",
-     "5"),
+    ("model.optimizer.ns_steps", _whole(1), "a whole number of Newton-Schulz iterations >= 1", "5"),
     ("model.warmup_ratio", lambda v: _num(v) and 0 <= v <= 1, "a fraction of the steps in [0, 1]", "0.05"),
-    ("data.batch_size", lambda v: _int(v) and v >= 1, "a whole number of sequences >= 1", "8"),
-    ("data.gen_batch_size", lambda v: _int(v) and v >= 1, "a whole number of prompts >= 1", "32"),
-    ("data.max_new_tokens", lambda v: _int(v) and v >= 1, "a whole number of tokens >= 1", "128"),
-    ("data.max_length", lambda v: _int(v) and v >= 2, "a whole number of tokens >= 2", "1024"),
-    ("data.limit", lambda v: v is None or (_int(v) and v >= 1), "a whole number of prompts >= 1, or null", "null"),
+    ("data.batch_size", _whole(1), "a whole number of sequences >= 1", "8"),
+    ("data.gen_batch_size", _whole(1), "a whole number of prompts >= 1", "32"),
+    ("data.max_new_tokens", _whole(1), "a whole number of tokens >= 1", "128"),
+    ("data.max_length", _whole(2), "a whole number of tokens >= 2", "1024"),
+    ("data.limit", _whole(1, null=True), "a whole number of prompts >= 1, or null", "null"),
     ("data.val_fraction", lambda v: _num(v) and 0 <= v < 1, "a fraction in [0, 1)", "0.05"),
-    ("data.num_workers", lambda v: _int(v) and v >= 0, "a whole number of loader processes >= 0", "0"),
-    ("data.shard_size", lambda v: _int(v) and v >= 1, "a whole number of prompts >= 1", "256"),
+    ("data.num_workers", _whole(0), "a whole number of loader processes >= 0", "0"),
+    ("data.shard_size", _whole(1), "a whole number of prompts >= 1", "256"),
     ("trainer.max_epochs", lambda v: v is None or (_int(v) and (v >= 1 or v == -1)),
      "a whole number of epochs >= 1 (-1: until trainer.max_steps)", "2"),
     ("trainer.max_steps", lambda v: _int(v) and (v >= 1 or v == -1), "a whole number of steps >= 1, or -1 (no limit)",
      "-1"),
-    ("trainer.accumulate_grad_batches", lambda v: _int(v) and v >= 1, "a whole number of batches >= 1", "1"),
-    ("trainer.gradient_clip_val", lambda v: v is None or (_num(v) and v >= 0), "a norm of 0 or more, or null", "1.0"),
-    ("trainer.log_every_n_steps", lambda v: _int(v) and v >= 1, "a whole number of steps >= 1", "5"),
-    ("callbacks.checkpoint.every_n_train_steps", lambda v: v is None or (_int(v) and v >= 0),
+    ("trainer.accumulate_grad_batches", _whole(1), "a whole number of batches >= 1", "1"),
+    ("trainer.gradient_clip_val", lambda v: v is None or _non_negative(v), "a norm of 0 or more, or null", "1.0"),
+    ("trainer.log_every_n_steps", _whole(1), "a whole number of steps >= 1", "5"),
+    ("callbacks.checkpoint.every_n_train_steps", _whole(0, null=True),
      "a whole number of steps >= 1 (0 or null: only the last)", "50"),
     # drafter settings that leave nothing to train (a loss of 0 and an untrained export): each key means the same in
     # every family that has it
-    ("model.num_layers", lambda v: _int(v) and v >= 1, "a whole number of draft layers >= 1", "1"),
-    ("model.num_heads", lambda v: _int(v) and v >= 1, "a whole number of heads >= 1", "4"),
-    ("model.block_size", lambda v: _int(v) and v >= 2, "a whole number >= 2 (the root token and its drafts)", "8"),
-    ("model.num_anchors", lambda v: v is None or (_int(v) and v >= 1),
+    ("model.num_layers", _whole(1), "a whole number of draft layers >= 1", "1"),
+    ("model.num_heads", _whole(1), "a whole number of heads >= 1", "4"),
+    ("model.block_size", _whole(2), "a whole number >= 2 (the root token and its drafts)", "8"),
+    ("model.num_anchors", _whole(1, null=True),
      "a whole number of blocks per sequence >= 1 (null: every anchor)", "64"),
-    ("model.max_anchors", lambda v: v is None or (_int(v) and v >= 1),
+    ("model.max_anchors", _whole(1, null=True),
      "a whole number of chains per sequence >= 1 (null: every anchor)", "256"),
-    ("model.parallel_tokens", lambda v: _int(v) and v >= 1, "a whole number of drafts per forward >= 1", "4"),
-    ("model.ttt_steps", lambda v: _int(v) and v >= 1, "a whole number of training steps unrolled >= 1", "1"),
-    ("model.val_steps", lambda v: _int(v) and v >= 1, "a whole number of steps validation unrolls >= 1", "5"),
-    ("model.draft_vocab_size", lambda v: v is None or (_int(v) and v >= 2),
+    ("model.parallel_tokens", _whole(1), "a whole number of drafts per forward >= 1", "4"),
+    ("model.ttt_steps", _whole(1), "a whole number of training steps unrolled >= 1", "1"),
+    ("model.val_steps", _whole(1), "a whole number of steps validation unrolls >= 1", "5"),
+    ("model.draft_vocab_size", _whole(2, null=True),
      "a whole number of draft tokens >= 2, or null (the verifier's vocabulary)", "8192"),
-    ("model.markov_rank", lambda v: _int(v) and v >= 1, "a rank >= 1", "256"),
+    ("model.markov_rank", _whole(1), "a rank >= 1", "256"),
 ]
 
 # Keys Hydra's instantiate handles itself, never passed to the target as arguments.

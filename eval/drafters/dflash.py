@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters.parallel import ParallelDrafter
+from eval.drafters.parallel import ParallelDrafter, family_tree
+from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig
-from eval.engine.tree import TreePolicy, fixed_tree
+from eval.engine.tree import TreePolicy
 from models.dflash import DFlashNet
 from models.verifiers.core import Verifier
 
@@ -53,10 +54,52 @@ class DFlashDrafter(ParallelDrafter):
         return self.net.block(self.embed(tokens), pos, mask, self._k, self._v)[0, 1:]  # (K, D)
 
     def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
-        """One block forward (K: `depth`, the tree's max_depth by default): slot k's logits are depth k's. (K, V)"""
-        return self.net.logits(self._slots(self.max_depth if depth is None else depth), self.lm_head).float()
+        """One block forward (K: `depth`, the tree's max_depth by default): slot k's logits are depth k's, or, for a
+        block whose depths condition on the parent's token (`_child_logits`), the top-1 chain's: each depth's given
+        the token the depth before drafted (its argmax), as a chain round computes them. (K, V)"""
+        out = self._slots(self.max_depth if depth is None else depth)
+        base = self.net.logits(out, self.lm_head).float()  # (K, V)
+        if not self.conditions_on_parent:
+            return base
+        prev, state, rows = self._root[0], None, []
+        for d in range(out.shape[0]):
+            logits, state = self._child_logits(out[d : d + 1], base[d], prev, state)
+            rows.append(logits[0])
+            prev = logits.argmax(-1)
+        return torch.stack(rows)
 
     # -- a block whose depths condition on the parent's token (DSpark's Markov bias, DFlash2's selector) --------------
+    conditions_on_parent = False  # True: a depth's logits depend on its parent's token (`_child_logits`)
+
+    @torch.no_grad()
+    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
+        """A block whose depths condition on the parent's token: 1. the new committed positions; 2. one block
+        forward; 3. its depths (`_draft_block`). Otherwise every parallel drafter's round."""
+        if not self.conditions_on_parent:
+            return super().propose(input_ids, hidden)
+        _, root = self._start_round(input_ids, hidden)
+        tree = self.tree
+        if tree.num_drafts == 0:
+            return Draft(tree=tree, tokens=root)
+        out = self._slots(tree.max_depth)
+        tokens = torch.empty(tree.num_nodes, dtype=root.dtype, device=root.device)
+        tokens[0] = root[0, 0]
+        p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
+        return self._draft_block(out, tokens, p)
+
+    def _draft_block(self, out: Tensor, tokens: Tensor, p: Tensor | None) -> Draft:
+        """The block step of a family whose depths condition on the parent's token: from the slot outputs `out`
+        (K, D), fill the nodes' `tokens` (N,; the root's in place) depth by depth (`_draft_children`), and their
+        sampled distributions `p` (N, V; None without sampling); return the round's Draft."""
+        raise NotImplementedError
+
+    def _child_logits(self, out: Tensor, base: Tensor, prev: Tensor, state: Any) -> tuple[Tensor, Any]:
+        """The block step of a family whose depths condition on the parent's token: the logits (m, V) of the
+        children of parents with tokens `prev` (m,) at one depth, from the slot's output `out` (1, D) and its base
+        logits `base` (V,); `state` is what one depth passes the next along a path (DSpark's rnn head), None at
+        depth 1. Returns the logits and the state passed on."""
+        raise NotImplementedError
+
     def _depth_nodes(self, d: int, device: torch.device) -> tuple[list[int], list[int], Tensor]:
         """The tree's nodes at depth d, their parents (sorted), and each node's parent's row among them."""
         tree = self.tree
@@ -88,8 +131,7 @@ def dflash_drafter(net: DFlashNet, config: dict[str, Any], verifier: Verifier, t
     `tree` (tree=auto from the export's eagle_topk_accuracy), at most K = block_size - 1 deep. `head_ids`: draft
     over those rows of the verifier's head only (`drafter.draft_vocab`, or the rows an export trained on with
     `model.train_vocab`)."""
-    table = config.get("eagle_topk_accuracy")
-    shape, name = fixed_tree(tree, net.parallel, table, "DFlash", "eagle_topk_accuracy")
+    shape, name, table = family_tree("dflash", net.parallel, config, tree)
     return DFlashDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, head_ids=head_ids,
                          table=table)
 

@@ -19,9 +19,10 @@ import torch
 from torch import Tensor
 
 from eval.drafters.dflash import DFlashDrafter, block_ranks
+from eval.drafters.parallel import family_tree
 from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig
-from eval.engine.tree import Tree, TreePolicy, fixed_tree
+from eval.engine.tree import Tree, TreePolicy
 from models.dflash2 import DFlash2Net
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -40,37 +41,21 @@ class DFlash2Drafter(DFlashDrafter):
                             f"below {self.net.selector_top_k}.")
         super().set_tree(tree)
 
+    conditions_on_parent = True
+
     def _children(self, out: Tensor, unary: Tensor, prev: Tensor) -> Tensor:
         """The re-scored logits (m, V) of the children of parents with tokens `prev` (m,) at one depth: slot output
         `out` (1, D), its unary logits `unary` (V,)."""
         return self.net.rescored(unary[None], out, prev)
 
-    def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
-        """The top-1 chain's logits per depth (K, V): each depth re-scored given the token the depth before drafted
-        (its argmax), as a chain round computes them."""
-        k = self.max_depth if depth is None else depth
-        out = self._slots(k)
-        unary = self.net.logits(out, self.lm_head).float()  # (K, V)
-        prev, rows = self._root[0], []
-        for d in range(k):
-            logits = self._children(out[d : d + 1], unary[d], prev)
-            rows.append(logits[0])
-            prev = logits.argmax(-1)
-        return torch.stack(rows)
+    def _child_logits(self, out: Tensor, base: Tensor, prev: Tensor, state: Any) -> tuple[Tensor, Any]:
+        return self._children(out, base, prev), None
 
-    @torch.no_grad()
-    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
-        _, root = self._start_round(input_ids, hidden)  # 1. the new committed positions
-        tree = self.tree
-        if tree.num_drafts == 0:
-            return Draft(tree=tree, tokens=root)
-        out = self._slots(tree.max_depth)  # 2. one block forward
+    def _draft_block(self, out: Tensor, tokens: Tensor, p: Tensor | None) -> Draft:
+        tree, device = self.tree, tokens.device
         unary = self.net.logits(out, self.lm_head).float()  # (K, V)
-        tokens = torch.empty(tree.num_nodes, dtype=root.dtype, device=root.device)
-        tokens[0] = root[0, 0]
-        p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
         for d in range(1, tree.max_depth + 1):  # 3. depth by depth: each parent's children through the selector
-            kids, parents, row = self._depth_nodes(d, root.device)
+            kids, parents, row = self._depth_nodes(d, device)
             self._draft_children(self._children(out[d - 1 : d], unary[d - 1], tokens[parents]), kids, row, tokens, p)
         return Draft(tree=tree, tokens=tokens[None], p=None if p is None else p[None])
 
@@ -83,8 +68,7 @@ def dflash2_drafter(net: DFlash2Net, config: dict[str, Any], verifier: Verifier,
     if head_ids is not None:
         raise UserError("drafter.draft_vocab cuts the verifier's head, but DFlash2's selector codebooks span the "
                         "whole vocabulary; leave drafter.draft_vocab=null for a DFlash2 export.")
-    table = config.get("eagle_topk_accuracy")
-    shape, name = fixed_tree(tree, net.parallel, table, "DFlash2", "eagle_topk_accuracy")
+    shape, name, table = family_tree("dflash2", net.parallel, config, tree)
     return DFlash2Drafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table)
 
 

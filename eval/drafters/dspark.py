@@ -23,10 +23,11 @@ import torch
 from torch import Tensor
 
 from eval.drafters.dflash import DFlashDrafter
+from eval.drafters.parallel import family_tree
 from eval.engine.forward import packed_head
 from eval.engine.protocol import Draft, Drafter
 from eval.engine.sampling import SamplingConfig
-from eval.engine.tree import TreePolicy, fixed_tree, truncate
+from eval.engine.tree import TreePolicy, truncate
 from models.dspark import DSparkNet
 from models.formats.export import ExportInfo
 from models.verifiers.core import Verifier
@@ -95,35 +96,20 @@ class DSparkDrafter(DFlashDrafter):
         logits, state = self._bias_logits(out, base, emb, state)
         return logits, conf, state
 
-    def _depth_logits(self, root_out: Any, depth: int | None = None) -> Tensor:
-        """The top-1 chain's logits per depth (K, V): each depth's base logits plus the bias of the token the depth
-        before drafted (its argmax), as a chain round computes them."""
-        k = self.max_depth if depth is None else depth
-        out = self._slots(k)
-        base = self.net.logits(out, self.lm_head).float()  # (K, V)
-        prev, state, rows = self._root[0], None, []
-        for d in range(k):
-            logits, _, state = self._children(out[d : d + 1], base[d], prev, state)
-            rows.append(logits[0])
-            prev = logits.argmax(-1)
-        return torch.stack(rows)
+    conditions_on_parent = True
 
-    @torch.no_grad()
-    def propose(self, input_ids: Tensor, hidden: Tensor) -> Draft:
-        _, root = self._start_round(input_ids, hidden)  # 1. the new committed positions
-        tree = self.tree
-        if tree.num_drafts == 0:
-            return Draft(tree=tree, tokens=root)
-        out = self._slots(tree.max_depth)  # 2. one block forward
+    def _child_logits(self, out: Tensor, base: Tensor, prev: Tensor, state: Any) -> tuple[Tensor, Any]:
+        """The base logits plus the Markov bias of each parent's token (the rnn head's state passed on)."""
+        return self._bias_logits(out, base, self.net.markov_head.embed(prev), state)
+
+    def _draft_block(self, out: Tensor, tokens: Tensor, p: Tensor | None) -> Draft:
+        tree, device = self.tree, tokens.device
         base: Tensor | None = None  # the base logits (K, V), made once a depth is kept (one head call for all K)
-        tokens = torch.empty(tree.num_nodes, dtype=root.dtype, device=root.device)
-        tokens[0] = root[0, 0]
-        conf = torch.ones(tree.num_nodes, device=root.device)  # the slot confidence under each node's parent
+        conf = torch.ones(tree.num_nodes, device=device)  # the slot confidence under each node's parent
         states: dict[int, Tensor] = {}
-        p = None if self.sampling is None else torch.zeros(tree.num_nodes, self.vocab_size, device=root.device)
         path, node, survival, keep_depth = [], 0, 1.0, 0  # the top-1 path's confidences; the depth proposed
         for d in range(1, tree.max_depth + 1):  # 3. depth by depth: the confidence, the cut, the Markov bias
-            kids, parents, row = self._depth_nodes(d, root.device)
+            kids, parents, row = self._depth_nodes(d, device)
             c, emb = self._confidence(out[d - 1 : d], tokens[parents])
             conf[kids] = c[row]
             first = next((i for i in kids if tree.parents[i] == node and tree.ranks[i] == 0), None)
@@ -148,7 +134,7 @@ class DSparkDrafter(DFlashDrafter):
         if keep_depth >= tree.max_depth:
             return full
         cut, keep = truncate(tree, keep_depth)
-        index = torch.tensor(keep, device=root.device)
+        index = torch.tensor(keep, device=device)
         return Draft(tree=cut, tokens=full.tokens[:, index], p=None if p is None else full.p[:, index])
 
 
@@ -163,8 +149,7 @@ def dspark_drafter(net: DSparkNet, config: dict[str, Any], verifier: Verifier, t
                         "vocabulary; leave drafter.draft_vocab=null for a DSpark export.")
 
 
-    table = config.get("dspark_confidence_table") or config.get("eagle_topk_accuracy")
-    shape, name = fixed_tree(tree, net.parallel, table, "DSpark", "eagle_topk_accuracy")
+    shape, name, table = family_tree("dspark", net.parallel, config, tree)
     return DSparkDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table,
                          threshold=threshold)
 

@@ -1,10 +1,11 @@
-"""Drafters that draft every depth in one forward (P-EAGLE, DFlash and the block drafters built on it): the shared
-part of their rounds. Each round the drafter takes in the positions the verifier just committed (EagleDrafter's
-cache, or a family's own `_extend`), then one forward gives the distributions of depths 1..K (`_depth_logits`, the
-family's own). No depth reads the drafts before it, so the tree is Medusa's kind, fixed every round (`tree=auto`
-from the export's per-depth top-k table, a chain, or `medusa_choices`), and a node at depth d with rank r takes depth
-d's rank-r token. Sampled drafts (`sampled_drafts=true`) are independent draws from their depth's warped
-distribution, which `Draft.p` carries (eval.engine.sampling's tree rule is exact for such i.i.d. siblings).
+"""Drafters that draft every depth in one forward (P-EAGLE, DFlash and the block drafters built on it): the shared part
+of their rounds. Each round the drafter takes in the positions the verifier just committed (the verifier-fed drafter's
+step-0 cache, eval/drafters/verifier_fed.py, or a family's own `_extend`), then one forward gives the distributions of
+depths 1..K (`_depth_logits`, the family's own). No depth reads the drafts before it, so the tree is Medusa's kind,
+fixed every round (`tree=auto` from the export's per-depth top-k table, a chain, or `medusa_choices`), and a node at
+depth d with rank r takes depth d's rank-r token. Sampled drafts (`sampled_drafts=true`) are independent draws from
+their depth's warped distribution, which `Draft.p` carries (eval.engine.sampling's tree rule is exact for such i.i.d.
+siblings).
 """
 
 from __future__ import annotations
@@ -14,26 +15,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters.eagle import EagleDrafter
 from eval.drafters.heads import weights_dtype
+from eval.drafters.verifier_fed import VerifierFedDrafter
 from eval.engine.protocol import Draft
 from eval.engine.sampling import SamplingConfig, warp
-from eval.engine.tree import Chain, Tree, auto_tree, describe, tree_buffers
+from eval.engine.tree import Tree, TreePolicy, auto_tree, describe, fixed_tree, tree_buffers
+from models.families import FAMILIES
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
 
-class ParallelDrafter(EagleDrafter):
-    """A drafter that drafts every depth in one forward (eval.engine.protocol.Drafter): EAGLE's cache of the
-    committed positions (EagleDrafter), then one forward's K distributions (`_depth_logits`, the family's own) fill a
-    fixed tree of depth <= K. `title` names the family in messages."""
+class ParallelDrafter(VerifierFedDrafter):
+    """A drafter that drafts every depth in one forward (eval.engine.protocol.Drafter): the verifier-fed drafter's
+    cache of the committed positions (`_extend`: step-0 keys by default, DFlash's context cache), then one forward's
+    K distributions (`_depth_logits`, the family's own) fill a fixed tree of depth <= K. `title` names the family
+    in messages."""
 
     title = "parallel"
 
     def __init__(self, net: Any, verifier: Verifier, tree: Tree, policy: str = "tree",
                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
                  head_ids: Tensor | None = None, table: list[list[float]] | None = None) -> None:
-        super().__init__(net, verifier, Chain(net.parallel), sampling=sampling, generator=generator, head_ids=head_ids)
+        super().__init__(net, verifier, sampling=sampling, generator=generator, head_ids=head_ids)
         self.table = table[: net.parallel] if table else None  # per-depth top-k accuracy: the tree each budget buys
         self.tree_policy, self.depth_limit = policy, net.parallel  # the deepest tree one forward fills
         self.set_tree(tree)
@@ -111,3 +114,15 @@ class ParallelDrafter(EagleDrafter):
             return tree
         finally:
             self._k, self._v = keys
+
+
+def family_tree(kind: str, depths: int, config: dict[str, Any], tree: TreePolicy
+                ) -> tuple[Tree, str, list[list[float]] | None]:
+    """A fixed-tree drafter's tree under `tree` for family `kind`, read from its registry entry (models/families.py):
+    the export's per-depth top-k table (the first of the family's `acceptance` keys that holds one, which tree=auto
+    plans on), the tree at most `depths` deep, the policy's name, and the table; the family's title in messages."""
+    entry = FAMILIES[kind]
+    table = next((config[k] for k in entry.acceptance
+                  if config.get(k) and isinstance(config[k][0], (list, tuple))), None)
+    shape, name = fixed_tree(tree, depths, table, entry.title, entry.acceptance[0])
+    return shape, name, table

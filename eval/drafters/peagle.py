@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eval.drafters.parallel import ParallelDrafter
+from eval.drafters.parallel import ParallelDrafter, family_tree
 from eval.engine.sampling import SamplingConfig
-from eval.engine.tree import TreePolicy, fixed_tree
+from eval.engine.tree import TreePolicy
 from models.peagle import PEagleNet
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -46,6 +46,5 @@ def peagle_drafter(net: PEagleNet, config: dict[str, Any], verifier: Verifier, t
     if head_ids is not None:
         raise UserError("drafter.draft_vocab cuts a drafting head shared with the verifier; P-EAGLE drafts over its "
                         "own trained draft vocabulary. Leave drafter.draft_vocab=null.")
-    table = config.get("eagle_topk_accuracy")
-    shape, name = fixed_tree(tree, net.parallel, table, "P-EAGLE", "eagle_topk_accuracy")
+    shape, name, table = family_tree("peagle", net.parallel, config, tree)
     return PEagleDrafter(net, verifier, shape, policy=name, sampling=sampling, generator=generator, table=table)

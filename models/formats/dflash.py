@@ -46,21 +46,23 @@ class DFlashConfig(ExportConfig):
         "min": 0})
 
 
-def dflash_layout(net: DFlashNet, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
+def dflash_layout(net: DFlashNet, verifier: Any, config: type[DFlashConfig] = DFlashConfig, **own: Any
+                  ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The DFlash reference layout (z-lab's, which vLLM's qwen3_dflash loads): a Qwen3-style config for the draft
     layers with DFlashConfig's keys: `block_size` and `dflash_config` (`mask_token_id`; `target_layer_ids` in that
     layout's convention, the output of layer k, i.e. this project's id minus 1), and the tensors without the shared
-    embedding and head."""
+    embedding and head. A family built on DFlash passes its config class (a DFlashConfig with its fields added) and
+    the values of its own fields (`own`)."""
     from models.formats.eagle import draft_layer_config
 
     lc = layer_config(verifier)
-    own = DFlashConfig(num_hidden_layers=len(net.layers), layer_types=["full_attention"] * len(net.layers),
-                       block_size=net.block_size, num_target_layers=lc["num_verifier_layers"],
-                       dflash_config=DFlashTargets(mask_token_id=net.mask_token_id,
-                                                   target_layer_ids=[k - 1 for k in net.aux_layer_ids]),
-                       aux_hidden_state_layer_ids=list(net.aux_layer_ids))
-    config = draft_layer_config(verifier, "qwen3", len(net.layers)) | own.to_config()
-    return config, {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    keys = config(num_hidden_layers=len(net.layers), layer_types=["full_attention"] * len(net.layers),
+                  block_size=net.block_size, num_target_layers=lc["num_verifier_layers"],
+                  dflash_config=DFlashTargets(mask_token_id=net.mask_token_id,
+                                              target_layer_ids=[k - 1 for k in net.aux_layer_ids]),
+                  aux_hidden_state_layer_ids=list(net.aux_layer_ids), **own)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    return draft_layer_config(verifier, "qwen3", len(net.layers)) | keys.to_config(), tensors
 
 
 

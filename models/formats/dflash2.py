@@ -13,8 +13,8 @@ from torch import Tensor
 
 from models.dflash2 import DFlash2Net, check_dflash2
 from models.eagle import layer_config
-from models.formats.config import ExportConfig
 from models.formats.dflash import (
+    DFlashConfig,
     dflash_from_layout,
     dflash_from_speculators,
     dflash_layout,
@@ -27,8 +27,9 @@ OWN_TENSORS = ("attention_conv.", "mlp_conv.", "candidate_selector.")
 
 
 @dataclass(frozen=True, kw_only=True)
-class DFlash2Keys(ExportConfig):
-    """The keys a DFlash2 export adds to DFlash's (speculators 0.9's DFlash2SpeculatorConfig, as vLLM reads them)."""
+class DFlash2Config(DFlashConfig):
+    """A DFlash2 export's own config.json keys: DFlash's and the ones it adds (speculators 0.9's
+    DFlash2SpeculatorConfig, as vLLM reads them)."""
 
     conv_kernel_size: int = field(metadata={"help": "the dynamic convolution's causal taps along a block", "min": 1})
     conv_group_size: int = field(metadata={"help": "hidden channels sharing one dynamic kernel", "min": 1})
@@ -38,10 +39,9 @@ class DFlash2Keys(ExportConfig):
 
 def dflash2_layout(net: DFlash2Net, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """DFlash's layout (dflash_layout) with DFlash2's keys; the tensors include the convolutions' and the selector's."""
-    config, tensors = dflash_layout(net, verifier)
-    own = DFlash2Keys(conv_kernel_size=net.conv_kernel_size, conv_group_size=net.conv_group_size,
-                      selector_rank=net.selector_rank, selector_top_k=net.selector_top_k)
-    return config | own.to_config(), tensors
+    return dflash_layout(net, verifier, DFlash2Config, conv_kernel_size=net.conv_kernel_size,
+                         conv_group_size=net.conv_group_size, selector_rank=net.selector_rank,
+                         selector_top_k=net.selector_top_k)
 
 
 def dflash2_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Any,
@@ -51,7 +51,7 @@ def dflash2_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], veri
     from models.io import load_state
 
     where = file.parent / "config.json"
-    own = DFlash2Keys.from_config(config, where)
+    own = DFlash2Config.from_config(config, where)
     base = {k: v for k, v in tensors.items() if not any(part in k for part in OWN_TENSORS)}
     dflash, _ = dflash_from_layout(config, base, verifier, file, reference)
     lc = layer_config(verifier)

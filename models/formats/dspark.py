@@ -11,8 +11,8 @@ from torch import Tensor
 
 from models.dspark import DSparkNet, check_markov
 from models.eagle import layer_config
-from models.formats.config import ExportConfig
 from models.formats.dflash import (
+    DFlashConfig,
     dflash_from_layout,
     dflash_from_speculators,
     dflash_layout,
@@ -23,8 +23,9 @@ from runtime.errors import UserError
 # -- the export layout -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class DSparkKeys(ExportConfig):
-    """The keys a DSpark export adds to DFlash's (speculators 0.9's DSparkSpeculatorConfig, as vLLM reads them)."""
+class DSparkConfig(DFlashConfig):
+    """A DSpark export's own config.json keys: DFlash's and the ones it adds (speculators 0.9's
+    DSparkSpeculatorConfig, as vLLM reads them)."""
 
     markov_rank: int = field(metadata={"help": "the rank r of the Markov bias W2 W1[x]", "min": 1})
     markov_head_type: str = field(default="vanilla", metadata={
@@ -40,9 +41,8 @@ CONFIDENCE_TENSORS = ("confidence_head.proj.weight", "confidence_head.proj.bias"
 
 def dspark_layout(net: DSparkNet, verifier: Any) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """DFlash's layout (dflash_layout) with DSpark's keys; the tensors include the two heads'."""
-    config, tensors = dflash_layout(net, verifier)
-    own = DSparkKeys(markov_rank=net.markov_rank, markov_head_type=net.markov_head_type)
-    return config | own.to_config(), tensors
+    return dflash_layout(net, verifier, DSparkConfig, markov_rank=net.markov_rank,
+                         markov_head_type=net.markov_head_type)
 
 
 def dspark_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verifier: Any, file: Any,
@@ -50,7 +50,7 @@ def dspark_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
     """The DSpark network an export holds: DFlash's checks (dflash_from_layout), the Markov rank and head type, and
     the confidence head, without which the decoder cannot choose how much of a block to verify."""
     where = file.parent / "config.json"
-    own = DSparkKeys.from_config(config, where)
+    own = DSparkConfig.from_config(config, where)
     missing = [k for k in CONFIDENCE_TENSORS if k not in tensors]
     if not own.enable_confidence_head or missing:
         raise UserError(f"{file}: a DSpark export without its confidence head (enable_confidence_head="

@@ -23,9 +23,8 @@ import time
 
 import torch
 
-from models.verifiers.embedded import load_smollm2
-from models.verifiers.tiny import build_tiny
 from runtime.cpu_memory import keep_freed_memory
+from scripts.common import add_verifier_args, load_cpu_verifier, set_threads
 from train.eagle import EagleModule
 from train.medusa import MedusaModule
 
@@ -76,7 +75,7 @@ def matmul_rate(m: int, k: int, n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--verifier", choices=["smollm2", "tiny"], default="smollm2")
+    add_verifier_args(ap)
     ap.add_argument("--drafters", nargs="+", default=["medusa", "eagle", "eagle3"])
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=384)
@@ -85,20 +84,16 @@ def main() -> None:
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--train-vocab", type=int, default=4096, help="medusa_lean, eagle_lean: model.train_vocab=N")
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-cached-argmax", action="store_true",
                     help="EAGLE-3: compute M_q's argmax in every step (a full-vocabulary projection per target), as "
                          "training without the offline argmax cache does")
-    ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
     ap.add_argument("--system-malloc", action="store_true",
                     help="leave glibc's allocator as it is (training keeps freed memory: runtime/cpu_memory.py)")
     args = ap.parse_args()
     kept = False if args.system_malloc else keep_freed_memory()
     torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    load = load_smollm2 if args.verifier == "smollm2" else build_tiny
-    verifier = load(cache_dir=args.cache_dir, dtype="bfloat16", device="cpu")
+    set_threads(args)
+    verifier = load_cpu_verifier(args, "bfloat16")
     bsz, seq = args.batch_size, args.seq_len
     ids = torch.randint(0, verifier.vocab_size, (bsz, seq))
     loss_mask = torch.zeros(bsz, seq, dtype=torch.long)

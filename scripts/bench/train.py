@@ -25,8 +25,7 @@ from data.datamodule import collate
 from data.generate import generate_refill
 from data.prompts import load_conversations
 from data.selfdistill import generate_answers
-from models.verifiers.embedded import load_smollm2
-from models.verifiers.tiny import build_tiny
+from scripts.common import add_verifier_args, load_cpu_verifier, set_threads
 from train.medusa import MedusaModule
 
 GEN_PATHS = {
@@ -94,13 +93,11 @@ def bench_training(verifier, batches: list[dict[str, torch.Tensor]], steps: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--verifier", choices=["smollm2", "tiny"], default="smollm2")
+    add_verifier_args(ap, threads_help="torch threads (1 is faster on a shared, loaded box)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is faster on a shared, loaded box)")
     ap.add_argument("--generation-only", action="store_true", help="skip the training benchmark")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="only this verifier dtype (generation)")
     ap.add_argument("--paths", default="slots,dynamic,single",
@@ -109,16 +106,14 @@ def main() -> None:
                     help="generation: prompts the one-at-a-time path answers (the others answer --prompts)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
 
     if args.generation_only:
-        load = load_smollm2 if args.verifier == "smollm2" else build_tiny
         convs = load_conversations("builtin", split="train", limit=args.prompts)
         paths = args.paths.split(",")
         print(f"load average before: {os.getloadavg()}")
         for dtype in [args.dtype] if args.dtype else ["float32", "bfloat16"]:
-            verifier = load(cache_dir=args.cache_dir, dtype=dtype, device="cpu")
+            verifier = load_cpu_verifier(args, dtype)
             prompts = [prompt_ids(verifier.tokenizer, c.messages) for c in convs]
             g = bench_generation(verifier, prompts, args.new_tokens, args.batch_size, paths, args.single_prompts)
             print(f"verifier {dtype} prompts={len(prompts)} ({sum(map(len, prompts))} prompt tokens) "
@@ -132,11 +127,10 @@ def main() -> None:
         print(f"load average after: {os.getloadavg()}")
         return
 
-    load = load_smollm2 if args.verifier == "smollm2" else build_tiny
     convs = load_conversations("builtin", split="train", limit=args.prompts)
     rows = []
     for dtype in ("float32", "bfloat16"):
-        verifier = load(cache_dir=args.cache_dir, dtype=dtype, device="cpu")
+        verifier = load_cpu_verifier(args, dtype)
         prompts = [prompt_ids(verifier.tokenizer, c.messages) for c in convs]
         gen = bench_generation(verifier, prompts, args.new_tokens, args.batch_size, ["slots", "single"],
                                args.single_prompts)
@@ -148,7 +142,7 @@ def main() -> None:
             pad = verifier.tokenizer.pad_token_id
             batches = [collate(examples[i : i + 8], pad) for i in range(0, len(examples), 8)]
             fp32 = bench_training(verifier, batches, args.steps, bf16=False)
-    verifier = load(cache_dir=args.cache_dir, dtype="bfloat16", device="cpu")
+    verifier = load_cpu_verifier(args, "bfloat16")
     bf16 = bench_training(verifier, batches, args.steps, bf16=True)
 
     print(f"\nverifier={args.verifier} prompts={args.prompts} new_tokens={args.new_tokens} torch={torch.__version__} "

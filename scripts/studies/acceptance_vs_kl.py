@@ -29,6 +29,7 @@ from eval.theory import acceptance_rate, kl_divergence, measure_acceptance, mix_
 from models.verifiers.core import Verifier
 from models.verifiers.load import load_verifier
 from models.verifiers.tiny import build_tiny
+from scripts.common import add_theory_args, save_figure, subplots
 
 SIGMAS = [0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
 LAMS = [0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 0.95]
@@ -65,12 +66,7 @@ def monotone(rows: list[dict]) -> bool:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = subplots(figsize=(6.5, 4.2))
     for family, color, label in (("noise", "C0", "softmax(log q + sigma*noise)"), ("mix", "C1", "(1-lam) q + lam U")):
         fam = [r for r in rows if r["family"] == family]
         kl = [r["kl"] for r in fam]
@@ -83,9 +79,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_ylim(0, 1.02)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -99,9 +93,7 @@ def main() -> None:
     ap.add_argument("--sigmas", type=float, nargs="+", default=SIGMAS)
     ap.add_argument("--lams", type=float, nargs="+", default=LAMS)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cache-dir", default=None, help="the dequantised verifier cache (default: SPECDRAFT_CACHE)")
-    ap.add_argument("--out", type=Path, default=Path("outputs/theory"))
+    add_theory_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import os

@@ -53,6 +53,7 @@ from eval.offline import score_export, verifier_top1
 from models.families import title
 from models.formats.export import export_kind, export_verifier, load_export, read_config
 from models.verifiers.load import load_verifier
+from scripts.common import save_figure, subplots
 
 MIN_SATURATING_B = 0.05  # a fitted exponent below this: the curve is about log-linear over its range, no limit
 
@@ -82,12 +83,7 @@ def fit_limit(points: list[tuple[float, float]]) -> dict[str, float] | None:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     for family in sorted({r["drafter"] for r in results}):
         for size in sorted({s for r in results for s in r["tau"]}, key=int):
             pts = sorted((r["train_tokens"], r["tau"][size]) for r in results if r["drafter"] == family)
@@ -104,9 +100,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
            title="tau on the built-in eval split, fp32, exact")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def training_record(export: Path) -> dict[str, Any]:

@@ -33,15 +33,11 @@ from models.formats.export import export_verifier, read_config
 from models.verifiers.core import default_cache_dir
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError, exit_on_user_error
+from scripts.common import save_figure, subplots
 
 
 def save_chart(methods: dict[str, dict], depth: int, title: str, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    fig, ax = subplots(figsize=(6.4, 3.8))
     width = 0.8 / len(methods)
     for i, (name, row) in enumerate(methods.items()):
         xs = [k + 1 + (i - (len(methods) - 1) / 2) * width for k in range(depth)]
@@ -52,9 +48,7 @@ def save_chart(methods: dict[str, dict], depth: int, title: str, path: Path) -> 
     ax.set(xlabel="draft position k", ylabel="alpha_k: rounds whose k-th draft was accepted", title=title,
            xticks=range(1, depth + 1), ylim=(0, 1))
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

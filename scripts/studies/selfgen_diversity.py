@@ -13,27 +13,20 @@ import argparse
 import os
 import time
 
-import torch
-
 from data.filters import QualityFilter, apply_filters, count_clusters, distinct_ngrams
 from data.selfgen import TOPICS, generate_prompts
-from models.verifiers.embedded import load_smollm2
-from models.verifiers.tiny import build_tiny
+from scripts.common import add_verifier_args, load_cpu_verifier, set_threads
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--verifier", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--num", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE"))
+    add_verifier_args(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    load = load_smollm2 if args.verifier == "smollm2" else build_tiny
-    verifier = load(cache_dir=args.cache_dir, dtype="bfloat16", device="cpu")
+    set_threads(args)
+    verifier = load_cpu_verifier(args, "bfloat16")
     rows = []
     for name, topics in (("plain Magpie", None), ("32 seed topics", TOPICS)):
         t0 = time.perf_counter()

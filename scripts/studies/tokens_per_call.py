@@ -33,6 +33,7 @@ from eval.theory import (
     tokens_variance,
     two_point_pair,
 )
+from scripts.common import add_theory_args, save_figure, subplots
 
 
 @torch.no_grad()
@@ -66,12 +67,7 @@ def measure_c(layers: int, context: int, reps: int, cache_dir: str | None) -> di
 
 
 def plot(rows: list[dict], alphas: list[float], c: float, best: dict, path: Path, note: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = subplots(1, 2, figsize=(11, 4.2))
     for i, a in enumerate(alphas):
         mine = [r for r in rows if r["alpha"] == a]
         ns = [r["n"] for r in mine]
@@ -90,9 +86,7 @@ def plot(rows: list[dict], alphas: list[float], c: float, best: dict, path: Path
     right.set_ylabel("speedup E[tau] / (1 + N c)")
     right.set_title(f"c = {c:.3f} ({note})\n* = best N", fontsize=8)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -105,9 +99,7 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=1, help="layers of the truncated-verifier draft model")
     ap.add_argument("--context", type=int, default=256, help="tokens in the KV cache when c is timed")
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cache-dir", default=None, help="the dequantised verifier cache (default: SPECDRAFT_CACHE)")
-    ap.add_argument("--out", type=Path, default=Path("outputs/theory"))
+    add_theory_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
