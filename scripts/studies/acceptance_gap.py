@@ -156,6 +156,9 @@ def main() -> None:
 
     def run() -> None:
         out = Path(args.out)
+        if (out / "acceptance_gap.json").exists():
+            raise UserError(f"--out {out} already holds acceptance_gap.json: give a new folder, so no earlier "
+                            f"measurement is overwritten.")
         rows = []
         for export in map(Path, args.exports):
             where = out / export.name

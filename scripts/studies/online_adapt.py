@@ -93,6 +93,9 @@ def main() -> None:
 
     def run() -> None:
         settings = {s: parse_setting(s) for s in (args.setting or ["off", "lr=3e-4"])}
+        if (Path(args.out) / "online_adapt.json").exists():
+            raise UserError(f"--out {args.out} already holds online_adapt.json: give a new folder, so no earlier "
+                            f"measurement is overwritten.")
         export = Path(args.export)
         verifier = load_verifier(export_verifier(read_config(export), export / "config.json"), args.dtype, "cpu",
                                  args.cache_dir)
