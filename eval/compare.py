@@ -14,20 +14,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from eval.engine.accept import mean_accept_length, per_position_acceptance
 from eval.engine.protocol import Drafter
 from eval.report import (
     LENGTH_EDGES,
     Sample,
     accept_by_window,
     length_group,
+    method_row,
     num_or_dash,
     per_prompt,
-    predicted_speedup,
     prompt_set_of,
     save_figure,
     write_json,
@@ -43,33 +41,24 @@ REFERENCES = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 
 def rows(samples: Sequence[Sample], methods: Sequence[str],
          depths: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
-    """Per method: tau and per-position acceptance (families only; `depths`: each drafter's deepest draft, so
-    positions never accepted show as 0), drafter and verifier milliseconds per speculative round, tokens/s (all tokens
-    over all seconds), speedup over our plain decoding, the fraction of prompts whose output equals our plain decoding's
-    token for token (greedy runs: exactness), and for our own loops the prefill apart: its seconds and the tokens/s of
-    the decoding after it."""
-    def rate(m: str) -> float:
-        secs = sum(s.seconds[m] for s in samples)
-        return sum(len(s.outputs[m]) for s in samples) / secs if secs > 0 else 0.0
-
-    base = rate("baseline")
+    """Per method: its row of the per-method table (eval.report.method_row: tau and per-position acceptance, families
+    only, `depths` each drafter's deepest draft so positions never accepted show as 0; tokens/s, speedup over our plain
+    decoding, the planner's prediction, exactness), with drafter and verifier milliseconds per speculative round, and
+    for our own loops the prefill apart: its seconds and the tokens/s of the decoding after it."""
     depths = depths or {}
     out = {}
     for m in ("baseline", *methods):
-        tau = alpha = draft_ms = verify_ms = None
-        if samples and m in samples[0].lengths:
-            lengths = torch.cat([s.lengths[m] for s in samples])
-            tau = round(mean_accept_length(lengths), 4)
-            depth = max(int(lengths.max()) if lengths.numel() else 0, int(depths.get(m, 0)))
-            alpha = [round(a, 4) for a in per_position_acceptance(lengths, depth).tolist()]
-            if lengths.numel() and m in samples[0].times:  # one verify and one draft per round
-                draft_ms = round(1000 * sum(s.times[m].get("draft_s", 0.0) for s in samples) / lengths.numel(), 3)
-                verify_ms = round(1000 * sum(s.times[m].get("verify_s", 0.0) for s in samples) / lengths.numel(), 3)
-        out[m] = {"tau": tau, "tokens_per_s": round(rate(m), 2),
-                  "speedup": round(rate(m) / base, 4) if base else 0.0,
-                  "predicted_speedup": predicted_speedup(samples, m),
-                  "greedy_match": round(sum(s.matches(m) for s in samples) / max(len(samples), 1), 4),
-                  "accept_rate_per_position": alpha, "draft_ms_per_round": draft_ms,
+        draft_ms = verify_ms = None
+        drawn = [s.lengths[m] for s in samples if m in s.lengths] if samples and m in samples[0].lengths else []
+        rounds = sum(int(x.numel()) for x in drawn)
+        longest = max((int(x.max()) for x in drawn if x.numel()), default=0)
+        row = method_row(samples, m, max(longest, int(depths.get(m, 0))))
+        if drawn and rounds and m in samples[0].times:  # one verify and one draft per round
+            draft_ms = round(1000 * sum(s.times[m].get("draft_s", 0.0) for s in samples) / rounds, 3)
+            verify_ms = round(1000 * sum(s.times[m].get("verify_s", 0.0) for s in samples) / rounds, 3)
+        out[m] = {"tau": row["tau"], "tokens_per_s": row["tokens_per_s"], "speedup": row["speedup"],
+                  "predicted_speedup": row["predicted_speedup"], "greedy_match": row["greedy_match"],
+                  "accept_rate_per_position": row["accept_rate_per_position"], "draft_ms_per_round": draft_ms,
                   "verify_ms_per_round": verify_ms, "prefill_s": None, "decode_tokens_per_s": None}
         if samples and m in samples[0].times:  # ours: the prefill is timed apart
             pre = sum(s.times[m].get("prefill_s", 0.0) for s in samples)

@@ -130,45 +130,56 @@ def predicted_speedup(samples: Sequence[Sample], method: str = SPECULATIVE) -> f
     return round((sum(r["tokens"] * r["step_ms"] for r in rows) + prefill) / ms, 4) if rows and ms > 0 else None
 
 
-def alone_metrics(samples: Sequence[Sample], rate: Mapping[str, float], depth: int, method: str = ALONE
-                  ) -> dict[str, Any] | None:
-    """`drafter_alone` (or `grafted_alone`, `method`) over `samples`: a part of the run's combination decoding by
-    itself in the same run (None when the run measured no combination): its tau, per-position acceptance, tokens/s,
-    speedup over our plain decoding, the planner's prediction, and whether it matched plain greedy."""
-    if method not in rate:
-        return None
-    lengths = torch.cat([s.lengths[method] for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
+def method_row(samples: Sequence[Sample], method: str, depth: int) -> dict[str, Any]:
+    """One method's row of the per-method table, over `samples`: tau and per-position acceptance up to `depth` (None
+    for a method that drafts nothing), tokens/s, speedup over our plain decoding, the planner's prediction, and how
+    often it matched our plain decoding. The one computation of these figures: the single-family report (speculative,
+    drafter_alone, grafted_alone) and method=all's table (eval.compare.rows) both take their rows from here."""
+    rate, base = _rate(samples, method), _rate(samples, "baseline")
+    tau = alpha = None
+    if not samples or method in samples[0].lengths:
+        lengths = torch.cat([s.lengths[method] for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
+        tau = round(mean_accept_length(lengths), 4)
+        alpha = [round(a, 4) for a in per_position_acceptance(lengths, depth).tolist()]
     return {
-        "tau": round(mean_accept_length(lengths), 4),
-        "accept_rate_per_position": [round(a, 4) for a in per_position_acceptance(lengths, depth).tolist()],
-        "tokens_per_s": round(rate[method], 2),
-        "speedup": round(rate[method] / rate["baseline"], 4) if rate["baseline"] else 0.0,
+        "tau": tau,
+        "accept_rate_per_position": alpha,
+        "tokens_per_s": round(rate, 2),
+        "speedup": round(rate / base, 4) if base else 0.0,
         "predicted_speedup": predicted_speedup(samples, method),
         "greedy_match": round(sum(s.matches(method) for s in samples) / max(len(samples), 1), 4),
     }
 
 
+def alone_metrics(samples: Sequence[Sample], rate: Mapping[str, float], depth: int, method: str = ALONE
+                  ) -> dict[str, Any] | None:
+    """`drafter_alone` (or `grafted_alone`, `method`) over `samples`: a part of the run's combination decoding by
+    itself in the same run (None when the run measured no combination): its row of the per-method table."""
+    return method_row(samples, method, depth) if method in rate else None
+
+
 def metrics(samples: Sequence[Sample], depth: int, alone_depths: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """The report's metric keys over `samples` (all of them, or one category's); the hf_assisted ones are null when
-    the run had no draft model, drafter_alone and grafted_alone (their drafters' deepest drafts: `alone_depths`)
-    when it measured no combination."""
+    """The report's metric keys over `samples` (all of them, or one category's): the `speculative` row of the
+    per-method table under the report's names, and the references' rates; the hf_assisted ones are null when the run
+    had no draft model, drafter_alone and grafted_alone (their drafters' deepest drafts: `alone_depths`) when it
+    measured no combination."""
     depths = alone_depths or {}
-    lengths = torch.cat([s.accept_lengths for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
     rate = {m: _rate(samples, m) for m in methods_of(samples)}
     assisted = ASSISTED in rate
+    row = method_row(samples, SPECULATIVE, depth)
     return {
         "num_prompts": len(samples),
         "new_tokens": sum(s.new_tokens["speculative"] for s in samples),
-        "tau": round(mean_accept_length(lengths), 4),
-        "accept_rate_per_position": [round(a, 4) for a in per_position_acceptance(lengths, depth).tolist()],
-        "tokens_per_s": round(rate["speculative"], 2),
+        "tau": row["tau"],
+        "accept_rate_per_position": row["accept_rate_per_position"],
+        "tokens_per_s": row["tokens_per_s"],
         "baseline_tokens_per_s": round(rate["baseline"], 2),
         "hf_generate_tokens_per_s": round(rate["hf_generate"], 2),
         "hf_prompt_lookup_tokens_per_s": round(rate["hf_prompt_lookup"], 2),
-        "speedup": round(rate["speculative"] / rate["baseline"], 4) if rate["baseline"] else 0.0,
-        "predicted_speedup": predicted_speedup(samples),
+        "speedup": row["speedup"],
+        "predicted_speedup": row["predicted_speedup"],
         "speedup_vs_hf_generate": round(rate["speculative"] / rate["hf_generate"], 4) if rate["hf_generate"] else 0.0,
-        "greedy_match": round(sum(s.matches("speculative") for s in samples) / max(len(samples), 1), 4),
+        "greedy_match": row["greedy_match"],
         "hf_assisted_tokens_per_s": round(rate[ASSISTED], 2) if assisted else None,
         "hf_assisted_speedup": round(rate[ASSISTED] / rate["baseline"], 4) if assisted and rate["baseline"] else None,
         "hf_assisted_greedy_match":

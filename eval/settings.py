@@ -1,12 +1,14 @@
 """`python -m eval`'s settings, parsed once: conf/eval.yaml (with the command line's overrides) read at `evaluate`'s
-door into one frozen, typed `EvalSettings`, every value checked there (a bad one fails before anything loads) and
-every default in one place (conf/eval.yaml; a key missing from a hand-built config takes the field's default here,
-which mirrors it). The layers below take this object, or the few fields they need; none reads the raw config.
+door into one frozen, typed `EvalSettings`, every value checked there (a bad one fails before anything loads; the
+serving wing's settings too, nested as `serving`) and every default in one place, conf/eval.yaml (a key missing from
+a hand-built config takes that file's value). The layers below take this object, or the few fields they need; none
+reads the raw config.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +17,28 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval.engine.sampling import SamplingConfig, sampling_config
 from eval.engine.tree import TreePolicy
+from eval.serving import Serving
+from eval.serving import settings as serving_settings
 from runtime.errors import UserError
 
 EVAL_DTYPES = ("float32", "bfloat16")
 METHODS = ("single", "all")
+PLANS = ("adaptive", "static")
+CONF = Path(__file__).resolve().parents[1] / "conf" / "eval.yaml"  # every default of the run, held there only
 
 
 def _help(text: str) -> Any:
     return field(metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class WandbSettings:
+    """conf/eval.yaml `wandb`: the W&B run's mode (null: $WANDB_MODE, else online with credentials, else offline),
+    project and name."""
+
+    mode: str | None
+    project: str | None
+    name: str | None
 
 
 @dataclass(frozen=True)
@@ -37,7 +53,7 @@ class EvalSettings:
     drafter: DictConfig = _help("the drafter group's config (a Hydra partial: its factory and options)")
     tree: TreePolicy = _help("the tree policy of the export families, instantiated once (conf/tree)")
     plan: str | None = _help("how tree.size=auto's budget follows the run: null, adaptive or static")
-    verifier_path: Any = _help("the verifier to load (null: the export's, else smollm2)")
+    verifier_path: str | dict[str, object] | None = _help("the verifier to load (null: the export's, else smollm2)")
     dtype: str = _help("the verifier's dtype, resolved (auto -> float32 or bfloat16)")
     dtype_reason: str = _help("why that dtype (auto's reason, or `set in the config`)")
     drafter_dtype: str = _help("the dtype an export's drafter runs in, resolved")
@@ -51,10 +67,8 @@ class EvalSettings:
     prompt_lookup_num_tokens: int = _help("the HF prompt-lookup reference's chain")
     sampling: SamplingConfig = _help("temperature, top_p, top_k and the acceptance rule's settings")
     sampled_drafts: bool = _help("drafters sample their proposals (export families, temperature > 0)")
-    engine_peers: tuple[str, ...] = _help("serving engines measured beside us (vllm)")
-    engine_peer_tokens: Any = _help("K the engine drafts per step (null: the export's own), or a list under load")
-    engine_concurrency: Any = _help("concurrencies of the load sweep (null: one request at a time)")
-    engine_prompt_lengths: Any = _help("the load sweep once per prompt-length group: short, long (null: one set)")
+    serving: Serving = _help("engine_peers, engine_peer_tokens, engine_concurrency, engine_prompt_lengths, checked "
+                             "(eval.serving.settings): the peers, their K and the load sweep")
     warmup: bool = _help("one uncounted decode of the first prompt first")
     threads: int = _help("torch.set_num_threads for the run")
     seed: int = _help("the run's random seed")
@@ -62,7 +76,7 @@ class EvalSettings:
     profile_dtypes: tuple[str, ...] = _help("profile=true's dtypes")
     profile_threads: tuple[int, ...] = _help("profile=true's thread counts")
     output_dir: Path = _help("where report.json, plots and outputs go")
-    wandb: dict[str, Any] = _help("W&B: mode, project, name")
+    wandb: WandbSettings = _help("W&B: mode, project, name")
 
     @property
     def method_all(self) -> bool:
@@ -148,6 +162,23 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
+@cache
+def _defaults() -> DictConfig:
+    """conf/eval.yaml's own keys (its defaults list and hydra section aside): the one place a default is written."""
+    conf = OmegaConf.load(CONF)
+    return OmegaConf.masked_copy(conf, [k for k in conf if k not in ("defaults", "hydra")])
+
+
+def _complete(cfg: DictConfig) -> DictConfig:
+    """`cfg` with conf/eval.yaml's value for every key it lacks (a hand-built config); a composed one has them all."""
+    missing = [k for k in _defaults() if k not in cfg]
+    if not missing:
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.masked_copy(_defaults(), missing), cfg)
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
 def parse(cfg: DictConfig) -> EvalSettings:
     """The run's settings from its config, each checked, in the order a user would fix them."""
     from eval.drafters.build import resolve_drafter_dtype
@@ -161,6 +192,7 @@ def parse(cfg: DictConfig) -> EvalSettings:
                         f"config.json `verifier`), or verifier_path= when given. Pass verifier_path=<smollm2, gemma3, "
                         f"a Hub id or a checkpoint directory> instead (an export made for another verifier is "
                         f"refused by its fingerprint).")
+    cfg = _complete(cfg)
     threads = _whole(cfg, "threads", least=1)
     max_new_tokens, seed = _whole(cfg, "max_new_tokens"), _whole(cfg, "seed")
     lookup_tokens = _whole(cfg, "prompt_lookup_num_tokens")
@@ -174,40 +206,49 @@ def parse(cfg: DictConfig) -> EvalSettings:
         raise UserError(f"dtype={cfg.dtype!r} is not an evaluation dtype; use auto, float32 or bfloat16 (bf16 is "
                         f"exact through eval.engine.forward, faster on CPUs with AMX or AVX512-BF16). float16 would "
                         f"also change the verifier's fingerprint, which is taken in bfloat16.")
-    engine = str(cfg.get("engine", "auto"))
+    engine = str(cfg.engine)
     if engine not in ENGINES:
         raise UserError(f"engine={engine!r} is not one of {', '.join(ENGINES)} (auto: eval.engine.forward where it "
                         f"is exact and faster, hf: Hugging Face's forward).")
-    method = str(cfg.get("method", "single"))
+    method = str(cfg.method)
     if method not in METHODS:
         raise UserError(f"method={method!r} is not one of {', '.join(METHODS)} (single: the configured drafter, all: "
                         f"every family available).")
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k / verify fail before anything loads
     check_drafter(cfg.drafter, engine)
-    flags = {key: flag(cfg, key, default) for key, default in (
-        ("alone", True), ("multi_turn", False), ("sampled_drafts", False), ("warmup", True), ("profile", False))}
-    drafter_dtype = resolve_drafter_dtype(cfg.get("drafter_dtype", "auto"), dtype)
-    value = None if OmegaConf.is_missing(cfg, "checkpoint") else cfg.get("checkpoint")
+    flags = {key: flag(cfg, key, _defaults()[key])
+             for key in ("alone", "multi_turn", "sampled_drafts", "warmup", "profile")}
+    drafter_dtype = resolve_drafter_dtype(cfg.drafter_dtype, dtype)
+    value = None if OmegaConf.is_missing(cfg, "checkpoint") else cfg.checkpoint
     is_list = OmegaConf.is_list(value) or isinstance(value, list | tuple)
     checkpoints = tuple(Path(str(p)).expanduser() for p in (value if is_list else [value] if value else []))
-    prompts = cfg.get("prompts", "builtin")
+    if is_list and method != "all" and checkpoints:
+        raise UserError(f"checkpoint={[str(c) for c in checkpoints]} is a list; one run takes one export (a list "
+                        f"only with method=all).")
+    plan = cfg.plan
+    if plan is not None and str(plan) not in PLANS:  # what plan= means for this run: eval.setup.check (plan_mode)
+        raise UserError(f"plan={plan!r} is not a plan; use plan=adaptive (re-plan the tree.size=auto budget from the "
+                        f"acceptance measured while decoding), plan=static (the budget planned once, from the "
+                        f"export's table) or leave it out (adaptive under tree.size=auto).")
+    prompts = cfg.prompts
     prompts = str(prompts) if isinstance(prompts, str) else tuple(str(p) for p in prompts)
-    num = cfg.get("num_prompts")
+    multi_turn, label = flags["multi_turn"], None if value is None else str(value)
+    serving = serving_settings([str(p) for p in (cfg.engine_peers or [])], _plain(cfg.engine_peer_tokens),
+                               _plain(cfg.engine_concurrency), _plain(cfg.engine_prompt_lengths), multi_turn, method,
+                               label)
+    wandb = _plain(cfg.wandb) or {}
     return EvalSettings(
-        checkpoints=checkpoints, checkpoint_list=is_list, checkpoint_label=None if value is None else str(value),
+        checkpoints=checkpoints, checkpoint_list=is_list, checkpoint_label=label,
         method=method, alone=flags["alone"], drafter=cfg.drafter,
-        tree=instantiate(cfg.tree, _convert_="all"), plan=cfg.get("plan"),
-        verifier_path=_plain(cfg.get("verifier_path")), dtype=dtype, dtype_reason=dtype_reason,
-        drafter_dtype=drafter_dtype, device=str(cfg.get("device", "auto")), engine=engine,
-        cache_dir=cfg.get("cache_dir"), prompts=prompts, num_prompts=num,
-        max_new_tokens=max_new_tokens, multi_turn=flags["multi_turn"],
+        tree=instantiate(cfg.tree, _convert_="all"), plan=None if plan is None else str(plan),
+        verifier_path=_plain(cfg.verifier_path), dtype=dtype, dtype_reason=dtype_reason,
+        drafter_dtype=drafter_dtype, device=str(cfg.device), engine=engine,
+        cache_dir=cfg.cache_dir, prompts=prompts, num_prompts=cfg.num_prompts,
+        max_new_tokens=max_new_tokens, multi_turn=multi_turn,
         prompt_lookup_num_tokens=lookup_tokens, sampling=sampling,
-        sampled_drafts=flags["sampled_drafts"],
-        engine_peers=tuple(str(p) for p in (cfg.get("engine_peers") or [])),
-        engine_peer_tokens=_plain(cfg.get("engine_peer_tokens")),
-        engine_concurrency=_plain(cfg.get("engine_concurrency")),
-        engine_prompt_lengths=_plain(cfg.get("engine_prompt_lengths")), warmup=flags["warmup"],
+        sampled_drafts=flags["sampled_drafts"], serving=serving, warmup=flags["warmup"],
         threads=threads, seed=seed, profile=flags["profile"],
-        profile_dtypes=tuple(str(d) for d in (cfg.get("profile_dtypes") or [dtype])),
-        profile_threads=tuple(int(t) for t in (cfg.get("profile_threads") or [threads])),
-        output_dir=Path(str(cfg.get("output_dir", "outputs/eval"))), wandb=dict(_plain(cfg.get("wandb")) or {}))
+        profile_dtypes=tuple(str(d) for d in (cfg.profile_dtypes or [dtype])),
+        profile_threads=tuple(int(t) for t in (cfg.profile_threads or [threads])),
+        output_dir=Path(str(cfg.output_dir)),
+        wandb=WandbSettings(wandb.get("mode"), wandb.get("project", _defaults().wandb.project), wandb.get("name")))

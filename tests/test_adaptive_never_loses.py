@@ -42,7 +42,7 @@ def curves() -> tuple[cost.Curve, list[float]]:
 
 
 def planned(kind: str, verifier, table, adapt: bool, **source):
-    """What the harness builds under tree.size=auto (eval.harness.plan_and_build), on the fixed curves."""
+    """What the harness builds under tree.size=auto (eval.planning.plan_and_build), on the fixed curves."""
     verify, draft = curves()
     size = cost.best_size(verify.sizes, verify.ms, table, draft=draft).size
 

@@ -2,10 +2,10 @@
 our decoder's figures (`engine_peers=[vllm]`), and under load (`engine_concurrency=[...]`: the concurrency x K sweep
 through vLLM's server, the schedule it derives and the batch cost model's prediction).
 
-The harness calls three things, each at its step of the run:
+Three calls, each at its step of the run:
 
-    serving = settings(s)                     # with the run's settings, before anything loads: every refusal
-    serving = ready(serving, s, run)          # once the run holds its verifier and prompts, before decoding
+    settings(peers, tokens, ...)              # by eval.settings.parse, before anything loads: every refusal
+    serving = ready(s.serving, s, run)        # once the run holds its verifier and prompts, before decoding
     report = measure(serving, s, run, samples)  # after our decoder: engine_peers in report.json (None: no peer)
 
 The modules: peers.py (vLLM at batch 1), sweep.py (the load sweep), prompt_lengths.py (its length groups),
@@ -16,42 +16,42 @@ sweep alone through the same modules.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eval.serving.peers import check_peers, vllm_peer
 from eval.serving.sweep import LoadSettings, check_clients, load_settings, predictor, sweep, with_groups
 
-if TYPE_CHECKING:
-    from eval.settings import EvalSettings
-
 
 @dataclass(frozen=True)
 class Serving:
-    """What the run asks of the serving engines: the peers (empty: none) and the load sweep's settings (None: the
-    peers at batch 1 only)."""
+    """What the run asks of the serving engines: the peers (empty: none), the K a peer drafts at batch 1 (None: the
+    export's own) and the load sweep's settings (None: the peers at batch 1 only)."""
 
     peers: tuple[str, ...] = ()
+    tokens: int | None = None
     load: LoadSettings | None = None
 
 
-def settings(s: EvalSettings) -> Serving:
-    """engine_peers, engine_concurrency, engine_peer_tokens and engine_prompt_lengths, checked before anything
-    loads (eval.serving.peers.check_peers, eval.serving.sweep.load_settings)."""
-    peers = check_peers(list(s.engine_peers), s.multi_turn, s.method)
-    load = load_settings(s.engine_concurrency, s.engine_peer_tokens, peers, s.checkpoint_label,
-                         s.engine_prompt_lengths)
-    return Serving(tuple(peers), load)
+def settings(peers: list[str], tokens: object, concurrency: object, lengths: object, multi_turn: bool, method: str,
+             checkpoint: str | None) -> Serving:
+    """engine_peers, engine_peer_tokens, engine_concurrency and engine_prompt_lengths as the command line gave them,
+    checked before anything loads (eval.serving.peers.check_peers, eval.serving.sweep.load_settings); called once, by
+    eval.settings.parse, which holds the result as EvalSettings.serving."""
+    checked = check_peers(peers, multi_turn, method)
+    load = load_settings(concurrency, tokens, checked, checkpoint, lengths)
+    return Serving(tuple(checked), tokens if isinstance(tokens, int) and load is None else None, load)
 
 
-def ready(serving: Serving, s: EvalSettings, run: Any) -> Serving:
+def ready(serving: Serving, s: Any, run: Any) -> Serving:
     """The sweep's length groups drawn with the run's verifier, and as many prompts as clients checked, before the
-    run decodes (`run`: eval.harness.Setup)."""
+    run decodes (`s`: eval.settings.EvalSettings, `run`: eval.setup.Run; neither imported here, as they import
+    this wing)."""
     load = with_groups(serving.load, s.prompts, s.num_prompts, run.verifier)
     check_clients(load, len(run.convs))
     return replace(serving, load=load)
 
 
-def measure(serving: Serving, s: EvalSettings, run: Any, samples: list[Any]) -> dict[str, Any] | None:
+def measure(serving: Serving, s: Any, run: Any, samples: list[Any]) -> dict[str, Any] | None:
     """The run's prompts through the real vLLM, plain and with the export drafting: at batch 1 beside our decoder, or
     under load; None when no peer was asked for."""
     from data.chat import prompt_ids
@@ -65,7 +65,7 @@ def measure(serving: Serving, s: EvalSettings, run: Any, samples: list[Any]) -> 
     if serving.load is not None and export is not None:  # engine_concurrency: the sweep in vLLM's server
         return {"vllm": sweep(serving.load, prompts, s.max_new_tokens, s.dtype, s.threads,
                               s.sampling.temperature, s.seed, s.output_dir, s.cache_dir, predictor(run, prompts[0]))}
-    tokens = s.engine_peer_tokens or (export.speculative_tokens if export is not None else None)
+    tokens = serving.tokens or (export.speculative_tokens if export is not None else None)
     print(f"engine_peers: vLLM plain and {kind or 'no drafter'} on {len(prompts)} prompts")
     return {"vllm": vllm_peer(run.verifier, kind, export, prompts,
                               [sample.outputs["baseline"] for sample in samples],

@@ -102,7 +102,7 @@ def with_groups(load: LoadSettings | None, prompts: Any, num: int | None, verifi
 
 
 def predictor(run: Any, prefix: list[int]) -> Callable[[list[int], list[int]], Any]:
-    """The batch cost model for a `python -m eval` run (its Setup): its verifier and export, and the drafter's
+    """The batch cost model for a `python -m eval` run (its eval.setup.Run): its verifier and export, and the drafter's
     batch-1 draft curve where the run measured one (tree.size=auto)."""
     sizes = run.curves[0].sizes if run.curves and run.draft_curve else None
     return batch_predictor(run.verifier.model, run.exports[0].acceptance, prefix, sizes, run.draft_curve)

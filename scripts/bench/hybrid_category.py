@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import eval.harness as harness
+import eval.planning as planning
+import eval.runner as runner_module
 from eval.drafters.hybrid import HybridDrafter
 
 AFTER, BEFORE = "speculative", "no_category"
@@ -36,12 +37,12 @@ def record(out: str) -> None:
         raise SystemExit(f"{out} exists; this tool writes a new file and does not overwrite one: name another.")
     rows: list[dict[str, Any]] = []
     twin: list[Any] = []
-    runner_class, plan_and_build = harness.Runner, harness.plan_and_build
+    runner_class, plan_and_build = runner_module.Runner, planning.plan_and_build
 
-    def build_twice(s: Any, family: str, *args: Any, **kwargs: Any) -> Any:
-        built = plan_and_build(s, family, *args, **kwargs)
+    def build_twice(run: Any, family: str, *args: Any, **kwargs: Any) -> Any:
+        built = plan_and_build(run, family, *args, **kwargs)
         if family == "hybrid" and not twin:
-            twin.append(plan_and_build(s, family, *args, **{**kwargs, "curve": built.curve}).drafter)
+            twin.append(plan_and_build(run, family, *args, **{**kwargs, "curve": built.curve}).drafter)
             twin[0].__class__ = NoCategory
         return built
 
@@ -62,7 +63,7 @@ def record(out: str) -> None:
         r.decode = recorded  # type: ignore[method-assign]
         return r
 
-    harness.Runner, harness.plan_and_build = runner, build_twice  # type: ignore[assignment,misc]
+    runner_module.Runner, planning.plan_and_build = runner, build_twice  # type: ignore[assignment,misc]
     try:
         runpy.run_module("eval", run_name="__main__")
     except SystemExit as stop:
