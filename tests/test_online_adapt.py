@@ -149,11 +149,13 @@ RUNS = 600
 
 
 def _first_two(varied, drafter, ids, seed: int) -> tuple[int, int]:
+    """The first two new tokens of a 3-token decode: the prefill draws the first from q, and the round after it
+    verifies a draft for the second (a 2-token decode would verify none: its only round has no room for a draft)."""
     gen = torch.Generator().manual_seed(seed)
     if drafter is None:  # the verifier sampling by itself
-        tokens = sample_decode(varied, ids, 2, sampling=CFG, generator=gen).tokens[0]
+        tokens = sample_decode(varied, ids, 3, sampling=CFG, generator=gen).tokens[0]
     else:
-        tokens = speculative_decode(varied, drafter, ids, 2, sampling=CFG, generator=gen).tokens[0]
+        tokens = speculative_decode(varied, drafter, ids, 3, sampling=CFG, generator=gen).tokens[0]
     return int(tokens[0]), int(tokens[1])
 
 

@@ -39,7 +39,7 @@ class AdaptSettings:
     """`drafter.adapt*`: the learning rate of AdamW over the drafter's weights; an update every `every` new answer
     tokens over the last `window` committed positions, unrolled `depth` drafter steps (1: the first draft only)."""
 
-    lr: float = 3e-4
+    lr: float = 3e-5
     every: int = 16
     window: int = 128
     depth: int = 2
