@@ -40,9 +40,9 @@ class AdaptSettings:
     tokens over the last `window` committed positions, unrolled `depth` drafter steps (1: the first draft only)."""
 
     lr: float = 3e-5
-    every: int = 16
-    window: int = 128
-    depth: int = 2
+    every: int = 32
+    window: int = 64
+    depth: int = 1
 
     def __post_init__(self) -> None:
         for name in ("every", "window", "depth"):
