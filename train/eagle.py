@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.eagle import UnrolledStep, build_eagle, unroll
+from models.eagle import UnrolledStep, build_eagle, eagle_class, unroll
 from models.verifiers.core import Verifier
-from train.verifier_fed import VerifierFedModule
+from train.verifier_fed import VerifierFedModule, check_head_args
 
 
 class EagleModule(VerifierFedModule):
@@ -56,6 +56,7 @@ class EagleModule(VerifierFedModule):
                  noise: float = 0.2, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
                  warmup_ratio: float = 0.05, train_vocab: int | None = None, fc_norm: bool = False,
                  norm_output: bool = False, loss: str = "kl", lk_eta: float = 3.0) -> None:
+        check_head_args(eagle_class(kind), train_vocab, loss, lk_eta)  # before the network's own checks
         net = build_eagle(kind, verifier, draft_vocab_size, list(aux_layer_ids) if aux_layer_ids else None,
                           fc_norm=fc_norm, norm_output=norm_output)
         super().__init__(verifier, optimizer, scheduler, net, ttt_steps=ttt_steps, val_steps=val_steps,

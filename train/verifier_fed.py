@@ -120,6 +120,17 @@ class StepTally:
         self.confidence.append(conf)
 
 
+def check_head_args(net_class: type[VerifierFedNet], train_vocab: int | None, loss: str, lk_eta: float) -> None:
+    """The loss, its eta and `train_vocab` against the family's head, checked before its network is built (a module
+    that builds its own, as EAGLE's does, calls this first: these refusals come before the network's own)."""
+    check_loss(loss)
+    check_eta(lk_eta)
+    if train_vocab is not None and not net_class.shares_verifier_head:
+        raise UserError(f"model.train_vocab={train_vocab} cuts the rows of the verifier's lm_head that a drafter "
+                        f"drafts through; {title(net_class.kind)} drafts over its own head: use "
+                        f"model.draft_vocab_size.")
+
+
 class VerifierFedModule(DrafterModule):
     """Args (the families' modules pass them on; train/eagle.py, train/peagle.py, train/dflash.py say what each is):
         verifier: the frozen M_q, held by reference (never in checkpoints).
@@ -142,12 +153,7 @@ class VerifierFedModule(DrafterModule):
                  step_decay: float = 0.8, warmup_ratio: float = 0.05, train_vocab: int | None = None,
                  loss: str = "kl", lk_eta: float = 3.0) -> None:
         super().__init__()
-        check_loss(loss)
-        check_eta(lk_eta)
-        if train_vocab is not None and not net.shares_verifier_head:
-            raise UserError(f"model.train_vocab={train_vocab} cuts the rows of the verifier's lm_head that a drafter "
-                            f"drafts through; {title(net.kind)} drafts over its own head: use "
-                            f"model.draft_vocab_size.")
+        check_head_args(type(net), train_vocab, loss, lk_eta)
         if train_vocab is not None:
             check_vocab_size(train_vocab, verifier.vocab_size, "model.train_vocab")
         if isinstance(step_decay, bool) or not isinstance(step_decay, (int, float)) or not step_decay > 0:
