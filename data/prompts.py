@@ -254,17 +254,24 @@ def prompt_set_label(source: str) -> str:
     return source if source in ("builtin", "humaneval") else Path(source).expanduser().stem
 
 
-def load_prompt_sets(prompts: Any, num: int | None) -> list[Conversation]:
-    """`prompts=` as conversations: one set (builtin, humaneval, a file), or a list of them, each drawn apart
-    (`num` prompts round-robin over its categories) and its categories prefixed `<set>/` so reports group by set."""
+def load_prompt_pool(prompts: Any) -> list[list[Conversation]]:
+    """Every eval prompt of `prompts=`, set by set: one set (builtin, humaneval, a file), or a list of them, each
+    read once and its categories prefixed `<set>/` so reports group by set. What `load_prompt_sets` draws from, and
+    what eval's load sweep draws its length groups from (eval.setup holds it for the run)."""
     if isinstance(prompts, str):
-        return select_prompts(load_conversations(prompts, split="eval"), num)
+        return [load_conversations(prompts, split="eval")]
     sets = [str(p) for p in prompts]
     if not sets:
         raise UserError("prompts=[]: name at least one prompt set (builtin, humaneval or a file).")
     labels = [prompt_set_label(p) for p in sets]
     if len(set(labels)) != len(labels):
         raise UserError(f"prompts={sets}: two sets share the name {labels}; give each set once.")
-    return [Conversation(f"{label}/{c.id}", f"{label}/{c.category}", c.messages)
-            for source, label in zip(sets, labels)
-            for c in select_prompts(load_conversations(source, split="eval"), num)]
+    return [[Conversation(f"{label}/{c.id}", f"{label}/{c.category}", c.messages)
+             for c in load_conversations(source, split="eval")] for source, label in zip(sets, labels)]
+
+
+def load_prompt_sets(prompts: Any, num: int | None,
+                     pool: list[list[Conversation]] | None = None) -> list[Conversation]:
+    """`prompts=` as conversations: `num` prompts drawn round-robin over each set's categories (load_prompt_pool),
+    from `pool` where the caller read it already."""
+    return [c for convs in (load_prompt_pool(prompts) if pool is None else pool) for c in select_prompts(convs, num)]

@@ -47,7 +47,7 @@ def evaluate_settings(s: EvalSettings, progress: bool = True) -> dict[str, Any]:
         with once_per_run():  # each export's weights read once, shared by the drafters built from it
             run = setup.open(s)
             planning.build(run)
-            wing = serving.ready(s.serving, s, run)  # the sweep's length groups and clients, before decoding
+            wing = serving.ready(run)  # the sweep's length groups and clients, before decoding
             runner = planning.runner(run)  # the acceptance rule checked against the drafters, before decoding
             samples = run_prompts(runner, run.convs, s.multi_turn, s.warmup, progress)
             peers = serving.measure(wing, s, run, samples)

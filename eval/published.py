@@ -1,7 +1,7 @@
 """What a run leaves (`write(run, samples, peers)`): report.json, profile.json, outputs.jsonl, the plots and the W&B
-run, through one report writer over one per-method table (eval.report.method_row): a single-export run's methods are
-`speculative`, `drafter_alone` and `grafted_alone` (eval.report.write_outputs), method=all's one per family
-(eval.compare.report). The run says what it held: the verifier path it decided, the plans, the cost curves.
+run, through the one report writer (eval.report.write_outputs) over one per-method table (eval.report.method_row): a
+single-export run's methods are `speculative`, `drafter_alone` and `grafted_alone`, method=all's one per family. The
+run says what it held: the verifier path it decided, the plans, the cost curves.
 """
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ from dataclasses import asdict
 from typing import Any
 
 from data.prompts import prompt_set_label
-from eval import compare
 from eval.drafters.build import ran_dtype
 from eval.engine.decode import engine_of
 from eval.planner import cost
 from eval.planning import plan_of
-from eval.report import ALONE, GRAFTED, Sample, write_outputs
+from eval.report import Sample, write_outputs
 from eval.runner import sampling_record
 from eval.setup import Run
 
@@ -27,10 +26,16 @@ def write(run: Run, samples: list[Sample], peers: dict[str, Any] | None) -> dict
     """Write the run's report and return report.json's content."""
     s = run.settings
     record = sampling_record(s.sampling, s.sampled_drafts)
+    depths = {m: d.max_depth for m, d in run.drafters.items()}
     if run.method == "all":
-        return compare.report(s, run.verifier, run.drafters, run.exports, samples,
-                              record | ({"left_out_as_trees": run.left_out} if run.left_out else {}), run.engine,
-                              {m: asdict(p) for m, p in run.plans.items()})
+        meta = {"method": "all", "verifier": run.verifier.name, "checkpoint": [str(e.path) for e in run.exports],
+                "max_new_tokens": s.max_new_tokens, "threads": s.threads, "dtype": s.dtype,
+                "drafter_dtype": s.drafter_dtype, "engine": run.engine,
+                "sampling": record | ({"left_out_as_trees": run.left_out} if run.left_out else {}),
+                "trees": {m: d.describe() for m, d in run.drafters.items()},
+                "plans": {m: asdict(p) for m, p in run.plans.items()},
+                "prompt_sets": not isinstance(s.prompts, str)}
+        return write_outputs(samples, meta, {}, depths, s.output_dir)
     # the dtype the drafter's weights ran in, read from the drafter (the setting where it has no weights of its own)
     ran = ran_dtype(run.drafter.describe()) or s.drafter_dtype
     meta = {"method": run.method, "tree": run.drafter.describe(), "verifier": run.verifier.name,
@@ -47,8 +52,7 @@ def write(run: Run, samples: list[Sample], peers: dict[str, Any] | None) -> dict
                                  "draft_curve_ms": run.draft_curve, "note": COST_NOTE}
     if run.curves:
         cost.write(run.curves, s.output_dir, f"{run.verifier.name}: verifier forward cost")
-    report = write_outputs(samples, meta, setting, run.drafter.max_depth, s.output_dir, asdict(s.wandb), peers=peers,
-                           alone_depths={m: run.drafters[m].max_depth for m in (ALONE, GRAFTED) if m in run.drafters})
+    report = write_outputs(samples, meta, setting, depths, s.output_dir, asdict(s.wandb), peers=peers)
     if run.predicted is not None:
         p = run.predicted
         rounds = report["predicted_speedup"]

@@ -1,5 +1,7 @@
-"""From measured samples to what a user reads: report.json (exactly the keys of REPORT_KEYS), profile.json (where
-the time goes, per-prompt rows), a terminal table, PNG plots and a W&B run (offline unless an account is set up).
+"""From measured samples to what a user reads, through one writer (`write_outputs`) over one per-method table
+(`method_row`): for a single-family run report.json (exactly the keys of REPORT_KEYS), profile.json (where the time
+goes, per-prompt rows), a terminal table, PNG plots and a W&B run (offline unless an account is set up); for
+method=all one row per family (`rows`), its tables and families.png.
 
 Rates are ratios of sums (all tokens over all seconds), not means of per-prompt rates, so long answers weigh as much
 as they cost. tau and alpha_k pool every speculative round of every prompt (see eval.engine.accept).
@@ -48,6 +50,7 @@ WINDOW = 64  # output tokens per window of accept_by_window
 PARTS = ("prefill_s", "verify_s", "draft_s", "accept_s", "commit_s")  # DecodeResult.times; the rest of total_s: "other"
 LENGTH_EDGES = (256, 512, 1024)  # prompt-length groups of the report: <256, 256-511, 512-1023, >=1024 tokens
 OURS = ("baseline", SPECULATIVE)  # our loops: their prefill is timed apart
+REFERENCES = ("hf_generate", "hf_prompt_lookup", "hf_assisted")  # method=all's outside references
 
 
 @dataclass
@@ -134,7 +137,7 @@ def method_row(samples: Sequence[Sample], method: str, depth: int) -> dict[str, 
     """One method's row of the per-method table, over `samples`: tau and per-position acceptance up to `depth` (None
     for a method that drafts nothing), tokens/s, speedup over our plain decoding, the planner's prediction, and how
     often it matched our plain decoding. The one computation of these figures: the single-family report (speculative,
-    drafter_alone, grafted_alone) and method=all's table (eval.compare.rows) both take their rows from here."""
+    drafter_alone, grafted_alone) and method=all's table (`rows`) both take their rows from here."""
     rate, base = _rate(samples, method), _rate(samples, "baseline")
     tau = alpha = None
     if not samples or method in samples[0].lengths:
@@ -249,6 +252,128 @@ def build_report(samples: Sequence[Sample], meta: Mapping[str, Any], depth: int,
                 if m[part] is not None:
                     m[part]["greedy_match"] = None
     return {k: report[k] for k in REPORT_KEYS}
+
+
+# -- method=all: one row per family (the per-method table of every drafter and reference) ------------------------
+
+def rows(samples: Sequence[Sample], methods: Sequence[str],
+         depths: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    """Per method: its row of the per-method table (eval.report.method_row: tau and per-position acceptance, families
+    only, `depths` each drafter's deepest draft so positions never accepted show as 0; tokens/s, speedup over our plain
+    decoding, the planner's prediction, exactness), with drafter and verifier milliseconds per speculative round, and
+    for our own loops the prefill apart: its seconds and the tokens/s of the decoding after it."""
+    depths = depths or {}
+    out = {}
+    for m in ("baseline", *methods):
+        draft_ms = verify_ms = None
+        drawn = [s.lengths[m] for s in samples if m in s.lengths] if samples and m in samples[0].lengths else []
+        rounds = sum(int(x.numel()) for x in drawn)
+        longest = max((int(x.max()) for x in drawn if x.numel()), default=0)
+        row = method_row(samples, m, max(longest, int(depths.get(m, 0))))
+        if drawn and rounds and m in samples[0].times:  # one verify and one draft per round
+            draft_ms = round(1000 * sum(s.times[m].get("draft_s", 0.0) for s in samples) / rounds, 3)
+            verify_ms = round(1000 * sum(s.times[m].get("verify_s", 0.0) for s in samples) / rounds, 3)
+        out[m] = {"tau": row["tau"], "tokens_per_s": row["tokens_per_s"], "speedup": row["speedup"],
+                  "predicted_speedup": row["predicted_speedup"], "greedy_match": row["greedy_match"],
+                  "accept_rate_per_position": row["accept_rate_per_position"], "draft_ms_per_round": draft_ms,
+                  "verify_ms_per_round": verify_ms, "prefill_s": None, "decode_tokens_per_s": None}
+        if samples and m in samples[0].times:  # ours: the prefill is timed apart
+            pre = sum(s.times[m].get("prefill_s", 0.0) for s in samples)
+            rest = sum(s.seconds[m] for s in samples) - pre
+            out[m]["prefill_s"] = round(pre, 4)
+            out[m]["decode_tokens_per_s"] = (round(sum(len(s.outputs[m]) for s in samples) / rest, 2)
+                                             if rest > 0 else None)
+    return out
+
+
+def families_table(title: str, by_method: dict[str, dict[str, Any]], exact: str) -> Table:
+    """One row per method: tau, per-position acceptance, drafter and verify ms per round, tokens/s, speedup, match."""
+    table = Table(title=title)
+    for col in ("method", "tau", "alpha_1..4", "draft ms/round", "verify ms/round", "tokens/s", "speedup",
+                "predicted", exact):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for m, r in by_method.items():
+        table.add_row(m, "-" if r["tau"] is None else f"{r['tau']:.2f}",
+                      " ".join(f"{a:.2f}" for a in (r["accept_rate_per_position"] or [])[:4]) or "-",
+                      num_or_dash(r["draft_ms_per_round"]), num_or_dash(r["verify_ms_per_round"]),
+                      f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup']:.2f}x",
+                      "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x",
+                      f"{r['greedy_match']:.0%}")
+    return table
+
+
+def save_chart(table: dict[str, dict[str, Any]], title: str, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(table)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(names)), 3.8))
+    colors = ["tab:blue" if n == "baseline" else "tab:gray" if n in REFERENCES else "tab:green" for n in names]
+    bars = ax.bar(names, [table[n]["speedup"] for n in names], color=colors)
+    for bar, n in zip(bars, names):
+        tau = table[n]["tau"]
+        label = f"tau {tau:.2f}" if tau is not None else ""
+        if table[n]["greedy_match"] < 1:
+            label += f"\nmatch {table[n]['greedy_match']:.0%}"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=6)
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set(ylabel="speedup over plain greedy (tokens/s ratio)", title=title)
+    ax.tick_params(axis="x", labelsize=6, rotation=30)
+    save_figure(fig, path)
+    return path
+
+
+def build_families(samples: Sequence[Sample], meta: Mapping[str, Any], depths: Mapping[str, int]) -> dict[str, Any]:
+    """method=all's report.json: `meta` (verifier, exports, settings, each drafter's tree and plan), then the
+    per-method table (`rows`: every drafter, in `depths`' order, and the references the run measured) overall, per
+    category, per prompt length and, with several prompt sets, per set; acceptance by output window and per prompt."""
+    drafters = list(depths)
+    methods = [*drafters, *(r for r in REFERENCES if samples and r in samples[0].outputs)]
+    categories = sorted({s.category for s in samples})
+    groups = [g for g in map(length_group, (0, *LENGTH_EDGES)) if any(length_group(s.prompt_tokens) == g
+                                                                      for s in samples)]
+    report = {
+        **{k: meta[k] for k in ("method", "verifier", "checkpoint")}, "num_prompts": len(samples),
+        **{k: v for k, v in meta.items() if k not in ("method", "verifier", "checkpoint", "prompt_sets")},
+        "methods": rows(samples, methods, dict(depths)),
+        "accept_by_window": {m: accept_by_window(samples, m) for m in drafters},
+        "per_prompt": per_prompt(samples),
+        "by_category": {c: rows([s for s in samples if s.category == c], methods, dict(depths)) for c in categories},
+        "by_prompt_length": {g: rows([s for s in samples if length_group(s.prompt_tokens) == g], methods,
+                                     dict(depths)) for g in groups},
+    }
+    if meta.get("prompt_sets"):  # prompts=[set, ...]: categories are "<set>/<category>"
+        sets = list(dict.fromkeys(prompt_set_of(s.category) for s in samples))
+        report["by_prompt_set"] = {p: rows([s for s in samples if prompt_set_of(s.category) == p], methods,
+                                           dict(depths)) for p in sets}
+    return report
+
+
+def print_families(report: Mapping[str, Any], samples: Sequence[Sample], console: Console) -> None:
+    """method=all's terminal tables: every family overall and per prompt set, then tokens/s per category and per
+    prompt length."""
+    exact = "exact" if report["sampling"]["rule"] == "greedy" else "= plain"
+    console.print(families_table(f"every family on {len(samples)} prompts ({report['verifier']}, "
+                                 f"{report['sampling']['rule']})", report["methods"], exact))
+    for p, by_method in report.get("by_prompt_set", {}).items():
+        n = sum(1 for s in samples if prompt_set_of(s.category) == p)
+        console.print(families_table(f"prompt set {p}: {n} prompts", by_method, exact))
+    for title, by in (("tokens/s per category", report["by_category"]),
+                      ("tokens/s per prompt length", report["by_prompt_length"])):
+        grid = Table(title=f"{title} (prompts, then each method; our plain decoding's prefill apart)")
+        for col in ("group", "n", *report["methods"], "plain prefill s"):
+            head = col.split("/")[0] + col[col.find("@"):] * ("@" in col) if "/" in col else col  # family[@run]
+            grid.add_column(head, justify="left" if col == "group" else "right")
+        for g, r in by.items():
+            n = sum(1 for s in samples
+                    if (s.category if by is report["by_category"] else length_group(s.prompt_tokens)) == g)
+            grid.add_row(g, str(n), *[f"{r[m]['tokens_per_s']:.1f}" for m in report["methods"]],
+                         f"{r['baseline']['prefill_s']:.2f}")
+        console.print(grid)
 
 
 def _breakdown(samples: Sequence[Sample], loop: str) -> dict[str, Any]:
@@ -551,14 +676,31 @@ def write_samples(samples: Sequence[Sample], out_dir: Path) -> Path:
 
 
 def write_outputs(
-    samples: Sequence[Sample], meta: Mapping[str, Any], setting: Mapping[str, Any], depth: int, out_dir: Path,
-    wandb_cfg: Mapping[str, Any] | None = None, console: Console | None = None,
-    peers: Mapping[str, Any] | None = None, alone_depths: Mapping[str, int] | None = None,
+    samples: Sequence[Sample], meta: Mapping[str, Any], setting: Mapping[str, Any], depths: Mapping[str, int],
+    out_dir: Path, wandb_cfg: Mapping[str, Any] | None = None, console: Console | None = None,
+    peers: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write report.json, profile.json and the plots to out_dir, print the table, log to W&B; returns the report.
-    `peers`: serving engines measured on the same prompts (eval.serving), reported as `engine_peers`; `alone_depths`:
-    the deepest draft of each part of a combination measured alone beside it (drafter_alone, grafted_alone)."""
-    report = build_report(samples, meta, depth, alone_depths)
+    """The one report writer: report.json, outputs.jsonl and the plots to out_dir, the tables printed; returns the
+    report. `depths`: each drafter's deepest draft by method label, so positions never accepted show as 0.
+
+    A single-family run (`speculative`, and the parts of a combination measured alone beside it, `drafter_alone` and
+    `grafted_alone`) also writes profile.json and logs to W&B; `peers`: serving engines measured on the same prompts
+    (eval.serving), reported as `engine_peers`. method=all (meta["method"] == "all") writes one row per family
+    (build_families) and families.png."""
+    console = console or Console()
+    if meta["method"] == "all":
+        families = build_families(samples, meta, depths)
+        chart = out_dir / "families.png"
+        write_report_files(out_dir, [
+            ("report.json", lambda: write_json(out_dir / "report.json", families)),
+            ("outputs.jsonl", lambda: write_samples(samples, out_dir)),
+            ("families.png", lambda: save_chart(families["methods"], f"{meta['verifier']}, {len(samples)} prompts",
+                                                chart))])
+        print_families(families, samples, console)
+        console.print(f"report: {out_dir / 'report.json'}, chart: {chart}")
+        return families
+    alone_depths = {m: d for m, d in depths.items() if m in (ALONE, GRAFTED)}
+    report = build_report(samples, meta, depths[SPECULATIVE], alone_depths)
     if peers:
         report["engine_peers"] = dict(peers)
     profile = build_profile(samples, setting)
@@ -580,5 +722,5 @@ def write_outputs(
         raise disk_full_error(out_dir, "logging the run to W&B", f"The report is written whole ({', '.join(written)} "
                               f"in {out_dir}); the W&B run under {out_dir / 'wandb'} is incomplete. "
                               f"(wandb.mode=disabled skips W&B.)") from e
-    (console or Console()).print(f"report: {out_dir / 'report.json'}")
+    console.print(f"report: {out_dir / 'report.json'}")
     return report

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from data.chat import prompt_ids
-from data.prompts import Conversation, load_prompt_sets
+from data.prompts import Conversation, load_prompt_pool, load_prompt_sets
+from eval import serving as wing
 from eval.drafters.build import check_proposals, family_of
 from eval.engine.decode import use_engine
 from eval.planner import adaptive
@@ -42,6 +43,8 @@ class Run:
     verifier: Verifier
     engine: str  # the verifier path of every decode loop and cost curve: "engine" or "hf", decided once
     adapt: bool  # plan=: whether the single family's budget is re-planned round by round (eval.planner.adaptive)
+    serving: wing.Serving  # the serving wing's settings, checked against the export (eval.serving.check)
+    pool: list[list[Conversation]]  # every eval prompt of the prompt set(s), set by set: `convs` is drawn from it
     drafters: dict[str, Drafter] = field(default_factory=dict)
     method: str = ""  # report.json's label: `medusa/auto-16`, or "all"
     curves: list[cost.Curve] = field(default_factory=list)  # the verifier's cost curves (profile=true, size=auto)
@@ -67,12 +70,14 @@ class Run:
         return ids
 
 
-def check(s: EvalSettings, family: str, exports: list[ExportInfo]) -> bool:
+def check(s: EvalSettings, family: str, exports: list[ExportInfo]) -> tuple[bool, wing.Serving]:
     """Every refusal the settings and the exports' config.json settle alone, before the verifier loads and any cost
     curve is measured (minutes): no export for a family that needs one, `drafter=<family>` of another family than
     the export holds, sampled_drafts for a family that drafts from no export, tree.size=0 (plain decoding under a
     drafter's label), exports of different verifiers under method=all, and plan=adaptive where there is nothing to
-    adapt. Returns the plan mode (eval.planner.adaptive.plan_mode), decided here once."""
+    adapt; the serving wing's settings against the export (eval.serving.check: a family vLLM does not serve, a K
+    beyond what the export drafts). Returns the plan mode (eval.planner.adaptive.plan_mode), decided here once, and
+    the serving wing's checked settings."""
     if not exports and (family == "export" or FAMILIES[family].needs_export):
         no_export = [n for n, f in FAMILIES.items() if not f.needs_export]
         raise UserError("checkpoint=<export dir> is required: the `export/` directory train.py printed, e.g. "
@@ -90,7 +95,8 @@ def check(s: EvalSettings, family: str, exports: list[ExportInfo]) -> bool:
                         "(report.json measures plain decoding as `baseline` already). Give tree.size >= 1 draft "
                         "nodes per round, or tree.size=auto to plan it from the verifier's cost curve.")
     check_exports_agree(exports)
-    return adaptive.plan_mode(s.plan, s.tree, family, export, not s.method_all)
+    serving = wing.check(s.serving, export)
+    return adaptive.plan_mode(s.plan, s.tree, family, export, not s.method_all), serving
 
 
 def check_exports_agree(exports: list[ExportInfo]) -> None:
@@ -128,12 +134,13 @@ def open(s: EvalSettings) -> Run:
     exports = [read_info(c) for c in s.checkpoints]
     export = exports[0] if exports else None
     family = export.kind if named == "export" and export is not None else named
-    adapt = check(s, family, exports)
-    convs = load_prompt_sets(s.prompts, s.num_prompts)
+    adapt, serving = check(s, family, exports)
+    pool = load_prompt_pool(s.prompts)
+    convs = load_prompt_sets(s.prompts, s.num_prompts, pool)
     source = verifier_source_of(s, family, export)
     verifier = load_verifier(source, s.dtype, s.device, s.cache_dir)
     for e in exports:
         if isinstance(e.config.get("verifier_fingerprint"), dict) and not e.config.get("reference_layout"):
             check_fingerprint(e.config["verifier_fingerprint"], verifier, f"{a_title(e.kind)} export {str(e.path)!r}")
     engine = "engine" if use_engine(verifier, s.engine) else "hf"
-    return Run(s, family, exports, convs, source, verifier, engine, adapt)
+    return Run(s, family, exports, convs, source, verifier, engine, adapt, serving, pool)

@@ -227,19 +227,27 @@ def check_address(host: str, port: int) -> None:
 
 
 def read_export(export: str | Path, drafting: bool = True) -> Any:
-    """An export's ExportInfo (config.json only, nothing loads), refusing a family vLLM does not serve and, where it
-    is to draft (`drafting`), one this CPU build refuses (the registry's `serve_cpu_refusal`) or one without its
-    weights file: each would start a server that fails a minute later."""
-    from models.formats.export import WEIGHTS_NAME, read_info
+    """An export's ExportInfo (config.json only, nothing loads), checked as check_servable checks it."""
+    from models.formats.export import read_info
 
     info = read_info(Path(export).expanduser())
+    check_servable(info, drafting)
+    return info
+
+
+def check_servable(info: Any, drafting: bool = True) -> None:
+    """Refuse an export (its ExportInfo, read once by whoever holds it) of a family vLLM does not serve, or one with
+    no verifier named and, where it is to draft (`drafting`), one this CPU build refuses (the registry's
+    `serve_cpu_refusal`) or one without its weights file: each would start a server that fails a minute later."""
+    from models.formats.export import WEIGHTS_NAME
+
     if info.kind not in vllm_engine.methods():
         raise UserError(f"{info.path} is {info.kind!r}, which vLLM {vllm_engine.VERSION} does not serve; it serves "
                         f"{sorted(vllm_engine.methods())}.")
     if not info.verifier:
         raise UserError(f"{info.path} names no verifier; serve it with vLLM directly, naming the verifier first.")
     if not drafting:
-        return info
+        return
     refusal = FAMILIES[info.kind].serve_cpu_refusal
     if refusal is not None:
         raise UserError(f"{info.path} is a {FAMILIES[info.kind].title} export, which vLLM {vllm_engine.VERSION}'s CPU "
@@ -250,7 +258,6 @@ def read_export(export: str | Path, drafting: bool = True) -> Any:
         raise UserError(f"{info.path} has no {WEIGHTS_NAME} (its config.json alone): vLLM would start and fail loading "
                         f"the drafter. Export it again (train.py writes <run>/export on fit end; `python -m "
                         f"scripts.tools.convert` for other layouts), or copy the weights file beside config.json.")
-    return info
 
 
 def served_name(path: Path) -> str:
@@ -259,15 +266,21 @@ def served_name(path: Path) -> str:
 
 
 def prepare(info: Any, cache_dir: str | None = None) -> tuple[str, Path]:
-    """An export (read_export) as vLLM serves it: (the verifier checkpoint it names, the drafter folder vLLM
-    loads, `served_folder`)."""
+    """An export (read_export) as `python -m serve` serves it: (the verifier checkpoint it names, the drafter folder
+    vLLM loads, `served_folder`). The verifier is loaded here (float32), for its checkpoint and the tensors a compact
+    export left out; eval's sweep hands its run's verifier to served_folder instead."""
     from models.verifiers.load import load_verifier
 
     verifier = load_verifier(info.verifier, "float32", "cpu", cache_dir)
+    return vllm_checkpoint(verifier), served_folder(info.path, info.config, verifier, cache_dir)
+
+
+def vllm_checkpoint(verifier: Any) -> str:
+    """The directory vLLM loads `verifier` from, refused for a verifier built in memory."""
     if not verifier.checkpoint:
-        raise UserError(f"the verifier {verifier.name} was built in memory; vLLM loads from a directory.")
-    served = served_folder(info.path, info.config, verifier, cache_dir)
-    return str(verifier.checkpoint), served
+        raise UserError(f"the verifier {verifier.name} was built in memory; vLLM loads from a directory (save it with "
+                        f"models.verifiers.hf.save_checkpoint, or use a checkpoint verifier).")
+    return str(verifier.checkpoint)
 
 
 def served_folder(path: Path, config: dict[str, Any], verifier: Any, cache_dir: str | None = None) -> Path:
@@ -280,7 +293,10 @@ def served_folder(path: Path, config: dict[str, Any], verifier: Any, cache_dir: 
     compact = config.get(COMPACT_KEY)
     if not (isinstance(compact, dict) and compact.get("dropped")):
         return path.resolve()
-    digest = hashlib.sha256((path / "config.json").read_bytes() + str(verifier.checkpoint).encode()).hexdigest()[:12]
+    # the tensors put back are the verifier's as loaded: a bf16 run's folder is not an fp32 run's
+    loaded = str(next(verifier.model.parameters()).dtype)
+    digest = hashlib.sha256((path / "config.json").read_bytes() + str(verifier.checkpoint).encode()
+                            + loaded.encode()).hexdigest()[:12]
     root = Path(cache_dir or os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft")).expanduser() / "served"
     served = root / f"{path.name}-{digest}"
     if not (served / "model.safetensors").is_file():

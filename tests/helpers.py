@@ -5,6 +5,7 @@ pick whichever was imported first."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -122,3 +123,30 @@ class RankRecorder(L.Callback):
                                 "weights": hashlib.sha1(flat.numpy().tobytes()).hexdigest(),
                                 "moved": float((flat - self.start).norm()),
                                 "probe": float(((flat - self.start) * direction).sum())}) + "\n")
+
+
+def count_reads(monkeypatch) -> collections.Counter:
+    """A counter of the calls of each input's loader, through a wrapper around the real one in its module and
+    wherever a module imported it by name: the export's config.json (models.formats.export.read_config, behind
+    read_info) and weights (load_export), the verifier (models.verifiers.load.load_verifier) and the prompt sets
+    (data.prompts.load_conversations). What a run reads once shows as 1."""
+    import sys
+
+    import data.prompts
+    import models.formats.export
+    import models.verifiers.load
+
+    loaders = [(models.formats.export, "read_config"), (models.formats.export, "load_export"),
+               (models.verifiers.load, "load_verifier"), (data.prompts, "load_conversations")]
+    calls: collections.Counter = collections.Counter()
+    for module, name in loaders:
+        real = getattr(module, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        for mod in list(sys.modules.values()):  # `from ... import load_verifier` elsewhere (eval.setup, ...)
+            if getattr(mod, "__dict__", {}).get(name) is real:
+                monkeypatch.setattr(mod, name, counting)
+    return calls

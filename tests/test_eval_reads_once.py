@@ -1,53 +1,27 @@
 """One `python -m eval` run reads each input once (issue 79): the export's config.json (models.formats.export
 .read_config, behind read_info) and its weights (models.formats.export.load_export), the verifier
 (models.verifiers.load.load_verifier) and the prompt sets (data.prompts.load_conversations), each counted through a
-wrapper around the real loader while a real `evaluate` runs. The run is the default one, the run that builds the most
+wrapper around the real loader while a real `evaluate` runs (helpers.count_reads; the load sweep's run, with vLLM, is
+counted in tests/test_serve_load.py). The run is the default one, the run that builds the most
 drafters from one export: drafter=hybrid with the drafter alone beside it, tree.size=auto (a probe drafter timed on
 the verifier's cost curve, then planned); a second read added anywhere on the way fails it.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-import data.prompts
-import models.formats.export
-import models.verifiers.load
 from eval.harness import evaluate
-from helpers import ROOT
+from helpers import ROOT, count_reads
 from models.formats.export import save_export
 from models.medusa import MedusaHeads
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]
 EAGLE3 = ROOT / "pretrained" / "eagle3-smollm2"
-# (module, the loader's name): every place the run may reach it through the module, the name patched there too
-LOADERS = [(models.formats.export, "read_config"), (models.formats.export, "load_export"),
-           (models.verifiers.load, "load_verifier"), (data.prompts, "load_conversations")]
-
-
-def _counted(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
-    """Wrap each loader, in its module and wherever a module imported it by name, with a counter of its calls."""
-    import sys
-
-    calls: collections.Counter = collections.Counter()
-    for module, name in LOADERS:
-        real = getattr(module, name)
-
-        def counting(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-
-        for mod in list(sys.modules.values()):  # `from ... import load_verifier` elsewhere (eval.setup, ...)
-            if getattr(mod, "__dict__", {}).get(name) is real:
-                monkeypatch.setattr(mod, name, counting)
-    return calls
-
-
 def _cfg(overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -71,7 +45,7 @@ def medusa_export(tiny, tmp_path_factory) -> Path:
 @pytest.mark.usefixtures("one_thread")
 def test_the_export_the_verifier_and_the_prompts_are_each_read_once(medusa_export, tmp_path, monkeypatch):
     cfg = _cfg([f"checkpoint={medusa_export}", "num_prompts=2", "max_new_tokens=8", f"output_dir={tmp_path}"])
-    calls = _counted(monkeypatch)
+    calls = count_reads(monkeypatch)
     report = evaluate(cfg, progress=False)
     # the run built the hybrid, its drafter alone and, for tree.size=auto, a probe: several drafters, one export
     assert report["drafter_alone"] is not None and report["grafted_alone"] is not None
@@ -88,7 +62,7 @@ def test_the_default_verifier_and_an_eagle3_export_are_each_read_once(tmp_path, 
         pytest.skip("pretrained/eagle3-smollm2 is not in this checkout")
     cfg = _cfg([f"checkpoint={EAGLE3}", "method=all", "tree=chain", "tree.depth=2", "num_prompts=1",
                 "max_new_tokens=4", f"output_dir={tmp_path}"])
-    calls = _counted(monkeypatch)
+    calls = count_reads(monkeypatch)
     report = evaluate(cfg, progress=False)
     assert report["num_prompts"] == 1 and len(report["methods"]) > 3
     assert dict(calls) == {"read_config": 1, "load_export": 1, "load_verifier": 1, "load_conversations": 1}

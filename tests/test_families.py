@@ -299,8 +299,7 @@ def test_method_all_rows_per_position_acceptance_and_per_round_times():
     deepest accepted, up to the drafter's depth), drafter and verify ms per round = their seconds over the rounds."""
     import torch
 
-    from eval.compare import rows
-    from eval.report import Sample
+    from eval.report import Sample, rows
 
     def sample(lengths, draft_s, verify_s):
         n = int(sum(lengths) + len(lengths))

@@ -265,7 +265,8 @@ def run_objects(verifier: Verifier, drafter: Drafter, out: Path, num_prompts: in
     convs = select_prompts(load_conversations("builtin", split="eval"), num_prompts)
     samples = run_prompts(runner, convs, multi_turn=False, warmup=False, progress=False)
     meta = {"method": "test", "tree": drafter.describe(), "verifier": verifier.name, "checkpoint": "-"}
-    report = write_outputs(samples, meta, {"max_new_tokens": 16}, drafter.max_depth, out, {"mode": "disabled"})
+    report = write_outputs(samples, meta, {"max_new_tokens": 16}, {"speculative": drafter.max_depth}, out,
+                           {"mode": "disabled"})
     return report, json.loads((out / "profile.json").read_text())
 
 

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, count_reads
 
 EAGLE3 = ROOT / "pretrained" / "eagle3-smollm2"
 MEDUSA = ROOT / "pretrained" / "medusa-smollm2"
@@ -148,9 +148,10 @@ def test_prompts_fall_in_the_length_group_their_tokens_say():
 
 @pytest.mark.slow
 def test_on_the_builtin_split_long_is_its_long_context_category_and_short_the_chat_ones(smollm2):
+    from data.prompts import load_prompt_pool
     from eval.serving.prompt_lengths import group_prompts, parse_lengths, rendered_pool
 
-    pool = rendered_pool("builtin", smollm2.tokenizer, smollm2.rendering)
+    pool = rendered_pool(load_prompt_pool("builtin"), smollm2.tokenizer, smollm2.rendering)
     cats = {cid: cat for cid, cat, _ in pool}
     short, long = group_prompts(parse_lengths(["short", "long:8"]), pool, 16, "builtin")
     assert len(long.ids) == 8 and {cats[i] for i in long.ids} == {"long_context"}
@@ -323,7 +324,8 @@ def test_the_concurrency_sweep_by_prompt_length_writes_rows_schedule_and_predict
     counters summed), each with plain and K=1 figures read from the client and from vLLM's counters; a schedule over
     batch sizes 1-2 measured once more where it drafts somewhere (one of K=0 everywhere is plain, already measured, and
     says so); the prediction beside it; servers that fit the long prompt and cache no
-    prefix across passes; a table per group in the terminal, the plot."""
+    prefix across passes; a table per group in the terminal, the plot; and the run's export, verifier and prompt sets
+    each read once, the sweep's included."""
     from eval.harness import evaluate
 
     _server_env(monkeypatch)
@@ -332,7 +334,10 @@ def test_the_concurrency_sweep_by_prompt_length_writes_rows_schedule_and_predict
                      "engine_peers=[vllm]", "engine_concurrency=[2,1]", "engine_peer_tokens=[1]", "num_prompts=2",
                      "engine_prompt_lengths=[short:2,long:2]", "max_new_tokens=8", "threads=2",
                      f"output_dir={out}"])
+    calls = count_reads(monkeypatch)
     report = evaluate(cfg, progress=False)
+    # the sweep is handed the run's export, verifier and prompt pool: nothing is read or loaded a second time
+    assert dict(calls) == {"read_config": 1, "load_export": 1, "load_verifier": 1, "load_conversations": 1}
     peer = json.loads((out / "report.json").read_text())["engine_peers"]["vllm"]
     assert peer == json.loads(json.dumps(report["engine_peers"]["vllm"]))
     assert peer["version"] == vllm.VERSION and peer["errors"] == []

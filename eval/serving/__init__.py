@@ -2,11 +2,14 @@
 our decoder's figures (`engine_peers=[vllm]`), and under load (`engine_concurrency=[...]`: the concurrency x K sweep
 through vLLM's server, the schedule it derives and the batch cost model's prediction).
 
-Three calls, each at its step of the run:
+Four calls, each at its step of the run:
 
-    settings(peers, tokens, ...)              # by eval.settings.parse, before anything loads: every refusal
-    serving = ready(s.serving, s, run)        # once the run holds its verifier and prompts, before decoding
+    settings(peers, tokens, ...)              # by eval.settings.parse, before anything is read: the keys' refusals
+    serving = check(s.serving, export)        # by eval.setup.check, with the export the run read: its refusals
+    serving = ready(run)                      # once the run holds its verifier and prompts, before decoding
     report = measure(serving, s, run, samples)  # after our decoder: engine_peers in report.json (None: no peer)
+
+The wing reads nothing of its own: the export, the verifier and the prompt sets are the run's.
 
 The modules: peers.py (vLLM at batch 1), sweep.py (the load sweep), prompt_lengths.py (its length groups),
 batch_cost.py (the batch cost model), report.py (its table and plot). `python -m scripts.bench.serving_load` runs the
@@ -19,7 +22,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from eval.serving.peers import check_peers, vllm_peer
-from eval.serving.sweep import LoadSettings, check_clients, load_settings, predictor, sweep, with_groups
+from eval.serving.sweep import (
+    LoadSettings,
+    check_clients,
+    load_settings,
+    predictor,
+    sweep,
+    with_export,
+    with_groups,
+)
 
 
 @dataclass(frozen=True)
@@ -42,13 +53,22 @@ def settings(peers: list[str], tokens: object, concurrency: object, lengths: obj
     return Serving(tuple(checked), tokens if isinstance(tokens, int) and load is None else None, load)
 
 
-def ready(serving: Serving, s: Any, run: Any) -> Serving:
-    """The sweep's length groups drawn with the run's verifier, and as many prompts as clients checked, before the
-    run decodes (`s`: eval.settings.EvalSettings, `run`: eval.setup.Run; neither imported here, as they import
-    this wing)."""
-    load = with_groups(serving.load, s.prompts, s.num_prompts, run.verifier)
+def check(serving: Serving, export: Any) -> Serving:
+    """The sweep's settings against the export the run read (`export`: its ExportInfo, or None): a family vLLM does
+    not serve, a K beyond what it drafts (eval.serving.sweep.with_export); called by eval.setup.check, the run's one
+    check, before the verifier loads."""
+    return replace(serving, load=with_export(serving.load, export)) if serving.load is not None else serving
+
+
+def ready(run: Any) -> Serving:
+    """The run's serving settings with the sweep's length groups drawn from the run's prompt pool as its verifier
+    renders them, and as many prompts as clients checked, before the run decodes (`run`: eval.setup.Run, not
+    imported here, as it imports this wing)."""
+    s = run.settings
+    source = s.prompts if isinstance(s.prompts, str) else "[" + ",".join(map(str, s.prompts)) + "]"
+    load = with_groups(run.serving.load, run.pool, source, s.num_prompts, run.verifier)
     check_clients(load, len(run.convs))
-    return replace(serving, load=load)
+    return replace(run.serving, load=load)
 
 
 def measure(serving: Serving, s: Any, run: Any, samples: list[Any]) -> dict[str, Any] | None:
@@ -63,7 +83,7 @@ def measure(serving: Serving, s: Any, run: Any, samples: list[Any]) -> dict[str,
     kind = export.kind if export is not None else None
     prompts = [prompt_ids(run.verifier.tokenizer, user_turns(c)[0], run.verifier.rendering) for c in run.convs]
     if serving.load is not None and export is not None:  # engine_concurrency: the sweep in vLLM's server
-        return {"vllm": sweep(serving.load, prompts, s.max_new_tokens, s.dtype, s.threads,
+        return {"vllm": sweep(serving.load, run.verifier, prompts, s.max_new_tokens, s.dtype, s.threads,
                               s.sampling.temperature, s.seed, s.output_dir, s.cache_dir, predictor(run, prompts[0]))}
     tokens = serving.tokens or (export.speculative_tokens if export is not None else None)
     print(f"engine_peers: vLLM plain and {kind or 'no drafter'} on {len(prompts)} prompts")

@@ -100,11 +100,10 @@ def group_prompts(groups: Sequence[LengthGroup], pool: Sequence[tuple[str, str, 
     return tuple(out)
 
 
-def rendered_pool(prompts: Any, tokenizer: Any, rendering: str) -> list[tuple[str, str, list[int]]]:
-    """Every eval prompt of the run's prompt set(s) (`prompts=`), its first user turn as the verifier sees it."""
+def rendered_pool(pool: Sequence[Sequence[Any]], tokenizer: Any, rendering: str) -> list[tuple[str, str, list[int]]]:
+    """Every eval prompt of the run's prompt set(s) (`pool`, set by set: data.prompts.load_prompt_pool), its first
+    user turn as the verifier sees it."""
     from data.chat import prompt_ids
-    from data.prompts import load_prompt_sets
     from eval.runner import user_turns
 
-    return [(c.id, c.category, prompt_ids(tokenizer, user_turns(c)[0], rendering))
-            for c in load_prompt_sets(prompts, None)]
+    return [(c.id, c.category, prompt_ids(tokenizer, user_turns(c)[0], rendering)) for convs in pool for c in convs]

@@ -37,11 +37,13 @@ PORT = 18400  # loopback port of the sweep's servers (a free one is looked for f
 @dataclass(frozen=True)
 class LoadSettings:
     """engine_concurrency, engine_peer_tokens and engine_prompt_lengths as the sweep takes them, checked at the
-    door; `groups`: the length groups' prompts, once the verifier's tokenizer has rendered them (with_groups)."""
+    door (load_settings: `ks` empty where none was given); then the export swept, read once by the run's setup and
+    checked against them (with_export: the export's own K where none was given); then the length groups' prompts,
+    once the verifier's tokenizer has rendered them (with_groups)."""
 
     concurrency: tuple[int, ...]
     ks: tuple[int, ...]
-    export: Any  # the export swept (models.formats.export.ExportInfo), read once here
+    export: Any = None  # the export swept (models.formats.export.ExportInfo), as the run read it
     lengths: tuple[LengthGroup, ...] = ()
     groups: tuple[PromptGroup, ...] = ()
 
@@ -57,11 +59,10 @@ def _whole_list(value: Any, key: str) -> list[Any]:
 def load_settings(concurrency: Any, tokens: Any, peers: Sequence[str], export: str | None,
                   lengths: Any = None) -> LoadSettings | None:
     """engine_concurrency (None or [] : no sweep), engine_peer_tokens and engine_prompt_lengths, refused before
-    anything loads: a concurrency of 0 or below, engine_concurrency without engine_peers, a K that is not whole,
-    below 1 or beyond what the export drafts; several K, or length groups, without engine_concurrency; an unknown
-    length group (eval/serving/prompt_lengths.py)."""
-    from serve.server import check_tokens, read_export
-
+    anything is read: a concurrency of 0 or below, engine_concurrency without engine_peers or an export, a K that is
+    not whole; several K, or length groups, without engine_concurrency; an unknown length group
+    (eval/serving/prompt_lengths.py). What needs the export's config.json (a K beyond what it drafts, a family vLLM
+    does not serve) is with_export's, in the run's one check."""
     ks_given = None if tokens is None else _whole_list(tokens, "engine_peer_tokens")
     groups = parse_lengths(None if lengths is None else _whole_list(lengths, "engine_prompt_lengths"))
     if concurrency is None or _whole_list(concurrency, "engine_concurrency") == []:
@@ -84,21 +85,35 @@ def load_settings(concurrency: Any, tokens: Any, peers: Sequence[str], export: s
     if export is None:
         raise UserError(f"engine_concurrency={levels}: the sweep measures an export's drafter under load; give "
                         f"checkpoint=<export dir>.")
-    info = read_export(export)
-    ks = ks_given if ks_given is not None else [info.speculative_tokens or 3]
-    check_tokens(ks, info.config, info.path, "engine_peer_tokens")
-    return LoadSettings(tuple(sorted(set(levels))), tuple(sorted(set(ks))), info, groups)
+    from serve.server import check_tokens
+
+    check_tokens(ks_given or [], {}, Path(export), "engine_peer_tokens")  # whole and >= 1; the export's bound later
+    return LoadSettings(tuple(sorted(set(levels))), tuple(sorted(set(ks_given or []))), None, groups)
 
 
-def with_groups(load: LoadSettings | None, prompts: Any, num: int | None, verifier: Any) -> LoadSettings | None:
-    """`load` with its length groups' prompts drawn from every eval prompt of `prompts=` as `verifier` renders
-    them (prompt_lengths.py; a group no prompt falls into is refused here, before any pass); unchanged where
-    no groups were asked for."""
+def with_export(load: LoadSettings | None, info: Any) -> LoadSettings | None:
+    """`load` with the export it sweeps (`info`, its ExportInfo as the run read it), refused where vLLM does not
+    serve its family on this build or it drafts fewer tokens than a K asked (serve.server.check_servable,
+    check_tokens); the K are the export's own where none was given."""
+    from serve.server import check_servable, check_tokens
+
+    if load is None:
+        return None
+    check_servable(info)
+    ks = load.ks or (info.speculative_tokens or 3,)
+    check_tokens(list(ks), info.config, info.path, "engine_peer_tokens")
+    return replace(load, ks=ks, export=info)
+
+
+def with_groups(load: LoadSettings | None, pool: Sequence[Sequence[Any]], source: str, num: int | None,
+                verifier: Any) -> LoadSettings | None:
+    """`load` with its length groups' prompts drawn from `pool` (every eval prompt of the run's prompt set(s), set
+    by set: data.prompts.load_prompt_pool) as `verifier` renders them (prompt_lengths.py; a group no prompt falls
+    into is refused here, before any pass); unchanged where no groups were asked for."""
     if load is None or not load.lengths:
         return load
-    pool = rendered_pool(prompts, verifier.tokenizer, verifier.rendering)
-    source = prompts if isinstance(prompts, str) else "[" + ",".join(map(str, prompts)) + "]"
-    return replace(load, groups=group_prompts(load.lengths, pool, num, source))
+    rendered = rendered_pool(pool, verifier.tokenizer, verifier.rendering)
+    return replace(load, groups=group_prompts(load.lengths, rendered, num, source))
 
 
 def predictor(run: Any, prefix: list[int]) -> Callable[[list[int], list[int]], Any]:
@@ -316,17 +331,19 @@ def _schedule_note(schedule: tuple[tuple[int, int, int], ...] | None) -> str | N
     return None
 
 
-def sweep(load: LoadSettings, prompts: list[list[int]], max_new_tokens: int, dtype: str,
+def sweep(load: LoadSettings, verifier: Any, prompts: list[list[int]], max_new_tokens: int, dtype: str,
           threads: int | None, temperature: float, seed: int, out_dir: Path,
           cache_dir: str | None = None, predict: Any = None) -> dict[str, Any]:
-    """The whole sweep (module docstring) of the export `load` read, on `prompts`, or on the length groups' prompts
-    where `load` has them; `predict(levels, ks)`: the batch cost model's Prediction, or None."""
+    """The whole sweep (module docstring) of the export `load` holds (with_export), on `prompts`, or on the length
+    groups' prompts where `load` has them, served with `verifier`'s checkpoint (the run's verifier: nothing is loaded
+    again here); `predict(levels, ks)`: the batch cost model's Prediction, or None."""
     from serve import vllm_engine
-    from serve.server import ServeSettings, prepare, served_name
+    from serve.server import ServeSettings, served_folder, served_name, vllm_checkpoint
 
     info = load.export
     check_clients(load, len(prompts))
-    verifier, served = prepare(info, cache_dir)
+    served = served_folder(info.path, info.config, verifier, cache_dir)
+    verifier = vllm_checkpoint(verifier)
     most = max(load.concurrency)
     sets = {g.group.name: [list(p) for p in g.prompts] for g in load.groups} or {ALL: prompts}
     every = [p for ps in sets.values() for p in ps]

@@ -45,12 +45,13 @@ def fresh_out(out: str | None, export: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from data.chat import prompt_ids
-    from data.prompts import load_prompt_sets
+    from data.prompts import load_prompt_pool, load_prompt_sets
     from eval.planner.cost import auto_dtype
     from eval.runner import user_turns
-    from eval.serving.sweep import batch_predictor, check_clients, load_settings, sweep, with_groups
+    from eval.serving.sweep import batch_predictor, check_clients, load_settings, sweep, with_export, with_groups
     from models.verifiers.load import load_verifier
     from runtime.errors import UserError
+    from serve.server import read_export
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("export")
@@ -71,23 +72,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = fresh_out(args.out, args.export)
-        load = load_settings(args.concurrency, args.tokens, ["vllm"], args.export, args.lengths)
+        load = with_export(load_settings(args.concurrency, args.tokens, ["vllm"], args.export, args.lengths),
+                           read_export(args.export))  # the export read once; eval's setup does the same
         assert load is not None
         dtype = auto_dtype("cpu")[0] if args.dtype == "auto" else args.dtype
-        info = load.export  # read once, by load_settings
+        info = load.export
         torch.set_num_threads(args.threads)
         verifier = load_verifier(info.verifier, dtype, "cpu")
-        load = with_groups(load, args.prompts, args.num_prompts, verifier)
+        pool = load_prompt_pool(args.prompts)
+        load = with_groups(load, pool, args.prompts, args.num_prompts, verifier)
         assert load is not None
         if load.groups:  # the groups' prompts, the first group's first as the cost model's prefix
             prompts = [list(p) for g in load.groups for p in g.prompts]
         else:
-            convs = load_prompt_sets(args.prompts, args.num_prompts)
+            convs = load_prompt_sets(args.prompts, args.num_prompts, pool)
             prompts = [prompt_ids(verifier.tokenizer, user_turns(c)[0], verifier.rendering) for c in convs]
         predict = None if args.no_predict else batch_predictor(verifier.model, info.acceptance, prompts[0])
         check_clients(load, len(prompts))
         out.mkdir(parents=True, exist_ok=True)
-        result = sweep(load, prompts, args.max_new_tokens, dtype, args.threads, 0.0, 0, out,
+        result = sweep(load, verifier, prompts, args.max_new_tokens, dtype, args.threads, 0.0, 0, out,
                        predict=predict)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

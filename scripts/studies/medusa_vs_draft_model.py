@@ -7,7 +7,7 @@ compared by real greedy speculative decoding, chains of the same depth.
 Three drafters, each proposing a chain of --depth tokens that one verifier forward checks: the Medusa export (each
 head's top-1), the distilled draft model (its own argmax, token after token, with its own KV cache), and as a
 baseline the untrained truncated copy of the verifier with as many layers as the distilled one. They decode the
-built-in eval split (never trained on) interleaved per prompt with our plain greedy decoding (eval.compare's
+built-in eval split (never trained on) interleaved per prompt with our plain greedy decoding (eval.report's
 eval.runner.Runner, driven by eval.runner.run_prompts), in --dtype (default float32). Printed per drafter: tau (tokens
 per verifier forward, bonus included), alpha_k (fraction of rounds whose k-th draft was accepted), tokens/s against
 plain greedy and whether the output equals plain greedy's. Writes medusa_vs_draft_model.json and .png to --out.
@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from data.prompts import load_conversations, select_prompts
-from eval.compare import rows
 from eval.drafters.build import make_drafter
 from eval.drafters.draft_model import make_draft_model_drafter
 from eval.engine.accept import per_position_acceptance
 from eval.engine.tree import Chain
+from eval.report import rows
 from eval.runner import Runner, run_prompts
 from models.draft_model import read_draft_info
 from models.formats.export import export_verifier, read_config
