@@ -24,7 +24,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from models.formats.export import load_export
+from models.exports.io import load_export
 from runtime.cpu_memory import bound_onednn_cache, keep_freed_memory
 from runtime.distributed import is_primary
 from runtime.errors import UserError, exit_on_user_error

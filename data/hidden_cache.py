@@ -26,11 +26,11 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from models.io import atomic_dir, write_new_files
 from models.packed import Linear
 from models.verifiers.core import Verifier
 from runtime.distributed import barrier
 from runtime.errors import UserError
+from runtime.io import atomic_dir, write_new_files
 
 DTYPE = torch.bfloat16
 
@@ -253,7 +253,7 @@ def check_finished_cache(path: Path, lengths: list[int], hidden_size: int) -> No
 
 
 def write_json_atomic(path: Path, value: dict) -> None:
-    """A marker file written whole or not at all, and on disk before the call returns (models.io.write_new_files)."""
+    """A marker file written whole or not at all, and on disk before the call returns (runtime.io.write_new_files)."""
     write_new_files({path: json.dumps(value)}, replace=True)
 
 

@@ -26,9 +26,9 @@ from transformers import PreTrainedTokenizerBase
 from data.chat import control_tokens, encode_rendered, render, rewrites_earlier_turns
 from data.filters import EvalGuard, QualityFilter, apply_filters
 from data.generate import generate_refill
-from models.io import atomic_dir
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
+from runtime.io import atomic_dir
 
 SENT_A, SENT_U = "@@SPECDRAFT_ANSWER@@", "@@SPECDRAFT_USER_TURN@@"
 

@@ -23,9 +23,9 @@ from transformers import GenerationConfig
 from data.chat import encode_turns, prompt_ids
 from data.generate import generate_refill
 from data.prompts import Conversation
-from models.io import atomic_dir
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
+from runtime.io import atomic_dir
 
 FEATURES = datasets.Features(
     {

@@ -29,9 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data.selfdistill import FEATURES
-from models.io import atomic_dir
 from models.verifiers.core import Verifier, check_fingerprint
 from runtime.errors import UserError
+from runtime.io import atomic_dir
 
 FORMAT = "specdraft-shipped-data"
 VERSION = 1

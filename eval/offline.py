@@ -81,7 +81,7 @@ def acceptance_tables(rank: Tensor, valid: Tensor, loss_mask: Tensor, topk: tupl
         "tau_positions": float(1 + lead[v0].float().mean()),
         "tau_rounds": tokens / max(rounds, 1),
         # alpha_k over the simulated rounds (the fraction whose k-th draft is accepted): what a live chain decode's
-        # accept_rate_per_position reports (eval.engine.accept.per_position_acceptance), teacher-forced
+        # accept_rate_per_position reports (eval.engine.acceptance.per_position_acceptance), teacher-forced
         "round_accept_per_position": [float((per_round >= k).float().mean()) for k in range(1, rank.shape[0] + 1)],
         "positions": int(v0.sum()),
     }

@@ -15,17 +15,17 @@ import torch
 from omegaconf import DictConfig
 
 from eval.drafters.build import build_drafter, family_config, method_name
-from eval.engine.block_verify import check_chain_drafters, may_branch
+from eval.engine.acceptance import named_rule
+from eval.engine.acceptance.block import check_chain_drafters, may_branch
 from eval.engine.protocol import Combination, Drafter
-from eval.engine.rules import named_rule
 from eval.engine.tree import AutoTree
 from eval.planner import adaptive, cost, shapes
 from eval.report import ALONE, GRAFTED, SPECULATIVE
 from eval.runner import Runner, assistant_of
 from eval.settings import EvalSettings
 from eval.setup import Run
+from models.exports.io import ExportInfo
 from models.families import FAMILIES
-from models.formats.export import ExportInfo
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from data.prompts import prompt_set_label
 from eval.drafters.build import ran_dtype
-from eval.engine.decode import engine_of
+from eval.engine.session import engine_of
 from eval.planner import cost
 from eval.planning import plan_of
 from eval.report import Sample, write_outputs

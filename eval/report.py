@@ -4,7 +4,7 @@ goes, per-prompt rows), a terminal table, PNG plots and a W&B run (offline unles
 method=all one row per family (`rows`), its tables and families.png.
 
 Rates are ratios of sums (all tokens over all seconds), not means of per-prompt rates, so long answers weigh as much
-as they cost. tau and alpha_k pool every speculative round of every prompt (see eval.engine.accept).
+as they cost. tau and alpha_k pool every speculative round of every prompt (see eval.engine.acceptance).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
-from eval.engine.accept import mean_accept_length, per_position_acceptance
+from eval.engine.acceptance.protocol import mean_accept_length, per_position_acceptance
 from runtime.errors import disk_full, disk_full_error
 from runtime.wandb_mode import wandb_mode
 

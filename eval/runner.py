@@ -18,10 +18,11 @@ from transformers import GenerationConfig
 from data.chat import prompt_ids
 from data.prompts import Conversation
 from eval.drafters import online
-from eval.engine.decode import DecodeResult, prepare, sample_decode, speculative_decode
+from eval.engine.acceptance import rule_for
+from eval.engine.decode import DecodeResult, sample_decode, speculative_decode
 from eval.engine.protocol import Assistant, CategoryPriced, Drafter, Paced
-from eval.engine.rules import rule_for
 from eval.engine.sampling import SamplingConfig
+from eval.engine.session import prepare
 from eval.report import SPECULATIVE, Sample
 from models.verifiers.core import Verifier
 from runtime.errors import UserError

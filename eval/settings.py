@@ -15,6 +15,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from eval.engine.acceptance import named_rule
 from eval.engine.sampling import SamplingConfig, sampling_config
 from eval.engine.tree import TreePolicy
 from eval.serving import Serving
@@ -129,7 +130,7 @@ def check_drafter(node: DictConfig, engine: str) -> None:
 
     from hydra.utils import get_object
 
-    from eval.engine.decode import TREE_ROOM
+    from eval.engine.session import TREE_ROOM
 
     try:
         params = inspect.signature(get_object(str(node._target_))).parameters
@@ -182,7 +183,7 @@ def _complete(cfg: DictConfig) -> DictConfig:
 def parse(cfg: DictConfig) -> EvalSettings:
     """The run's settings from its config, each checked, in the order a user would fix them."""
     from eval.drafters.build import resolve_drafter_dtype
-    from eval.engine.decode import ENGINES
+    from eval.engine.session import ENGINES
     from eval.planner.cost import auto_dtype
 
     if "verifier" in cfg:  # `+verifier=<name>`: train.py's config group, which eval would ignore
@@ -215,6 +216,7 @@ def parse(cfg: DictConfig) -> EvalSettings:
         raise UserError(f"method={method!r} is not one of {', '.join(METHODS)} (single: the configured drafter, all: "
                         f"every family available).")
     sampling = sampling_config(cfg)  # bad temperature / top_p / top_k / verify fail before anything loads
+    named_rule(sampling)  # verify= names a registered rule (eval.engine.acceptance)
     check_drafter(cfg.drafter, engine)
     flags = {key: flag(cfg, key, _defaults()[key])
              for key in ("alone", "multi_turn", "sampled_drafts", "warmup", "profile")}

@@ -1,5 +1,5 @@
 """`python -m eval`'s run, opened once (`open(settings) -> Run`): the export(s) read once (their family, verifier and
-acceptance estimates: models.formats.export.ExportInfo), every refusal the settings and the exports' config.json
+acceptance estimates: models.exports.io.ExportInfo), every refusal the settings and the exports' config.json
 settle alone in one check (`check`), the prompts loaded once, the verifier loaded once, and the verifier path of our
 decode loops (eval.engine.forward or Hugging Face's forward) decided once. The later steps (eval.planning builds
 the drafters, eval.runner decodes, eval.serving measures, eval.published writes) take the Run and ask it.
@@ -14,12 +14,12 @@ from data.chat import prompt_ids
 from data.prompts import Conversation, load_prompt_pool, load_prompt_sets
 from eval import serving as wing
 from eval.drafters.build import check_proposals, family_of
-from eval.engine.decode import use_engine
+from eval.engine.session import use_engine
 from eval.planner import adaptive
 from eval.runner import check_length, user_turns
 from eval.settings import EvalSettings
+from models.exports.io import ExportInfo, read_info
 from models.families import FAMILIES, a_title, resolve
-from models.formats.export import ExportInfo, read_info
 from models.verifiers.core import Verifier, check_fingerprint
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError

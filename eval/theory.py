@@ -20,8 +20,8 @@ the verifier with next-token probabilities q, M_p the draft with probabilities p
       speedup(N) = (1 - alpha^(N+1)) / ((1 - alpha) (N c + 1)) = E[tau] / (1 + N c)          (Leviathan, Thm. 3.8)
 
 The measurements (`measure_acceptance`, `measure_tokens_per_call`) draw drafts from p and run
-`eval.engine.sampling.sample_accept` on a chain, the rule the decode loop uses; `rule=` swaps in another for negative
-controls. KL(q || p) = sum_x q(x) log(q(x)/p(x)) is the x-axis of the graded-drafter exercise.
+`eval.engine.acceptance.sampled.sample_accept` on a chain, the rule the decode loop uses; `rule=` swaps in another for
+negative controls. KL(q || p) = sum_x q(x) log(q(x)/p(x)) is the x-axis of the graded-drafter exercise.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from eval.engine.accept import Acceptance
-from eval.engine.sampling import rejection_plan, sample_accept
+from eval.engine.acceptance.protocol import Acceptance
+from eval.engine.acceptance.sampled import rejection_plan, sample_accept
 from eval.engine.tree import chain, tree_buffers
 
 Rule = Callable[..., Acceptance]  # sample_accept's signature: (retrieve, parents, tokens, q, p, generator)
@@ -81,7 +81,8 @@ def best_draft_length(alpha: float, c: float, n_max: int = 16) -> tuple[int, flo
 
 def enumerated_acceptance(p: Tensor, q: Tensor) -> Tensor:
     """alpha by enumerating every draft x: sum_x p(x) * P(accept | x), P(accept | x) read from the chain plan of
-    `eval.engine.sampling.rejection_plan` (the probabilities `sample_accept` flips its coins with). p, q: (V,) -> ()"""
+    `eval.engine.acceptance.sampled.rejection_plan` (the probabilities `sample_accept` flips its coins with). p, q:
+    (V,) -> ()"""
     v = p.shape[-1]
     tokens = torch.stack([torch.zeros(v, dtype=torch.long), torch.arange(v)], dim=1)  # (V, 2): root, draft x
     plan = rejection_plan(chain(1).parents, tokens, q.expand(v, 2, v), p.expand(v, 2, v))
@@ -90,8 +91,9 @@ def enumerated_acceptance(p: Tensor, q: Tensor) -> Tensor:
 
 def enumerated_tokens(p: Tensor, q: Tensor, n: int) -> Tensor:
     """E[tau] for N i.i.d. drafts from p checked against q at every position, by enumerating all V^N draft chains
-    (weight prod p) and reading the exact law of the walk (`eval.engine.sampling.outcome_distribution`'s reach)."""
-    from eval.engine.sampling import outcome_distribution
+    (weight prod p) and reading the exact law of the walk (`eval.engine.acceptance.sampled.outcome_distribution`'s
+    reach)."""
+    from eval.engine.acceptance.sampled import outcome_distribution
 
     v = p.shape[-1]
     chains = torch.cartesian_prod(*[torch.arange(v)] * n).reshape(-1, n) if n else torch.zeros(1, 0, dtype=torch.long)

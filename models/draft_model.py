@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.io import atomic_dir
 from runtime.errors import UserError
+from runtime.io import atomic_dir
 
 INFO = "specdraft_draft_model.json"
 

@@ -10,7 +10,7 @@ EAGLE-3 (`kind="eagle3"`): the feature is fc(cat(low, mid, high)) over three M_q
 
 Both reuse M_q's token embedding (and, for EAGLE-1, its lm_head) by reference: frozen and never stored here.
 Tensor names follow the layouts vLLM and SGLang load (`fc.weight`, `layers.0.*` / `midlayer.*`, `norm.weight`,
-`lm_head.weight`, `d2t`, `t2d`); models/formats/export.py writes and reads them. `unroll` is the training-time unroll,
+`lm_head.weight`, `d2t`, `t2d`); models/exports/io.py writes and reads them. `unroll` is the training-time unroll,
 shared by training (train/eagle.py) and offline scoring (scripts/tools/drafter_accuracy.py).
 """
 

@@ -1,5 +1,5 @@
 """The drafter families, in one place: what each is made of, for training (train.py), export I/O
-(models/formats/export.py),
+(models/exports/io.py),
 decoding (eval/) and serving (serve/vllm_engine.py). Every other module reads this registry instead of naming
 families; adding one is its modules plus one entry in FAMILIES (tests/test_families_registry.py runs every entry
 through train -> export -> read -> decode).
@@ -60,7 +60,7 @@ Writer = Callable[..., tuple[dict[str, Any], dict[str, Tensor]]]
 # (config, tensors, verifier, weights file, reference layout?) -> (network, the export's copy of a shared head or None)
 Reader = Callable[[dict[str, Any], dict[str, Tensor], Any, Path, bool], tuple[nn.Module, Tensor | None]]
 # (flat config, speculators_model_type, verifier name_or_path, verifier architectures, speculative tokens) -> the
-# config in the speculators format (models/formats/speculators.py)
+# config in the speculators format (models/exports/speculators.py)
 SpeculatorsWriter = Callable[[dict[str, Any], str, str, list[str], int], dict[str, Any]]
 # (speculators config, file, family name, the architecture to write) -> the flat config the family's Reader reads
 SpeculatorsReader = Callable[[dict[str, Any], str, str, str], dict[str, Any]]
@@ -72,7 +72,7 @@ ReferenceDetector = Callable[[dict[str, Any], list[str]], bool]
 
 @dataclass(frozen=True)
 class ExportFormat:
-    """How a family's export is written and read; models/formats/export.py does the files, the verifier fingerprint
+    """How a family's export is written and read; models/exports/io.py does the files, the verifier fingerprint
     and the side data, this says what is the family's own."""
 
     architectures: tuple[str, ...]  # written into config.json, in this order; any of them identifies the family
@@ -88,7 +88,7 @@ class ExportFormat:
     to_speculators: SpeculatorsWriter | None = None  # with speculators_type: the flat config in that format
     from_speculators: SpeculatorsReader | None = None  # with speculators_type: that format's config as the flat one
     # (flat config, the weight file's tensor shapes by name) -> the fields that disagree with the weights
-    # (models.formats.export.check_weights_agree reads the shapes from the safetensors header on every read and at save)
+    # (models.exports.io.check_weights_agree reads the shapes from the safetensors header on every read and at save)
     agrees: WeightsCheck | None = None
     # (the config as written, shapes) -> what the serving engine would build otherwise than the weights are
     # (checked at save: an export that trains but cannot serve is refused)
@@ -293,7 +293,7 @@ def a_title(name: str | None) -> str:
 
 
 def family_of_config(config: dict[str, Any]) -> str | None:
-    """The family an export's config.json (flattened: models/formats/speculators.py, or as written) holds, or None: its
+    """The family an export's config.json (flattened: models/exports/speculators.py, or as written) holds, or None: its
     model_type or speculators_model_type, else an architecture one family writes or reads, else the project's
     `eagle_kind` key."""
     formats = [(name, fam.export) for name, fam in FAMILIES.items() if fam.export is not None]  # export_families()

@@ -5,7 +5,7 @@ t+k+1; the verifier's own head predicts t+1. Each head is `num_layers` residual 
 zero-initialised so that a fresh head starts as the verifier's own head, then a vocabulary projection.
 
 Module and tensor names follow vLLM's Medusa layout (`blocks.{h}.layers.{l}.weight|bias`, `lm_heads.{h}.weight` or
-one shared `lm_head.weight` with `original_lm_head: true`), so `state_dict()` is the export (models/formats/export.py).
+one shared `lm_head.weight` with `original_lm_head: true`), so `state_dict()` is the export (models/exports/io.py).
 """
 
 from __future__ import annotations

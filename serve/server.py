@@ -228,7 +228,7 @@ def check_address(host: str, port: int) -> None:
 
 def read_export(export: str | Path, drafting: bool = True) -> Any:
     """An export's ExportInfo (config.json only, nothing loads), checked as check_servable checks it."""
-    from models.formats.export import read_info
+    from models.exports.io import read_info
 
     info = read_info(Path(export).expanduser())
     check_servable(info, drafting)
@@ -239,7 +239,7 @@ def check_servable(info: Any, drafting: bool = True) -> None:
     """Refuse an export (its ExportInfo, read once by whoever holds it) of a family vLLM does not serve, or one with
     no verifier named and, where it is to draft (`drafting`), one this CPU build refuses (the registry's
     `serve_cpu_refusal`) or one without its weights file: each would start a server that fails a minute later."""
-    from models.formats.export import WEIGHTS_NAME
+    from models.exports.io import WEIGHTS_NAME
 
     if info.kind not in vllm_engine.methods():
         raise UserError(f"{info.path} is {info.kind!r}, which vLLM {vllm_engine.VERSION} does not serve; it serves "
@@ -287,8 +287,8 @@ def served_folder(path: Path, config: dict[str, Any], verifier: Any, cache_dir: 
     """The folder vLLM loads for the export at `path` (its config.json read as `config`): a compact export whose
     verifier tensors were left out is written back in full once, for this verifier's checkpoint, under
     <cache>/served/<name>-<hash> (scripts.tools.convert engine-ready); other exports are served as they are."""
-    from models.formats.folder import COMPACT_KEY
-    from models.formats.shipped import engine_ready
+    from models.exports.folder import COMPACT_KEY
+    from models.exports.shipped import engine_ready
 
     compact = config.get(COMPACT_KEY)
     if not (isinstance(compact, dict) and compact.get("dropped")):

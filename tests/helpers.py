@@ -127,16 +127,16 @@ class RankRecorder(L.Callback):
 
 def count_reads(monkeypatch) -> collections.Counter:
     """A counter of the calls of each input's loader, through a wrapper around the real one in its module and
-    wherever a module imported it by name: the export's config.json (models.formats.export.read_config, behind
+    wherever a module imported it by name: the export's config.json (models.exports.io.read_config, behind
     read_info) and weights (load_export), the verifier (models.verifiers.load.load_verifier) and the prompt sets
     (data.prompts.load_conversations). What a run reads once shows as 1."""
     import sys
 
     import data.prompts
-    import models.formats.export
+    import models.exports.io
     import models.verifiers.load
 
-    loaders = [(models.formats.export, "read_config"), (models.formats.export, "load_export"),
+    loaders = [(models.exports.io, "read_config"), (models.exports.io, "load_export"),
                (models.verifiers.load, "load_verifier"), (data.prompts, "load_conversations")]
     calls: collections.Counter = collections.Counter()
     for module, name in loaders:

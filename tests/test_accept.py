@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from eval.drafters.build import Draft, Drafter
-from eval.engine.accept import greedy_accept, mean_accept_length, per_position_acceptance
+from eval.engine.acceptance.greedy import greedy_accept
+from eval.engine.acceptance.protocol import mean_accept_length, per_position_acceptance
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Tree, chain, from_medusa_choices, tree_buffers
 from helpers import varied_llama

@@ -20,7 +20,7 @@ from eval.planner import cost
 from eval.planner.adaptive import AcceptanceEstimate, PlannedDrafter
 from helpers import ROOT, varied_llama
 from models.eagle import build_eagle
-from models.formats.export import save_export
+from models.exports.io import save_export
 from models.medusa import MedusaHeads
 from models.verifiers.core import Verifier
 from models.verifiers.tiny import build_tiny

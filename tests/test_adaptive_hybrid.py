@@ -124,7 +124,7 @@ def test_the_split_follows_the_values():
 
 
 def test_a_hybrid_with_no_lookup_source_is_refused(base, tmp_path, tmp_path_factory):  # noqa: F811
-    from models.formats.export import save_export
+    from models.exports.io import save_export
 
     export = save_export(random_heads(base), base, tmp_path_factory.mktemp("e") / "medusa",
                          {"medusa_topk_accuracy": OPTIMISTIC})

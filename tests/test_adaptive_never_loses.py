@@ -20,8 +20,8 @@ from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, auto_tree
 from eval.planner import adaptive, cost
 from helpers import ROOT, varied_llama
+from models.exports.io import read_info
 from models.families import FAMILIES
-from models.formats.export import read_info
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -41,8 +41,8 @@ def test_a_family_defined_outside_the_package_trains_exports_reads_and_decodes(t
     from eval.engine.protocol import CostProbe, Drafter
     from eval.engine.tree import Chain
     from helpers import varied_llama
+    from models.exports.io import load_export, read_info
     from models.families import resolve
-    from models.formats.export import load_export, read_info
     from toy_family.toy import ToyDrafter, ToyHead
 
     # the contracts shared code relies on, as tests/test_family_home.py checks them for the built-in families

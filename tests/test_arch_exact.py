@@ -21,7 +21,8 @@ from test_exact_bf16 import SPARSE, Oracle
 
 from eval.engine import forward as engine
 from eval.engine.arch import Unsupported, describe, fallback_note
-from eval.engine.decode import greedy_decode, speculative_decode, use_engine
+from eval.engine.decode import greedy_decode, speculative_decode
+from eval.engine.session import use_engine
 from eval.engine.tree import from_medusa_choices
 from helpers import run_shared
 

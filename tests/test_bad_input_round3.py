@@ -35,7 +35,7 @@ from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Chain
 from eval.harness import evaluate
 from helpers import compose_train
-from models.formats.export import save_export
+from models.exports.io import save_export
 from models.medusa import MedusaHeads
 from runtime.errors import UserError
 
@@ -200,7 +200,7 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="finds a descriptor's file through /proc")
 def test_a_full_disk_in_engine_ready_keeps_the_old_export(export, tiny, tmp_path, monkeypatch, capsys):
-    from models.formats.shipped import ship
+    from models.exports.shipped import ship
     from scripts.tools.convert import main
 
     compact = ship(export, tmp_path / "shipped", tiny)

@@ -1,4 +1,4 @@
-"""Proof that block verification (eval.engine.block_verify, verify=block) keeps the warped verifier distribution.
+"""Proof that block verification (eval.engine.acceptance.block, verify=block) keeps the warped verifier distribution.
 
 1. Exact: on a small vocabulary, every drafted chain (sampled: weighted by the drafter's p; deterministic: the top-1
    chain) is enumerated, the rule's exact law (`block_outcome_distribution` over `block_plan`, the plan
@@ -25,14 +25,9 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from eval.engine.block_verify import (
-    BlockPlan,
-    block_accept,
-    block_outcome_distribution,
-    block_plan,
-    sample_block,
-)
-from eval.engine.sampling import SamplingConfig, outcome_distribution, rejection_plan, warp
+from eval.engine.acceptance.block import BlockPlan, block_accept, block_outcome_distribution, block_plan, sample_block
+from eval.engine.acceptance.sampled import outcome_distribution, rejection_plan
+from eval.engine.sampling import SamplingConfig, warp
 from eval.engine.tree import chain, tree_buffers
 from helpers import ROOT
 from runtime.errors import UserError
@@ -292,8 +287,10 @@ def test_decode_refuses_a_tree(varied):
 @pytest.mark.parametrize("bad", [dict(verify="blocks"), dict(verify="block", typical=True)],
                          ids=["unknown", "typical"])
 def test_bad_verify_settings_are_one_user_error(bad):
+    from eval.engine.acceptance import named_rule
+
     with pytest.raises(UserError, match="verify"):
-        SamplingConfig(temperature=0.7, **bad)
+        named_rule(SamplingConfig(temperature=0.7, **bad))
 
 
 def test_report_records_the_rule():
@@ -322,7 +319,7 @@ def _run_eval(overrides: list[str], out) -> dict:
 
 @pytest.fixture(scope="module")
 def medusa_export(tiny, tmp_path_factory):
-    from models.formats.export import save_export
+    from models.exports.io import save_export
     from models.medusa import MedusaHeads
 
     heads = MedusaHeads(tiny.hidden_size, tiny.vocab_size, num_heads=3)  # zero-initialised: the verifier's own head

@@ -136,7 +136,7 @@ def test_exports_written_before_the_wider_fingerprint_still_load(tiny):
 WRITER = r"""
 import os, signal, sys
 from pathlib import Path
-import models.io as io
+import runtime.io as io
 
 final, version, kill_at = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 if kill_at.startswith("fallback+"):
@@ -202,7 +202,7 @@ def test_a_kill_during_an_export_swap_leaves_the_old_or_the_new_version(tmp_path
 
 
 def test_without_exchange_a_kill_between_the_renames_is_recovered(tmp_path):
-    from models.io import recover
+    from runtime.io import recover
 
     final = tmp_path / "export"
     assert _write(final, "old") == 0
@@ -214,7 +214,7 @@ def test_without_exchange_a_kill_between_the_renames_is_recovered(tmp_path):
 
 
 def test_a_live_writers_scratch_directory_is_left_alone(tmp_path):
-    from models.io import recover
+    from runtime.io import recover
 
     final = tmp_path / "export"
     mine = tmp_path / f".tmp-export-{os.getpid()}-abc"

@@ -136,7 +136,7 @@ def test_exact_decode(runs, verifiers, hf_greedy, arch, family):
     from eval.engine.arch import supported
     from eval.engine.decode import greedy_decode, speculative_decode
     from eval.engine.tree import Chain
-    from models.formats.export import load_export, read_info
+    from models.exports.io import load_export, read_info
 
     export = _export(runs, arch, family)
     v = verifiers(arch)

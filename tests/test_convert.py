@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.formats.export import from_reference, load_export, read_config, read_weights, save_export, to_reference
+from models.exports.io import from_reference, load_export, read_config, read_weights, save_export, to_reference
 from models.medusa import MedusaHeads
 from runtime.errors import UserError
 

@@ -11,7 +11,7 @@ import pytest
 from eval.engine.tree import AutoTree, auto_tree, chain
 from eval.planner import cost
 from helpers import ROOT
-from models.formats.export import ExportInfo, save_export
+from models.exports.io import ExportInfo, save_export
 from models.medusa import MedusaHeads
 from runtime.errors import UserError
 

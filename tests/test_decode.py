@@ -19,12 +19,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from eval.drafters.build import Draft, Drafter, make_drafter
 from eval.drafters.medusa import MedusaDrafter
-from eval.engine import decode
+from eval.engine import decode, session
 from eval.engine import hf_forward as kv
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, Tree, TreeBuffers, auto_tree, chain, from_medusa_choices
 from helpers import varied_llama
-from models.formats.export import save_export
+from models.exports.io import save_export
 from models.medusa import MedusaHeads
 from models.verifiers.core import Verifier, fingerprint, freeze
 from models.verifiers.tiny import build_tiny
@@ -276,7 +276,7 @@ def test_negative_control_wrong_commit_changes_the_output(verifier, references, 
         kv_commit(cache, prefix_len, torch.arange(keep.shape[1])[None])
 
     kv_commit = kv.commit
-    monkeypatch.setattr(decode.kv, "commit", first_nodes)
+    monkeypatch.setattr(session.kv, "commit", first_nodes)
     ids, ref = references[0]
     result = speculative_decode(verifier, OracleDrafter(verifier, ids.shape[1], ref, TREES["sparse"]), ids, MAX_NEW)
     assert result.tokens[0].tolist() != ref[:MAX_NEW]

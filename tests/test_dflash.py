@@ -164,7 +164,7 @@ def test_an_export_trained_over_frequent_rows_drafts_over_them_exactly(varied, t
     from eval.drafters.build import make_drafter
     from eval.engine.decode import greedy_decode, speculative_decode
     from eval.engine.tree import Chain
-    from models.formats.export import save_export
+    from models.exports.io import save_export
 
     net, vocab = _net(varied), varied.vocab_size
     counts = torch.rand(vocab, generator=torch.Generator().manual_seed(0))

@@ -194,7 +194,7 @@ def test_the_export_is_what_vllms_dflash2_reads(varied, tmp_path):
 
     from safetensors import safe_open
 
-    from models.formats.export import load_export, save_export
+    from models.exports.io import load_export, save_export
 
     net = _net(varied)
     path = save_export(net, varied, tmp_path / "export", {"eagle_topk_accuracy": [[0.5, 0.6]] * net.parallel})
@@ -247,7 +247,7 @@ def test_sampled_rounds_follow_the_verifier(control, monkeypatch):
     negative control, every draft accepted, must fail (p < 1e-6)."""
     import test_sampling as ts
 
-    from eval.engine import sampling
+    from eval.engine.acceptance import sampled as sampling
 
     verifier = varied_llama()
     if control:

@@ -230,7 +230,7 @@ SHIPPED = ROOT / "pretrained" / "eagle3-smollm2"
 @pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="no shipped EAGLE-3 export")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_shipped_eagle3_drafts_as_before_bit_for_bit(dtype, cache_dir):
-    from models.formats.export import load_export
+    from models.exports.io import load_export
     from models.verifiers.embedded import load_smollm2
 
     verifier = load_smollm2(cache_dir=cache_dir, dtype=dtype, device="cpu")

@@ -201,7 +201,7 @@ def test_the_export_is_what_vllms_dspark_reads(varied, tmp_path):
     anchor as the bonus token) and the tensors named as vLLM's qwen3_dspark loads them; read back, the same net."""
     from safetensors.torch import load_file
 
-    from models.formats.export import load_export, save_export
+    from models.exports.io import load_export, save_export
 
     net = _net(varied)
     export = save_export(net, varied, tmp_path / "export", {"eagle_topk_accuracy": [[0.5, 0.6]] * net.parallel})
@@ -240,7 +240,7 @@ def test_bad_input_is_refused_with_one_message_each(varied, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from eval.drafters.dspark import check_threshold
-    from models.formats.export import load_export, save_export
+    from models.exports.io import load_export, save_export
 
     for rank in (0, varied.vocab_size, 2.5):
         with pytest.raises(UserError, match=rf"markov_rank={rank!r}: .* 1 <= r < the vocabulary \({varied.vocab_size}"):

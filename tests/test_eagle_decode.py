@@ -22,7 +22,7 @@ from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Chain, DynamicTree
 from helpers import varied_llama
 from models.eagle import EagleNet, build_eagle, unroll_mask
-from models.formats.export import save_export
+from models.exports.io import save_export
 from models.verifiers.core import Verifier
 from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError

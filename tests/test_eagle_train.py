@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import compose_train
 from models.eagle import build_eagle, step_inputs, unroll_mask
-from models.formats.export import load_export, read_config, save_export
+from models.exports.io import load_export, read_config, save_export
 from runtime.errors import UserError
 from train.verifier_fed import draft_vocab_from_counts, validation_summary, validation_tallies
 

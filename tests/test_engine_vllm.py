@@ -54,7 +54,7 @@ class _Exports(dict):
 
     def __missing__(self, kind: str) -> Path:
         from helpers import ROOT
-        from models.formats.shipped import engine_ready
+        from models.exports.shipped import engine_ready
 
         with run_shared(self.tmp_path_factory, f"engine-export-{kind}") as root:
             done = root / "export.path"
@@ -191,7 +191,7 @@ def test_vllm_refuses_a_folder_with_a_stray_weight_file_and_so_do_we(vllm, expor
     """The failure users met: an EAGLE export with the target counts beside its weights (as exports were written
     before side data moved to specdraft/). vLLM refuses it; our loader names the file and the fix; the rewrite
     that message proposes (python -m scripts.tools.convert from-reference) is served."""
-    from models.formats.export import check_engine_ready, from_reference, load_export
+    from models.exports.io import check_engine_ready, from_reference, load_export
     from runtime.errors import UserError
 
     old = tmp_path / "old"

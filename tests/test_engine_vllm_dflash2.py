@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 def dflash2_export(smollm2, tmp_path_factory):
     """A DFlash2 export of the default verifier (random weights, seeded: what vLLM reads does not need training)."""
     from models.dflash2 import build_dflash2
-    from models.formats.export import save_export
+    from models.exports.io import save_export
 
     torch.manual_seed(0)
     net = build_dflash2(smollm2, mask_token_id=16, block_size=TOKENS + 1, selector_rank=32)

@@ -36,7 +36,7 @@ print(json.dumps({"config": d, "spec": spec}, default=str))
 def dspark_export(smollm2, tmp_path_factory):
     """A DSpark export of the default verifier (random weights, seeded: what vLLM reads does not need training)."""
     from models.dspark import build_dspark
-    from models.formats.export import save_export
+    from models.exports.io import save_export
 
     torch.manual_seed(0)
     net = build_dspark(smollm2, mask_token_id=16, block_size=TOKENS + 1, markov_rank=64)

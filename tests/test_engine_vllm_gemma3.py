@@ -55,7 +55,7 @@ def test_vllm_serves_medusa_on_gemma3_and_accepts_what_we_accept(vllm, gemma3, p
     from eval.drafters.build import make_drafter
     from eval.engine.decode import speculative_decode
     from eval.engine.tree import Chain
-    from models.formats.export import save_export
+    from models.exports.io import save_export
     from models.medusa import MedusaHeads
 
     heads = MedusaHeads(gemma3.hidden_size, gemma3.vocab_size, num_heads=TOKENS)
@@ -86,7 +86,7 @@ def test_vllm_refuses_eagle3_on_gemma3_with_its_own_message(vllm, gemma3, tmp_pa
     """An EAGLE-3 export for Gemma 3 (the speculators format naming Gemma3ForCausalLM and our cached checkpoint), given
     through --speculative-config, is refused by vLLM 0.32 in its own words: Gemma 3 has no EAGLE-3 interface there."""
     from models.eagle import build_eagle
-    from models.formats.export import save_export
+    from models.exports.io import save_export
 
     torch.manual_seed(0)
     export = save_export(build_eagle("eagle3", gemma3, draft_vocab_size=64), gemma3, tmp_path / "eagle3")

@@ -1,5 +1,5 @@
-"""One `python -m eval` run reads each input once (issue 79): the export's config.json (models.formats.export
-.read_config, behind read_info) and its weights (models.formats.export.load_export), the verifier
+"""One `python -m eval` run reads each input once (issue 79): the export's config.json (models.exports.io
+.read_config, behind read_info) and its weights (models.exports.io.load_export), the verifier
 (models.verifiers.load.load_verifier) and the prompt sets (data.prompts.load_conversations), each counted through a
 wrapper around the real loader while a real `evaluate` runs (helpers.count_reads; the load sweep's run, with vLLM, is
 counted in tests/test_serve_load.py). The run is the default one, the run that builds the most
@@ -17,7 +17,7 @@ import torch
 
 from eval.harness import evaluate
 from helpers import ROOT, count_reads
-from models.formats.export import save_export
+from models.exports.io import save_export
 from models.medusa import MedusaHeads
 
 ACCURACY = [[0.6, 0.75, 0.8, 0.83], [0.45, 0.55, 0.6, 0.62], [0.35, 0.42, 0.46, 0.5], [0.25, 0.3, 0.33, 0.35]]

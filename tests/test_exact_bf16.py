@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from eval.drafters.build import Draft, make_drafter
-from eval.engine.decode import greedy_decode, speculative_decode, use_engine
+from eval.engine.decode import greedy_decode, speculative_decode
+from eval.engine.session import use_engine
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, auto_tree, chain, from_medusa_choices
 from helpers import varied_llama
 from models.eagle import build_eagle

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.exports.io import load_export, save_export
 from models.families import FAMILIES
 from models.formats.config import ExportConfig
 from models.formats.dflash import DFlashConfig, DFlashSpeculators, DFlashTargets
 from models.formats.eagle import Eagle3Config, EagleConfig, SGLangAuxLayers
-from models.formats.export import load_export, save_export
 from models.formats.medusa import MedusaConfig
 from models.formats.peagle import PEagleConfig
 from models.medusa import MedusaHeads
@@ -202,7 +202,7 @@ def test_a_config_that_disagrees_with_its_weights_is_refused_naming_field_and_te
     """A config.json edited against its weights (a layer count vLLM would build, a draft vocabulary the head does
     not have) once loaded, or was blamed on the verifier: refused from the safetensors header when the export is
     read, before any verifier loads, naming the field, the tensor and its shape."""
-    from models.formats.export import read_info
+    from models.exports.io import read_info
 
     bad = _edited(exports[family], tmp_path, edit)
     with pytest.raises(UserError, match=said) as info:
@@ -212,7 +212,7 @@ def test_a_config_that_disagrees_with_its_weights_is_refused_naming_field_and_te
 
 def test_dspark_layers_disagreeing_with_the_weights_are_refused(tiny4, tmp_path):
     from models.dspark import build_dspark
-    from models.formats.export import read_info
+    from models.exports.io import read_info
 
     path = save_export(build_dspark(tiny4, 16, block_size=4, num_layers=2), tiny4, tmp_path / "ds")
     (tmp_path / "edited").mkdir()
@@ -234,7 +234,7 @@ def test_a_shipped_export_copied_without_its_manifest_and_edited_is_refused(tmp_
     import shutil
 
     from helpers import ROOT
-    from models.formats.export import read_info
+    from models.exports.io import read_info
 
     shipped = ROOT / "pretrained" / name
     if not (shipped / "model.safetensors").is_file():
@@ -255,8 +255,8 @@ def test_an_eagle3_export_of_two_feature_layers_tells_vllm_how_wide_fc_is(tiny, 
     num_aux_hidden_states, else 3 (llama_eagle3.py), so the export once could not be served (fc 128 wide against
     192). Now the export records it, and the check of what vLLM reads refuses a config without it."""
     from models.eagle import build_eagle
+    from models.exports.io import header_shapes
     from models.formats.eagle import eagle3_engine_disagreements
-    from models.formats.export import header_shapes
 
     path = save_export(build_eagle("eagle3", tiny, draft_vocab_size=64, aux_layer_ids=[0, 1]), tiny, tmp_path / "e3")
     cfg = json.loads((path / "config.json").read_text())

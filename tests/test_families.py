@@ -26,12 +26,12 @@ from eval.drafters.draft_model import DraftModelDrafter, load_draft_model, make_
 from eval.drafters.hybrid import HybridDrafter, graft
 from eval.drafters.lookahead import LookaheadDrafter
 from eval.drafters.lookup import PromptLookupDrafter, lookup
-from eval.engine.accept import greedy_accept
+from eval.engine.acceptance.greedy import greedy_accept
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, Chain, DynamicTree, chain, from_medusa_choices, tree_buffers
 from helpers import ROOT, varied_llama
+from models.exports.io import save_export
 from models.families import FAMILIES
-from models.formats.export import save_export
 from models.medusa import MedusaHeads
 from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError

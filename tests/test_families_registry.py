@@ -71,7 +71,7 @@ def test_every_family_trains_exports_reads_and_decodes_exactly(name, trained, va
     from eval.drafters.build import build_drafter, family_config
     from eval.engine.decode import greedy_decode, speculative_decode
     from eval.engine.tree import AutoTree
-    from models.formats.export import load_export, read_info
+    from models.exports.io import load_export, read_info
 
     fam = FAMILIES[name]
     export = trained.get(name)
@@ -189,9 +189,9 @@ def test_no_import_circle_and_the_layers_import_downward():
     assert upward_imports(graph) == {}
     # the check sees a step up: the engine importing a drafter, a drafter the harness, models/ the data layer
     assert upward_imports({"eval.engine.decode": {"eval.drafters.medusa"}, "eval.drafters.build": {"eval.runner"},
-                           "models.formats.export": {"data.chat"}, "eval.runner": {"eval.engine.decode"}}) == {
+                           "models.exports.io": {"data.chat"}, "eval.runner": {"eval.engine.decode"}}) == {
         "eval.drafters.build": ["eval.runner"], "eval.engine.decode": ["eval.drafters.medusa"],
-        "models.formats.export": ["data.chat"]}
+        "models.exports.io": ["data.chat"]}
 
 
 @pytest.mark.parametrize("method", ["all", "single", "all-bf16"])
@@ -236,7 +236,7 @@ def test_drafter_dtype_casts_a_copy_of_the_exports_network(trained, varied):
     every drafter built from it) keeps its weights; a dtype not in the list is one message."""
     from eval.drafters.build import drafter_dtype, make_drafter, resolve_drafter_dtype
     from eval.engine.tree import Chain
-    from models.formats.export import load_export
+    from models.exports.io import load_export
     from runtime.errors import UserError
 
     exp = load_export(trained["eagle3"], varied)
@@ -249,7 +249,7 @@ def test_drafter_dtype_casts_a_copy_of_the_exports_network(trained, varied):
     assert resolve_drafter_dtype("float32", "bfloat16") == "float32"  # set: as given
     from eval.drafters.build import build_drafter, family_config
     from eval.engine.sampling import SamplingConfig
-    from models.formats.export import read_info
+    from models.exports.io import read_info
 
     for name, sampled in (("eagle3", False), ("dflash", False), ("eagle3", True), ("medusa", True)):
         # the harness's one builder passes eval's drafter_dtype on, sampled proposals or not (sampled_drafts once

@@ -177,7 +177,7 @@ def test_the_walk_covers_the_shared_modules():
     names = {str(p.relative_to(ROOT)) for p in SHARED}
     assert {"eval/planner/cost.py", "eval/offline.py", "eval/harness.py", "eval/drafters/build.py",
             "eval/engine/decode.py", "train/base.py", "train/memory.py", "train/export.py",
-            "models/formats/export.py", "models/formats/speculators.py", "data/chat.py", "train.py"} <= names
+            "models/exports/io.py", "models/exports/speculators.py", "data/chat.py", "train.py"} <= names
     assert set(PENDING) <= names
     assert not names & {str(p.relative_to(ROOT)) for p in FAMILY_FILES}
     assert all(p.is_file() for p in FAMILY_FILES), sorted(str(p) for p in FAMILY_FILES if not p.is_file())

@@ -21,14 +21,14 @@ import torch
 
 from data.prompts import Conversation, load_conversations, select_prompts
 from eval.drafters.build import Draft, Drafter, make_drafter
-from eval.engine import decode
+from eval.engine import decode, session
 from eval.engine import hf_forward as kv
 from eval.engine.tree import Tree, auto_tree, from_medusa_choices
 from eval.harness import evaluate
 from eval.report import REPORT_KEYS, RUN_KEYS, write_outputs
 from eval.runner import Runner, run_prompts
 from helpers import ROOT, varied_llama
-from models.formats.export import save_export
+from models.exports.io import save_export
 from models.medusa import MedusaHeads
 from models.verifiers.core import Verifier
 
@@ -241,7 +241,7 @@ def test_no_timed_loop_pays_the_engines_one_time_probe_of_a_prompts_length(varie
     probed = []
 
     def probed_now() -> bool:
-        return any(key[3] >= len(prompt) + max_new + decode.TREE_ROOM for key in fast._TRIM)
+        return any(key[3] >= len(prompt) + max_new + session.TREE_ROOM for key in fast._TRIM)
 
     def spy(loop):
         def timed_loop(*args, **kwargs):
@@ -306,7 +306,7 @@ def test_report_is_exact_on_a_varied_verifier_and_a_wrong_commit_shows(varied, t
     assert report["greedy_match"] == 1.0 and set(profile["match_plain_greedy"].values()) == {1.0}
     assert report["tau"] > 3.0 if drafter_name == "oracle" else report["tau"] < 1.5
     # The same run with the KV commit broken: the harness must report the mismatch.
-    monkeypatch.setattr(decode.kv, "commit", wrong)
+    monkeypatch.setattr(session.kv, "commit", wrong)
     broken, _ = run_objects(varied, drafter, tmp_path / "broken")
     assert broken["greedy_match"] < 1.0
 

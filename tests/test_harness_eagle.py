@@ -10,12 +10,12 @@ from test_eagle_decode import random_net
 from test_harness import FAST, off_by_one, run_eval, run_objects
 
 from eval.drafters.build import make_drafter
-from eval.engine import decode
+from eval.engine import session
 from eval.engine.tree import Chain, DynamicTree
 from eval.planner import cost
 from helpers import varied_llama
 from models.eagle import build_eagle
-from models.formats.export import save_export
+from models.exports.io import save_export
 from runtime.errors import UserError
 
 
@@ -71,7 +71,7 @@ def test_eagle_report_is_exact_on_a_varied_verifier_and_a_wrong_commit_shows(var
         drafter = make_drafter(kind, varied, tree, net=net)
         report, profile = run_objects(varied, drafter, tmp_path / f"ok-{drafter.max_nodes}")
         assert report["greedy_match"] == 1.0 and set(profile["match_plain_greedy"].values()) == {1.0}
-    monkeypatch.setattr(decode.kv, "commit", off_by_one)
+    monkeypatch.setattr(session.kv, "commit", off_by_one)
     broken, _ = run_objects(varied, make_drafter(kind, varied, DynamicTree(), net=net), tmp_path / "broken")
     assert broken["greedy_match"] < 1.0
 

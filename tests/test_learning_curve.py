@@ -12,7 +12,7 @@ import torch
 
 from helpers import ROOT, varied_llama
 from models.eagle import build_eagle
-from models.formats.export import save_export
+from models.exports.io import save_export
 from models.medusa import MedusaHeads
 
 

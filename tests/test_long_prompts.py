@@ -104,7 +104,7 @@ def test_the_prefill_with_attention_in_the_model_dtype_is_exact_and_takes_effect
     """Engine.prefill_attention = "model" (what scripts.bench.long times beside the fp32 default): the prefill's
     attention over bf16 q, k, v changes the cache it leaves (the setting takes effect), stays close to the fp32 one,
     and speculative decoding is still plain greedy's token for token (both run the same prefill)."""
-    from eval.engine.decode import engine_of
+    from eval.engine.session import engine_of
 
     e = engine_of(bf16.model)
     ids = long_prompt(bf16, 900)
@@ -130,7 +130,7 @@ def test_the_prefill_attention_auto_takes_bf16_only_where_it_is_clearly_faster(b
     where it is at least PREFILL_MARGIN faster (so a machine where the two tie keeps fp32 from one process to the
     next), fp32 for an fp32 model whatever the times, an explicit setting as set; a given timer leaves the
     process's memo alone."""
-    from eval.engine.decode import engine_of
+    from eval.engine.session import engine_of
 
     e = engine_of(bf16.model)
     times = lambda model_s: (lambda choice: model_s if choice == "model" else 1.0)  # noqa: E731
@@ -152,7 +152,7 @@ def test_the_prefill_attention_auto_takes_bf16_only_where_it_is_clearly_faster(b
 def test_the_prefill_runs_the_attention_auto_picked_and_picks_it_before_the_prompt(picked, bf16):
     """Under the default "auto", a cache is made only after the choice is timed (so no timed prefill pays it), and
     the prefill then leaves the very cache the picked setting leaves, bit for bit, whichever this machine picked."""
-    from eval.engine.decode import engine_of
+    from eval.engine.session import engine_of
 
     e = engine_of(bf16.model)
     assert e.prefill_attention == "auto"

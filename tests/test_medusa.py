@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.formats.export import load_export, save_export
+from models.exports.io import load_export, save_export
 from models.medusa import MedusaHeads, medusa_targets
 from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError, VerifierMismatchError
@@ -118,7 +118,7 @@ def test_export_is_atomic(tiny, tmp_path):
 
 
 def test_atomic_dir_leaves_nothing_behind_on_failure(tmp_path):
-    from models.io import atomic_dir
+    from runtime.io import atomic_dir
 
     with pytest.raises(KeyboardInterrupt):
         with atomic_dir(tmp_path / "cache") as tmp:

@@ -9,9 +9,10 @@ from scipy.stats import chi2_contingency
 
 from eval.drafters.build import make_drafter
 from eval.drafters.online import AdaptSettings, adapt_settings
-from eval.engine import sampling
+from eval.engine.acceptance import sampled as sampling
+from eval.engine.acceptance.sampled import RejectionPlan, rejection_plan
 from eval.engine.decode import greedy_decode, sample_decode, speculative_decode
-from eval.engine.sampling import RejectionPlan, SamplingConfig, rejection_plan
+from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import Chain, DynamicTree
 from helpers import varied_llama
 from models.eagle import build_eagle

@@ -1,4 +1,4 @@
-"""The acceptance-rule seam (eval.engine.rules): one rule chosen per run from the sampling settings, each naming
+"""The acceptance-rule seam (eval.engine.acceptance): one rule chosen per run from the sampling settings, each naming
 itself and its exactness for the report; a rule defined outside the package (tests/toy_rule.py) registers and decodes
 through the real loop and the real command line with no other change."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.engine.rules import AcceptanceRule, rule_for, verify_names
+from eval.engine.acceptance import named_rule, rule_for, verify_names
+from eval.engine.acceptance.protocol import AcceptanceRule
 from eval.engine.sampling import SamplingConfig
 from runtime.errors import UserError
 
@@ -24,7 +25,7 @@ def test_the_rule_is_chosen_from_the_sampling_settings():
     assert [k for k, r in chosen.items() if r.chains_only] == ["block"]
     assert all(isinstance(r, AcceptanceRule) for r in chosen.values())
     with pytest.raises(UserError, match="verify='first_only' is not one of token, block"):
-        SamplingConfig(temperature=0.7, verify="first_only")  # not registered yet
+        named_rule(SamplingConfig(temperature=0.7, verify="first_only"))  # not registered yet
 
 
 def test_a_new_rule_is_one_module_and_its_registration(tmp_path):

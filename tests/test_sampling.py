@@ -17,8 +17,9 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-import eval.engine.sampling as sampling
-from eval.engine.sampling import RejectionPlan, SamplingConfig, outcome_distribution, rejection_plan, warp
+import eval.engine.acceptance.sampled as sampling
+from eval.engine.acceptance.sampled import RejectionPlan, outcome_distribution, rejection_plan
+from eval.engine.sampling import SamplingConfig, warp
 from eval.engine.tree import from_medusa_choices
 from runtime.errors import UserError
 
@@ -565,7 +566,7 @@ def test_eagle_dynamic_tree_sampled_negative_controls_fail(real_verifier, monkey
 def _dynamic_world_pairs(setting: tuple[float, float, int], seed: int, iid: bool = False):
     """20k rounds on the World: the root draws 3 children without replacement from p1 (Gumbel-top-k), the one with
     the highest p1 draws 2 from p2; each sibling handed `sibling_proposals` (or, with `iid`, the undepleted p)."""
-    from eval.engine.sampling import sibling_proposals, without_replacement
+    from eval.engine.acceptance.sampled import sibling_proposals, without_replacement
     from eval.engine.tree import Tree, tree_buffers
 
     world = World(seed, setting)

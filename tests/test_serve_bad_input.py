@@ -147,7 +147,7 @@ def test_a_family_the_cpu_build_refuses_is_named_from_the_registry(smollm2, tmp_
     import torch
 
     from models.dflash2 import build_dflash2
-    from models.formats.export import save_export
+    from models.exports.io import save_export
 
     torch.manual_seed(0)
     net = build_dflash2(smollm2, mask_token_id=16, block_size=4, selector_rank=8)

@@ -1,4 +1,4 @@
-"""Exports made compact for the repository (models/formats/shipped.py) and the drafters that ship in pretrained/:
+"""Exports made compact for the repository (models/exports/shipped.py) and the drafters that ship in pretrained/:
 compact -> loaded as it is -> decodes exactly; engine-ready folders written back bit for bit; refusals."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from test_families_registry import EXTRA as REGISTRY_EXTRA
 
 from helpers import ROOT, compose_train
+from models.exports.shipped import COMPACT_KEY, MANIFEST, check_manifest, engine_ready, file_manifest, ship
 from models.families import EXPORT_FAMILIES
-from models.formats.shipped import COMPACT_KEY, MANIFEST, check_manifest, engine_ready, file_manifest, ship
 from runtime.errors import UserError, VerifierMismatchError
 
 VARIED = ["verifier=tiny", "verifier.seed=1", "+verifier.layer_std=0.3"]
@@ -46,7 +46,7 @@ def _decode_exactly(verifier, export) -> None:
     from eval.drafters.build import build_drafter, family_config
     from eval.engine.decode import greedy_decode, speculative_decode
     from eval.engine.tree import AutoTree
-    from models.formats.export import read_info
+    from models.exports.io import read_info
 
     info = read_info(export)
     drafter = build_drafter(info.kind,
@@ -60,7 +60,7 @@ def _decode_exactly(verifier, export) -> None:
 
 @pytest.mark.parametrize("name", EXPORT_FAMILIES)
 def test_a_compact_export_loads_as_it_is_and_decodes_exactly(name, exports, varied, tmp_path, one_thread):
-    from models.formats.export import load_export
+    from models.exports.io import load_export
 
     full = exports[name]
     recipe = tmp_path / "recipe.yaml"
@@ -96,7 +96,7 @@ def test_engine_ready_writes_the_full_export_back(name, exports, varied, tmp_pat
 
 
 def test_a_damaged_or_foreign_compact_export_is_refused(exports, varied, tiny, tmp_path):
-    from models.formats.export import load_export
+    from models.exports.io import load_export
 
     compact = ship(exports["medusa"], tmp_path / "compact", varied)
     with pytest.raises(VerifierMismatchError):
@@ -121,7 +121,7 @@ def test_a_damaged_or_foreign_compact_export_is_refused(exports, varied, tiny, t
 def test_a_shipped_file_that_differs_from_its_manifest_is_refused(exports, varied, tmp_path):
     """Issue 54: one flipped byte in a shipped model.safetensors loaded silently with a changed weight. Now the
     manifest (size and sha256 per file) is checked on load and by engine_ready."""
-    from models.formats.export import load_export, read_info
+    from models.exports.io import load_export, read_info
 
     compact = ship(exports["eagle3"], tmp_path / "compact", varied)
     good = load_export(compact, varied).net.state_dict()
@@ -187,7 +187,7 @@ def test_every_shipped_drafter_is_its_embedded_verifiers_and_decodes_exactly(exp
     eval report it ships with, and speculative decoding through it equal to plain greedy decoding token for token.
     Its engine-ready folder names the verifier vLLM loads where this machine keeps it (the tests' cache), not where
     the shipping machine did."""
-    from models.formats.export import export_verifier, load_export
+    from models.exports.io import export_verifier, load_export
     from models.verifiers.load import load_verifier
 
     config = json.loads((export / "config.json").read_text())

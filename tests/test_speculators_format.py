@@ -1,4 +1,4 @@
-"""Exports an engine loads as they are: the speculators format for EAGLE-3 (models/formats/speculators.py), side data
+"""Exports an engine loads as they are: the speculators format for EAGLE-3 (models/exports/speculators.py), side data
 out of the engine's glob, and one clear message per bad input (a stray weight file, a speculators config with a
 missing or contradictory field, a missing or wrong vLLM interpreter). The real vLLM reading them:
 tests/test_engine_vllm.py."""
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.eagle import build_eagle
-from models.formats.export import COUNTS_NAME, SIDE_DIR, load_export, read_config, save_export
+from models.exports.io import COUNTS_NAME, SIDE_DIR, load_export, read_config, save_export
 from models.verifiers.hf import save_checkpoint
 from models.verifiers.tiny import build_tiny
 from runtime.errors import UserError

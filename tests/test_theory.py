@@ -1,7 +1,7 @@
 """The closed forms of eval/theory.py against exact enumeration through the real rule, and against measured runs.
 
 1. Exact (1e-9): alpha = sum min(p, q) and E[tau] = (1 - alpha^(N+1)) / (1 - alpha) equal the rule's own
-   probabilities (eval.engine.sampling.rejection_plan / outcome_distribution) summed over every draft outcome.
+   probabilities (eval.engine.acceptance.sampled.rejection_plan / outcome_distribution) summed over every draft outcome.
 2. Statistical (fixed seeds): alpha measured by running sample_accept is within 3 sd of the closed form, for random
    small pairs and for q from the tiny verifier perturbed into drafts of graded quality (alpha falling as KL grows);
    tau measured over rounds of N drafts is within 3 sd of the closed form. Negative control: a rule accepting with

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import ROOT, batch_recorder_overrides, compose_train
-from models.formats.export import load_export
+from models.exports.io import load_export
 from runtime.errors import NonFiniteLossError, UserError
 
 TINY = ["verifier=tiny", "data.limit=12", "data.max_new_tokens=12", "data.gen_batch_size=12", "data.batch_size=4",

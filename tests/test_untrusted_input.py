@@ -21,7 +21,7 @@ from data.chat import encode_turns, prompt_ids, render
 from data.multiturn import continuation_ids
 from eval.harness import evaluate
 from helpers import ROOT
-from models.formats.export import export_verifier, read_config, save_export
+from models.exports.io import export_verifier, read_config, save_export
 from models.medusa import MedusaHeads
 from models.verifiers.embedded import ensure_smollm2_checkpoint, local_tokenizer
 from models.verifiers.load import load_verifier

@@ -13,8 +13,8 @@ import pytest
 
 from data.shipped import MANIFEST, check_replaceable, pack
 from helpers import ROOT, compose_train
-from models.io import write_new_files
 from runtime.errors import UserError
+from runtime.io import write_new_files
 
 NOTES = "my own notes\n"
 

@@ -126,7 +126,7 @@ def test_an_export_for_another_verifier_is_refused_by_fingerprint(gemma3, tiny, 
     """An EAGLE-3 export written for Gemma 3 records its verifier (rendering included) and fingerprint; given with
     another verifier it is refused, naming both architectures."""
     from models.eagle import build_eagle
-    from models.formats.export import load_export, save_export
+    from models.exports.io import load_export, save_export
     from runtime.errors import VerifierMismatchError
 
     torch.manual_seed(0)

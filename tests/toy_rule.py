@@ -1,6 +1,7 @@
 """A toy acceptance rule defined outside the package, to show that adding a rule is one module plus its registration
-(eval.engine.rules): `verify=first_only` accepts at most the first draft, by rejection sampling on its own (the chain
-cut to depth 1: exact, since rejection sampling is exact on any prefix of the tree), and samples the next token."""
+(eval.engine.acceptance): `verify=first_only` accepts at most the first draft, by rejection sampling on its own (the
+chain cut to depth 1: exact, since rejection sampling is exact on any prefix of the tree), and samples the next
+token."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eval.engine.accept import Acceptance
+from eval.engine.acceptance import register
+from eval.engine.acceptance.protocol import Acceptance
+from eval.engine.acceptance.sampled import sample_accept
 from eval.engine.protocol import Draft
-from eval.engine.rules import register
-from eval.engine.sampling import SamplingConfig, sample_accept, warp
+from eval.engine.sampling import SamplingConfig, warp
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import torch
 from lightning.fabric.utilities.data import AttributeDict
 from torch import Tensor
 
+from models.exports.io import Export, frequent_ids
 from models.families import a_title, title
-from models.formats.export import Export, frequent_ids
 from runtime.distributed import token_share, world
 from runtime.errors import UserError
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from data.hidden_cache import gather_layers
-from models.formats.export import check_vocab_size, save_export
+from models.exports.io import check_vocab_size, save_export
 from models.medusa import MedusaHeads, medusa_targets
 from models.verifiers.core import Verifier
 from runtime.errors import NonFiniteLossError, UserError

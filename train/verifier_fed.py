@@ -26,8 +26,8 @@ from torch import Tensor
 
 from data.hidden_cache import gather_layers
 from models.eagle import UnrolledStep, VerifierFedNet, target_rank
+from models.exports.io import check_vocab_size, save_export
 from models.families import title
-from models.formats.export import check_vocab_size, save_export
 from models.verifiers.core import Verifier
 from runtime.errors import NonFiniteLossError, UserError
 from train.base import TOPK, DrafterModule
@@ -67,7 +67,7 @@ def validation_summary(agg: dict[str, Tensor]) -> dict[str, Any]:
     """What exports record from the summed tallies: `val_step_top1` (each step's top-1 over its valid targets),
     `estimated_tau` (1 + the mean accepted chain) and `eagle_topk_accuracy` (S, topk), the cumulative top-k where
     the chain reaches each step: the per-depth table tree planning reads
-    (models.formats.export.ExportInfo.acceptance)."""
+    (models.exports.io.ExportInfo.acceptance)."""
     acc = agg["hits"] / agg["counts"].clamp(min=1)
     tau = 1 + agg["accept"] / agg["starts"].clamp(min=1)
     topk = agg["topk_hits"] / agg["reached"].clamp(min=1)[:, None]

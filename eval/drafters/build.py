@@ -24,8 +24,8 @@ from eval.engine.exports import load_export  # once per run inside `python -m ev
 from eval.engine.protocol import Draft, Drafter  # noqa: F401  (the protocol, importable from here as before)
 from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import TreePolicy
+from models.exports.io import Export, ExportInfo, frequent_ids
 from models.families import FAMILIES, export_families, family_of_net, resolve, title
-from models.formats.export import Export, ExportInfo, frequent_ids
 from models.verifiers.core import Verifier
 from runtime.errors import UserError, VerifierMismatchError
 

@@ -29,7 +29,7 @@ from eval.engine.protocol import Draft, Drafter
 from eval.engine.sampling import SamplingConfig
 from eval.engine.tree import TreePolicy, truncate
 from models.dspark import DSparkNet
-from models.formats.export import ExportInfo
+from models.exports.io import ExportInfo
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 

@@ -31,8 +31,9 @@ from torch import Tensor
 from eval.drafters.heads import weights_dtype
 from eval.drafters.online import AdaptSettings, OnlineLearner
 from eval.drafters.verifier_fed import VerifierFedDrafter
+from eval.engine.acceptance.sampled import sibling_proposals, without_replacement
 from eval.engine.protocol import Draft
-from eval.engine.sampling import SamplingConfig, sibling_proposals, warp, without_replacement
+from eval.engine.sampling import SamplingConfig, warp
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, TreePolicy, auto_tree
 from models.eagle import EagleNet, unroll
 from models.verifiers.core import Verifier
@@ -182,16 +183,16 @@ class EagleDrafter(VerifierFedDrafter):
         distribution each was drawn from (N-1, V)). A chain is topk 1.
 
         Each expanded node u draws its m_u children one after another without replacement from its warped p_u
-        (eval.engine.sampling.without_replacement), and child i carries p_u with its earlier siblings removed
-        (eval.engine.sampling.sibling_proposals): what recursive rejection sampling needs to stay exact. Every sampled
-        child is kept: pruning a child by its own token (as the top-k growth's rerank does) would bias the kept ones
-        away from p_u. The shape depends on the drafts in one way only: m_u = min(topk, p_u's support, budget left) is
-        fixed before u's children are drawn (sufficient; whether child i exists may depend on its earlier siblings,
-        never on itself or later ones), from the drafts of u's layer and above (the frontier is the topk best
-        nodes of a layer by cumulative log p, any deterministic function of them would do; the node budget is spent
-        layer by layer, best parent first). Given those, u's children are a fresh draw from p_u, so at every node the
-        children the walk tries follow the p it is handed. Spending the budget breadth-first matters: were a deeper
-        node's group allowed to claim budget before u's, whether that node was expanded (which depends on u's
+        (eval.engine.acceptance.sampled.without_replacement), and child i carries p_u with its earlier siblings removed
+        (eval.engine.acceptance.sampled.sibling_proposals): what recursive rejection sampling needs to stay exact.
+        Every sampled child is kept: pruning a child by its own token (as the top-k growth's rerank does) would bias
+        the kept ones away from p_u. The shape depends on the drafts in one way only: m_u = min(topk, p_u's support,
+        budget left) is fixed before u's children are drawn (sufficient; whether child i exists may depend on its
+        earlier siblings, never on itself or later ones), from the drafts of u's layer and above (the frontier is the
+        topk best nodes of a layer by cumulative log p, any deterministic function of them would do; the node budget
+        is spent layer by layer, best parent first). Given those, u's children are a fresh draw from p_u, so at every
+        node the children the walk tries follow the p it is handed. Spending the budget breadth-first matters: were a
+        deeper node's group allowed to claim budget before u's, whether that node was expanded (which depends on u's
         children's scores) would decide m_u."""
         dev = root_out.device
         fed = self.fed_class(self, root_out)
@@ -308,8 +309,8 @@ def eagle_drafter(net: EagleNet, config: dict[str, Any], verifier: Verifier, tre
                   head_ids: Tensor | None = None) -> EagleDrafter:
     """The drafter for a loaded EAGLE-1 / EAGLE-3 network (models/families.py names it the families' decoder), its
     tree=auto depth capped by the export's acceptance table."""
+    from models.exports.io import acceptance_table
     from models.families import family_of_net
-    from models.formats.export import acceptance_table
 
     return EagleDrafter(net, verifier, tree, sampling=sampling, generator=generator, head_ids=head_ids,
                         table=acceptance_table(config, family_of_net(net)))

@@ -56,7 +56,7 @@ from eval.drafters.lookup import LOOKUP_TOKENS, PromptLookupDrafter, match
 from eval.engine.protocol import Draft, Drafter, Observing, Planned, Prediction, Skippable
 from eval.engine.timing import RoundOverhead
 from eval.engine.tree import Chain, Tree, TreePolicy, chain
-from models.formats.export import ExportInfo
+from models.exports.io import ExportInfo
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
@@ -68,7 +68,7 @@ LOOKUP_STRENGTH = 4.0  # pseudo-observations the run's prior rate is worth again
 SIZE_STRENGTH = 4.0  # ... the run's rate over all match sizes against the run's counts for one match size
 PROMPT_STRENGTH = 16.0  # ... and that, scaled by the prompt's outcomes, against the prompt's counts for one cell
 EFFECT_STRENGTH = 4.0  # expected hits (misses) the run's rates are worth against a prompt's own (LookupDepths)
-TREE_ROOM = 64  # the most nodes a round may verify (eval.engine.decode.TREE_ROOM)
+TREE_ROOM = 64  # the most nodes a round may verify (eval.engine.session.TREE_ROOM)
 
 
 def graft(primary: Draft, extra: Draft, budget: int) -> tuple[Draft, list[int]]:

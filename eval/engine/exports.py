@@ -1,4 +1,4 @@
-"""An export's weights read once per run: `load_export` as models.formats.export has it, except that inside
+"""An export's weights read once per run: `load_export` as models.exports.io has it, except that inside
 `once_per_run()` (what `python -m eval` runs in) each export directory is loaded once for a verifier and the loaded
 Export is handed to every drafter built from it (a probe and the planned drafter, a combination and its part alone;
 the drafters share the network, and a drafter_dtype cast works on a copy: eval.drafters.build.make_drafter).
@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
-from models.formats import export as formats
-from models.formats.export import Export, ExportInfo
+from models.exports import io as formats
+from models.exports.io import Export, ExportInfo
 from models.verifiers.core import Verifier
 
 _LOADED: ContextVar[dict[tuple[str, int], Export] | None] = ContextVar("loaded_exports", default=None)
@@ -30,7 +30,7 @@ def once_per_run() -> Iterator[None]:
 
 
 def load_export(path: str | Path | ExportInfo, verifier: Verifier, kind: str | None = None) -> Export:
-    """models.formats.export.load_export, memoised within `once_per_run` (its refusals unchanged: an export of
+    """models.exports.io.load_export, memoised within `once_per_run` (its refusals unchanged: an export of
     another kind than `kind` goes through the loader, which says so)."""
     loaded = _LOADED.get()
     if loaded is None:

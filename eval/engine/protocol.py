@@ -188,7 +188,7 @@ class Observing(Protocol):
 @runtime_checkable
 class Branching(Protocol):
     """A drafter that says whether its rounds may branch although its node count would fit a chain (the hybrid:
-    lookup chains grafted beside the drafter's); block verification (eval.engine.block_verify) takes chains only."""
+    lookup chains grafted beside the drafter's); block verification (eval.engine.acceptance.block) takes chains only."""
 
     branches: bool
 

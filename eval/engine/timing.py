@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from eval.engine.decode import VerifierSession
+from eval.engine.session import VerifierSession
 from models.verifiers.core import Verifier
 
 

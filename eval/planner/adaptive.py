@@ -38,8 +38,8 @@ from eval.engine.timing import RoundOverhead
 from eval.engine.tree import AutoTree, Chain, DynamicTree, Tree, rank_probs
 from eval.planner import cost
 from eval.planner.shapes import TreeShape, shape_named, shape_of
+from models.exports.io import ExportInfo
 from models.families import FAMILIES
-from models.formats.export import ExportInfo
 from runtime.errors import UserError
 
 TIME_PRIOR = 5.0  # rounds' worth of trust in the curves' own times before measured ones move them

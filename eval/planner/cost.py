@@ -32,8 +32,8 @@ from torch import Tensor
 from eval.engine.protocol import CostProbe
 from eval.engine.timing import interleaved, timed
 from eval.engine.tree import Tree, auto_tree, best_first, rank_probs, tree_buffers
+from models.exports.io import ExportInfo
 from models.families import FAMILIES
-from models.formats.export import ExportInfo
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
@@ -233,7 +233,7 @@ class Curve:
 def measure(verifier: Verifier, prefix_ids: Tensor, threads: int, engine: str = "auto",
             sizes: Sequence[int] = SIZES, reps: int = 3) -> Curve:
     """One curve with `threads` threads (restored after), beside this machine's bound."""
-    from eval.engine.decode import use_engine
+    from eval.engine.session import use_engine
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

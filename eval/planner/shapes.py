@@ -18,8 +18,8 @@ from typing import Any, Protocol, cast
 from eval.engine.protocol import BudgetDrafter, FixedTreeDrafter
 from eval.engine.tree import AutoTree, auto_tree, best_first
 from eval.planner import cost
+from models.exports.io import ExportInfo
 from models.families import FAMILIES
-from models.formats.export import ExportInfo
 
 
 class TreeShape(Protocol):

@@ -38,7 +38,7 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Any | None, prompts:
               top_p: float, seed: int, tokens: int | None = None, cache_dir: str | None = None) -> dict[str, Any]:
     """vLLM plain and (for a family vLLM serves) with the export drafting `tokens` per step, on `prompts` (a compact
     shipped export written back in full first: serve.server.served_folder). `ours`: our plain decoding's outputs on
-    the same prompts, for the greedy agreement. `export`: the run's ExportInfo (models.formats.export), or None."""
+    the same prompts, for the greedy agreement. `export`: the run's ExportInfo (models.exports.io), or None."""
     from serve import vllm_engine
     from serve.server import served_folder
 

@@ -43,7 +43,7 @@ class LoadSettings:
 
     concurrency: tuple[int, ...]
     ks: tuple[int, ...]
-    export: Any = None  # the export swept (models.formats.export.ExportInfo), as the run read it
+    export: Any = None  # the export swept (models.exports.io.ExportInfo), as the run read it
     lengths: tuple[LengthGroup, ...] = ()
     groups: tuple[PromptGroup, ...] = ()
 

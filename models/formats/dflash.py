@@ -1,5 +1,5 @@
 """DFlash's export layout and its speculators format (vLLM's `dflash`); models/families.py registers
-it, models/formats/export.py does the files.
+it, models/exports/io.py does the files.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from models.formats.config import ExportConfig
 from models.peagle import check_mask_token
 from runtime.errors import UserError
 
-# -- the export layout (models/families.py registers it; models/formats/export.py does the files) ----------------------
+# -- the export layout (models/families.py registers it; models/exports/io.py does the files) ----------------------
 
 @dataclass(frozen=True, kw_only=True)
 class DFlashTargets(ExportConfig):
@@ -80,7 +80,7 @@ def dflash_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
     """The DFlash network an export holds, checked against the verifier's shapes and the settings an engine reads:
     the draft layers' (models.formats.eagle.check_draft_layer) and a block_size the window holds."""
     from models.formats.eagle import check_draft_layer
-    from models.io import load_state
+    from runtime.io import load_state
 
     where = file.parent / "config.json"
     cfg = DFlashConfig.from_config(config, where)
@@ -103,7 +103,7 @@ def dflash_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
     return net, None
 
 
-# -- the speculators format (models/formats/speculators.py): vLLM's dflash ---------------------------------------------
+# -- the speculators format (models/exports/speculators.py): vLLM's dflash ---------------------------------------------
 
 # DFlash's reference layout keeps these in its layer config; the speculators format moves the rest to the top level
 # and into `dflash`'s own keys.

@@ -48,7 +48,7 @@ def dflash2_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], veri
                         reference: bool) -> tuple[DFlash2Net, None]:
     """The DFlash2 network an export holds: DFlash's checks (dflash_from_layout), then DFlash2's settings against the
     verifier and the selector's codebooks against the vocabulary."""
-    from models.io import load_state
+    from runtime.io import load_state
 
     where = file.parent / "config.json"
     own = DFlash2Config.from_config(config, where)

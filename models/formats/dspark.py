@@ -72,7 +72,7 @@ def dspark_from_layout(config: dict[str, Any], tensors: dict[str, Tensor], verif
     dflash, _ = dflash_from_layout(config, base, verifier, file, reference)
     net = DSparkNet(mask_token_id=dflash.mask_token_id, block_size=dflash.block_size, num_layers=len(dflash.layers),
                     aux_layer_ids=dflash.aux_layer_ids, markov_rank=rank, markov_head_type=head_type, **lc)
-    from models.io import load_state
+    from runtime.io import load_state
 
     load_state(net, tensors, file)
     return net, None

@@ -1,4 +1,4 @@
-"""The EAGLE-1 and EAGLE-3 export layouts (models/families.py registers them; models/formats/export.py does the files).
+"""The EAGLE-1 and EAGLE-3 export layouts (models/families.py registers them; models/exports/io.py does the files).
 
 Both are the Llama-drafter layouts vLLM and SGLang load: a Llama config for one decoder layer (`architectures`
 names the family), `fc.weight`, `layers.0.*` (EAGLE-1) or `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d` (EAGLE-3).
@@ -19,8 +19,8 @@ from torch import Tensor
 from models.eagle import Eagle1Net, Eagle3Net, EagleNet, check_aux_layers, layer_config
 from models.formats import parts
 from models.formats.config import ExportConfig
-from models.io import load_state
 from runtime.errors import UserError
+from runtime.io import load_state
 
 SERVING_DTYPES = ("bfloat16", "float16")
 
@@ -254,7 +254,7 @@ def eagle_from_layout(kind: str, config: dict[str, Any], tensors: dict[str, Tens
     return net, None
 
 
-# -- the speculators format (models/formats/speculators.py): vLLM's eagle3 and peagle ----------------------------------
+# -- the speculators format (models/exports/speculators.py): vLLM's eagle3 and peagle ----------------------------------
 
 # The algorithm's flags whose defaults differ between vLLM's reader and the `speculators` library, or whose
 # meaning our network fixes: written explicitly, and checked on reading. Our EAGLE-3 layer keeps the un-normed
@@ -331,7 +331,7 @@ def eagle3_from_speculators(config: dict[str, Any], file: str, name: str, archit
     return eagle_from_speculators(config, file, name, architecture, options_in_layer=False, own=Eagle3Config)
 
 
-# -- the reference layouts (models/formats/reference.py): the EAGLE repository's EAGLE-1, SpecForge's EAGLE-3 --------
+# -- the reference layouts (models/exports/reference.py): the EAGLE repository's EAGLE-1, SpecForge's EAGLE-3 --------
 
 def is_eagle1_reference(config: dict[str, Any], names: list[str]) -> bool:
     """The EAGLE repository's EAGLE-1 weights: `fc.weight` and one decoder layer `layers.0.*` (no EAGLE-3 midlayer)."""
@@ -391,7 +391,7 @@ def eagle3_to_reference(config: dict[str, Any], tensors: dict[str, Tensor], base
     return cfg, out
 
 
-# -- the config against its weights (models.formats.export.check_weights_agree), as this toolkit and as vLLM read it ---
+# -- the config against its weights (models.exports.io.check_weights_agree), as this toolkit and as vLLM read it ---
 
 def eagle1_weights_agree(config: dict[str, Any], shapes: parts.Shapes) -> list[parts.Disagreement]:
     """An EAGLE-1 export's draft layer against its tensors; fc reads two hidden states (the token's and the feature)."""

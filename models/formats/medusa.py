@@ -1,5 +1,5 @@
 """Medusa's export layout: vLLM's Medusa config and tensors, and FasterDecoding/Medusa's reference layout
-(models/families.py registers it; models/formats/export.py does the files).
+(models/families.py registers it; models/exports/io.py does the files).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from torch import Tensor
 
 from models.formats import parts
 from models.formats.config import ExportConfig
-from models.io import load_state
 from models.medusa import MedusaHeads
 from runtime.errors import UserError
+from runtime.io import load_state
 
-# -- the export layout (models/families.py registers it; models/formats/export.py does the files) ----------------------
+# -- the export layout (models/families.py registers it; models/exports/io.py does the files) ----------------------
 
 @dataclass(frozen=True, kw_only=True)
 class MedusaConfig(ExportConfig):
@@ -96,7 +96,7 @@ def medusa_weights_agree(config: dict[str, Any], shapes: parts.Shapes) -> list[p
     return out
 
 
-# -- the reference layout (models/formats/reference.py): FasterDecoding/Medusa ---------------------------------------
+# -- the reference layout (models/exports/reference.py): FasterDecoding/Medusa ---------------------------------------
 
 _MEDUSA_KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 

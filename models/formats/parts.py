@@ -1,7 +1,7 @@
 """What the export formats share, below the registry (models/families.py): the parts and checks of a `speculators`
-config (models/formats/speculators.py describes the format) and the keys a reference-layout config does not carry
-(models/formats/reference.py). Each family's own layout (models/formats/eagle.py, models/dflash.py, models/medusa.py)
-builds on these; models/formats/speculators.py and models/formats/reference.py find the family through the registry.
+config (models/exports/speculators.py describes the format) and the keys a reference-layout config does not carry
+(models/exports/reference.py). Each family's own layout (models/formats/eagle.py, models/dflash.py, models/medusa.py)
+builds on these; models/exports/speculators.py and models/exports/reference.py find the family through the registry.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def speculative_tokens(config: dict[str, Any]) -> int | None:
     return chosen.get("speculative_tokens") if isinstance(chosen, dict) else None
 
 
-# -- a config against its weights (the safetensors header's shapes; models.formats.export.check_weights_agree) ---------
+# -- a config against its weights (the safetensors header's shapes; models.exports.io.check_weights_agree) ---------
 
 Shapes = dict[str, list[int]]  # tensor name -> shape, as the weight file's header lists them
 

@@ -21,8 +21,8 @@ from models.formats.eagle import (
     eagle_from_speculators,
     eagle_layout,
 )
-from models.io import load_state
 from runtime.errors import UserError
+from runtime.io import load_state
 
 
 @dataclass(frozen=True, kw_only=True)

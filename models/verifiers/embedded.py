@@ -31,7 +31,6 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from models.io import atomic_dir
 from models.verifiers.core import (
     Verifier,
     check_rendering,
@@ -41,6 +40,7 @@ from models.verifiers.core import (
     resolve_dtype,
 )
 from runtime.errors import UserError
+from runtime.io import atomic_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"

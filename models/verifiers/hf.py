@@ -17,9 +17,9 @@ from transformers import (
     AutoTokenizer,
 )
 
-from models.io import atomic_dir
 from models.verifiers.core import Verifier, finish_verifier, resolve_device, resolve_dtype
 from runtime.errors import UserError
+from runtime.io import atomic_dir
 
 
 def save_checkpoint(verifier: Verifier, path: str | os.PathLike) -> Path:

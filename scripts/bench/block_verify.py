@@ -5,8 +5,8 @@
 
 Decodes the first prompts of the eval split with speculative decoding (verify=token, a chain of the export's drafts),
 records every round's drafted chain, and scores each chain under both rules exactly: E[drafts accepted] from the
-token rule's law (eval.engine.sampling.outcome_distribution) and from block verification's
-(eval.engine.block_verify.block_outcome_distribution), q from one verifier forward over the sequence and the chain.
+token rule's law (eval.engine.acceptance.sampled.outcome_distribution) and from block verification's
+(eval.engine.acceptance.block.block_outcome_distribution), q from one verifier forward over the sequence and the chain.
 The paired difference has far less noise than two sampled runs' taus. Printed for top-1 drafts and sampled drafts
 (sampled_drafts=true); expected tau = 1 + E[drafts accepted]. Nothing is asserted.
 """
@@ -23,9 +23,10 @@ import torch
 from data.chat import prompt_ids
 from data.prompts import load_conversations, select_prompts
 from eval.drafters.build import export
-from eval.engine.block_verify import block_outcome_distribution, block_plan
+from eval.engine.acceptance.block import block_outcome_distribution, block_plan
+from eval.engine.acceptance.sampled import outcome_distribution, rejection_plan
 from eval.engine.decode import speculative_decode
-from eval.engine.sampling import SamplingConfig, outcome_distribution, rejection_plan, warp
+from eval.engine.sampling import SamplingConfig, warp
 from eval.engine.tree import Chain
 from eval.runner import user_turns
 from models.verifiers.embedded import load_smollm2

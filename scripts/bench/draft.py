@@ -18,7 +18,7 @@ import torch
 from data.prompts import load_conversations
 from data.selfdistill import prompt_ids
 from eval.drafters.build import export
-from eval.engine.decode import VerifierSession
+from eval.engine.session import VerifierSession
 from eval.engine.timing import interleaved
 from eval.engine.tree import DynamicTree
 from models.verifiers.embedded import load_smollm2

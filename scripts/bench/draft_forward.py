@@ -30,7 +30,7 @@ import torch
 from data.prompts import load_conversations
 from data.selfdistill import prompt_ids
 from eval.drafters.build import export
-from eval.engine.decode import VerifierSession
+from eval.engine.session import VerifierSession
 from eval.engine.timing import interleaved
 from eval.engine.tree import AutoTree, Chain
 from models.verifiers.embedded import load_smollm2

@@ -2,7 +2,7 @@
 `python -m eval ...` in this process and writes, per prompt and planned method, the prediction as the code makes it
 and, on the same rounds, as the code before `cbe06ce` made it (no prefill, no round overhead, a dynamic drafter's round
 priced on the table's best tree), so before and after share every measured second; and the time of the engine's
-one-time probe of each prompt's length (`eval.engine.decode.prepare`, untimed since `c241ba0`), which plain decoding
+one-time probe of each prompt's length (`eval.engine.session.prepare`, untimed since `c241ba0`), which plain decoding
 paid inside its clock before.
 
     python -m scripts.bench.prediction_parts OUT.json <python -m eval overrides...>

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from data.prompts import load_prompt_sets
 from data.selfdistill import build_selfdistill
 from eval.offline import first_answer_tokens, score_export
-from models.formats.export import export_verifier, load_export, read_config
+from models.exports.io import export_verifier, load_export, read_config
 from models.verifiers.core import Verifier
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError, exit_on_user_error

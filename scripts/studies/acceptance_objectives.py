@@ -134,7 +134,7 @@ def evaluate_sampled(args: argparse.Namespace) -> None:
     from data.chat import prompt_ids
     from data.prompts import load_prompt_sets
     from eval.drafters.build import export
-    from eval.engine.accept import mean_accept_length, per_position_acceptance
+    from eval.engine.acceptance.protocol import mean_accept_length, per_position_acceptance
     from eval.engine.decode import greedy_decode, speculative_decode
     from eval.engine.sampling import SamplingConfig
     from eval.engine.tree import Chain

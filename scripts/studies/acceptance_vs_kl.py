@@ -8,7 +8,8 @@
 The verifier M_q answers a few built-in eval prompts greedily; its next-token distributions q at every answer
 position (temperature 1, the whole vocabulary unless --top-k) are the contexts. Each q is perturbed into drafts p of
 graded quality, two families: p = softmax(log q + sigma * noise) (one fixed Gaussian noise per context, growing sigma)
-and p = (1 - lam) q + lam * uniform. For each draft, alpha is measured by running eval.engine.sampling.sample_accept on
+and p = (1 - lam) q + lam * uniform. For each draft, alpha is measured by running
+eval.engine.acceptance.sampled.sample_accept on
 --samples drafts d ~ p per context (fixed seed) and printed beside the closed form and KL(q || p), both averaged over
 contexts (eval/theory.py). Writes acceptance_vs_kl.png and acceptance_vs_kl.json to --out.
 """

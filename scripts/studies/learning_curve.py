@@ -46,12 +46,12 @@ from data.chat import prompt_ids
 from data.prompts import load_conversations, select_prompts
 from data.selfdistill import build_selfdistill
 from eval.drafters.build import make_drafter
-from eval.engine.accept import mean_accept_length, per_position_acceptance
+from eval.engine.acceptance.protocol import mean_accept_length, per_position_acceptance
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import AutoTree, Chain
 from eval.offline import score_export, verifier_top1
+from models.exports.io import export_kind, export_verifier, load_export, read_config
 from models.families import title
-from models.formats.export import export_kind, export_verifier, load_export, read_config
 from models.verifiers.load import load_verifier
 from scripts.common import save_figure, subplots
 

@@ -24,12 +24,12 @@ import torch
 from data.prompts import load_conversations, select_prompts
 from eval.drafters.build import make_drafter
 from eval.drafters.draft_model import make_draft_model_drafter
-from eval.engine.accept import per_position_acceptance
+from eval.engine.acceptance.protocol import per_position_acceptance
 from eval.engine.tree import Chain
 from eval.report import rows
 from eval.runner import Runner, run_prompts
 from models.draft_model import read_draft_info
-from models.formats.export import export_verifier, read_config
+from models.exports.io import export_verifier, read_config
 from models.verifiers.core import default_cache_dir
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError, exit_on_user_error

@@ -28,7 +28,7 @@ from eval.drafters.lookup import PromptLookupDrafter
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Chain, DynamicTree
 from eval.runner import user_turns
-from models.formats.export import export_verifier, load_export, read_config
+from models.exports.io import export_verifier, load_export, read_config
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError, exit_on_user_error
 

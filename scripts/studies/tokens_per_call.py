@@ -4,9 +4,9 @@
     python -m scripts.studies.tokens_per_call --c 0.05 --out /tmp/tau           # a given cost ratio, no model loaded
 
 For each alpha (default 0.5, 0.7, 0.85): E[tau] = (1 - alpha^(N+1)) / (1 - alpha) beside the mean of --rounds rounds
-of eval.engine.sampling.sample_accept on a chain of N drafts drawn i.i.d. from p and checked against q, where (p, q) is
-the two-point pair of eval/theory.py with sum min(p, q) = alpha. Speedup is Leviathan et al. (2023), Theorem 3.8:
-E[tau] / (1 + N c), which assumes a verifier forward over N + 1 tokens costs what a one-token forward does.
+of eval.engine.acceptance.sampled.sample_accept on a chain of N drafts drawn i.i.d. from p and checked against q,
+where (p, q) is the two-point pair of eval/theory.py with sum min(p, q) = alpha. Speedup is Leviathan et al. (2023),
+Theorem 3.8: E[tau] / (1 + N c), which assumes a verifier forward over N + 1 tokens costs what a one-token forward does.
 
 c = t(one cached M_p step) / t(one cached M_q forward) is measured here, side by side in one process (interleaved,
 median of --reps): M_q is SmolLM2-135M, M_p the truncated-verifier draft model of eval/drafters/draft_model.py (its

@@ -1,4 +1,4 @@
-"""Convert between this project's exports and the public reference layouts (models/formats/reference.py).
+"""Convert between this project's exports and the public reference layouts (models/exports/reference.py).
 
     # export -> reference (Medusa repository: medusa_lm_head.safetensors|.pt; EAGLE-1: pytorch_model.bin;
     # EAGLE-3: SpecForge's model.safetensors with d2t/t2d)
@@ -30,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from models.formats.export import (
+from models.exports.io import (
     check_replaceable,
     check_speculative_tokens,
     export_kind,
@@ -39,7 +39,7 @@ from models.formats.export import (
     read_config,
     to_reference,
 )
-from models.formats.shipped import engine_ready, ship
+from models.exports.shipped import engine_ready, ship
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError, disk_full, disk_full_error
 from serve.server import check_tokens, parse_schedule, write_launch
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     fr.add_argument("--speculative-tokens", type=int, default=None,
                     help="EAGLE-3: tokens vLLM drafts per step when it serves the export as it is (default: the "
                          "export's own, else 3)")
-    sh = sub.add_parser("ship", help="an export -> its compact form for pretrained/ (models/formats/shipped.py)")
+    sh = sub.add_parser("ship", help="an export -> its compact form for pretrained/ (models/exports/shipped.py)")
     sh.add_argument("export_dir")
     sh.add_argument("out_dir")
     sh.add_argument("--recipe", default=None, help="the run's config (its .hydra/config.yaml)")

@@ -26,7 +26,7 @@ from rich.table import Table
 from data.prompts import load_conversations, select_prompts
 from data.selfdistill import build_selfdistill
 from eval.offline import TOPK, score_export
-from models.formats.export import export_verifier, load_export, read_config
+from models.exports.io import export_verifier, load_export, read_config
 from models.verifiers.load import load_verifier
 
 

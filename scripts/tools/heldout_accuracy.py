@@ -28,7 +28,7 @@ from rich.table import Table
 
 from data.datamodule import DistillDataModule
 from eval.offline import first_answer_tokens, score_export, verifier_top1
-from models.formats.export import load_export
+from models.exports.io import load_export
 from runtime.errors import UserError, exit_on_user_error
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from data.benchmarks import BENCHMARKS, guard_for
 from data.chat import prompt_ids
 from data.long_tasks import build_tasks, default_documents
-from models.io import refuse_existing, write_new_files
 from runtime.errors import UserError, exit_on_user_error
+from runtime.io import refuse_existing, write_new_files
 
 
 def main() -> None:

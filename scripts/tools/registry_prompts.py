@@ -32,8 +32,8 @@ from pathlib import Path
 
 from data.filters import EvalGuard, normalise
 from data.prompts import eval_prompt_texts
-from models.io import refuse_existing, write_new_files
 from runtime.errors import exit_on_user_error
+from runtime.io import refuse_existing, write_new_files
 
 PINNED = {  # computed once on 2026-11-29 from PyPI's files
     "evals==3.0.1.post1": ("evals-3.0.1.post1-py3-none-any.whl",

@@ -18,7 +18,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from models.formats.speculators import flatten, is_speculators
+from models.exports.speculators import flatten, is_speculators
 
 Shape = tuple[int, ...]
 

@@ -1,4 +1,4 @@
-"""The one place the conformance tests produce exports (models.formats.export.save_export).
+"""The one place the conformance tests produce exports (models.exports.io.save_export).
 
 Every export the conformance tests read is written by `write_export` below with the project's current exporters, so
 the tests judge exactly what `train.py` writes on fit end. What the drafter was trained on (the ground truth the
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from models.eagle import build_eagle
-from models.formats.export import save_export
+from models.exports.io import save_export
 from models.medusa import MedusaHeads
 
 

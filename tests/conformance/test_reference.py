@@ -128,7 +128,7 @@ def _json(d: Path) -> dict:
 
 def to_reference_layout(kind: str, export_dir: Path, out_dir: Path) -> Path:
     """This project's export -> the reference layout: what `scripts/tools/convert.py to-reference` runs."""
-    from models.formats.export import to_reference
+    from models.exports.io import to_reference
 
     return to_reference(kind, export_dir, out_dir)
 

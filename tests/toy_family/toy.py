@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from data.hidden_cache import gather_layers
 from eval.engine.protocol import Draft
 from eval.engine.tree import chain
+from models.exports.io import save_export
 from models.families import ExportFormat, Family
-from models.formats.export import save_export
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 from train.base import DrafterModule

@@ -1,5 +1,5 @@
 """The public reference layouts, read into and written from this project's export layout (docs/engine_loaders.md,
-"Reference layouts"). Pure functions over (config dict, tensor dict); models/formats/export.py does the file I/O.
+"Reference layouts"). Pure functions over (config dict, tensor dict); models/exports/io.py does the file I/O.
 
 - `medusa`: FasterDecoding/Medusa: `config.json` {medusa_num_heads, medusa_num_layers, base_model_name_or_path} +
   `medusa_lm_head.safetensors` or `.pt`; keys `{h}.{l}.linear.weight|bias`, `{h}.{L}.weight` (the Medusa-2 file

@@ -1,5 +1,5 @@
-"""What an existing folder holds, before a writer replaces it whole (models.io.atomic_dir): every export writer
-(models/formats/export.py, models/formats/shipped.py) calls `check_replaceable` first, so a folder holding anything
+"""What an existing folder holds, before a writer replaces it whole (runtime.io.atomic_dir): every export writer
+(models/exports/io.py, models/exports/shipped.py) calls `check_replaceable` first, so a folder holding anything
 but an
 export of the same family and layout is refused instead of deleted."""
 
@@ -12,14 +12,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from models.exports import reference as ref
+from models.exports import speculators as spec
 from models.families import FAMILIES, a_title, family_of_config
-from models.formats import reference as ref
-from models.formats import speculators as spec
 from runtime.errors import UserError
 
 CONFIG_NAME, WEIGHTS_NAME, SIDE_DIR = "config.json", "model.safetensors", "specdraft"
 COUNTS_NAME = "target_counts.safetensors"  # older exports kept it beside the weights
-COMPACT_KEY = "specdraft_compact"  # a compact (shipped) export's record in config.json (models/formats/shipped.py)
+COMPACT_KEY = "specdraft_compact"  # a compact (shipped) export's record in config.json (models/exports/shipped.py)
 # The layouts a folder can hold, for messages: this project's export, its compact (shipped) form, a reference layout.
 LAYOUTS = {"export": "export", "compact": "compact (shipped) export", "reference": "reference-layout checkpoint"}
 

@@ -15,16 +15,17 @@ A chain root X_0, drafts X_1..X_g (node i of the chain holds X_i). q_i = q(. | X
     eta_1..eta_g ~ U(0, 1) independent;   tau = max{i in 1..g : eta_i <= h_i}, 0 if none
     emit X_1..X_tau, then Y ~ q_g if tau = g, else Y ~ norm(max(w_tau q_tau - p_{tau+1}, 0)).
 
-Token by token (Leviathan / Chen: eval.engine.sampling) stops at the first rejected draft; block verification may
-accept draft i after rejecting an earlier one's coin, because the verdict on the prefix is joint. Its output, the
-emitted prefix followed by the verifier's own continuation, still follows q exactly (paper, Theorem 1), and its
-expected number of accepted drafts is the largest any exact rule can get from the same drafts (Theorem 2): never
+Token by token (Leviathan / Chen: eval.engine.acceptance.sampled) stops at the first rejected draft; block
+verification may accept draft i after rejecting an earlier one's coin, because the verdict on the prefix is joint. Its
+output, the emitted prefix followed by the verifier's own continuation, still follows q exactly (paper, Theorem 1),
+and its expected number of accepted drafts is the largest any exact rule can get from the same drafts (Theorem 2): never
 below token by token. With deterministic drafts (p one-hot, top-k chains) w_i is q's probability of the drafted
 prefix and the two rules accept equally often in law; the gain is for sampled drafts (`sampled_drafts=true`).
 
-Greedy decoding (temperature 0) keeps eval.engine.accept.greedy_accept, as vLLM does: both rules are the argmax match.
+Greedy decoding (temperature 0) keeps eval.engine.acceptance.greedy.greedy_accept, as vLLM does: both rules are the
+argmax match.
 
-As in eval.engine.sampling, every acceptance threshold and residual depends only on the draft, so `block_plan`
+As in eval.engine.acceptance.sampled, every acceptance threshold and residual depends only on the draft, so `block_plan`
 computes them at once; `sample_block` draws the coins and `block_outcome_distribution` gives the exact law of where
 the block stops and what it emits (the tests' exact check). Block verification is defined on chains only.
 """
@@ -37,10 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eval.engine.accept import Acceptance
+from eval.engine.acceptance.protocol import Acceptance, AcceptanceRule, SampledRule
+from eval.engine.acceptance.sampled import check_draft_p
 from eval.engine.protocol import Branching, Draft, Drafter
-from eval.engine.rules import AcceptanceRule
-from eval.engine.sampling import SampledRule, check_draft_p
 from runtime.errors import UserError
 
 
@@ -160,7 +160,7 @@ def sample_block(plan: BlockPlan, generator: torch.Generator | None = None) -> t
 def block_accept(retrieve: Tensor, parents: tuple[int, ...], tokens: Tensor, q: Tensor, p: Tensor | None,
                  generator: torch.Generator | None = None) -> Acceptance:
     """Block verification of a drafted chain (the module docstring's rule), exact for the warped q. Returns what
-    eval.engine.sampling.sample_accept returns; a tree that is not a chain is refused (`check_chain`).
+    eval.engine.acceptance.sampled.sample_accept returns; a tree that is not a chain is refused (`check_chain`).
 
     retrieve: (1, g+1) the chain's one root-to-leaf row (eval.engine.tree.tree_buffers). parents: the tree's
     parents. tokens, q, p: as in `block_plan`.

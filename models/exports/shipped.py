@@ -26,11 +26,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from models.exports.folder import COMPACT_KEY, check_replaceable
 from models.families import family_of_config
-from models.formats.folder import COMPACT_KEY, check_replaceable
-from models.io import atomic_dir
 from models.verifiers.core import check_fingerprint
 from runtime.errors import UserError
+from runtime.io import atomic_dir
 
 CONFIG_NAME, WEIGHTS_NAME, SIDE_DIR = "config.json", "model.safetensors", "specdraft"
 # Where a left-out tensor comes from: a name, and how to take it from the verifier.

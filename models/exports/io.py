@@ -6,7 +6,7 @@ family.
 An export is a directory an engine loads as it is: `config.json` and `model.safetensors`, and nothing else an
 engine globs (vLLM loads every `*.safetensors` at the top of the folder). Its layout is the family's `ExportFormat`:
 vLLM's own layout for a family it serves (Medusa's, EAGLE-1's Llama drafter), or, for a family with a
-`speculators_type` (EAGLE-3, P-EAGLE, DFlash), the `speculators` format (models/formats/speculators.py), which
+`speculators_type` (EAGLE-3, P-EAGLE, DFlash), the `speculators` format (models/exports/speculators.py), which
 `vllm serve EXPORT_DIR` serves as it is.
 Every config also carries this project's keys: `verifier` (the description `models.verifiers.load.load_verifier` takes),
 `verifier_path` (a display name, and what older exports stored), `verifier_fingerprint`, and what training adds
@@ -28,18 +28,18 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from models.exports import reference as ref
+from models.exports import speculators as spec
+from models.exports.folder import check_replaceable
+from models.exports.folder import is_project_export as _is_project_export
+from models.exports.shipped import check_manifest, expand
 from models.families import FAMILIES, a_title, family_of_config, family_of_net, title
-from models.formats import reference as ref
-from models.formats import speculators as spec
-from models.formats.folder import check_replaceable
-from models.formats.folder import is_project_export as _is_project_export
 from models.formats.parts import LAYER_KEYS
-from models.formats.shipped import check_manifest, expand
-from models.io import atomic_dir
 from models.verifiers.core import Verifier, check_fingerprint
 from models.verifiers.hf import from_file
 from models.verifiers.load import EMBEDDED, verifier_source
 from runtime.errors import UserError
+from runtime.io import atomic_dir
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -124,7 +124,7 @@ def _read_reference(path: Path, config: dict[str, Any]) -> tuple[dict[str, Any],
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """An export's config.json, with a clear error for a missing or corrupt one. A reference-layout checkpoint
-    (Medusa, EAGLE-1, EAGLE-3: models/formats/reference.py) is returned as this project's config, with
+    (Medusa, EAGLE-1, EAGLE-3: models/exports/reference.py) is returned as this project's config, with
     `reference_layout` set and `verifier_path` taken from `base_model_name_or_path` when it has one."""
     path = Path(path).expanduser()
     config = _raw_config(path)
@@ -254,8 +254,8 @@ def export_verifier(config: dict[str, Any], file: str | Path | None = None) -> d
 def load_export(path: str | Path | ExportInfo, verifier: Verifier, kind: str | None = None) -> Export:
     """Rebuild the drafter an export holds (a directory, or its ExportInfo already read), refusing one of another
     kind than `kind` (when given) or one made for another verifier. A reference-layout checkpoint
-    (models/formats/reference.py) loads too; having no fingerprint, it is checked against the verifier by shape
-    only. A shipped export's files are checked against its manifest first (models.formats.shipped.check_manifest)."""
+    (models/exports/reference.py) loads too; having no fingerprint, it is checked against the verifier by shape
+    only. A shipped export's files are checked against its manifest first (models.exports.shipped.check_manifest)."""
     check_manifest(path.path if isinstance(path, ExportInfo) else path)
     info = read_info(path)
     path, found, config = info.path, info.kind, dict(info.config)
@@ -391,7 +391,7 @@ def check_engine_ready(path: str | Path) -> None:
                         f"{path}: {fix}.")
 
 
-# -- the reference layouts (models/formats/reference.py), both ways ----------------------------------------------------
+# -- the reference layouts (models/exports/reference.py), both ways ----------------------------------------------------
 
 def _format(name: str) -> Any:
     """The export format of family `name` (models/families.py)."""

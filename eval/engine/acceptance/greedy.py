@@ -1,37 +1,18 @@
-"""Acceptance rules and their statistics, as small pure functions on tensors.
-
-Notation (Leviathan et al., 2023; Chen et al., 2023): M_q is the verifier and q its probabilities; M_p is the
-draft and p its probabilities. One verifier forward scores every node of a draft tree; a rule picks the accepted
-root-to-leaf prefix and one more token from the verifier (the bonus token).
-tau = tokens emitted per verifier forward, counting the bonus token; alpha_k = fraction of rounds whose k-th draft
-token was accepted.
-
-Only greedy acceptance (temperature 0) is built for now. Rules take the verifier's logits for every node, not only
-its argmax, so that sampled acceptance with q and p can later take the same inputs.
-"""
+"""Greedy acceptance (temperature 0): the longest drafted path that matches the verifier's argmax, so the output is
+plain greedy decoding's, token for token."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from eval.engine.acceptance.protocol import Acceptance
 
-@dataclass(frozen=True)
-class Acceptance:
-    """Outcome of one round, per batch row.
-
-    path: (B,) row of `retrieve` that was accepted.
-    num_accepted: (B,) draft tokens accepted on it, root excluded (0..depth).
-    last_node: (B,) tree node of the last accepted token (the root when nothing was accepted).
-    next_token: (B,) the verifier's own token after the last accepted one: the bonus token.
-    """
-
-    path: Tensor
-    num_accepted: Tensor
-    last_node: Tensor
-    next_token: Tensor
+if TYPE_CHECKING:
+    from eval.engine.protocol import Draft
 
 
 def greedy_accept(retrieve: Tensor, draft_tokens: Tensor, q_logits: Tensor) -> Acceptance:
@@ -62,19 +43,15 @@ def greedy_accept(retrieve: Tensor, draft_tokens: Tensor, q_logits: Tensor) -> A
     return Acceptance(path=path, num_accepted=num_accepted, last_node=last_node, next_token=next_token)
 
 
-def mean_accept_length(accept_lengths: Tensor) -> float:
-    """tau: tokens emitted per verifier forward over the rounds, counting the bonus token.
+@dataclass(frozen=True)
+class Greedy:
+    """The longest path matching the verifier's argmax (eval.engine.acceptance.greedy.greedy_accept): the output is
+    plain greedy decoding's, token for token."""
 
-    accept_lengths: (R, B) draft tokens accepted in each round (bonus excluded). Returns 0.0 with no rounds.
-    """
-    if accept_lengths.numel() == 0:
-        return 0.0
-    return float((accept_lengths + 1).float().mean())
+    name: str = "greedy"
+    exact: bool = True
+    chains_only: bool = False
 
-
-def per_position_acceptance(accept_lengths: Tensor, depth: int) -> Tensor:
-    """alpha_k for k = 1..depth: the fraction of rounds whose k-th draft token was accepted. (R, B) -> (depth,)"""
-    if accept_lengths.numel() == 0:
-        return torch.zeros(depth)
-    k = torch.arange(1, depth + 1, device=accept_lengths.device)
-    return (accept_lengths.flatten()[:, None] >= k).float().mean(dim=0).cpu()
+    def accept(self, retrieve: Tensor, draft: Draft, logits: Tensor,
+               generator: torch.Generator | None) -> Acceptance:
+        return greedy_accept(retrieve, draft.tokens, logits)
