@@ -131,6 +131,25 @@ def test_acceptance_is_counted_in_the_window_of_the_output_position_each_round_s
          "tau": 23.0, "tokens_per_s": 140.0}]
 
 
+def test_the_long_output_setting_asks_for_1024_new_tokens_and_the_command_line_still_wins():
+    """`setting=long_output` (conf/setting/long_output.yaml), parsed as a run parses its config: 1,024 new tokens over
+    8 prompts, so accept_by_window has 16 windows a prompt; a key given beside it keeps its value."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.settings import parse
+
+    parsed = {}
+    for name, overrides in (("long", ["setting=long_output"]), ("mine", ["setting=long_output", "num_prompts=2"]),
+                            ("default", [])):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+            parsed[name] = parse(compose(config_name="eval", overrides=["dtype=float32", *overrides]))
+    assert (parsed["long"].max_new_tokens, parsed["long"].num_prompts) == (1024, 8)
+    assert (parsed["mine"].max_new_tokens, parsed["mine"].num_prompts) == (1024, 2)
+    assert (parsed["default"].max_new_tokens, parsed["default"].num_prompts) == (128, 20)
+
+
 @pytest.mark.parametrize("tree", [["tree=auto", "tree.size=8"], ["tree=chain"]], ids=["auto", "chain"])
 def test_random_heads_report_is_exact_and_sane(exports, tmp_path, tree):
     report, profile = run_eval([f"checkpoint={exports['random']}", "num_prompts=3", *tree], tmp_path)
