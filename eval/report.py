@@ -40,6 +40,7 @@ REPORT_KEYS = (
     "accept_rate_per_position",
     "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "hf_prompt_lookup_tokens_per_s",
     "speedup", "predicted_speedup", "speedup_vs_hf_generate", "greedy_match",
+    "draft_ms_per_round", "verify_ms_per_round", "plain_step_ms",
     "hf_assisted_tokens_per_s", "hf_assisted_speedup", "hf_assisted_greedy_match", "drafter_alone", "grafted_alone",
     "prompt_tokens",
     "prefill",
@@ -161,6 +162,28 @@ def alone_metrics(samples: Sequence[Sample], rate: Mapping[str, float], depth: i
     return method_row(samples, method, depth) if method in rate else None
 
 
+def round_ms(samples: Sequence[Sample], method: str) -> tuple[float | None, float | None]:
+    """(drafting, verifying) milliseconds per speculative round of one of our loops over `samples`: their seconds
+    over its rounds (one draft and one verify a round); None for a method without rounds or times (HF's)."""
+    drawn = [s.lengths[method] for s in samples if method in s.lengths]
+    rounds = sum(int(x.numel()) for x in drawn)
+    if not rounds or not samples or method not in samples[0].times:
+        return None, None
+    draft, verify = (round(1000 * sum(s.times[method].get(part, 0.0) for s in samples) / rounds, 3)
+                     for part in ("draft_s", "verify_s"))
+    return draft, verify
+
+
+def plain_step_ms(samples: Sequence[Sample]) -> float | None:
+    """Milliseconds of one plain decoding step (our `baseline` loop's verifier forward after the prefill, one a
+    prompt), what a speculative round's parts compare against."""
+    if not samples or "baseline" not in samples[0].times:
+        return None
+    forwards = sum(s.forwards["baseline"] for s in samples) - len(samples)
+    verify = sum(s.times["baseline"].get("verify_s", 0.0) for s in samples)
+    return round(1000 * verify / forwards, 3) if forwards > 0 else None
+
+
 def metrics(samples: Sequence[Sample], depth: int, alone_depths: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The report's metric keys over `samples` (all of them, or one category's): the `speculative` row of the
     per-method table under the report's names, and the references' rates; the hf_assisted ones are null when the run
@@ -183,6 +206,8 @@ def metrics(samples: Sequence[Sample], depth: int, alone_depths: Mapping[str, in
         "predicted_speedup": row["predicted_speedup"],
         "speedup_vs_hf_generate": round(rate["speculative"] / rate["hf_generate"], 4) if rate["hf_generate"] else 0.0,
         "greedy_match": row["greedy_match"],
+        **dict(zip(("draft_ms_per_round", "verify_ms_per_round"), round_ms(samples, SPECULATIVE))),
+        "plain_step_ms": plain_step_ms(samples),
         "hf_assisted_tokens_per_s": round(rate[ASSISTED], 2) if assisted else None,
         "hf_assisted_speedup": round(rate[ASSISTED] / rate["baseline"], 4) if assisted and rate["baseline"] else None,
         "hf_assisted_greedy_match":
@@ -265,14 +290,10 @@ def rows(samples: Sequence[Sample], methods: Sequence[str],
     depths = depths or {}
     out = {}
     for m in ("baseline", *methods):
-        draft_ms = verify_ms = None
         drawn = [s.lengths[m] for s in samples if m in s.lengths] if samples and m in samples[0].lengths else []
-        rounds = sum(int(x.numel()) for x in drawn)
         longest = max((int(x.max()) for x in drawn if x.numel()), default=0)
         row = method_row(samples, m, max(longest, int(depths.get(m, 0))))
-        if drawn and rounds and m in samples[0].times:  # one verify and one draft per round
-            draft_ms = round(1000 * sum(s.times[m].get("draft_s", 0.0) for s in samples) / rounds, 3)
-            verify_ms = round(1000 * sum(s.times[m].get("verify_s", 0.0) for s in samples) / rounds, 3)
+        draft_ms, verify_ms = round_ms(samples, m)
         out[m] = {"tau": row["tau"], "tokens_per_s": row["tokens_per_s"], "speedup": row["speedup"],
                   "predicted_speedup": row["predicted_speedup"], "greedy_match": row["greedy_match"],
                   "accept_rate_per_position": row["accept_rate_per_position"], "draft_ms_per_round": draft_ms,

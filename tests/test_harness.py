@@ -81,8 +81,17 @@ def run_eval(overrides: list[str], out: Path, default_drafter: bool = False) -> 
     return report, json.loads((out / "profile.json").read_text())
 
 
-def _check_sane(report: dict, depth: int) -> None:
+def _check_sane(report: dict, depth: int, profile: dict | None = None) -> None:
     assert list(report) == list(REPORT_KEYS)
+    # a round's parts beside a plain step (ms), and with profile.json, as its time breakdown counts them: a round is a
+    # verifier forward after the prefill (one a prompt), whose verify and draft seconds the breakdown sums
+    assert report["draft_ms_per_round"] > 0 and report["verify_ms_per_round"] > 0 and report["plain_step_ms"] > 0
+    if profile is not None:
+        spec, plain = profile["time_breakdown"]["speculative"], profile["time_breakdown"]["baseline"]
+        rounds = spec["verifier_forwards"] - report["num_prompts"]
+        assert report["verify_ms_per_round"] == pytest.approx(spec["ms_per_verifier_forward"], abs=2e-3)
+        assert report["draft_ms_per_round"] == pytest.approx(1000 * spec["draft_s"] / rounds, rel=1e-3, abs=2e-3)
+        assert report["plain_step_ms"] == pytest.approx(plain["ms_per_verifier_forward"], abs=2e-3)
     groups = report["by_prompt_length"]
     assert sum(m["num_prompts"] for m in groups.values()) == report["num_prompts"]
     assert sum(m["prompt_tokens"] for m in groups.values()) == report["prompt_tokens"] > 0
@@ -153,7 +162,8 @@ def test_the_long_output_setting_asks_for_1024_new_tokens_and_the_command_line_s
 @pytest.mark.parametrize("tree", [["tree=auto", "tree.size=8"], ["tree=chain"]], ids=["auto", "chain"])
 def test_random_heads_report_is_exact_and_sane(exports, tmp_path, tree):
     report, profile = run_eval([f"checkpoint={exports['random']}", "num_prompts=3", *tree], tmp_path)
-    _check_sane(report, depth=profile["tree"]["max_depth"])  # auto-8 from ACCURACY is 3 deep, a chain 4
+    # auto-8 from ACCURACY is 3 deep, a chain 4
+    _check_sane(report, depth=profile["tree"]["max_depth"], profile=profile)
     assert report["num_prompts"] == 3 and report["new_tokens"] == 36
     assert report["verifier"] == "tiny-llama-2x64-seed0" and report["checkpoint"] == str(exports["random"])
     assert report["method"] == ("medusa/auto-8" if "tree=auto" in tree else "medusa/chain-4")
