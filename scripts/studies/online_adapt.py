@@ -1,14 +1,18 @@
-"""Does a drafter that learns while it decodes (drafter.adapt=online) accept more on prompts no one trained on?
+"""Do drafters adapted to what they serve accept more on prompts no one trained on? The shipped export as it is,
+learning while it decodes (drafter.adapt=online), fine-tuned exports (on-policy distillation, a served record), prompt
+lookup and the hybrid, side by side on one stream.
 
     python -m scripts.studies.online_adapt pretrained/eagle3-smollm2 --prompts builtin --num-prompts 24 \
-        --setting off --setting lr=3e-4 --setting lr=1e-3,depth=1
+        --setting off --setting lr=3e-5 --also opd=outputs/opd-eagle3/export --hybrid
 
 One stream of prompts (round-robin over the set's categories, as eval's num_prompts takes them), decoded in order by
-each setting's drafter, fresh at the stream's start and learning through it (`off`: the export as it is), beside our
-plain greedy decoding and prompt lookup on the same prompts, all in one process (ratios within one run). The first
-half of the stream is where a learner adapts; the figures that count are the second half's: tau, tokens/s, the
-speedup over plain, and the learner's update time per round. Every speculative output is checked equal to plain
-greedy's. Writes online_adapt.json (every prompt's figures) and online_adapt.md into --out.
+each method, interleaved prompt by prompt so that every method meets the machine in the same state: each setting's
+drafter of the export (fresh at the stream's start and learning through it; `off`: the export as it is), each
+`--also` export as it is, prompt lookup and (`--hybrid`) the export's drafter with lookup's chains grafted in, beside
+our plain greedy decoding on the same prompts, all in one process (ratios within one run). The first half of the
+stream is where a learner adapts; the figures that count are the second half's: tau, tokens/s, the speedup over
+plain, and the learner's update time per round. Every speculative output is checked equal to plain greedy's. Writes
+online_adapt.json (every prompt's figures) and online_adapt.md into --out.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from data.chat import prompt_ids
 from data.prompts import load_prompt_sets
 from eval.drafters.build import make_drafter
+from eval.drafters.hybrid import hybrid
 from eval.drafters.lookup import PromptLookupDrafter
 from eval.engine.decode import greedy_decode, speculative_decode
 from eval.engine.tree import Chain, DynamicTree
@@ -46,22 +51,31 @@ def parse_setting(text: str) -> dict[str, Any]:
     return out
 
 
-def decode_stream(name: str, drafter: Any, verifier: Any, prompts: list[Any], plain: list[Any],
-                  max_new: int) -> list[dict[str, Any]]:
-    rows = []
-    for i, ids in enumerate(prompts):
-        learner = getattr(drafter, "learner", None)
-        ms_before = learner.ms if learner is not None else 0.0
-        r = speculative_decode(verifier, drafter, ids, max_new)
-        if r.tokens[0].tolist() != plain[i].tokens[0].tolist():
-            raise AssertionError(f"{name}: prompt {i}'s output differs from plain greedy decoding")
-        rounds = max(len(r.accept_lengths), 1)
-        rows.append({"method": name, "prompt": i, "new_tokens": int(r.tokens.shape[1]), "rounds": rounds,
-                     "tau": r.tau, "seconds": r.times["total_s"], "plain_seconds": plain[i].times["total_s"],
-                     "update_ms_per_round": ((learner.ms if learner is not None else 0.0) - ms_before) / rounds})
-        print(f"[adapt] {name} prompt {i}: tau {r.tau:.3f}, {r.tokens.shape[1] / r.times['total_s']:.1f} tok/s "
-              f"(plain {plain[i].tokens.shape[1] / plain[i].times['total_s']:.1f})", flush=True)
-    return rows
+def decode_one(name: str, drafter: Any, verifier: Any, i: int, ids: Any, plain: Any, max_new: int) -> dict[str, Any]:
+    """Prompt `i` decoded by `name`'s drafter, checked against plain greedy decoding, as one row."""
+    learner = getattr(drafter, "learner", None)
+    ms_before = learner.ms if learner is not None else 0.0
+    r = speculative_decode(verifier, drafter, ids, max_new)
+    if r.tokens[0].tolist() != plain.tokens[0].tolist():
+        raise AssertionError(f"{name}: prompt {i}'s output differs from plain greedy decoding")
+    rounds = max(len(r.accept_lengths), 1)
+    print(f"[adapt] {name} prompt {i}: tau {r.tau:.3f}, {r.tokens.shape[1] / r.times['total_s']:.1f} tok/s "
+          f"(plain {plain.tokens.shape[1] / plain.times['total_s']:.1f})", flush=True)
+    return {"method": name, "prompt": i, "new_tokens": int(r.tokens.shape[1]), "rounds": rounds, "tau": r.tau,
+            "seconds": r.times["total_s"], "plain_seconds": plain.times["total_s"],
+            "update_ms_per_round": ((learner.ms if learner is not None else 0.0) - ms_before) / rounds}
+
+
+def parse_also(texts: list[str]) -> dict[str, Path]:
+    """`--also NAME=EXPORT`: more exports of the same verifier, decoded as they are."""
+    out = {}
+    for text in texts:
+        name, _, path = text.partition("=")
+        if not name or not path or not (Path(path) / "config.json").is_file():
+            raise UserError(f"--also {text!r}: give NAME=<an export folder holding config.json>, e.g. "
+                            f"--also opd=outputs/opd-eagle3/export.")
+        out[name] = Path(path)
+    return out
 
 
 def summary(rows: list[dict[str, Any]], half: int) -> dict[str, Any]:
@@ -87,6 +101,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft"))
     ap.add_argument("--no-lookup", action="store_true", help="leave prompt lookup out (a sweep whose reference ran)")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=EXPORT",
+                    help="another export of the same verifier, decoded as it is (e.g. a fine-tuned one)")
+    ap.add_argument("--hybrid", action="store_true", help="also the export's drafter with prompt lookup grafted in")
     ap.add_argument("--out", default="outputs/online_adapt")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -105,15 +122,19 @@ def main() -> None:
                    for c in convs]
         plain = [greedy_decode(verifier, ids, args.max_new_tokens) for ids in prompts]
         tree = Chain(args.depth) if args.tree == "chain" else DynamicTree()
-        rows = [] if args.no_lookup else decode_stream("prompt_lookup", PromptLookupDrafter(Chain(10), 10, 3, 1),
-                                                       verifier, prompts, plain, args.max_new_tokens)
+        dtype = args.dtype if args.dtype != "float32" else None
+        drafters: dict[str, Any] = {} if args.no_lookup else {
+            "prompt_lookup": PromptLookupDrafter(Chain(10), 10, 3, 1)}
         for name, options in settings.items():
-            drafter = make_drafter(None, verifier, tree, checkpoint=loaded,
-                                   dtype=args.dtype if args.dtype != "float32" else None, **options)
-            rows += decode_stream(name, drafter, verifier, prompts, plain, args.max_new_tokens)
+            drafters[name] = make_drafter(None, verifier, tree, checkpoint=loaded, dtype=dtype, **options)
+        for name, path in parse_also(args.also).items():
+            drafters[name] = make_drafter(None, verifier, tree, checkpoint=load_export(path, verifier), dtype=dtype)
+        if args.hybrid:
+            drafters["hybrid"] = hybrid(verifier, tree, export, dtype=dtype)
+        rows = [decode_one(name, drafter, verifier, i, ids, plain[i], args.max_new_tokens)
+                for i, ids in enumerate(prompts) for name, drafter in drafters.items()]
         half = len(prompts) // 2
-        table = {name: summary([r for r in rows if r["method"] == name], half)
-                 for name in [*([] if args.no_lookup else ["prompt_lookup"]), *settings]}
+        table = {name: summary([r for r in rows if r["method"] == name], half) for name in drafters}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "online_adapt.json").write_text(json.dumps({"args": vars(args), "summary": table, "rows": rows},
