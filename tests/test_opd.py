@@ -61,6 +61,7 @@ def rollout(export, tmp_path_factory, cache_dir):
     return out
 
 
+@pytest.mark.slow
 def test_recorder_keeps_what_the_decoder_did(smollm2, one_thread):
     """Greedy, the shipped EAGLE-3 on the default verifier: the committed tokens are plain greedy decoding's; each
     recorded round's accepted drafts are the committed tokens after its root, M_q's recorded top-1 at every drafted
@@ -100,7 +101,8 @@ def test_replay_reproduces_the_drafts(verifier, rollout, export):
                            verifier.tokenizer.pad_token_id)
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     with torch.no_grad():
-        states = verifier.model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
+        states = verifier.model.get_decoder()(input_ids=ids, attention_mask=attn,
+                                              output_hidden_states=True).hidden_states
         feats = net.features(states)[:, : ids.shape[1] - 1]
         inputs, round_of = replay_inputs(batch, ids, mask, DEPTH)
         checked = 0
@@ -139,7 +141,8 @@ def replay_loss(net, verifier, rows) -> float:
     ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     total, count = 0.0, 0
     with torch.no_grad():
-        states = verifier.model.get_decoder()(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
+        states = verifier.model.get_decoder()(input_ids=ids, attention_mask=attn,
+                                              output_hidden_states=True).hidden_states
         feats = net.features(states)[:, : ids.shape[1] - 1]
         inputs, round_of = replay_inputs(batch, ids, mask, DEPTH)
         for j, step in enumerate(unroll(net, feats, ids, attn, mask, verifier.token_embedding, DEPTH, inputs)):
@@ -168,6 +171,7 @@ def test_training_end_to_end_moves_toward_the_recorded_targets(train_script, ver
     assert load_export(new, verifier).config["trained_steps"] == 9  # 5 train rows, batches of 2, 3 epochs
 
 
+@pytest.mark.slow
 def test_a_family_that_cannot_is_refused(cache_dir, tmp_path, smollm2):
     """Medusa drafts from one forward of its heads: no chain to replay. The rollout and training both say so."""
     with pytest.raises(UserError, match="EAGLE-1, EAGLE-3"):
