@@ -126,7 +126,7 @@ class OnPolicyModule(EagleModule):
 
     def on_policy(self, batch: dict[str, Tensor], train: bool) -> dict[str, Any]:
         """The replayed rounds' loss (sum over steps of step_decay^j x the step's mean) and per step the top-1
-        hits (the drafter's argmax is M_q's) and the targets counted."""
+        hits (the drafter's argmax is M_q's) and the replayed positions counted."""
         missing = [k for k in BATCH_KEYS if k not in batch]
         if missing:
             raise UserError(f"experiment=opd: the batch has no recorded rounds ({', '.join(missing)}): train on "
@@ -156,9 +156,10 @@ class OnPolicyModule(EagleModule):
             step_loss = self.global_mean((per_row * keep).sum(), keep.sum())
             losses.append(step_loss.detach())
             total = total + self.step_weight(j) * step_loss
-            target = torch.where(at[:, 0] >= 0, at[:, 0], -1)
-            hits.append(((draft == target) & keep).sum().float())
-            counts.append(keep.sum().float())
+            # top-1 over every replayed position, as the teacher-forced tallies count: M_q's argmax outside what the
+            # drafter drafts is a miss (the round's alpha at that step, when the replay follows the recorded chain)
+            hits.append(((draft == at[:, 0]) & keep).sum().float())
+            counts.append(torch.tensor(float(draft.numel()), device=draft.device))
         if train and not total.requires_grad:  # no round in the batch: a zero that still reaches every weight
             total = total + sum(p.sum() * 0.0 for p in self.net.parameters() if p.requires_grad)
         return {"loss": total, "losses": losses, "hits": hits, "counts": counts}
