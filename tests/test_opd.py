@@ -135,6 +135,22 @@ def test_rollout_resumes_and_refuses_other_settings(verifier, export, rollout, t
     assert summary["prompts"] == 6 and 1.0 <= summary["tau"] <= 1 + DEPTH
 
 
+def test_a_sampled_rollout_records_its_rounds(export, tmp_path, cache_dir):
+    """--temperature: sampled decoding and sampled drafts; each recorded round's accepted drafts are the tokens
+    committed after its root and its accepted count is the decode's, as under greedy."""
+    roll(export, tmp_path / "s", cache_dir, "--temperature", "1.0", "--seed", "3")
+    manifest, lines = read_rollout(tmp_path / "s")
+    assert manifest["settings"]["temperature"] == 1.0
+    accepted = 0
+    for line in lines:
+        rounds, seq = line["rounds"], line["input_ids"]
+        assert [r["accepted"] for r in rounds] == line["accept_lengths"][: len(rounds)]
+        for r in rounds:
+            assert r["drafts"][: r["accepted"]] == seq[r["start"] + 1: r["start"] + 1 + r["accepted"]]
+            accepted += r["accepted"]
+    assert sum(len(x["rounds"]) for x in lines) > 20 and accepted > 0
+
+
 def replay_loss(net, verifier, rows) -> float:
     """Mean cross-entropy of the drafter's replayed steps against M_q's recorded top-1 over `rows`."""
     batch = collate_rounds(rows, verifier.tokenizer.pad_token_id)
