@@ -144,7 +144,7 @@ class OnPolicyDataModule(L.LightningDataModule):
     """
 
     def __init__(self, verifier: Verifier, rollout: str | None = None, max_length: int = 1024, batch_size: int = 8,
-                 val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0, **_: Any) -> None:
+                 val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0) -> None:
         super().__init__()
         if not rollout:
             raise UserError("data=onpolicy needs data.rollout=<the directory python -m eval.rollout wrote>, e.g. "
