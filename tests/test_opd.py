@@ -187,6 +187,19 @@ def test_training_end_to_end_moves_toward_the_recorded_targets(train_script, ver
     assert load_export(new, verifier).config["trained_steps"] == 9  # 5 train rows, batches of 2, 3 epochs
 
 
+def test_eagle1_rolls_out_and_trains(train_script, verifier, tmp_path, cache_dir):
+    """EAGLE-1 (through the verifier's head) takes the same path: rollout, then experiment=opd from its export."""
+    net = build_eagle("eagle", verifier)
+    export = save_export(net, verifier, tmp_path / "e1")
+    rollout_main([str(export), "--out", str(tmp_path / "r"), "--num-prompts", "4", "--max-new-tokens", "12",
+                  "--shard-size", "2", "--dtype", "float32", "--device", "cpu", "--cache-dir", cache_dir])
+    cfg = compose_train(["experiment=opd", "model=eagle", "verifier=tiny", "+verifier.layer_std=0.3",
+                         f"cache_dir={cache_dir}", f"init_from={export}", f"data.rollout={tmp_path / 'r'}",
+                         "model.draft_vocab_size=null", "data.batch_size=2", "data.val_fraction=0.25",
+                         "+trainer.fast_dev_run=true", "trainer.precision=32", "logger=csv"], tmp_path / "run")
+    assert load_export(train_script.run(cfg), verifier).kind == "eagle"
+
+
 @pytest.mark.slow
 def test_a_family_that_cannot_is_refused(cache_dir, tmp_path, smollm2):
     """Medusa drafts from one forward of its heads: no chain to replay. The rollout and training both say so."""
