@@ -328,7 +328,8 @@ class UnrolledStep:
 
 
 def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor,
-           embed: nn.Module, steps: int) -> Iterator[UnrolledStep]:
+           embed: nn.Module, steps: int, inputs: list[tuple[Tensor, Tensor]] | None = None
+           ) -> Iterator[UnrolledStep]:
     """Unroll the drafter `steps` times over a batch, teacher-forced on the true tokens.
 
     Step 0 at position t reads (x_{t+1}, F_t) and predicts x_{t+2}; step j > 0 reads (x_{t+j+1}, its own step j-1
@@ -339,6 +340,10 @@ def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tens
     row, the span of positions whose targets some step >= 1 needs (assistant tokens: prompts and padding drop out),
     left-aligned into W columns; a position's step-j output feeds only its own step j+1, so nothing outside the
     window is ever read. feats: (B, n, D) F_t for t = 0..n-1, n = T-1. Yields one `UnrolledStep` per step.
+
+    `inputs`: each step's (tokens, valid) (B, n) in place of `step_inputs`' teacher-forced ones. On-policy training
+    (train/opd.py) feeds the drafter's own drafts at the positions where its decoding rounds started, and marks only
+    those positions as targets.
     """
     bsz, n = feats.shape[:2]
     device = input_ids.device
@@ -347,7 +352,8 @@ def unroll(net: EagleNet, feats: Tensor, input_ids: Tensor, attention_mask: Tens
     eye = torch.eye(n, dtype=torch.bool, device=device)
     keys = keys | (eye & ~keys.any(-1, keepdim=True))  # a query with no key (left padding) sees its own: no NaN
     right_padded = bool((valid_keys[:, 1:] <= valid_keys[:, :-1]).all())  # plain causal attention is exact then
-    inputs = [step_inputs(input_ids, loss_mask, j) for j in range(steps)]  # (tokens, valid) (B, n) each
+    if inputs is None:  # teacher-forced: (tokens, valid) (B, n) each
+        inputs = [step_inputs(input_ids, loss_mask, j) for j in range(steps)]
 
     def step_of(out: Tensor, valid: Tensor, column_of: Tensor | None) -> UnrolledStep:
         bi, ti = valid.nonzero(as_tuple=True)

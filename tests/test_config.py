@@ -15,7 +15,7 @@ from helpers import ROOT, compose_train
 REQUIRED = {"verifier=hf": ["verifier.path=some/model"], "data=sharegpt": ["data.source=conv.json"]}
 
 
-EVAL_GROUPS = {"tree", "drafter"}  # groups of conf/eval.yaml; every other group belongs to conf/train.yaml
+EVAL_GROUPS = {"tree", "drafter", "setting"}  # groups of conf/eval.yaml; every other group belongs to conf/train.yaml
 
 
 def group_options(eval_groups: bool = False) -> list[str]:
@@ -41,9 +41,11 @@ def test_compose_every_option(override, tmp_path):
     resolved = OmegaConf.to_container(cfg, resolve=True)
     for key in ("verifier", "data", "model", "trainer", "callbacks", "seed"):
         assert key in resolved
-    from models.families import FAMILIES
+    from models.families import FAMILIES, resolve
 
-    assert resolved["model"]["_target_"] in {f.training for f in FAMILIES.values() if f.training}
+    # a family's training module, or a recipe built on one (experiment=opd: train.opd.OnPolicyModule)
+    trained = tuple(resolve(f.training) for f in FAMILIES.values() if f.training)
+    assert issubclass(resolve(resolved["model"]["_target_"]), trained)
 
 
 @pytest.mark.parametrize("override", group_options(eval_groups=True))
@@ -59,6 +61,9 @@ def test_compose_every_eval_option(override):
     group, option = override.split("=")
     if group == "tree":
         assert resolved["tree"]["_target_"].rsplit(".", 1)[1] == policy[option]
+    elif group == "setting":  # a named setting over eval.yaml's keys (conf/setting/): every key it sets is applied
+        named = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "setting" / f"{option}.yaml"))
+        assert named and all(resolved[k] == v for k, v in named.items())
     else:  # every drafter is a factory partial in eval.drafters.build; medusa/eagle/eagle3 name the export kind
         assert resolved["drafter"]["_target_"].rsplit(".", 1)[1] in {option, "export"}
         assert resolved["drafter"]["_partial_"] is True
