@@ -28,8 +28,8 @@ import datasets
 
 from data.selfdistill import FEATURES
 from data.shipped import template_sha256
-from models.verifiers.core import Verifier, check_fingerprint
-from runtime.errors import UserError
+from models.verifiers.core import Verifier
+from runtime.errors import UserError, VerifierMismatchError
 
 FORMAT = "specdraft-served-record"
 VERSION = 1
@@ -77,7 +77,13 @@ def check_folder(folder: str | Path) -> Path:
 
 def check_verifier(folder: Path, manifest: dict[str, Any], verifier: Verifier, fix: str) -> None:
     """The record was made by `verifier`, rendering as it renders, with its chat template."""
-    check_fingerprint(manifest["verifier_fingerprint"], verifier, f"served record {folder}")
+    expected, actual = manifest.get("verifier_fingerprint") or {}, verifier.fingerprint
+    diff = [f"{k}: {expected.get(k)!r} (record) vs {actual[k]!r} (verifier)" for k in actual
+            if expected.get(k) != actual[k]]
+    if diff:
+        raise VerifierMismatchError(f"served record {folder} was recorded from a different verifier "
+                                    f"({manifest.get('verifier_name')!r}) than {verifier.name!r}: {', '.join(diff)}. "
+                                    f"{fix}")
     if manifest.get("rendering") != verifier.rendering:
         raise UserError(f"served record {folder} was rendered {manifest.get('rendering')} but the verifier renders "
                         f"{verifier.rendering}: its prompt ids are not what this verifier sees. {fix}")

@@ -234,19 +234,21 @@ class Responder:
 
 
 def tensors(folder: str) -> dict[str, Any]:
-    """name -> [dtype, shape] of every tensor in the folder's .safetensors files (their headers only)."""
+    """name -> [kind, shape] of every tensor in the folder's .safetensors files (their headers only); the kind is
+    "float" for every floating dtype (vLLM casts a float32 export to the dtype it serves in as it loads)."""
     out: dict[str, Any] = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
-        out.update({k: [v["dtype"], v["shape"]] for k, v in header.items() if k != "__metadata__"})
+        out.update({k: ["float" if v["dtype"] in ("F64", "F32", "F16", "BF16") else v["dtype"], v["shape"]]
+                    for k, v in header.items() if k != "__metadata__"})
     return out
 
 
 def differences(old: str, new: str) -> list[str]:
     """What would keep `new` from loading into the drafter vLLM built from `old`: its config's structure, its tensors'
-    names, dtypes and shapes."""
+    names, kinds and shapes."""
     if not os.path.isfile(os.path.join(new, "config.json")):
         return [f"{new} has no config.json"]
     with open(os.path.join(old, "config.json"), encoding="utf-8") as f:
