@@ -71,8 +71,11 @@ def test_a_folder_holding_other_things_is_refused_before_anything_loads(tmp_path
     (["--reload-into", "http://127.0.0.1:9", "--plain"], "--plain has nothing to set"),
     (["--reload-into", "http://127.0.0.1:9", "--record", "DIR"], "--record has nothing to set"),
 ])
-def test_options_that_contradict_recording_or_reloading_are_refused(extra, words, capsys):
-    code, out = _serve([str(EAGLE3), *extra], capsys)
+def test_options_that_contradict_recording_or_reloading_are_refused(extra, words, capsys, tmp_path):
+    argv = [str(tmp_path / "rec") if a == "DIR" else a for a in extra]
+    if "--reload-into" not in extra:
+        argv.append("--print-command")  # a refusal that stopped working prints the command, starting nothing
+    code, out = _serve([str(EAGLE3), *argv], capsys)
     assert code == 2 and words in out
 
 
