@@ -31,11 +31,11 @@ import sys
 import time
 from pathlib import Path
 
-from data.served import RECORDS, check_folder, open_record
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError
 from runtime.lifetime import stop_on_signals
 from serve import vllm_engine
+from serve.record import RECORDS, check_folder, open_record
 from serve.server import (
     HOST,
     PORT,

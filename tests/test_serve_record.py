@@ -38,7 +38,7 @@ def _serve(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, st
 
 def _record(folder: Path, verifier, lines: list[dict]) -> Path:
     """A served record of `verifier` holding `lines`, as a server leaves one."""
-    from data.served import RECORDS, open_record
+    from serve.record import RECORDS, open_record
 
     open_record(folder, verifier, EAGLE3, "0.32.0")
     with open(folder / RECORDS, "a") as f:
@@ -81,8 +81,9 @@ def test_options_that_contradict_recording_or_reloading_are_refused(extra, words
 
 @pytest.mark.slow
 def test_another_verifiers_record_is_refused_by_the_server_and_by_the_trainer(tiny, smollm2, tmp_path):
-    from data.served import MANIFEST, load_served, open_record
+    from data.served import load_served
     from runtime.errors import UserError, VerifierMismatchError
+    from serve.record import MANIFEST, open_record
 
     folder = _record(tmp_path / "rec", tiny, [_line([1, 2], [3, 2], "stop")])
     before = (folder / MANIFEST).read_text()
