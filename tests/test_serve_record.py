@@ -131,10 +131,8 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server(vllm, tmp_path_factory):
-    """`python -m serve EAGLE3 --record DIR` on a free port: (its URL, DIR, the process). Stopped after the module."""
-    record = tmp_path_factory.mktemp("served") / "record"
+def _start(record: Path) -> tuple[str, subprocess.Popen[str]]:
+    """`python -m serve EAGLE3 --record RECORD` on a free port, once it says it is ready: (its URL, the process)."""
     port = _port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # the server's default
     proc = subprocess.Popen([sys.executable, "-m", "serve", str(EAGLE3), "--record", str(record), "--port", str(port),
@@ -146,14 +144,29 @@ def server(vllm, tmp_path_factory):
     while not any("ready at" in ln for ln in lines):
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-30:])
         lines.append(proc.stdout.readline())
-    try:
-        yield f"http://127.0.0.1:{port}", record, proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    return f"http://127.0.0.1:{port}", proc
+
+
+@pytest.fixture(scope="module")
+def served(vllm, tmp_path_factory):
+    """One server per module (per xdist worker), its record folder, and the process; stopped after the module."""
+    state: dict = {"record": tmp_path_factory.mktemp("served") / "record", "proc": None}
+    yield state
+    if state["proc"] is not None:
+        state["proc"].send_signal(signal.SIGTERM)
         try:
-            proc.communicate(timeout=120)
+            state["proc"].communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            state["proc"].kill()
+
+
+@pytest.fixture
+def server(served):
+    """(URL, record folder, process) of the module's server, started again into the same record (the append path)
+    where a test before this one killed it."""
+    if served["proc"] is None or served["proc"].poll() is not None:
+        served["url"], served["proc"] = _start(served["record"])
+    return served["url"], served["record"], served["proc"]
 
 
 def _chat(url: str, prompt: str, **extra) -> httpx.Response:
