@@ -20,6 +20,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,13 @@ def ask(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
         "temperature": 0})
     r.raise_for_status()
     return r.json()
+
+
+def ask_status(url: str, prompt: str, max_tokens: int) -> int:
+    name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    return httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
+        "model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "temperature": 0}).status_code
 
 
 def measure(url: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
@@ -125,10 +133,29 @@ def main() -> None:
         try:
             result["heldout_before"] = measure(url, heldout, args.max_tokens)
             print("held-out, shipped drafter:", result["heldout_before"], flush=True)
+            traffic: list[tuple[float, float, int]] = []  # (sent, seconds, status) of requests during the reload
+            done = threading.Event()
+
+            def keep_asking() -> None:
+                while not done.is_set():
+                    t = time.monotonic()
+                    try:
+                        status = ask_status(url, heldout[0], 32)
+                    except httpx.HTTPError:
+                        status = -1
+                    traffic.append((t, time.monotonic() - t, status))
+
+            worker = threading.Thread(target=keep_asking)
+            worker.start()
             t0 = time.monotonic()
             said = subprocess.run([sys.executable, "-m", "serve", str(run / "export"), "--reload-into", url],
                                   cwd=ROOT, check=True, capture_output=True, text=True).stdout
-            result["reload"] = {"command_seconds": time.monotonic() - t0, "said": said.strip().splitlines()[-1]}
+            time.sleep(2)
+            done.set()
+            worker.join()
+            result["reload"] = {"command_seconds": time.monotonic() - t0, "said": said.strip().splitlines()[-1],
+                                "requests_meanwhile": len(traffic), "failed": sum(st != 200 for _, _, st in traffic),
+                                "slowest_seconds": max((d for _, d, _ in traffic), default=0.0)}
             result["heldout_after"] = measure(url, heldout, args.max_tokens)
             print("held-out, retrained drafter (reloaded):", result["heldout_after"], flush=True)
             result["stream_after"] = measure(url, stream[:16], args.max_tokens)  # recorded prompts, for scale
