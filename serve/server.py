@@ -9,8 +9,8 @@ the export goes in --speculative-config (`served_folder`: a compact export whose
 written back in full first, once, under <cache>/served/). `Server` runs it as a context manager under the watchdog of
 runtime/lifetime.py; `read_export` and `check_address` refuse what would fail after the start; the schedule (K per
 batch-size range) is parsed, checked and recorded beside a served folder here; `spec_counters` reads vLLM's own
-speculative counters from its /metrics endpoint. With `record` (a served record, serve/record.py) or `reload`, vLLM loads
-engine_side/ (its --middleware: each finished request appended to the record, the reload route; its
+speculative counters from its /metrics endpoint. With `record` (a served record, serve/record.py) or `reload`, vLLM
+loads engine_side/ (its --middleware: each finished request appended to the record, the reload route; its
 --worker-extension-cls: the drafter's weights loaded in place).
 """
 

@@ -22,6 +22,7 @@ import hmac
 import json
 import os
 import struct
+import sys
 import threading
 import time
 from typing import Any
@@ -229,8 +230,13 @@ class Responder:
 
     def finish(self) -> None:
         record = self.capture.record()
-        if record is not None:
+        if record is None:
+            return
+        try:
             append(record)
+        except OSError as e:  # a full disk: the client still gets its answer; the server's log says what was lost
+            print(f"specdraft: request {record.get('id')} not recorded in {record_path()}: {e}", file=sys.stderr,
+                  flush=True)
 
 
 def tensors(folder: str) -> dict[str, Any]:
