@@ -29,7 +29,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 from models.verifiers.load import load_verifier
 from runtime.errors import UserError
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
               f"vLLM", flush=True)
         verifier, served = prepare(info, args.cache_dir)
         record = None
-        if args.record is not None and not args.print_command:
+        if args.record is not None:  # with --print-command too: the printed command records into a ready folder
             record = open_record(args.record, load_verifier(info.verifier, "float32", "cpu", args.cache_dir),
                                  info.path, vllm_engine.VERSION)
             print(f"[serve] recording each finished request to {record / RECORDS}", flush=True)
@@ -184,12 +183,11 @@ def main(argv: list[str] | None = None) -> int:
                                  args.tokens or info.speculative_tokens, None if args.plain else schedule, args.host,
                                  args.port, args.max_num_seqs, args.max_model_len, args.dtype, args.threads,
                                  served_name(info.path), api_key=args.api_key,
-                                 record=record if record is not None else
-                                 (Path(args.record) if args.record is not None else None),
-                                 reload=args.record is not None or args.reloadable)
+                                 record=record, reload=args.record is not None or args.reloadable)
         if args.print_command:
             env = settings.env()
-            keep = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS")
+            keep = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS",
+                    "PYTHONPATH", "SPECDRAFT_RECORD_DIR", "SPECDRAFT_RELOAD", "SPECDRAFT_DRAFTER_DIR")
             key = " VLLM_API_KEY=<your key>" if settings.api_key else ""
             print(" ".join(f"{k}={env[k]}" for k in keep if k in env) + key, " ".join(
                 f"'{a}'" if any(c in a for c in " {}\"") else a for a in settings.command()))

@@ -66,6 +66,22 @@ def test_a_folder_holding_other_things_is_refused_before_anything_loads(tmp_path
     assert code == 2 and "it is a file, not a folder" in out
 
 
+@pytest.mark.slow
+def test_the_printed_command_records_and_reloads_as_python_m_serve_would(tmp_path, capsys):
+    """--print-command with --record: the folder made ready (its manifest), the command with vLLM's --middleware and
+    --worker-extension-cls and the environment that points them at engine_side/ and the record."""
+    from serve.server import ENGINE_SIDE
+
+    code, out = _serve([str(EAGLE3), "--record", str(tmp_path / "rec"), "--print-command"], capsys)
+    assert code == 0, out
+    assert "--middleware specdraft_record.Recorder" in out
+    assert "--worker-extension-cls specdraft_reload.DrafterReload" in out
+    assert f"PYTHONPATH={ENGINE_SIDE}" in out and f"SPECDRAFT_RECORD_DIR={tmp_path / 'rec'}" in out
+    assert json.loads((tmp_path / "rec" / "manifest.json").read_text())["format"] == "specdraft-served-record"
+    code, out = _serve([str(EAGLE3), "--print-command"], capsys)  # without: vLLM as before, nothing of ours loaded
+    assert code == 0 and "--middleware" not in out and "PYTHONPATH" not in out
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--plain", "--record", "DIR"], "--record records or reloads a drafter's serving; with --plain there is none"),
     (["--reload-into", "http://127.0.0.1:9", "--plain"], "--plain has nothing to set"),
