@@ -17,6 +17,7 @@ server was started with that extension, and asks for the server's API key where 
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import hmac
 import json
@@ -310,7 +311,13 @@ async def reload_drafter(scope: dict[str, Any], receive: Any, send: Any) -> None
     started = time.perf_counter()
     try:
         results = await engine.collective_rpc("reload_drafter", args=(path,))
-        cleared = await engine.reset_prefix_cache()  # cached prefixes hold the old drafter's keys and values
+        # Cached prefixes hold the old drafter's keys and values. vLLM clears them only between requests (False while
+        # one runs): ask again for a few seconds, then say whether it was done.
+        cleared = await engine.reset_prefix_cache()
+        deadline = time.monotonic() + 10
+        while not cleared and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            cleared = await engine.reset_prefix_cache()
     except Exception as e:  # the engine's own message, to the caller that asked
         return await answer(500, {"error": f"{type(e).__name__}: {e}"})
     os.environ["SPECDRAFT_DRAFTER_DIR"] = path
