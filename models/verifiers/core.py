@@ -158,6 +158,16 @@ def check_fingerprint(expected: dict[str, Any], verifier: Verifier, what: str) -
         )
 
 
+def template_sha256(tokenizer: Any) -> str:
+    """sha256 of the tokenizer's chat template text (what turns messages into the ids a shipped set or a served record
+    holds)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        raise UserError(f"the verifier's tokenizer ({type(tokenizer).__name__}) has no chat template as text; a "
+                        f"shipped set or a served record records the template it was rendered with.")
+    return hashlib.sha256(template.encode()).hexdigest()
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
