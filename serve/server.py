@@ -152,7 +152,7 @@ class ServeSettings:
     name: str = "specdraft"  # the model name clients send
     prefix_caching: bool = True  # vLLM's default; the load sweep turns it off (it sends the same prompts every pass)
     api_key: str | None = None  # vLLM's --api-key, handed over as VLLM_API_KEY (not on the command line: ps shows it)
-    record: Path | None = None  # a served record (data/served.py) the server appends each finished request to
+    record: Path | None = None  # a served record (serve/record.py) the server appends each finished request to
     reload: bool = False  # POST /specdraft/reload_drafter loads another export's drafter weights in place
 
     @property
