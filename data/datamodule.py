@@ -8,7 +8,6 @@ from typing import Any
 
 import datasets
 import lightning as L
-import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -204,8 +203,7 @@ class DistillDataModule(L.LightningDataModule):
         replay = [self.shipped] if isinstance(self.shipped, (str, Path)) else list(self.shipped or [])
         if replay:
             old = load_shipped(replay, self.verifier)
-            ds = datasets.Dataset(pa.concat_tables([ds.data.table, old.data.table]),
-                                  fingerprint=f"{ds._fingerprint}-{old._fingerprint}")
+            ds = datasets.concatenate_datasets([ds, old])
         ds = ds.select(fixed_order(len(ds))).flatten_indices()
         return ds if self.limit is None else ds.select(range(min(self.limit, len(ds))))
 
