@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# OpenVINO GenAI for the OpenVINO engine tests and the harness's openvino peer:
+#   bash scripts/setup_openvino.sh        (setup.sh runs it; SKIP_OPENVINO=1 skips it there)
+# openvino-genai (its LLMPipeline with speculative decoding and prompt lookup) and optimum-intel (the verifier's
+# export to OpenVINO IR) pin transformers below this project's, so they live in their own virtualenv:
+# $SPECDRAFT_OPENVINO_VENV (default ~/.cache/specdraft/openvino-venv). The project drives it through that
+# interpreter (serve/openvino_engine.py). torch is the CPU build pip finds on the project's machines' disk (the same
+# torch==2.13.0 setup.sh installs). Idempotent and safe to kill: the venv counts as done only once its marker is
+# written, after the imports below worked; an unfinished one is rebuilt.
+# Time: 1 min 13 s on the project's 2-core CPU machine (torch from local disk, the rest from PyPI; measured 2026-12-07).
+set -euo pipefail
+VERSION=2026.4.1.0
+OPTIMUM=2.2.0
+VENV=${SPECDRAFT_OPENVINO_VENV:-$HOME/.cache/specdraft/openvino-venv}
+MARK="$VENV/.specdraft-openvino-$VERSION"
+PY=${PYTHON:-python}
+[ -f "$MARK" ] && [ -x "$VENV/bin/python" ] && exit 0
+echo "setup_openvino: installing openvino-genai==$VERSION and optimum-intel==$OPTIMUM into $VENV (minutes, once)" >&2
+rm -rf "$VENV"
+"$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+"$VENV/bin/python" -m pip install --quiet "openvino-genai==$VERSION" "openvino-tokenizers==$VERSION" \
+  "optimum-intel[openvino]==$OPTIMUM"
+# optimum-intel loads an EAGLE-3 draft through its own modeling file, whose imports transformers checks: diffusers
+# (below 0.38, which imports model classes this transformers lacks) and einops, with the hub client optimum-intel takes.
+"$VENV/bin/python" -m pip install --quiet "diffusers==0.37.1" "einops==0.8.2" "huggingface-hub==1.21.0"
+"$VENV/bin/python" -c "import openvino_genai, openvino_tokenizers, optimum.intel; \
+import diffusers, einops; assert openvino_genai.__version__.startswith('${VERSION%.*}'), openvino_genai.__version__"
+touch "$MARK"
