@@ -178,8 +178,8 @@ def convert(export_dir: str | Path, out: str | Path, verifier_checkpoint: str | 
     openvino_python()
     with atomic_dir(out) as tmp:
         ref = to_reference(None, export_dir, tmp / "reference")
-        if verifier_ir is not None:
-            shutil.copytree(verifier_ir, tmp / "verifier")
+        if verifier_ir is not None:  # linked, not copied: the same files, read only
+            shutil.copytree(verifier_ir, tmp / "verifier", copy_function=_link)
         else:
             export_verifier(verifier_checkpoint, tmp / "verifier", weight_format)
         _call({"op": "export", "source": str(ref), "out": str(tmp / "draft"), "weight_format": "fp32", "draft": True,
@@ -193,6 +193,54 @@ def convert(export_dir: str | Path, out: str | Path, verifier_checkpoint: str | 
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         check_contract(tmp, export_dir, expected)
     return out
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system
+        shutil.copy2(src, dst)
+
+
+def _cache_root(cache_dir: str | None) -> Path:
+    return Path(cache_dir or os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft")).expanduser() / "openvino"
+
+
+def _digest(*parts: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+
+
+def converted_verifier(checkpoint: str | Path, cache_dir: str | None = None, weight_format: str = "fp32") -> Path:
+    """The verifier's IR, converted once under <cache>/openvino/verifiers/<name>-<hash>-<format>."""
+    from runtime.io import atomic_dir
+
+    checkpoint = Path(checkpoint).expanduser()
+    key = _digest(str(checkpoint.resolve()).encode(), (checkpoint / "config.json").read_bytes())
+    folder = _cache_root(cache_dir) / "verifiers" / f"{checkpoint.name}-{key}-{weight_format}"
+    if not (folder / "openvino_model.xml").is_file():
+        with atomic_dir(folder) as tmp:
+            export_verifier(checkpoint, tmp / "ir", weight_format)
+            for f in (tmp / "ir").iterdir():
+                f.replace(tmp / f.name)
+            (tmp / "ir").rmdir()
+    return folder
+
+
+def converted_folder(export_dir: str | Path, checkpoint: str | Path, cache_dir: str | None = None,
+                     weight_format: str = "fp32") -> Path:
+    """An export converted once (`convert`) under <cache>/openvino/<export name>-<hash>, keyed by its config,
+    its weights' size and time and the verifier checkpoint; the verifier IR linked from converted_verifier."""
+    export_dir = Path(export_dir).expanduser().resolve()
+    stats = b"".join(str(f.stat().st_size).encode() + str(f.stat().st_mtime_ns).encode()
+                     for f in sorted(export_dir.glob("*.safetensors")))
+    key = _digest((export_dir / "config.json").read_bytes(), stats, str(checkpoint).encode(), weight_format.encode())
+    folder = _cache_root(cache_dir) / f"{export_dir.name}-{key}"
+    if not (folder / MANIFEST).is_file():
+        convert(export_dir, folder, checkpoint, weight_format, force=True,
+                verifier_ir=converted_verifier(checkpoint, cache_dir, weight_format))
+    return folder
 
 
 def inspect(folder: str | Path) -> dict[str, Any]:
