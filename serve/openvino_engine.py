@@ -195,6 +195,12 @@ def convert(export_dir: str | Path, out: str | Path, verifier_checkpoint: str | 
     return out
 
 
+def set_feature_layers(draft: str | Path, ids: Sequence[int]) -> None:
+    """Write `ids` as the draft IR's `hidden_layers_list` (OpenVINO's convention: decoder layer outputs), as
+    `convert` does last; the IR is written whole beside and moved over the old one (links to it keep the old)."""
+    _call({"op": "layers", "draft": str(Path(draft).expanduser()), "hidden_layers": [int(i) for i in ids]})
+
+
 def _link(src: str, dst: str) -> None:
     try:
         os.link(src, dst)

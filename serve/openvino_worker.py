@@ -1,10 +1,11 @@
 """Runs inside the OpenVINO virtualenv (scripts/setup_openvino.sh), never imported by the project: one JSON request
 in (argv[1]), one JSON result out (argv[2]). serve/openvino_engine.py writes the request and reads the result.
 
-Three operations:
+Four operations:
 - "export": a Hugging Face folder -> OpenVINO IR through optimum-intel (the verifier, or an EAGLE-3 draft in the
   SpecForge layout); for a draft, the feature layers OpenVINO GenAI takes are written into the IR's runtime info
   (`hidden_layers_list`), as its draft_model() reads them (without them it uses 2, L/2, L-3).
+- "layers": a draft IR's `hidden_layers_list` written anew (export's last step, alone).
 - "inspect": what OpenVINO GenAI will read from a converted folder: the draft IR's runtime info, its inputs and
   outputs, its d2t table, fc's input width, and the verifier IR's layers and vocabulary.
 - "generate": LLMPipeline runs, plain, with a draft model, or with its prompt lookup, on token-id prompts at batch
@@ -158,7 +159,12 @@ def generate(req: dict[str, Any]) -> dict[str, Any]:
     return {"runs": runs, "version": genai.get_version(), "openvino": ov.get_version()}
 
 
-OPS = {"export": export, "inspect": inspect, "generate": generate}
+def layers(req: dict[str, Any]) -> dict[str, Any]:
+    set_layers(Path(req["draft"]), [int(i) for i in req["hidden_layers"]])
+    return {"draft": req["draft"]}
+
+
+OPS = {"export": export, "inspect": inspect, "generate": generate, "layers": layers}
 
 
 def main() -> int:
