@@ -7,7 +7,8 @@
 # interpreter (serve/openvino_engine.py). torch is the CPU build pip finds on the project's machines' disk (the same
 # torch==2.13.0 setup.sh installs). Idempotent and safe to kill: the venv counts as done only once its marker is
 # written, after the imports below worked; an unfinished one is rebuilt.
-# Time: 1 min 13 s on the project's 2-core CPU machine (torch from local disk, the rest from PyPI; measured 2026-12-07).
+# Time: 1 min 51 s from nothing on the project's 2-core CPU machine (torch from local disk, the rest from PyPI; another job
+# shared the cores; 2026-12-07); 1.7 GB on disk.
 set -euo pipefail
 VERSION=2026.4.1.0
 OPTIMUM=2.2.0
@@ -19,11 +20,14 @@ echo "setup_openvino: installing openvino-genai==$VERSION and optimum-intel==$OP
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet "openvino-genai==$VERSION" "openvino-tokenizers==$VERSION" \
-  "optimum-intel[openvino]==$OPTIMUM"
-# optimum-intel loads an EAGLE-3 draft through its own modeling file, whose imports transformers checks: diffusers
-# (below 0.38, which imports model classes this transformers lacks) and einops, with the hub client optimum-intel takes.
-"$VENV/bin/python" -m pip install --quiet "diffusers==0.37.1" "einops==0.8.2" "huggingface-hub==1.21.0"
+# One resolve, torch held at 2.13.0 with the torchvision built for it: optimum-intel requires torchvision, whose
+# newest release would pull torch 2.14 with its CUDA libraries (4 GB) from PyPI. optimum-intel loads an EAGLE-3
+# draft through its own modeling file, whose imports transformers checks: diffusers (below 0.38, which imports model
+# classes this transformers lacks) and einops, with the hub client optimum-intel takes.
+"$VENV/bin/python" -m pip install --quiet "torch==2.13.0" "torchvision==0.28.0" "openvino-genai==$VERSION" \
+  "openvino-tokenizers==$VERSION" "optimum-intel[openvino]==$OPTIMUM" "diffusers==0.37.1" "einops==0.8.2" \
+  "huggingface-hub==1.21.0"
 "$VENV/bin/python" -c "import openvino_genai, openvino_tokenizers, optimum.intel; \
-import diffusers, einops; assert openvino_genai.__version__.startswith('${VERSION%.*}'), openvino_genai.__version__"
+import diffusers, einops, torch; assert torch.__version__.endswith('+cpu'), torch.__version__; \
+assert openvino_genai.__version__.startswith('${VERSION%.*}'), openvino_genai.__version__"
 touch "$MARK"
