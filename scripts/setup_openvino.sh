@@ -20,14 +20,17 @@ echo "setup_openvino: installing openvino-genai==$VERSION and optimum-intel==$OP
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-# One resolve, torch held at 2.13.0 with the torchvision built for it: optimum-intel requires torchvision, whose
-# newest release would pull torch 2.14 with its CUDA libraries (4 GB) from PyPI. optimum-intel loads an EAGLE-3
+# One resolve, torch held at 2.13.0 by the torchvision release built for it: optimum-intel requires torchvision, whose
+# newest release would pull torch 2.14 with its CUDA libraries (4 GB) from PyPI; that torchvision (a CUDA build) is
+# then removed, as its operators do not load on the CPU torch and break transformers' imports (text models do not
+# need it). optimum-intel loads an EAGLE-3
 # draft through its own modeling file, whose imports transformers checks: diffusers (below 0.38, which imports model
 # classes this transformers lacks) and einops, with the hub client optimum-intel takes.
 "$VENV/bin/python" -m pip install --quiet "torch==2.13.0" "torchvision==0.28.0" "openvino-genai==$VERSION" \
   "openvino-tokenizers==$VERSION" "optimum-intel[openvino]==$OPTIMUM" "diffusers==0.37.1" "einops==0.8.2" \
   "huggingface-hub==1.21.0"
-"$VENV/bin/python" -c "import openvino_genai, openvino_tokenizers, optimum.intel; \
+"$VENV/bin/python" -m pip uninstall --quiet -y torchvision
+"$VENV/bin/python" -c "import openvino_genai, openvino_tokenizers, optimum.intel, optimum.exporters.openvino; \
 import diffusers, einops, torch; assert torch.__version__.endswith('+cpu'), torch.__version__; \
 assert openvino_genai.__version__.startswith('${VERSION%.*}'), openvino_genai.__version__"
 touch "$MARK"

@@ -191,7 +191,7 @@ def convert(export_dir: str | Path, out: str | Path, verifier_checkpoint: str | 
                     "hidden_layers_list": expected["hidden_layers_list"],
                     "convention": "hidden_layers_list: OpenVINO GenAI's, the outputs of decoder layers (ours - 1)"}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        check_contract(tmp, export_dir, expected)
+        check_contract(tmp, export_dir, expected, shown=out)
     return out
 
 
@@ -259,14 +259,17 @@ def inspect(folder: str | Path) -> dict[str, Any]:
     return _call({"op": "inspect", "draft": str(folder / "draft"), "verifier": str(folder / "verifier")})
 
 
-def check_contract(folder: str | Path, export_dir: str | Path, expected: dict[str, Any] | None = None) -> None:
+def check_contract(folder: str | Path, export_dir: str | Path, expected: dict[str, Any] | None = None,
+                   shown: str | Path | None = None) -> None:
     """Read back what OpenVINO GenAI will read from `folder` and compare it with the export: eagle3_mode, the
     feature layers in its convention (and that the verifier has them), d2t, the draft vocabulary, fc's input width
-    and the verifier's vocabulary. A disagreement is refused, naming both sides and the fix."""
+    and the verifier's vocabulary. A disagreement is refused, naming both sides and the fix (`shown`: the folder
+    named in the message, where `folder` is its scratch copy being written)."""
     exp = expected or _expected(Path(export_dir).expanduser())
     got = inspect(folder)
     draft, verifier = got["draft"], got["verifier"]
-    fix = f"convert again: `python -m scripts.tools.convert openvino {export_dir} {folder} --force`"
+    shown = shown or folder
+    fix = f"convert again: `python -m scripts.tools.convert openvino {export_dir} {shown} --force`"
     problems = []
     if str(draft["eagle3_mode"]).lower() != "true":
         problems.append(f"the draft IR's eagle3_mode is {draft['eagle3_mode']!r}, not True (OpenVINO GenAI would "
@@ -288,7 +291,7 @@ def check_contract(folder: str | Path, export_dir: str | Path, expected: dict[st
     if verifier["vocab"] != exp["vocab"]:
         problems.append(f"the verifier IR's vocabulary is {verifier['vocab']}, the export's verifier's {exp['vocab']}")
     if problems:
-        raise UserError(f"{folder} does not hold what OpenVINO GenAI must read for {export_dir}: "
+        raise UserError(f"{shown} does not hold what OpenVINO GenAI must read for {export_dir}: "
                         + "; ".join(problems) + f". {fix}.")
 
 
