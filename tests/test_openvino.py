@@ -227,3 +227,13 @@ def test_openvino_peer_under_load_is_refused():
 
     with pytest.raises(UserError, match="load sweep runs in vLLM's server only"):
         settings(["openvino"], None, [1, 2], None, False, "single", str(SHIPPED))
+
+
+def test_peers_are_named_once_each_engine():
+    """engine_peers=[vllm,openvino] runs both at batch 1; an engine the harness does not drive is refused, naming
+    the ones it does."""
+    from eval.serving import settings
+
+    assert settings(["vllm", "openvino"], 3, None, None, False, "single", str(SHIPPED)).peers == ("vllm", "openvino")
+    with pytest.raises(UserError, match=r"\['sglang'\] unknown.*\['vllm', 'openvino'\]"):
+        settings(["openvino", "sglang"], None, None, None, False, "single", str(SHIPPED))
