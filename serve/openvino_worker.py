@@ -83,12 +83,10 @@ def inspect(req: dict[str, Any]) -> dict[str, Any]:
             node = r.input_value(0).get_node()
             if "d2t" in r.get_output_tensor(0).get_names() or "d2t" in node.get_friendly_name():
                 d2t = np.asarray(node.get_data() if hasattr(node, "get_data") else node.data).astype(int).tolist()
-        for op in m.get_ordered_ops():  # fc: the MatMul fed by the hidden_states parameter
+        for op in m.get_ordered_ops():  # fc: the MatMul fed by the hidden_states parameter; its weight's width
             if op.get_type_name() == "MatMul" and "hidden_states" in op.input_value(0).get_node().get_friendly_name():
-                fc_in = int(op.input_value(0).get_partial_shape()[-1].get_length()) \
-                    if op.input_value(0).get_partial_shape()[-1].is_static else None
                 w = op.input_value(1).get_partial_shape()
-                fc_in = fc_in or int(w[-1].get_length())
+                fc_in = int(w[-1 if op.get_attributes()["transpose_b"] else -2].get_length())
         out["draft"] = {
             "eagle3_mode": _rt(m, "eagle3_mode"),
             "hidden_layers_list": [int(x) for x in layers.split()] if layers else None,
