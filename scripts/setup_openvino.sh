@@ -7,7 +7,8 @@
 # interpreter (serve/openvino_engine.py). torch is the CPU build pip finds on the project's machines' disk (the same
 # torch==2.13.0 setup.sh installs). Idempotent and safe to kill: the venv counts as done only once its marker is
 # written, after the imports below worked; an unfinished one is rebuilt.
-# Time: 1 min 51 s from nothing on the project's 2-core CPU machine (torch from local disk, the rest from PyPI; another job
+# Time: 2-2.5 min from nothing on the project's 2-core CPU machine (1 min 51 s and 2 min 27 s measured; torch from
+# local disk, the rest from PyPI, pip's download cache warm; another job
 # shared the cores; 2026-12-07); 1.7 GB on disk.
 set -euo pipefail
 VERSION=2026.4.1.0
