@@ -8,8 +8,7 @@
 # torch==2.13.0 setup.sh installs). Idempotent and safe to kill: the venv counts as done only once its marker is
 # written, after the imports below worked; an unfinished one is rebuilt.
 # Time: 2-2.5 min from nothing on the project's 2-core CPU machine (1 min 51 s and 2 min 27 s measured; torch from
-# local disk, the rest from PyPI, pip's download cache warm; another job
-# shared the cores; 2026-12-07); 1.7 GB on disk.
+# local disk, the rest from PyPI, pip's download cache warm; another job shared the cores; 2026-12-07); 1.6 GB.
 set -euo pipefail
 VERSION=2026.4.1.0
 OPTIMUM=2.2.0
