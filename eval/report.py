@@ -479,9 +479,11 @@ def print_summary(report: Mapping[str, Any], profile: Mapping[str, Any], console
     for name, peer in (report.get("engine_peers") or {}).items():
         spec = peer.get("speculative")
         if spec:
-            a = ", ".join(f"{x:.2f}" for x in spec["accept_rate_per_position"])
+            a = (f"alpha_k [{', '.join(f'{x:.2f}' for x in spec['accept_rate_per_position'])}]"
+                 if spec["accept_rate_per_position"] else  # an engine that counts accepted tokens, not positions
+                 f"{spec.get('accepted_per_round') or 0:.2f} accepted per round")
             console.print(f"{name} {peer['version']} with this drafter ({spec['speculative_tokens']} tokens): tau "
-                          f"{spec['tau'] or 0:.3f}, alpha_k [{a}], speedup {spec['speedup'] or 0:.2f}x "
+                          f"{spec['tau'] or 0:.3f}, {a}, speedup {spec['speedup'] or 0:.2f}x "
                           f"over {name} plain")
         else:
             console.print(f"{name} {peer['version']}: {peer.get('note', 'plain only')}")
@@ -570,12 +572,14 @@ def save_plots(samples: Sequence[Sample], report: Mapping[str, Any], out_dir: Pa
 
 
 def peer_rates(report: Mapping[str, Any]) -> dict[str, float]:
-    """tokens/s of the serving engines measured beside us (`engine_peers`): `<engine>` plain, `<engine>_speculative`."""
+    """tokens/s of the serving engines measured beside us (`engine_peers`): `<engine>` plain, `<engine>_speculative`,
+    and `<engine>_prompt_lookup` for an engine with its own (OpenVINO GenAI)."""
     rates = {}
     for name, peer in (report.get("engine_peers") or {}).items():
         rates[name] = peer["plain"]["tokens_per_s"]
-        if peer.get("speculative"):
-            rates[f"{name}_speculative"] = peer["speculative"]["tokens_per_s"]
+        for part in ("speculative", "prompt_lookup"):
+            if peer.get(part):
+                rates[f"{name}_{part}"] = peer[part]["tokens_per_s"]
     return rates
 
 

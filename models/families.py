@@ -124,6 +124,8 @@ class Family:
     serve: vLLM's speculative method for its export (serve/vllm_engine.py), or None.
     serve_options: further --speculative-config keys that method needs for this family (P-EAGLE: vLLM serves it
         as eagle3 with parallel drafting).
+    openvino: OpenVINO GenAI's speculative mode for its export (serve/openvino_engine.py: "eagle3", the draft IR's
+        eagle3_mode), or None: `convert openvino` and engine_peers=[openvino] refuse the family.
     serve_cpu_refusal: why vLLM's CPU build (the one this project runs) refuses this family's export although vLLM
         serves it elsewhere, or None: `python -m serve` and the load sweep say so before starting a server.
     teacher_forced: for a family with an export, the function eval/offline.py scores its network with, teacher-
@@ -147,6 +149,7 @@ class Family:
     serve: str | None = None
     serve_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys vLLM needs for it
     serve_cpu_refusal: str | None = None
+    openvino: str | None = None
     teacher_forced: str | None = None
     stored_verifier: str | None = None
     # (config key, offset): the most tokens one engine step of this export drafts, its config value plus the offset
@@ -205,7 +208,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                                from_reference=eagle_io.eagle1_from_reference,
                                agrees=eagle_io.eagle1_weights_agree)),
     Family("eagle3", "EAGLE-3", **_EAGLE_LINE, decoder="eval.drafters.eagle.eagle_drafter",
-           training="train.eagle.EagleModule", network=Eagle3Net, tree="dynamic", serve="eagle3",
+           training="train.eagle.EagleModule", network=Eagle3Net, tree="dynamic", serve="eagle3", openvino="eagle3",
            export=ExportFormat(("LlamaForCausalLMEagle3",), eagle_io.eagle_layout,
                                partial(eagle_io.eagle_from_layout, "eagle3"), reads=("Eagle3LlamaForCausalLM",),
                                reference_weights=("model.safetensors", "pytorch_model.bin"),

@@ -130,3 +130,19 @@ def vllm():
     # the engine drafts and accepts, never its speed. Outside the tests vLLM keeps its default (a user's timed peer).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return vllm_engine
+
+
+@pytest.fixture(scope="session")
+def openvino():
+    """OpenVINO GenAI's driver (serve.openvino_engine) once its virtualenv answers (scripts/setup_openvino.sh); skipped
+    without it, except in CI (`CI=true`) or with SPECDRAFT_REQUIRE_OPENVINO=1, where a missing engine fails the test."""
+    from runtime.errors import UserError
+    from serve import openvino_engine
+
+    try:
+        openvino_engine.openvino_python()
+    except UserError as e:
+        if os.environ.get("SPECDRAFT_REQUIRE_OPENVINO") == "1" or os.environ.get("CI") == "true":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    return openvino_engine

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from eval.serving.peers import check_peers, vllm_peer
+from eval.serving.peers import check_peers, openvino_peer, vllm_peer
 from eval.serving.sweep import (
     LoadSettings,
     check_clients,
@@ -31,6 +31,7 @@ from eval.serving.sweep import (
     with_export,
     with_groups,
 )
+from runtime.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ def settings(peers: list[str], tokens: object, concurrency: object, lengths: obj
     eval.settings.parse, which holds the result as EvalSettings.serving."""
     checked = check_peers(peers, multi_turn, method)
     load = load_settings(concurrency, tokens, checked, checkpoint, lengths)
+    if load is not None and checked != ["vllm"]:
+        raise UserError(f"engine_concurrency with engine_peers={checked}: the load sweep runs in vLLM's server only; "
+                        f"give engine_peers=[vllm] for the sweep, or leave engine_concurrency out for the peers at "
+                        f"batch 1.")
     return Serving(tuple(checked), tokens if isinstance(tokens, int) and load is None else None, load)
 
 
@@ -72,8 +77,8 @@ def ready(run: Any) -> Serving:
 
 
 def measure(serving: Serving, s: Any, run: Any, samples: list[Any]) -> dict[str, Any] | None:
-    """The run's prompts through the real vLLM, plain and with the export drafting: at batch 1 beside our decoder, or
-    under load; None when no peer was asked for."""
+    """The run's prompts through each peer (the real vLLM, OpenVINO GenAI), plain and with the export drafting: at
+    batch 1 beside our decoder, or under load (vLLM); None when no peer was asked for."""
     from data.chat import prompt_ids
     from eval.runner import user_turns
 
@@ -86,8 +91,11 @@ def measure(serving: Serving, s: Any, run: Any, samples: list[Any]) -> dict[str,
         return {"vllm": sweep(serving.load, run.verifier, prompts, s.max_new_tokens, s.dtype, s.threads,
                               s.sampling.temperature, s.seed, s.output_dir, s.cache_dir, predictor(run, prompts[0]))}
     tokens = serving.tokens or (export.speculative_tokens if export is not None else None)
-    print(f"engine_peers: vLLM plain and {kind or 'no drafter'} on {len(prompts)} prompts")
-    return {"vllm": vllm_peer(run.verifier, kind, export, prompts,
-                              [sample.outputs["baseline"] for sample in samples],
-                              s.max_new_tokens, s.dtype, s.threads, s.sampling.temperature, s.sampling.top_p, s.seed,
-                              tokens, s.cache_dir)}
+    ours = [sample.outputs["baseline"] for sample in samples]
+    drivers = {"vllm": vllm_peer, "openvino": openvino_peer}
+    report = {}
+    for peer in serving.peers:
+        print(f"engine_peers: {peer} plain and {kind or 'no drafter'} on {len(prompts)} prompts")
+        report[peer] = drivers[peer](run.verifier, kind, export, prompts, ours, s.max_new_tokens, s.dtype, s.threads,
+                                     s.sampling.temperature, s.sampling.top_p, s.seed, tokens, s.cache_dir)
+    return report

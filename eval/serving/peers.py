@@ -1,9 +1,12 @@
-"""Serving engines as peers in `python -m eval ... engine_peers=[vllm]`: the same prompts through the real vLLM,
-plain and with the export drafting, beside our own decoder's figures in the same run. The question it answers is
-"what will this drafter do in my server": tokens/s, per-position acceptance, tau and speedup as vLLM measures them.
+"""Serving engines as peers in `python -m eval ... engine_peers=[vllm,openvino]`: the same prompts through the real
+vLLM and OpenVINO GenAI, plain and with the export drafting, beside our own decoder's figures in the same run. The
+question it answers is "what will this drafter do in my server": tokens/s, acceptance, tau and speedup as the engine
+measures them, against the engine's own plain decoding.
 
 vLLM runs in its own virtualenv (serve/vllm_engine.py), one process per configuration, batch 1, timed from its
 first request after a warm-up request (model load excluded), with Intel OpenMP preloaded as its CPU guide asks.
+OpenVINO GenAI runs in its own (serve/openvino_engine.py): the export converted once (cached), then plain, drafting
+and its own prompt lookup in one process, interleaved prompt by prompt, each after one warm-up request.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from models.families import FAMILIES
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
-PEERS = ("vllm",)
+PEERS = ("vllm", "openvino")
 DEFAULT_TOKENS = 3
 
 
@@ -74,4 +77,67 @@ def vllm_peer(verifier: Verifier, kind: str | None, export: Any | None, prompts:
         out["note"] = f"vLLM {plain.version}'s CPU build does not serve {kind}: {refusal}; plain decoding only"
     else:
         out["note"] = f"vLLM {plain.version} does not serve {kind or 'this drafter'}: plain decoding only"
+    return out
+
+
+def _agreement(outputs: list[list[int]], other: list[list[int]] | None, temperature: float) -> float | None:
+    """The fraction of prompts whose greedy outputs are equal (None when sampling, or nothing to compare)."""
+    if temperature != 0 or not other:
+        return None
+    return sum(a == b for a, b in zip(outputs, other)) / len(other)
+
+
+def openvino_peer(verifier: Verifier, kind: str | None, export: Any | None, prompts: list[list[int]],
+                  ours: list[list[int]], max_new_tokens: int, dtype: str, threads: int, temperature: float,
+                  top_p: float, seed: int, tokens: int | None = None, cache_dir: str | None = None) -> dict[str, Any]:
+    """OpenVINO GenAI plain, drafting `tokens` per step with the export (a family it drafts with: EAGLE-3), and its
+    own prompt lookup proposing as many, on `prompts` (serve.openvino_engine; the export converted once under
+    <cache>/openvino). Speedups are over OpenVINO's own plain decoding; agreement is with OpenVINO's plain output
+    and with `ours` (our plain decoding's outputs). OpenVINO exposes accepted and offered draft tokens and its main
+    model's inferences, not acceptance per position: the acceptance reported is accepted per round and tau."""
+    from serve import openvino_engine as ov
+
+    if not verifier.checkpoint:
+        raise UserError(f"engine_peers=[openvino]: the verifier {verifier.name} was built in memory and optimum-intel "
+                        f"converts from a directory; save it with models.verifiers.hf.save_checkpoint, or use a "
+                        f"checkpoint verifier.")
+    tokens = int(tokens or DEFAULT_TOKENS)
+    drafting = kind in ov.modes() and export is not None
+    if drafting:
+        folder = ov.converted_folder(export.path, verifier.checkpoint, cache_dir)
+        model = folder / "verifier"
+    else:
+        model = ov.converted_verifier(verifier.checkpoint, cache_dir)
+    configs = [ov.configuration("plain")]
+    if drafting:
+        configs.append(ov.configuration("speculative", folder / "draft", tokens))
+    configs.append(ov.configuration("prompt_lookup", tokens=tokens, lookup=True))
+    runs = ov.serve_many(model, prompts, max_new_tokens, configs, precision=dtype, threads=threads,
+                         temperature=temperature, top_p=top_p, seed=seed)
+    plain = runs["plain"]
+
+    def row(run: Any, method: str) -> dict[str, Any]:
+        return {"method": method, "speculative_tokens": tokens, "tokens_per_s": run.tokens_per_s, "tokens": run.tokens,
+                "seconds": run.seconds, "load_seconds": run.load_seconds, "tau": run.tau,
+                "accept_rate_per_position": [], "accepted_per_round": run.accepted_per_round,
+                "acceptance_rate": run.acceptance_rate,
+                "counts": {"accepted": run.accepted, "draft_tokens": run.draft_tokens, "rounds": run.rounds},
+                "speedup": run.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else None,
+                "greedy_match_plain": _agreement(run.outputs, plain.outputs, temperature),
+                "greedy_match_ours": _agreement(run.outputs, ours, temperature)}
+
+    out: dict[str, Any] = {
+        "version": plain.version,
+        "setup": {"batch": 1, "precision": ov.PRECISIONS.get(dtype, dtype), "threads": threads,
+                  "timing": "generate() per prompt, configurations interleaved prompt by prompt, after one warm-up "
+                            "request each; conversion and load excluded"},
+        "plain": {"tokens_per_s": plain.tokens_per_s, "tokens": plain.tokens, "seconds": plain.seconds,
+                  "load_seconds": plain.load_seconds},
+        "greedy_match_ours": _agreement(plain.outputs, ours, temperature),
+        "speculative": row(runs["speculative"], kind or "") if drafting else None,
+        "prompt_lookup": row(runs["prompt_lookup"], "prompt_lookup"),
+    }
+    if not drafting:
+        out["note"] = (f"OpenVINO GenAI {plain.version} does not draft with {kind or 'this drafter'}: plain decoding "
+                       f"and its prompt lookup only")
     return out

@@ -21,6 +21,10 @@ Each command replaces its output folder whole: one that holds anything but an ex
     # a shipped export -> the folder an engine (vLLM) loads as it is; --schedule records the K per batch-size range
     # (a load sweep's, eval/serving/sweep.py) that `python -m serve served/<name>` then launches with
     python -m scripts.tools.convert engine-ready pretrained/<name> served/<name> [--schedule 1-1:5,2-2:2,3-16:0]
+    # an EAGLE-3 export (shipped or not) -> the folder OpenVINO GenAI loads (its virtualenv: scripts/setup_openvino.sh):
+    # verifier/ (the verifier as OpenVINO IR, weights fp32 / fp16 / int8 / int4) and draft/ (the drafter, its feature
+    # layers in OpenVINO's convention in the IR's runtime info), checked against the export once written
+    python -m scripts.tools.convert openvino pretrained/eagle3-smollm2 ov/eagle3-smollm2 [--weight-format int8]
 """
 
 from __future__ import annotations
@@ -78,7 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     er.add_argument("--schedule", default=None,
                     help="K per batch-size range, FIRST-LAST:K,... (a load sweep's engine_peers.vllm.schedule.flag): "
                          "recorded in the folder, which `python -m serve` then launches with")
-    for command in (to, fr, sh, er):
+    ov = sub.add_parser("openvino", help="an EAGLE-3 export -> the folder OpenVINO GenAI loads (serve/openvino_engine)")
+    ov.add_argument("export_dir")
+    ov.add_argument("out_dir")
+    ov.add_argument("--verifier", default=None, help="the verifier's Hugging Face folder (default: the one the export "
+                                                     "names, as this machine caches it)")
+    ov.add_argument("--weight-format", default="fp32", choices=("fp32", "fp16", "int8", "int4"),
+                    help="the verifier IR's weights (int8 / int4: optimum-intel's weight compression); OpenVINO's "
+                         "CPU then infers in bf16 or f32 as it is asked")
+    ov.add_argument("--cache-dir", default=None)
+    for command in (to, fr, sh, er, ov):
         command.add_argument("--force", action="store_true",
                              help="replace the output folder even when it holds something other than an export of "
                                   "the same family and layout (all of it is deleted)")
@@ -105,6 +118,18 @@ def main(argv: list[str] | None = None) -> int:
                 out = engine_ready(src, args.out_dir, verifier, force=args.force)
                 if schedule is not None:
                     print(f"launch: {json.loads(write_launch(out, schedule).read_text())['command']}")
+        elif args.command == "openvino":
+            from serve import openvino_engine
+
+            config = read_config(args.export_dir)
+            openvino_engine.check_family(export_kind(config))  # before the verifier loads
+            checkpoint = args.verifier
+            if checkpoint is None:
+                source = export_verifier(config)
+                if not source:
+                    raise UserError(f"{args.export_dir} names no verifier; pass --verifier <its Hugging Face folder>.")
+                checkpoint = load_verifier(source, "float32", "cpu", args.cache_dir).checkpoint
+            out = openvino_engine.convert(args.export_dir, args.out_dir, checkpoint, args.weight_format, args.force)
         elif args.command == "to-reference":
             out = to_reference(None, args.export_dir, args.out_dir, args.weights, force=args.force)
         else:
