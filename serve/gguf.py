@@ -141,7 +141,7 @@ def expected_contract(config: dict[str, Any], kind: str, tensors: dict[str, Any]
         "general.architecture": arch,
         f"{arch}.target_layers": [int(i) for i in ids],  # layer inputs: hidden_states[i], as llama.cpp extracts
         f"{arch}.embedding_length": int(layer.get("hidden_size") or config.get("hidden_size") or fp["hidden_size"]),
-        "tokenizer.ggml.tokens": int(fp.get("vocab_size") or layer.get("vocab_size")),
+        "tokenizer.ggml.tokens": int(fp.get("vocab_size") or layer.get("vocab_size") or 0),
     }
     if arch == "eagle3":
         if config.get("fc_norm") or config.get("norm_output"):
@@ -175,7 +175,7 @@ def check_contract(path: str | Path, want: dict[str, Any]) -> dict[str, Any]:
                 wrong.append("d2t: the GGUF's draft-to-target token ids differ from the export's d2t + index")
             checked[key] = f"{value.size} ids"
             continue
-        got = meta.get(key)
+        got: Any = meta.get(key)
         if value is None:  # absent, or llama.cpp's default (true) would be wrong: must not say true
             if got is True:
                 wrong.append(f"{key}: the GGUF says true, the export drafts from the mask slots (false)")

@@ -249,7 +249,8 @@ def log_counters(text: str) -> list[dict[str, Any]]:
             if (p := _PER_POS.search(nxt)) is not None:
                 rates = [float(x) for x in p[1].split(",") if x.strip()]
                 break
-        steps = round(accepted / sum(rates)) if accepted and sum(rates) else (
+        total = float(sum(rates, 0.0))
+        steps = round(accepted / total) if accepted and total else (
             round(accepted / (mean_len - 1)) if mean_len > 1 else 0)
         out.append({"accepted": accepted, "drafted": drafted, "steps": steps,
                     "accepted_per_pos": [round(r * steps) for r in rates]})
