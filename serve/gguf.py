@@ -170,8 +170,8 @@ def check_contract(path: str | Path, want: dict[str, Any]) -> dict[str, Any]:
     checked: dict[str, Any] = {}
     for key, value in want.items():
         if key == "d2t":
-            got = tensors.get("d2t")
-            if got is None or got.reshape(-1).shape != value.shape or not np.array_equal(got.reshape(-1), value):
+            ids = tensors.get("d2t")
+            if ids is None or ids.reshape(-1).shape != value.shape or not np.array_equal(ids.reshape(-1), value):
                 wrong.append("d2t: the GGUF's draft-to-target token ids differ from the export's d2t + index")
             checked[key] = f"{value.size} ids"
             continue
