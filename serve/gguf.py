@@ -91,15 +91,30 @@ def verifier_ggufs(checkpoint: str | Path, out: Path, quants: list[str]) -> dict
 def draft_source(export: Path, config: dict[str, Any], kind: str, verifier: Any, tmp: Path) -> Path:
     """The folder llama.cpp's converter reads for this export: the engine-ready folder (a compact export written
     back in full), flattened to the family's reference layout where llama.cpp reads only that."""
-    from models.exports.io import to_reference
     from models.exports.shipped import COMPACT_KEY, engine_ready
 
     folder = export
     if config.get(COMPACT_KEY):
         folder = engine_ready(export, tmp / "engine-ready", verifier)
     if FAMILIES[kind].llamacpp_flat:
-        folder = to_reference(kind, folder, tmp / "reference", "model.safetensors")
+        folder = flat_layout(folder, tmp / "reference")
     return folder
+
+
+def flat_layout(folder: Path, out: Path) -> Path:
+    """An export in its family's reference layout, as llama.cpp's converter reads DFlash (z-lab's DFlashDraftModel:
+    the layer keys at the top, `dflash_config.target_layer_ids` counted as layer outputs, the tensors under the
+    names this project gives them): what models.exports.io.read_config / read_weights return for it."""
+    from safetensors.torch import save_file
+
+    from models.exports.io import read_config, read_weights
+
+    config = read_config(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in read_weights(folder).items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    return out
 
 
 def draft_gguf(export: Path, config: dict[str, Any], kind: str, verifier: Any, out: Path) -> Path:
@@ -133,7 +148,10 @@ def expected_contract(config: dict[str, Any], kind: str, tensors: dict[str, Any]
     layer = config.get("transformer_layer_config") or {}
     fp = config.get("verifier_fingerprint") or {}
     arch = ARCH[str(FAMILIES[kind].llamacpp)]
+    flat = config.get("dflash_config") or {}
     ids = config.get("eagle_aux_hidden_state_layer_ids") or config.get("aux_hidden_state_layer_ids")
+    if not ids and flat.get("target_layer_ids") is not None:  # the reference layout counts outputs: input = id + 1
+        ids = [int(i) + 1 for i in flat["target_layer_ids"]]
     if not ids:
         raise UserError(f"the {FAMILIES[kind].title} export names no feature layers (eagle_aux_hidden_state_layer_ids "
                         f"/ aux_hidden_state_layer_ids): re-export it with this toolkit.")
@@ -155,7 +173,7 @@ def expected_contract(config: dict[str, Any], kind: str, tensors: dict[str, Any]
             want["d2t"] = d2t + np.arange(d2t.size)
     else:
         want["dflash.block_size"] = int(config["block_size"])
-        want["tokenizer.ggml.mask_token_id"] = int(config["mask_token_id"])
+        want["tokenizer.ggml.mask_token_id"] = int(config.get("mask_token_id", flat.get("mask_token_id", -1)))
         # the anchor rule: slot 0 holds the last committed token and the drafts come from the mask slots (ours and
         # llama.cpp's DFlash); a DSpark GGUF records it, a DFlash one leaves it to that default
         want["dflash.sample_from_anchor"] = bool(config.get("sample_from_anchor", False)) if kind == "dspark" else None

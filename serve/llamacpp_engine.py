@@ -93,7 +93,8 @@ def convert_hf(model_dir: str | Path, out_file: str | Path, outtype: str = "bf16
     the verifier's folder as `target_dir`: the tokenizer and the target's sizes), run by this interpreter with the
     gguf-py of the same llama.cpp first on the path."""
     t = tools()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(t.converter / "gguf-py"), str(t.converter)]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(t.converter / "gguf-py"), str(t.converter),
+                                                    str(t.converter / "deps")]),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     argv = [sys.executable, str(t.converter / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(out_file),
             "--outtype", outtype]

@@ -166,14 +166,14 @@ def test_contract_refuses_shifted_feature_layers(llamacpp, smollm2, tmp_path):
     """The DFlash flattened by hand with our ids as z-lab's (inputs taken for outputs: the 0.04 acceptance) and an
     EAGLE-3 whose ids were shifted: the GGUF's target_layers are one off, and the check refuses each, naming it.
     The converter's own flattening passes the same check."""
-    from models.exports.io import read_config, to_reference
+    from models.exports.io import read_config
     from models.exports.shipped import engine_ready
     from runtime.errors import UserError
-    from serve.gguf import check_contract, expected_contract
+    from serve.gguf import check_contract, expected_contract, flat_layout
 
     dflash = engine_ready(ROOT / "pretrained" / "dflash-smollm2", tmp_path / "dflash", smollm2)
     want = expected_contract(read_config(dflash), "dflash")
-    flat = to_reference("dflash", dflash, tmp_path / "flat", "model.safetensors")
+    flat = flat_layout(dflash, tmp_path / "flat")
     right = llamacpp.convert_hf(flat, tmp_path / "right.gguf", "bf16", target_dir=smollm2.checkpoint)
     assert check_contract(right, want)["dflash.target_layers"] == [2, 15, 27]
     config = json.loads((flat / "config.json").read_text())
