@@ -126,6 +126,8 @@ class Family:
         as eagle3 with parallel drafting).
     llamacpp: llama.cpp's --spec-type for its export converted to GGUF (serve/gguf.py), or None: llama.cpp (b11434)
         has no such drafter, and `convert gguf` / `python -m serve --engine llamacpp` refuse it.
+    llamacpp_refusal: for a family llama.cpp has but this toolkit does not convert for it, why (said instead of
+        "llama.cpp has no such drafter").
     llamacpp_flat: llama.cpp's converter reads this family only in its reference layout (z-lab's flat DFlash:
         `dflash_config.target_layer_ids` counted as layer outputs), written first with `to_reference`.
     serve_cpu_refusal: why vLLM's CPU build (the one this project runs) refuses this family's export although vLLM
@@ -153,6 +155,7 @@ class Family:
     serve_cpu_refusal: str | None = None
     llamacpp: str | None = None
     llamacpp_flat: bool = False
+    llamacpp_refusal: str | None = None
     teacher_forced: str | None = None
     stored_verifier: str | None = None
     # (config key, offset): the most tokens one engine step of this export drafts, its config value plus the offset
@@ -246,6 +249,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            decoder="eval.drafters.dflash2.dflash2_drafter", training="train.dflash2.DFlash2Module",
            network=DFlash2Net, needs_export=True, tree="fixed", acceptance=("eagle_topk_accuracy", "val_step_top1"),
            serve="dflash", teacher_forced="eval.drafters.dflash2.dflash2_ranks", drafts_per_step=("block_size", -1),
+           llamacpp_refusal="llama.cpp b11434 reads z-lab's DFlash2DraftModel, but this toolkit's conversion to it "
+                            "(the candidate selector's tensors and keys) is neither written nor checked against "
+                            "llama.cpp yet",
            serve_cpu_refusal="its candidate selector runs only in vLLM's Model Runner V2, which needs Triton (a GPU); "
                              "the CPU build's V1 runner refuses DFlash candidate-head drafts",
            export=ExportFormat(("DFlash2DraftModel",), dflash2_layout, dflash2_from_layout,

@@ -48,7 +48,9 @@ def refusal(kind: str | None) -> str | None:
         return None
     can = sorted(n for n, f in FAMILIES.items() if f.llamacpp is not None)
     title = FAMILIES[kind].title if kind in FAMILIES else repr(kind)
-    return (f"llama.cpp (b11434) has no {title} drafter: it drafts with {', '.join(FAMILIES[n].title for n in can)} "
+    own = FAMILIES[kind].llamacpp_refusal if kind in FAMILIES else None
+    why = own or f"llama.cpp (b11434) has no {title} drafter"
+    return (f"{why}: this toolkit serves llama.cpp drafting with {', '.join(FAMILIES[n].title for n in can)} "
             f"only. Serve this export with vLLM (`python -m serve EXPORT`), or train one of those for llama.cpp "
             f"(python train.py model=eagle3), or serve the verifier alone (--plain).")
 
