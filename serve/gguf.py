@@ -163,22 +163,23 @@ def expected_contract(config: dict[str, Any], kind: str, tensors: dict[str, Any]
         f"{arch}.embedding_length": int(layer.get("hidden_size") or config.get("hidden_size") or fp["hidden_size"]),
         "tokenizer.ggml.tokens": int(fp.get("vocab_size") or layer.get("vocab_size") or 0),
     }
-    if arch == "eagle3":
+    if tensors is not None and tensors.get("d2t") is not None:  # a reduced draft vocabulary
+        d2t = np.asarray(tensors["d2t"]).astype(np.int64).reshape(-1)
+        want["d2t"] = d2t + np.arange(d2t.size)
+    if FAMILIES[kind].drafts_per_step is None:  # EAGLE-3: one token a forward
         if config.get("fc_norm") or config.get("norm_output"):
             raise UserError("this EAGLE-3 export uses EAGLE-3.1's fc_norm / norm_output, which llama.cpp's EAGLE-3 "
                             "graph (norm_before_fc, norm_before_residual only) does not run: it would draft with "
                             "another network. Serve it with vLLM, or train without them for llama.cpp.")
         want["eagle3.norm_before_fc"] = bool(config.get("norm_before_fc", False))
         want["eagle3.norm_before_residual"] = bool(config.get("norm_before_residual", False))
-        if tensors is not None and "d2t" in tensors:
-            d2t = np.asarray(tensors["d2t"]).astype(np.int64).reshape(-1)
-            want["d2t"] = d2t + np.arange(d2t.size)
-    else:
+    else:  # a block drafter (DFlash's line)
         want["dflash.block_size"] = int(config["block_size"])
         want["tokenizer.ggml.mask_token_id"] = int(config.get("mask_token_id", flat.get("mask_token_id", -1)))
         # the anchor rule: slot 0 holds the last committed token and the drafts come from the mask slots (ours and
         # llama.cpp's DFlash); a DSpark GGUF records it, a DFlash one leaves it to that default
-        want["dflash.sample_from_anchor"] = bool(config.get("sample_from_anchor", False)) if kind == "dspark" else None
+        records = FAMILIES[kind].llamacpp == "draft-dspark"
+        want["dflash.sample_from_anchor"] = bool(config.get("sample_from_anchor", False)) if records else None
     return want
 
 
@@ -249,7 +250,7 @@ def convert(export: str | Path, out: str | Path, quants: list[str], draft: bool 
                                              "files": verifier_ggufs(verifier.checkpoint, out, quants)}}
     if draft and kind is not None:
         gguf_file = draft_gguf(src, config, kind, verifier, out)
-        d2t = read_weights(src).get("d2t") if kind == "eagle3" else None
+        d2t = read_weights(src).get("d2t")
         want = expected_contract(config, kind, {"d2t": d2t.numpy()} if d2t is not None else None)
         manifest["draft"] = gguf_file.name
         manifest["contract"] = check_contract(gguf_file, want)
