@@ -140,25 +140,31 @@ def test_shipped_dflash_drafts_in_llamacpp_as_in_ours(dflash_gguf, llamacpp, smo
 
 
 @pytest.fixture(scope="session")
-def fresh_eagle3(llamacpp, train_script, tmp_path_factory, smollm2):
-    """An EAGLE-3 trained here on the default verifier with a short recipe (train.py's export, f32), converted."""
-    with run_shared(tmp_path_factory, "llamacpp-fresh-eagle3") as root:
-        done = root / "export.path"
-        if not done.is_file():
-            export = train_script.run(compose_train(["model=eagle3", *RECIPE], root / "run"))
-            done.write_text(str(export))
-        export = Path(done.read_text())
-    return export, _convert(tmp_path_factory, "fresh-eagle3", export, "f32")
+def fresh(llamacpp, train_script, tmp_path_factory, smollm2):
+    """family -> (export, converted folder): a drafter trained here on the default verifier with a short recipe
+    (train.py's export, f32 weights: an f32 draft GGUF), converted; once per test run."""
+    def make(kind: str) -> tuple[Path, Path]:
+        with run_shared(tmp_path_factory, f"llamacpp-fresh-{kind}") as root:
+            done = root / "export.path"
+            if not done.is_file():
+                export = train_script.run(compose_train([f"model={kind}", *RECIPE], root / "run"))
+                done.write_text(str(export))
+            export = Path(done.read_text())
+        return export, _convert(tmp_path_factory, f"fresh-{kind}", export, "f32")
+
+    return make
 
 
-def test_fresh_eagle3_converts_and_drafts(fresh_eagle3, llamacpp, smollm2, prompts):
-    """An EAGLE-3 train.py just exported (f32 weights: an f32 draft GGUF) converts, serves and drafts, its
-    first-position acceptance our decoder's."""
-    export, folder = fresh_eagle3
+@pytest.mark.parametrize(("kind", "k"), [("eagle3", 3), ("dspark", 7)])
+def test_fresh_export_converts_and_drafts(fresh, llamacpp, smollm2, prompts, kind, k):
+    """An EAGLE-3 and a DSpark train.py just exported (speculators layout) convert, pass the contract check, serve
+    and draft, their first-position acceptance our decoder's (DSpark: a block of 8, its Markov head, 7 drafts)."""
+    export, folder = fresh(kind)
     manifest = json.loads((folder / "llamacpp.json").read_text())
-    assert manifest["draft"] == "draft-eagle3.gguf" and "d2t" in manifest["contract"]
-    spec = _served(folder, llamacpp, prompts[:2], 3)
-    _, alpha, n = _ours(smollm2, "eagle3", export, prompts[:2], 3)
+    assert manifest["draft"] == f"draft-{kind}.gguf" and manifest["kind"] == kind
+    assert manifest["contract"]["general.architecture"] in ("eagle3", "dflash")
+    spec = _served(folder, llamacpp, prompts[:2], k)
+    _, alpha, n = _ours(smollm2, kind, export, prompts[:2], k)
     _same_acceptance(alpha, n, spec)
 
 
