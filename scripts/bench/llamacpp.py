@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plain", default=None, help="the quantizations measured plain (default: every one there)")
     parser.add_argument("--drafting", default="bf16,q4_1", help="the quantizations drafting is measured on")
     parser.add_argument("--settings", default="1:0,3:0,3:0.6,5:0.6", help="K:p-min pairs")
     args = parser.parse_args(argv)
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     convs = load_conversations("builtin", split="eval", limit=args.prompts)
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": c.user_turns[0]}]) for c in convs]
     configs: dict[str, ServerSettings] = {}
-    for q in files:
+    for q in [q for q in (args.plain.split(",") if args.plain else files) if q in files]:
         configs[f"plain {q}"] = ServerSettings(folder / files[q], threads=args.threads)
     kind = manifest["kind"]
     for q in [q for q in args.drafting.split(",") if q in files]:
