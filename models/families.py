@@ -126,6 +126,12 @@ class Family:
         as eagle3 with parallel drafting).
     openvino: OpenVINO GenAI's speculative mode for its export (serve/openvino_engine.py: "eagle3", the draft IR's
         eagle3_mode), or None: `convert openvino` and engine_peers=[openvino] refuse the family.
+    llamacpp: llama.cpp's --spec-type for its export converted to GGUF (serve/gguf.py), or None: llama.cpp (b11434)
+        has no such drafter, and `convert gguf` / `python -m serve --engine llamacpp` refuse it.
+    llamacpp_refusal: for a family llama.cpp has but this toolkit does not convert for it, why (said instead of
+        "llama.cpp has no such drafter").
+    llamacpp_flat: llama.cpp's converter reads this family only in its reference layout (z-lab's flat DFlash:
+        `dflash_config.target_layer_ids` counted as layer outputs), written first with `to_reference`.
     serve_cpu_refusal: why vLLM's CPU build (the one this project runs) refuses this family's export although vLLM
         serves it elsewhere, or None: `python -m serve` and the load sweep say so before starting a server.
     teacher_forced: for a family with an export, the function eval/offline.py scores its network with, teacher-
@@ -150,6 +156,9 @@ class Family:
     serve_options: tuple[tuple[str, Any], ...] = ()  # further --speculative-config keys vLLM needs for it
     serve_cpu_refusal: str | None = None
     openvino: str | None = None
+    llamacpp: str | None = None
+    llamacpp_flat: bool = False
+    llamacpp_refusal: str | None = None
     teacher_forced: str | None = None
     stored_verifier: str | None = None
     # (config key, offset): the most tokens one engine step of this export drafts, its config value plus the offset
@@ -209,6 +218,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                                agrees=eagle_io.eagle1_weights_agree)),
     Family("eagle3", "EAGLE-3", **_EAGLE_LINE, decoder="eval.drafters.eagle.eagle_drafter",
            training="train.eagle.EagleModule", network=Eagle3Net, tree="dynamic", serve="eagle3", openvino="eagle3",
+           llamacpp="draft-eagle3",
            export=ExportFormat(("LlamaForCausalLMEagle3",), eagle_io.eagle_layout,
                                partial(eagle_io.eagle_from_layout, "eagle3"), reads=("Eagle3LlamaForCausalLM",),
                                reference_weights=("model.safetensors", "pytorch_model.bin"),
@@ -225,6 +235,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("dflash", "DFlash", drafter="eval.drafters.build.export", decoder="eval.drafters.dflash.dflash_drafter",
            training="train.dflash.DFlashModule", network=DFlashNet, needs_export=True, tree="fixed",
            acceptance=("eagle_topk_accuracy", "val_step_top1"), serve="dflash",
+           llamacpp="draft-dflash", llamacpp_flat=True,
            teacher_forced="eval.drafters.dflash.dflash_ranks", drafts_per_step=("block_size", -1),
            export=ExportFormat(("DFlashDraftModel",), dflash_layout, dflash_from_layout, speculators_type="dflash",
                                to_speculators=dflash_to_speculators, from_speculators=dflash_from_speculators,
@@ -232,6 +243,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("dspark", "DSpark", drafter="eval.drafters.dspark.dspark", decoder="eval.drafters.dspark.dspark_drafter",
            training="train.dspark.DSparkModule", network=DSparkNet, needs_export=True, tree="fixed",
            acceptance=("dspark_confidence_table", "eagle_topk_accuracy", "val_step_top1"), serve="dspark",
+           llamacpp="draft-dspark",
            teacher_forced="eval.drafters.dflash.dflash_ranks", drafts_per_step=("block_size", -1),
            export=ExportFormat(("DSparkDraftModel",), dspark_layout, dspark_from_layout, speculators_type="dspark",
                                to_speculators=dspark_to_speculators, from_speculators=dspark_from_speculators,
@@ -240,6 +252,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            decoder="eval.drafters.dflash2.dflash2_drafter", training="train.dflash2.DFlash2Module",
            network=DFlash2Net, needs_export=True, tree="fixed", acceptance=("eagle_topk_accuracy", "val_step_top1"),
            serve="dflash", teacher_forced="eval.drafters.dflash2.dflash2_ranks", drafts_per_step=("block_size", -1),
+           llamacpp_refusal="llama.cpp b11434 reads z-lab's DFlash2DraftModel, but this toolkit's conversion to it "
+                            "(the candidate selector's tensors and keys) is neither written nor checked against "
+                            "llama.cpp yet",
            serve_cpu_refusal="its candidate selector runs only in vLLM's Model Runner V2, which needs Triton (a GPU); "
                              "the CPU build's V1 runner refuses DFlash candidate-head drafts",
            export=ExportFormat(("DFlash2DraftModel",), dflash2_layout, dflash2_from_layout,

