@@ -295,34 +295,48 @@ class EngineRun:
 
 def serve(model: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft: str | Path | None = None,
           kind: str | None = None, tokens: int = 3, p_min: float = 0.0, threads: int | None = None,
-          temperature: float = 0.0, seed: int = 0, warmup: bool = True) -> EngineRun:
+          temperature: float = 0.0, seed: int = 0) -> EngineRun:
     """Generate with the real llama.cpp: `model` (the verifier's GGUF), drafting with `draft` (a draft GGUF of
     `kind`: eagle3, dflash, dspark) up to `tokens` tokens a step, cut below confidence `p_min` (llama.cpp's
     --spec-draft-p-min, 0: never), on `threads` threads; each prompt alone (batch 1), at most `max_new_tokens` new
-    tokens (fewer where the verifier ends its turn). With `warmup`, one short request first, not counted."""
+    tokens (fewer where the verifier ends its turn), after one short warm-up request, not counted."""
     if draft is not None and kind is None:
         raise UserError("serve(..., draft=...) needs the draft's family (kind=eagle3, dflash or dspark).")
     settings = ServerSettings(Path(model), Path(draft) if draft is not None else None, kind, int(tokens),
                               float(p_min), threads)
-    outputs, timings, seconds, wall = [], [], 0.0, 0.0
-    with LlamaServer(settings) as server:
-        if warmup and prompts:
-            server.complete(prompts[0][:16], 4)
-        start_log = server.log.stat().st_size
-        for ids in prompts:
-            t0 = time.perf_counter()
-            answer = server.complete(ids, max_new_tokens, temperature, seed)
-            wall += time.perf_counter() - t0
-            outputs.append([int(t) for t in answer.get("tokens", [])])
-            timings.append(dict(answer.get("timings", {})))
-            seconds += float(timings[-1].get("predicted_ms", 0.0)) / 1000
-        time.sleep(0.2)  # the slot's release line follows the answer
-        with open(server.log, "rb") as f:
-            f.seek(start_log)
-            counters = log_counters(f.read().decode(errors="replace"))
-    per_pos: list[int] = []
-    for c in counters:
-        per_pos = [a + b for a, b in zip(per_pos, c["accepted_per_pos"])] if per_pos else list(c["accepted_per_pos"])
-    return EngineRun(outputs, seconds, wall, sum(int(t.get("draft_n", 0)) for t in timings),
-                     sum(int(t.get("draft_n_accepted", 0)) for t in timings), sum(c["steps"] for c in counters),
-                     per_pos, settings.command(), timings)
+    return serve_many({"run": settings}, prompts, max_new_tokens, temperature, seed)["run"]
+
+
+def serve_many(configs: dict[str, ServerSettings], prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               temperature: float = 0.0, seed: int = 0) -> dict[str, EngineRun]:
+    """Each configuration's llama-server in turn, alone on the machine (started, one warm-up request, the prompts one
+    at a time, stopped), in the order given; one EngineRun per configuration. One at a time because an idle
+    llama-server's threads still take the cores from one that decodes (measured: servers side by side gave ratios of
+    0.5x-4x that no acceptance explains); a caller that wants the drift measured repeats a configuration at both
+    ends."""
+    runs = {}
+    for name, settings in configs.items():
+        outputs, timings, seconds, wall = [], [], 0.0, 0.0
+        with LlamaServer(settings) as server:
+            if prompts:
+                server.complete(prompts[0][:16], 4)  # warm-up, not counted
+            start = server.log.stat().st_size
+            for ids in prompts:
+                t0 = time.perf_counter()
+                answer = server.complete(ids, max_new_tokens, temperature, seed)
+                wall += time.perf_counter() - t0
+                outputs.append([int(t) for t in answer.get("tokens", [])])
+                timings.append(dict(answer.get("timings", {})))
+                seconds += float(timings[-1].get("predicted_ms", 0.0)) / 1000
+            time.sleep(0.2)  # the slot's release line follows the answer
+            with open(server.log, "rb") as f:
+                f.seek(start)
+                counters = log_counters(f.read().decode(errors="replace"))
+        per_pos: list[int] = []
+        for c in counters:
+            got = c["accepted_per_pos"]
+            per_pos = [a + b for a, b in zip(per_pos, got)] if per_pos else list(got)
+        runs[name] = EngineRun(outputs, seconds, wall, sum(int(t.get("draft_n", 0)) for t in timings),
+                               sum(int(t.get("draft_n_accepted", 0)) for t in timings),
+                               sum(c["steps"] for c in counters), per_pos, settings.command(), timings)
+    return runs

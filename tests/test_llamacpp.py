@@ -275,3 +275,45 @@ def test_serve_command_llamacpp(eagle3_gguf, llamacpp, prompts):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_python_m_eval_runs_llamacpp_as_a_peer(llamacpp, tmp_path):
+    """`python -m eval checkpoint=pretrained/eagle3-smollm2 engine_peers=[llamacpp]`: report.json holds llama.cpp
+    plain (measured first and last) and drafting at each K up to engine_peer_tokens and each confidence cut, with
+    llama.cpp's acceptance per position, speedups over its plain and greedy agreement (f32: every drafting output is
+    its plain output); the fastest configuration is written to the conversion's launch.json, which `python -m serve
+    EXPORT --engine llamacpp` then launches with."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+    from eval.serving.peers import CUTS
+
+    out = tmp_path / "eval"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[
+            f"checkpoint={ROOT / 'pretrained' / 'eagle3-smollm2'}", "drafter=export", "engine_peers=[llamacpp]",
+            "engine_peer_tokens=2", "tree=chain", "tree.depth=2", "dtype=float32", f"threads={THREADS}",
+            "max_new_tokens=16", "num_prompts=2", "warmup=false", "wandb.mode=disabled", f"output_dir={out}"])
+    report = evaluate(cfg, progress=False)
+    peer = json.loads((out / "report.json").read_text())["engine_peers"]["llamacpp"]
+    assert peer == json.loads(json.dumps(report["engine_peers"]["llamacpp"]))
+    assert peer["quant"] == "f32" and peer["plain"]["tokens"] > 0 and peer["plain"]["drift"] > 0
+    rows = peer["configurations"]
+    assert [(r["speculative_tokens"], r["p_min"]) for r in rows] == [(k, c) for k in (1, 2) for c in CUTS]
+    for r in rows:
+        assert r["method"] == "eagle3" and r["greedy_match_plain"] == 1.0, r  # f32 greedy: exact in llama.cpp
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / peer["plain"]["tokens_per_s"])
+        assert len(r["accept_rate_per_position"]) == r["speculative_tokens"]
+    assert all(r["counts"]["steps"] > 0 and r["counts"]["accepted"] > 0 for r in rows if r["p_min"] == 0)
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    assert peer["speculative"] == best
+    launch = json.loads(Path(peer["launch"]).read_text())
+    assert (launch["tokens"], launch["p_min"]) == (best["speculative_tokens"], best["p_min"])
+    assert peer["greedy_match_ours"] >= 0.5
+    served = subprocess.run([sys.executable, "-m", "serve", str(ROOT / "pretrained" / "eagle3-smollm2"), "--engine",
+                             "llamacpp", "--quant", "f32", "--print-command"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert served.returncode == 0, served.stderr
+    assert f"--spec-draft-n-max {best['speculative_tokens']} --spec-draft-p-min {best['p_min']}" in served.stdout

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from eval.serving.peers import check_peers, openvino_peer, vllm_peer
+from eval.serving.peers import check_peers, llamacpp_peer, openvino_peer, vllm_peer
 from eval.serving.sweep import (
     LoadSettings,
     check_clients,
@@ -77,8 +77,8 @@ def ready(run: Any) -> Serving:
 
 
 def measure(serving: Serving, s: Any, run: Any, samples: list[Any]) -> dict[str, Any] | None:
-    """The run's prompts through each peer (the real vLLM, OpenVINO GenAI), plain and with the export drafting: at
-    batch 1 beside our decoder, or under load (vLLM); None when no peer was asked for."""
+    """The run's prompts through each peer (the real vLLM, OpenVINO GenAI, llama.cpp), plain and with the export
+    drafting: at batch 1 beside our decoder, or under load (vLLM); None when no peer was asked for."""
     from data.chat import prompt_ids
     from eval.runner import user_turns
 
@@ -92,7 +92,7 @@ def measure(serving: Serving, s: Any, run: Any, samples: list[Any]) -> dict[str,
                               s.sampling.temperature, s.seed, s.output_dir, s.cache_dir, predictor(run, prompts[0]))}
     tokens = serving.tokens or (export.speculative_tokens if export is not None else None)
     ours = [sample.outputs["baseline"] for sample in samples]
-    drivers = {"vllm": vllm_peer, "openvino": openvino_peer}
+    drivers = {"vllm": vllm_peer, "openvino": openvino_peer, "llamacpp": llamacpp_peer}
     report = {}
     for peer in serving.peers:
         print(f"engine_peers: {peer} plain and {kind or 'no drafter'} on {len(prompts)} prompts")

@@ -1,12 +1,16 @@
-"""Serving engines as peers in `python -m eval ... engine_peers=[vllm,openvino]`: the same prompts through the real
-vLLM and OpenVINO GenAI, plain and with the export drafting, beside our own decoder's figures in the same run. The
-question it answers is "what will this drafter do in my server": tokens/s, acceptance, tau and speedup as the engine
-measures them, against the engine's own plain decoding.
+"""Serving engines as peers in `python -m eval ... engine_peers=[vllm,openvino,llamacpp]`: the same prompts through
+the real vLLM, OpenVINO GenAI and llama.cpp, plain and with the export drafting, beside our own decoder's figures in
+the same run. The question it answers is "what will this drafter do in my server": tokens/s, acceptance, tau and
+speedup as the engine measures them, against the engine's own plain decoding.
 
 vLLM runs in its own virtualenv (serve/vllm_engine.py), one process per configuration, batch 1, timed from its
 first request after a warm-up request (model load excluded), with Intel OpenMP preloaded as its CPU guide asks.
 OpenVINO GenAI runs in its own (serve/openvino_engine.py): the export converted once (cached), then plain, drafting
 and its own prompt lookup in one process, interleaved prompt by prompt, each after one warm-up request.
+llama.cpp runs from its own (serve/llamacpp_engine.py): the export converted to GGUF once (cached, where `python -m
+serve EXPORT --engine llamacpp` finds it), then one llama-server per configuration, one at a time (plain; each K
+from 1 up at each confidence cut; plain again, so the drift between the two plain passes is reported), each after one
+warm-up request.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from models.families import FAMILIES
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
 
-PEERS = ("vllm", "openvino")
+PEERS = ("vllm", "openvino", "llamacpp")
+CUTS = (0.0, 0.6)  # llama.cpp's --spec-draft-p-min: never cut, and the cut docs/results/llamacpp.md found best
 DEFAULT_TOKENS = 3
 
 
@@ -140,4 +145,78 @@ def openvino_peer(verifier: Verifier, kind: str | None, export: Any | None, prom
     if not drafting:
         out["note"] = (f"OpenVINO GenAI {plain.version} does not draft with {kind or 'this drafter'}: plain decoding "
                        f"and its prompt lookup only")
+    return out
+
+
+def llamacpp_peer(verifier: Verifier, kind: str | None, export: Any | None, prompts: list[list[int]],
+                  ours: list[list[int]], max_new_tokens: int, dtype: str, threads: int, temperature: float,
+                  top_p: float, seed: int, tokens: int | None = None, cache_dir: str | None = None) -> dict[str, Any]:
+    """llama.cpp plain and, for a family it drafts with (EAGLE-3, DFlash, DSpark), drafting K = 1..`tokens` tokens a
+    step at each confidence cut of CUTS, on `prompts`, the verifier as a GGUF in the run's dtype (bf16, f32), the
+    export converted once into the cache (serve.llamacpp_serve.converted_folder). Speedups are over llama.cpp's own
+    plain decoding; acceptance per position and tau as llama.cpp counts them; agreement with its plain output and
+    with `ours`. The fastest drafting configuration is `speculative`, every one is in `configurations`, and its K and
+    cut are written to the conversion's launch.json, which `python -m serve EXPORT --engine llamacpp` launches with.
+    `top_p` is llama.cpp's default (the peer sends temperature and seed only)."""
+    import json
+
+    from serve import gguf, llamacpp_engine
+    from serve.llamacpp_serve import converted_folder
+
+    if export is None:
+        raise UserError("engine_peers=[llamacpp] needs checkpoint=<export>: llama.cpp is given the verifier the "
+                        "export names, as GGUF.")
+    quant = {"bfloat16": "bf16", "float32": "f32"}.get(str(verifier.model.dtype).removeprefix("torch."))
+    if quant is None:
+        raise UserError(f"engine_peers=[llamacpp]: the verifier runs in {verifier.model.dtype}; llama.cpp's peer "
+                        f"runs it as a bf16 or f32 GGUF: give dtype=bfloat16 or dtype=float32.")
+    refusal = gguf.refusal(kind)
+    folder = converted_folder(export.path, quant, refusal is not None, cache_dir)
+    manifest = json.loads((folder / gguf.MANIFEST).read_text())
+    model = folder / manifest["verifier"]["files"][quant]
+    tokens = int(tokens or DEFAULT_TOKENS)
+    configs = {"plain": llamacpp_engine.ServerSettings(model, threads=threads)}
+    if refusal is None:
+        for k in range(1, tokens + 1):
+            for cut in CUTS:
+                configs[f"K={k} p-min={cut}"] = llamacpp_engine.ServerSettings(
+                    model, folder / manifest["draft"], manifest["kind"], k, cut, threads)
+    configs["plain again"] = llamacpp_engine.ServerSettings(model, threads=threads)
+    runs = llamacpp_engine.serve_many(configs, prompts, max_new_tokens, temperature, seed)
+    plain, again = runs.pop("plain"), runs.pop("plain again")
+    plain_seconds = (plain.seconds + again.seconds) / 2  # the drafting passes ran between the two
+    plain_rate = plain.tokens / plain_seconds if plain_seconds else 0.0
+
+    def row(name: str, run: Any) -> dict[str, Any]:
+        settings = configs[name]
+        return {"method": kind, "speculative_tokens": settings.tokens, "p_min": settings.p_min,
+                "tokens_per_s": run.tokens_per_second, "tokens": run.tokens, "seconds": run.seconds, "tau": run.tau,
+                "accept_rate_per_position": run.alpha,
+                "counts": {"drafted": run.drafted, "accepted": run.accepted, "steps": run.steps,
+                           "accepted_per_position": run.accepted_per_pos},
+                "speedup": run.tokens_per_second / plain_rate if plain_rate else None,
+                "greedy_match_plain": _agreement(run.outputs, plain.outputs, temperature),
+                "greedy_match_ours": _agreement(run.outputs, ours, temperature)}
+
+    rows = [row(name, run) for name, run in runs.items()]
+    out: dict[str, Any] = {
+        "version": f"b{llamacpp_engine.VERSION.split('.')[0]}", "quant": quant, "folder": str(folder),
+        "setup": {"batch": 1, "threads": threads, "timing": "llama-server's own predicted_ms per request, one "
+                  "server at a time (plain first and last, averaged), after one warm-up request each; conversion "
+                  "and load excluded"},
+        "plain": {"tokens_per_s": plain_rate, "tokens": plain.tokens, "seconds": plain_seconds,
+                  "drift": again.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else None},
+        "greedy_match_ours": _agreement(plain.outputs, ours, temperature),
+        "speculative": max(rows, key=lambda r: r["tokens_per_s"]) if rows else None,
+        "configurations": rows,
+    }
+    if refusal is not None:
+        out["note"] = f"plain decoding only: {refusal}"
+    else:
+        best = out["speculative"]
+        launch = {"tokens": best["speculative_tokens"], "p_min": best["p_min"],
+                  "measured": {"speedup": best["speedup"], "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                               "threads": threads}}
+        (folder / gguf.LAUNCH).write_text(json.dumps(launch, indent=1))
+        out["launch"] = str(folder / gguf.LAUNCH)
     return out
