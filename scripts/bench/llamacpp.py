@@ -1,7 +1,7 @@
-"""llama.cpp's plain decoding per verifier quantization and its drafting per K and confidence cut, side by side:
-every configuration's llama-server started at once, the prompts sent round-robin (prompt 1 to each configuration,
-then prompt 2, ...), so a load that comes and goes on the machine is shared by all of them. Ratios are against plain
-bf16 (drafting: against plain decoding of the same GGUF). The folder is what `convert gguf` wrote.
+"""llama.cpp's plain decoding per verifier quantization and its drafting per K and confidence cut: one llama-server
+at a time (serve.llamacpp_engine.serve_many: servers side by side steal each other's cores even idle), plain first.
+Ratios are against plain bf16 (drafting: against plain decoding of the same GGUF); run it alone on the machine. The
+folder is what `convert gguf` wrote.
 
     python -m scripts.tools.convert gguf pretrained/eagle3-smollm2 gguf/eagle3 --quant bf16,q8_0,q4_k_m,q4_1
     python -m scripts.bench.llamacpp gguf/eagle3 [--prompts 5 --max-new 128 --threads 2]
@@ -10,12 +10,11 @@ bf16 (drafting: against plain decoding of the same GGUF). The folder is what `co
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from pathlib import Path
 
 from serve import llamacpp_engine
-from serve.llamacpp_engine import LlamaServer, ServerSettings, log_counters
+from serve.llamacpp_engine import ServerSettings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,25 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             k, p = pair.split(":")
             configs[f"{kind} {q} K={k} p-min={p}"] = ServerSettings(
                 folder / files[q], folder / manifest["draft"], kind, int(k), float(p), args.threads)
-    stats = {name: {"tokens": 0, "ms": 0.0, "outputs": []} for name in configs}
-    with contextlib.ExitStack() as stack:
-        servers = {name: stack.enter_context(LlamaServer(s)) for name, s in configs.items()}
-        for server in servers.values():
-            server.complete(prompts[0][:16], 4)  # warm-up
-        starts = {name: s.log.stat().st_size for name, s in servers.items()}
-        for ids in prompts:
-            for name, server in servers.items():
-                answer = server.complete(ids, args.max_new)
-                stats[name]["tokens"] += len(answer["tokens"])
-                stats[name]["ms"] += answer["timings"]["predicted_ms"]
-                stats[name]["outputs"].append(answer["tokens"])
-        for name, server in servers.items():
-            with open(server.log, "rb") as f:
-                f.seek(starts[name])
-                c = log_counters(f.read().decode(errors="replace"))
-            stats[name]["counters"] = {k: sum(x[k] for x in c) for k in ("accepted", "drafted", "steps")}
-            stats[name]["per_pos"] = [sum(x["accepted_per_pos"][i] for x in c if len(x["accepted_per_pos"]) > i)
-                                      for i in range(max((len(x["accepted_per_pos"]) for x in c), default=0))]
+    runs = llamacpp_engine.serve_many(configs, prompts, args.max_new)  # one server at a time, in this order
+    stats = {name: {"tokens": r.tokens, "ms": r.seconds * 1000, "outputs": r.outputs, "per_pos": r.accepted_per_pos,
+                    "counters": {"accepted": r.accepted, "drafted": r.drafted, "steps": r.steps}}
+             for name, r in runs.items()}
     print(f"llama.cpp {llamacpp_engine.VERSION}, {args.prompts} prompts x {args.max_new} new tokens, "
           f"{args.threads} threads, batch 1")
     print(f"{'configuration':34s} {'tok/s':>7s} {'vs plain':>9s} {'accept':>7s} {'tau':>5s}  alpha_k   same output")
