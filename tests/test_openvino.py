@@ -235,5 +235,5 @@ def test_peers_are_named_once_each_engine():
     from eval.serving import settings
 
     assert settings(["vllm", "openvino"], 3, None, None, False, "single", str(SHIPPED)).peers == ("vllm", "openvino")
-    with pytest.raises(UserError, match=r"\['sglang'\] unknown.*\['vllm', 'openvino'\]"):
+    with pytest.raises(UserError, match=r"\['sglang'\] unknown.*\['vllm', 'openvino', 'llamacpp'\]"):
         settings(["openvino", "sglang"], None, None, None, False, "single", str(SHIPPED))
