@@ -133,6 +133,7 @@ class ServerSettings:
     ctx: int = 4096
     alias: str | None = None
     api_key: str | None = None
+    parallel: int = 1  # llama-server's slots (-np): requests decoded together, each with `ctx` tokens of context
     extra: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -145,7 +146,7 @@ class ServerSettings:
 
     def command(self) -> list[str]:
         argv = [str(tools().server), "-m", str(self.model), "--host", self.host, "--port", str(self.port),
-                "-c", str(self.ctx), "-np", "1", "-lv", "4", "--no-webui"]
+                "-c", str(self.ctx * self.parallel), "-np", str(self.parallel), "-lv", "4", "--no-webui"]
         if self.threads:
             argv += ["-t", str(self.threads), "-tb", str(self.threads)]
         if self.alias:
@@ -340,3 +341,47 @@ def serve_many(configs: dict[str, ServerSettings], prompts: Sequence[Sequence[in
                                sum(int(t.get("draft_n_accepted", 0)) for t in timings),
                                sum(c["steps"] for c in counters), per_pos, settings.command(), timings)
     return runs
+
+
+def serve_concurrent(settings: ServerSettings, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                     clients: int, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """`clients` closed-loop clients against one llama-server with as many slots (`settings.parallel` set to it):
+    each client sends the next prompt as soon as its last answer is back, until every prompt is answered, after one
+    warm-up request. Returns output tokens/s over the wall time from the first request to the last answer, the mean
+    per-request tokens/s (llama.cpp's own predicted_ms), the drafted and accepted tokens, and the outputs in prompt
+    order."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace as with_fields
+
+    settings = with_fields(settings, parallel=clients, port=0)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    timings: list[dict[str, Any]] = [{} for _ in prompts]
+    lock, queue = threading.Lock(), list(range(len(prompts)))
+    with LlamaServer(settings) as server:
+        if prompts:
+            server.complete(prompts[0][:16], 4)
+
+        def client() -> None:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i = queue.pop(0)
+                answer = server.complete(prompts[i], max_new_tokens, temperature, seed)
+                outputs[i] = [int(t) for t in answer.get("tokens", [])]
+                timings[i] = dict(answer.get("timings", {}))
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            for f in [pool.submit(client) for _ in range(clients)]:
+                f.result()
+        wall = time.perf_counter() - start
+    tokens = sum(len(o) for o in outputs)
+    rates = [float(t.get("predicted_per_second", 0.0)) for t in timings if t]
+    argv = settings.command()
+    return {"clients": clients, "slots": int(argv[argv.index("-np") + 1]), "tokens": tokens, "wall_seconds": wall,
+            "tokens_per_s": tokens / wall if wall else 0.0,
+            "per_request_tokens_per_s": sum(rates) / len(rates) if rates else 0.0,
+            "drafted": sum(int(t.get("draft_n", 0)) for t in timings),
+            "accepted": sum(int(t.get("draft_n_accepted", 0)) for t in timings), "outputs": outputs}

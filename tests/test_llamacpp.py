@@ -317,3 +317,45 @@ def test_python_m_eval_runs_llamacpp_as_a_peer(llamacpp, tmp_path):
                             text=True, timeout=300)
     assert served.returncode == 0, served.stderr
     assert f"--spec-draft-n-max {best['speculative_tokens']} --spec-draft-p-min {best['p_min']}" in served.stdout
+
+
+def test_python_m_eval_sweeps_llamacpp_by_concurrency(llamacpp, tmp_path):
+    """`engine_peers=[llamacpp] engine_concurrency=[1,2]`: the batch-1 peer, then llama.cpp plain and its fastest
+    drafting setting on a server with that many slots and as many closed-loop clients, per concurrency."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval.harness import evaluate
+
+    out = tmp_path / "eval"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="eval", overrides=[
+            f"checkpoint={ROOT / 'pretrained' / 'eagle3-smollm2'}", "drafter=export", "engine_peers=[llamacpp]",
+            "engine_concurrency=[1,2]", "engine_peer_tokens=1", "tree=chain", "tree.depth=1", "dtype=float32",
+            f"threads={THREADS}", "max_new_tokens=16", "num_prompts=2", "warmup=false", "wandb.mode=disabled",
+            f"output_dir={out}"])
+    evaluate(cfg, progress=False)
+    peer = json.loads((out / "report.json").read_text())["engine_peers"]["llamacpp"]
+    best = peer["speculative"]
+    assert [(r["speculative_tokens"], r["p_min"]) for r in peer["configurations"]] == [(1, 0.0), (1, 0.6)]
+    rows = peer["by_concurrency"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["slots"] == r["concurrency"] and r["plain_tokens_per_s"] > 0 and r["speculative_tokens_per_s"] > 0
+        assert (r["speculative_tokens"], r["p_min"]) == (best["speculative_tokens"], best["p_min"])
+        assert r["speedup"] == pytest.approx(r["speculative_tokens_per_s"] / r["plain_tokens_per_s"])
+        assert r["drafted"] > 0
+
+
+def test_llamacpp_sweep_settings_are_refused_at_the_door():
+    """The llama.cpp sweep runs alone and over one K; vLLM's length groups are vLLM's."""
+    from eval.serving import settings
+    from runtime.errors import UserError
+
+    export = str(ROOT / "pretrained" / "eagle3-smollm2")
+    assert settings(["llamacpp"], 2, [1, 2], None, False, "single", export).load.concurrency == (1, 2)
+    with pytest.raises(UserError, match="one engine"):
+        settings(["llamacpp", "vllm"], None, [1, 2], None, False, "single", export)
+    with pytest.raises(UserError, match="give one K"):
+        settings(["llamacpp"], [1, 2], [1, 2], None, False, "single", export)

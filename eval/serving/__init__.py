@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from eval.serving.peers import check_peers, llamacpp_peer, openvino_peer, vllm_peer
+from eval.serving.peers import check_peers, llamacpp_load, llamacpp_peer, openvino_peer, vllm_peer
 from eval.serving.sweep import (
     LoadSettings,
     check_clients,
@@ -51,10 +51,14 @@ def settings(peers: list[str], tokens: object, concurrency: object, lengths: obj
     eval.settings.parse, which holds the result as EvalSettings.serving."""
     checked = check_peers(peers, multi_turn, method)
     load = load_settings(concurrency, tokens, checked, checkpoint, lengths)
-    if load is not None and checked != ["vllm"]:
-        raise UserError(f"engine_concurrency with engine_peers={checked}: the load sweep runs in vLLM's server only; "
-                        f"give engine_peers=[vllm] for the sweep, or leave engine_concurrency out for the peers at "
-                        f"batch 1.")
+    if load is not None and checked not in (["vllm"], ["llamacpp"]):
+        raise UserError(f"engine_concurrency with engine_peers={checked}: the load sweep runs in one engine, vLLM's "
+                        f"server or llama.cpp's (its parallel slots); give engine_peers=[vllm] or [llamacpp] for the "
+                        f"sweep, or leave engine_concurrency out for the peers at batch 1.")
+    if load is not None and checked == ["llamacpp"] and (load.lengths or len(load.ks) > 1):
+        raise UserError("engine_peers=[llamacpp] with engine_concurrency sweeps llama.cpp's fastest batch-1 setting "
+                        "(K up to engine_peer_tokens, each confidence cut) over the concurrencies: give one K "
+                        "(engine_peer_tokens=3) and no engine_prompt_lengths (vLLM's sweep splits by length).")
     return Serving(tuple(checked), tokens if isinstance(tokens, int) and load is None else None, load)
 
 
@@ -62,7 +66,15 @@ def check(serving: Serving, export: Any) -> Serving:
     """The sweep's settings against the export the run read (`export`: its ExportInfo, or None): a family vLLM does
     not serve, a K beyond what it drafts (eval.serving.sweep.with_export); called by eval.setup.check, the run's one
     check, before the verifier loads."""
-    return replace(serving, load=with_export(serving.load, export)) if serving.load is not None else serving
+    if serving.load is None:
+        return serving
+    if serving.peers == ("llamacpp",):  # llama.cpp's sweep: its own refusal, not vLLM's servable families
+        from serve import gguf
+
+        if (why := gguf.refusal(export.kind if export is not None else None)) is not None:
+            raise UserError(f"engine_concurrency with engine_peers=[llamacpp]: {why}")
+        return replace(serving, load=replace(serving.load, export=export))
+    return replace(serving, load=with_export(serving.load, export))
 
 
 def ready(run: Any) -> Serving:
@@ -87,11 +99,19 @@ def measure(serving: Serving, s: Any, run: Any, samples: list[Any]) -> dict[str,
     export = run.exports[0] if run.exports else None
     kind = export.kind if export is not None else None
     prompts = [prompt_ids(run.verifier.tokenizer, user_turns(c)[0], run.verifier.rendering) for c in run.convs]
+    ours = [sample.outputs["baseline"] for sample in samples]
+    if serving.load is not None and export is not None and serving.peers == ("llamacpp",):  # its parallel slots
+        tokens = serving.load.ks[0] if serving.load.ks else (export.speculative_tokens or None)
+        print(f"engine_peers: llama.cpp at batch 1, then by concurrency {list(serving.load.concurrency)}")
+        peer = llamacpp_peer(run.verifier, kind, export, prompts, ours, s.max_new_tokens, s.dtype, s.threads,
+                             s.sampling.temperature, s.sampling.top_p, s.seed, tokens, s.cache_dir)
+        peer["by_concurrency"] = llamacpp_load(peer, serving.load.concurrency, prompts, s.max_new_tokens, s.threads,
+                                               s.sampling.temperature, s.seed)
+        return {"llamacpp": peer}
     if serving.load is not None and export is not None:  # engine_concurrency: the sweep in vLLM's server
         return {"vllm": sweep(serving.load, run.verifier, prompts, s.max_new_tokens, s.dtype, s.threads,
                               s.sampling.temperature, s.seed, s.output_dir, s.cache_dir, predictor(run, prompts[0]))}
     tokens = serving.tokens or (export.speculative_tokens if export is not None else None)
-    ours = [sample.outputs["baseline"] for sample in samples]
     drivers = {"vllm": vllm_peer, "openvino": openvino_peer, "llamacpp": llamacpp_peer}
     report = {}
     for peer in serving.peers:

@@ -220,3 +220,37 @@ def llamacpp_peer(verifier: Verifier, kind: str | None, export: Any | None, prom
         (folder / gguf.LAUNCH).write_text(json.dumps(launch, indent=1))
         out["launch"] = str(folder / gguf.LAUNCH)
     return out
+
+
+def llamacpp_load(peer: dict[str, Any], levels: Sequence[int], prompts: list[list[int]], max_new_tokens: int,
+                  threads: int, temperature: float, seed: int) -> list[dict[str, Any]]:
+    """llama.cpp by concurrency (its parallel slots): for each level, plain and the batch-1 peer's fastest drafting
+    configuration (`peer`: what llamacpp_peer returned), each on a server with that many slots and as many closed-loop
+    clients (serve.llamacpp_engine.serve_concurrent); output tokens/s over the wall time and the speedup of drafting
+    over plain at that concurrency."""
+    import json
+    from pathlib import Path
+
+    from serve import gguf, llamacpp_engine
+
+    folder = Path(peer["folder"])
+    manifest = json.loads((folder / gguf.MANIFEST).read_text())
+    model = folder / manifest["verifier"]["files"][peer["quant"]]
+    best = peer.get("speculative")
+    rows = []
+    for c in sorted(levels):
+        plain = llamacpp_engine.serve_concurrent(llamacpp_engine.ServerSettings(model, threads=threads), prompts,
+                                                 max_new_tokens, c, temperature, seed)
+        row: dict[str, Any] = {"concurrency": c, "slots": plain["slots"], "plain_tokens_per_s": plain["tokens_per_s"],
+                               "plain_per_request_tokens_per_s": plain["per_request_tokens_per_s"]}
+        if best is not None:
+            spec = llamacpp_engine.serve_concurrent(llamacpp_engine.ServerSettings(
+                model, folder / manifest["draft"], manifest["kind"], best["speculative_tokens"], best["p_min"],
+                threads), prompts, max_new_tokens, c, temperature, seed)
+            row |= {"speculative_tokens": best["speculative_tokens"], "p_min": best["p_min"],
+                    "speculative_tokens_per_s": spec["tokens_per_s"],
+                    "speculative_per_request_tokens_per_s": spec["per_request_tokens_per_s"],
+                    "accepted": spec["accepted"], "drafted": spec["drafted"],
+                    "speedup": spec["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None}
+        rows.append(row)
+    return rows
