@@ -137,7 +137,7 @@ def export_verifier(checkpoint: str | Path, out: str | Path, weight_format: str 
     return Path(out)
 
 
-def _expected(export_dir: Path) -> dict[str, Any]:
+def expected_contract(export_dir: Path) -> dict[str, Any]:
     """What OpenVINO must read back for this export: its feature layers in OpenVINO's convention, d2t, the draft
     vocabulary, fc's input width, the verifier's vocabulary; refusing norms OpenVINO's draft layer lacks."""
     from models.exports.io import export_kind, read_config, read_weights
@@ -171,7 +171,7 @@ def convert(export_dir: str | Path, out: str | Path, verifier_checkpoint: str | 
     from runtime.io import atomic_dir
 
     export_dir, out = Path(export_dir).expanduser(), Path(out).expanduser()
-    expected = _expected(export_dir)  # refusals before anything converts
+    expected = expected_contract(export_dir)  # refusals before anything converts
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not force:
         raise UserError(f"{out} holds files that are not an OpenVINO conversion of this project; give an empty or "
                         f"new folder, or --force to replace it (all of it is deleted).")
@@ -265,7 +265,7 @@ def check_contract(folder: str | Path, export_dir: str | Path, expected: dict[st
     feature layers in its convention (and that the verifier has them), d2t, the draft vocabulary, fc's input width
     and the verifier's vocabulary. A disagreement is refused, naming both sides and the fix (`shown`: the folder
     named in the message, where `folder` is its scratch copy being written)."""
-    exp = expected or _expected(Path(export_dir).expanduser())
+    exp = expected or expected_contract(Path(export_dir).expanduser())
     got = inspect(folder)
     draft, verifier = got["draft"], got["verifier"]
     shown = shown or folder

@@ -42,7 +42,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="specdraft-ov-bench-") as tmp:
         unshifted = Path(tmp) / "draft"
         shutil.copytree(folder / "draft", unshifted)
-        layers = ov._expected(Path(args.export))["feature_layers"]
+        layers = ov.expected_contract(Path(args.export))["feature_layers"]
         ov.set_feature_layers(unshifted, layers)
         configs = [ov.configuration("plain")]
         for k in ks:
