@@ -225,7 +225,7 @@ def test_a_missing_virtualenv_names_the_setup_script(monkeypatch, tmp_path):
 def test_openvino_peer_under_load_is_refused():
     from eval.serving import settings
 
-    with pytest.raises(UserError, match="load sweep runs in vLLM's server only"):
+    with pytest.raises(UserError, match=r"the load sweep runs in one engine, vLLM's server or llama.cpp's"):
         settings(["openvino"], None, [1, 2], None, False, "single", str(SHIPPED))
 
 
