@@ -41,6 +41,7 @@ from eval.engine.tree import auto_tree, tree_buffers
 from eval.planner.cost import SHAPE_TABLE, machine
 from models import packed
 from models.verifiers.embedded import load_smollm2
+from scripts.bench.long import least_ms
 
 SIZES = (1, 2, 4, 8, 17, 32, 64)
 CONTEXTS = (64, 1500)
@@ -48,21 +49,6 @@ PROFILED = (1, 17)
 EXPORTS = ("pretrained/eagle3-smollm2", "pretrained/medusa-smollm2", "pretrained/dflash-smollm2")
 LABELS = {"_embed": "embedding", "_rms_norm": "norms", "_rotate": "rotary", "_window_slots": "tree bookkeeping",
           "_attend": "attention", "_residual": "MLP elementwise, residual", "_qkv": "q/k/v split, q/k norms"}
-
-
-def least_ms(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """The least ms of each fn over `rounds` interleaved rounds (each warmed once first)."""
-    import time
-
-    for fn in fns.values():
-        fn()
-    best = {k: float("inf") for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            best[k] = min(best[k], (time.perf_counter() - start) * 1e3)
-    return best
 
 
 class Labelled:
