@@ -121,6 +121,7 @@ class DistillDataModule(L.LightningDataModule):
         cache_shard_rows: int = 256,
         reasoning: str = "train",
         reasoning_tags: list[str] | tuple[str, str] = TAGS,
+        prompt_loss: bool = False,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -129,6 +130,11 @@ class DistillDataModule(L.LightningDataModule):
             raise UserError("data.source=humaneval: HumanEval is kept for evaluation (python -m eval "
                             "prompts=humaneval) and is not a training source. Use builtin, a question.jsonl or a "
                             "ShareGPT file.")
+        if prompt_loss and mode != "served":
+            raise UserError(f"data.prompt_loss=true is for data=served (a server's record: the users' prompts are the "
+                            f"serving domain's text); data.mode={mode!r} trains on the answers. Drop it, or use "
+                            f"data=served data.source=DIR.")
+        self.prompt_loss = bool(prompt_loss)
         self.verifier = verifier
         self.cache_dir = Path(cache_dir).expanduser()
         self.mode, self.source, self.limit = mode, source, limit
@@ -199,7 +205,7 @@ class DistillDataModule(L.LightningDataModule):
         if not isinstance(self.source, (str, Path)):
             raise UserError(f"data.mode=served reads one served record: data.source={self.source!r}; give the folder "
                             f"`python -m serve EXPORT --record DIR` wrote.")
-        ds = load_served(self.source, self.verifier, self.max_length)
+        ds = load_served(self.source, self.verifier, self.max_length, prompt_loss=self.prompt_loss)
         replay = [self.shipped] if isinstance(self.shipped, (str, Path)) else list(self.shipped or [])
         if replay:
             old = load_shipped(replay, self.verifier)

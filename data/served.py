@@ -21,9 +21,12 @@ from serve.record import RECORDS, read_record
 FINISHED = ("stop", "length")  # an answer the verifier ended itself, or the request's token limit ended
 
 
-def load_served(where: str | Path, verifier: Verifier, max_length: int = 1024) -> datasets.Dataset:
+def load_served(where: str | Path, verifier: Verifier, max_length: int = 1024,
+                prompt_loss: bool = False) -> datasets.Dataset:
     """The served record at `where` as rows of FEATURES plus `source` (a shipped set's columns): one row per finished
-    choice, input_ids = prompt ids + answer ids (cut at `max_length`), loss 1 on the answer ids only."""
+    choice, input_ids = prompt ids + answer ids (cut at `max_length`), loss 1 on the answer ids only, or with
+    `prompt_loss` on the prompt's tokens too (from its second: the drafter learns the verifier's next-token
+    distribution over the text users send, the serving domain's own, not only over the answers to it)."""
     folder, records, damaged = read_record(where, verifier)
     rows: dict[str, list[Any]] = {"id": [], "category": [], "input_ids": [], "loss_mask": [], "source": []}
     skipped: dict[str, int] = {}
@@ -35,7 +38,7 @@ def load_served(where: str | Path, verifier: Verifier, max_length: int = 1024) -
                 skipped[key] = skipped.get(key, 0) + 1
                 continue
             ids = (list(prompt) + list(answer))[:max_length]
-            mask = ([0] * len(prompt) + [1] * len(answer))[:max_length]
+            mask = ([0] + [int(prompt_loss)] * (len(prompt) - 1) + [1] * len(answer))[:max_length]
             rows["id"].append(f"{record.get('id') or n}-{choice.get('index', 0)}")
             rows["category"].append("chat" if "messages" in record else "completion")
             rows["source"].append(f"served:{folder.name}")
@@ -49,7 +52,8 @@ def load_served(where: str | Path, verifier: Verifier, max_length: int = 1024) -
                         f"{'; skipped ' + ', '.join(notes) if notes else ''}): serve with --record {folder} and send "
                         f"requests first.")
     features = datasets.Features({**FEATURES, "source": datasets.Value("string")})
-    digest = hashlib.sha256((folder / RECORDS).read_bytes() + str(max_length).encode()).hexdigest()[:16]
+    salt = f"{max_length}{int(prompt_loss)}".encode()
+    digest = hashlib.sha256((folder / RECORDS).read_bytes() + salt).hexdigest()[:16]
     # A fingerprint from the records' bytes: the same record gives the same hidden-state cache key on every run.
     return datasets.Dataset(datasets.Dataset.from_dict(rows, features=features).data.table,
                             fingerprint=f"served-{digest}")

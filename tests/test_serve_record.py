@@ -131,6 +131,13 @@ def test_the_trainer_reads_finished_answers_with_the_loss_on_the_answer_only(tin
     out = capsys.readouterr().out
     assert "2 answers; skipped 1 abort, 1 no tokens, 1 unreadable lines" in out
     assert load_served(folder, tiny, max_length=4)["input_ids"][0] == [5, 6, 7, 8]
+    # data.prompt_loss: the prompt's tokens are targets too, all but the first (nothing before it to predict from).
+    with_prompt = load_served(folder, tiny, prompt_loss=True)
+    assert with_prompt["loss_mask"] == [[0, 1, 1, 1, 1, 1], [0, 1, 1, 1]]
+    assert with_prompt._fingerprint != ds._fingerprint  # its own hidden-state cache key
+    from data.datamodule import DistillDataModule
+    with pytest.raises(UserError, match="data.prompt_loss=true is for data=served"):
+        DistillDataModule(tiny, str(tmp_path / "cache"), mode="shipped", prompt_loss=True)
     # An empty record, and a folder that is none, are refused with what to do.
     empty = _record(tmp_path / "empty", tiny, [])
     with pytest.raises(UserError, match="holds no finished answer .0 requests recorded.: serve with --record"):

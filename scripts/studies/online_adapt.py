@@ -8,11 +8,11 @@ lookup and the hybrid, side by side on one stream.
 One stream of prompts (round-robin over the set's categories, as eval's num_prompts takes them), decoded in order by
 each method, interleaved prompt by prompt so that every method meets the machine in the same state: each setting's
 drafter of the export (fresh at the stream's start and learning through it; `off`: the export as it is), each
-`--also` export as it is, prompt lookup and (`--hybrid`) the export's drafter with lookup's chains grafted in, beside
-our plain greedy decoding on the same prompts, all in one process (ratios within one run). The first half of the
-stream is where a learner adapts; the figures that count are the second half's: tau, tokens/s, the speedup over
-plain, and the learner's update time per round. Every speculative output is checked equal to plain greedy's. Writes
-online_adapt.json (every prompt's figures) and online_adapt.md into --out.
+`--also` export as it is, prompt lookup and (`--hybrid`) the export's and each `--also` export's drafter with lookup's
+chains grafted in, beside our plain greedy decoding on the same prompts, all in one process (ratios within one run).
+The first half of the stream is where a learner adapts; the figures that count are the second half's: tau, tokens/s,
+the speedup over plain, and the learner's update time per round. Every speculative output is checked equal to plain
+greedy's. Writes online_adapt.json (every prompt's figures) and online_adapt.md into --out.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--no-lookup", action="store_true", help="leave prompt lookup out (a sweep whose reference ran)")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=EXPORT",
                     help="another export of the same verifier, decoded as it is (e.g. a fine-tuned one)")
-    ap.add_argument("--hybrid", action="store_true", help="also the export's drafter with prompt lookup grafted in")
+    ap.add_argument("--hybrid", action="store_true", help="also the export's drafter (and each --also export's) with prompt lookup grafted in")
     ap.add_argument("--out", default="outputs/online_adapt")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -127,10 +127,13 @@ def main() -> None:
             "prompt_lookup": PromptLookupDrafter(Chain(10), 10, 3, 1)}
         for name, options in settings.items():
             drafters[name] = make_drafter(None, verifier, tree, checkpoint=loaded, dtype=dtype, **options)
-        for name, path in parse_also(args.also).items():
+        also = parse_also(args.also)
+        for name, path in also.items():
             drafters[name] = make_drafter(None, verifier, tree, checkpoint=load_export(path, verifier), dtype=dtype)
         if args.hybrid:
             drafters["hybrid"] = hybrid(verifier, tree, export, dtype=dtype)
+            for name, path in also.items():  # each adapted export with lookup's chains grafted in, as eval runs it
+                drafters[f"hybrid:{name}"] = hybrid(verifier, tree, path, dtype=dtype)
         rows = [decode_one(name, drafter, verifier, i, ids, plain[i], args.max_new_tokens)
                 for i, ids in enumerate(prompts) for name, drafter in drafters.items()]
         half = len(prompts) // 2
