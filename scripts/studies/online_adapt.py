@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--no-lookup", action="store_true", help="leave prompt lookup out (a sweep whose reference ran)")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=EXPORT",
                     help="another export of the same verifier, decoded as it is (e.g. a fine-tuned one)")
-    ap.add_argument("--hybrid", action="store_true", 
+    ap.add_argument("--hybrid", action="store_true",
                     help="also the export's drafter (and each --also export's) with prompt lookup grafted in")
     ap.add_argument("--out", default="outputs/online_adapt")
     args = ap.parse_args()
