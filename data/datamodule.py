@@ -19,7 +19,7 @@ from data.prompts import Conversation, eval_prompt_texts, load_conversations, se
 from data.sampler import EpochSampler
 from data.selfdistill import GENERATORS, build_selfdistill, build_sharegpt, check_has_targets
 from data.selfgen import selfgen_conversations
-from data.served import load_served
+from data.served import load_served, served_conversations
 from data.shipped import fixed_order, load_shipped
 from models.verifiers.core import Verifier
 from runtime.distributed import world
@@ -122,6 +122,8 @@ class DistillDataModule(L.LightningDataModule):
         reasoning: str = "train",
         reasoning_tags: list[str] | tuple[str, str] = TAGS,
         prompt_loss: bool = False,
+        regenerate: int = 0,
+        regenerate_temperature: float = 0.8,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -135,6 +137,18 @@ class DistillDataModule(L.LightningDataModule):
                             f"serving domain's text); data.mode={mode!r} trains on the answers. Drop it, or use "
                             f"data=served data.source=DIR.")
         self.prompt_loss = bool(prompt_loss)
+        if regenerate and mode != "served":
+            raise UserError(f"data.regenerate={regenerate} has the verifier answer a served record's prompts again: "
+                            f"it is for data=served (data.mode={mode!r} here). Drop it, or use data=served "
+                            f"data.source=DIR.")
+        if not isinstance(regenerate, int) or regenerate < 0:
+            raise UserError(f"data.regenerate={regenerate!r}: give how many more answers the verifier writes to each "
+                            f"recorded prompt, a whole number >= 0 (0: the recorded answers only).")
+        if regenerate and not regenerate_temperature > 0:
+            raise UserError(f"data.regenerate={regenerate} with data.regenerate_temperature={regenerate_temperature}: "
+                            f"greedy decoding would write the recorded answer again. Give a temperature > 0 "
+                            f"(0.8 by default).")
+        self.regenerate, self.regenerate_temperature = regenerate, float(regenerate_temperature)
         self.verifier = verifier
         self.cache_dir = Path(cache_dir).expanduser()
         self.mode, self.source, self.limit = mode, source, limit
@@ -206,12 +220,31 @@ class DistillDataModule(L.LightningDataModule):
             raise UserError(f"data.mode=served reads one served record: data.source={self.source!r}; give the folder "
                             f"`python -m serve EXPORT --record DIR` wrote.")
         ds = load_served(self.source, self.verifier, self.max_length, prompt_loss=self.prompt_loss)
+        if self.regenerate:
+            ds = datasets.concatenate_datasets([ds, self.regenerated()])
         replay = [self.shipped] if isinstance(self.shipped, (str, Path)) else list(self.shipped or [])
         if replay:
             old = load_shipped(replay, self.verifier)
             ds = datasets.concatenate_datasets([ds, old])
         ds = ds.select(fixed_order(len(ds))).flatten_indices()
         return ds if self.limit is None else ds.select(range(min(self.limit, len(ds))))
+
+    def regenerated(self) -> datasets.Dataset:
+        """`regenerate` more answers to each of the record's chat prompts, the verifier's own, sampled at
+        `regenerate_temperature` (each copy of a prompt seeded apart), up to `max_new_tokens`: self-distillation
+        (data/selfdistill.py: generated in shards, cached, resumed after a kill) on the serving domain's prompts."""
+        convs = served_conversations(self.source, self.verifier)
+        if not convs:
+            raise UserError(f"data.regenerate={self.regenerate}: the served record {self.source} holds no finished chat "
+                            f"request to answer again (completion requests keep no messages). Set data.regenerate=0.")
+        copies = [Conversation(id=f"{c.id}-r{j}", category=c.category, messages=c.messages)
+                  for j in range(self.regenerate) for c in convs]
+        print(f"[data] regenerating {len(copies)} answers ({self.regenerate} to each of {len(convs)} recorded chat "
+              f"prompts, temperature {self.regenerate_temperature}, up to {self.max_new_tokens} tokens)", flush=True)
+        ds = build_selfdistill(self.verifier, copies, self.cache_dir, self.max_new_tokens, self.regenerate_temperature,
+                               self.gen_batch_size, self.seed, self.max_length, self.shard_size,
+                               generator=self.generator)
+        return ds.add_column("source", [f"regenerated:{Path(self.source).name}"] * len(ds))
 
     def conversations(self, with_groups: bool = False) -> list[Conversation] | tuple[list[Conversation], list[int]]:
         """The training conversations: from each source in turn, decontaminated against every eval prompt, then

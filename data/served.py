@@ -3,6 +3,10 @@ trainer's rows: `python train.py data=served data.source=DIR` reads it as it is.
 loss 1 on the answer ids only: the columns of a shipped set (data/shipped.py), so the two mix (a replay sample of the
 shipped set beside the record). Answers that did not end by a stop or the length limit (aborted, cut by an error) are
 skipped and counted.
+
+`served_conversations` gives the record's chat requests back as conversations, for the trainer to have the verifier
+answer them again, sampled (`data.regenerate=N`, data/datamodule.py): more of the serving domain's answers than the
+server wrote, each the verifier's own.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 
 import datasets
 
+from data.prompts import Conversation
 from data.selfdistill import FEATURES
 from models.verifiers.core import Verifier
 from runtime.errors import UserError
@@ -57,3 +62,17 @@ def load_served(where: str | Path, verifier: Verifier, max_length: int = 1024,
     # A fingerprint from the records' bytes: the same record gives the same hidden-state cache key on every run.
     return datasets.Dataset(datasets.Dataset.from_dict(rows, features=features).data.table,
                             fingerprint=f"served-{digest}")
+
+
+def served_conversations(where: str | Path, verifier: Verifier) -> list[Conversation]:
+    """The record's chat requests (those with at least one finished answer) as conversations, in the order served: the
+    messages as the client sent them, which the verifier's chat template renders to the recorded prompt ids. Completion
+    requests (raw text prompts) have no messages and are left out."""
+    folder, records, _ = read_record(where, verifier)
+    out = []
+    for n, record in enumerate(records):
+        messages = record.get("messages")
+        finished = any(c.get("finish_reason") in FINISHED and c.get("answer_ids") for c in record["choices"])
+        if isinstance(messages, list) and messages and finished:
+            out.append(Conversation(id=f"served-{record.get('id') or n}", category="served", messages=messages))
+    return out

@@ -146,6 +146,47 @@ def test_the_trainer_reads_finished_answers_with_the_loss_on_the_answer_only(tin
         load_served(tmp_path / "nothing", tiny)
 
 
+@pytest.mark.slow
+def test_regenerate_has_the_verifier_answer_the_recorded_chat_prompts_again(tiny, tmp_path):
+    """data.regenerate=N: N sampled answers of the verifier's own to each recorded chat prompt, beside the record's
+    own rows; completion requests (no messages) and unfinished ones are not answered again."""
+    from data.chat import prompt_ids
+    from data.datamodule import DistillDataModule
+    from runtime.errors import UserError
+
+    chat = [{"role": "user", "content": "Sort a list of numbers in Python."}]
+    rendered = prompt_ids(tiny.tokenizer, chat, tiny.rendering)
+    lines = [_line(rendered, [8, 9, 2], "stop", "a") | {"messages": chat},
+             {"id": "b", "endpoint": "/v1/completions", "prompt": "def f(x):",
+              "choices": [{"index": 0, "prompt_ids": [5, 6], "answer_ids": [7, 2], "finish_reason": "stop"}]},
+             _line([5], [12], "abort", "c")]
+    folder = _record(tmp_path / "rec", tiny, lines)
+
+    def module(**kw):
+        return DistillDataModule(tiny, str(tmp_path / "cache"), mode="served", source=str(folder), shipped=[],
+                                 max_new_tokens=6, gen_batch_size=4, **kw)
+
+    ds = module(regenerate=3, regenerate_temperature=1.0).build()
+    recorded = [r for r in ds if r["source"] == "served:rec"]
+    again = [r for r in ds if r["source"] == "regenerated:rec"]
+    assert len(recorded) == 2 and len(again) == 3  # the two finished answers; three more to the one chat prompt
+    answers = []
+    for r in again:
+        assert r["input_ids"][: len(rendered)] == rendered  # the recorded prompt, as the server rendered it
+        assert sum(r["loss_mask"][: len(rendered)]) == 0 and sum(r["loss_mask"]) == len(r["input_ids"]) - len(rendered)
+        answers.append(tuple(r["input_ids"][len(rendered):]))
+    assert len(set(answers)) > 1  # sampled, each copy seeded apart
+    # The same settings read the cache: the same answers.
+    again2 = [r for r in module(regenerate=3, regenerate_temperature=1.0).build() if r["source"] == "regenerated:rec"]
+    assert [tuple(r["input_ids"][len(rendered):]) for r in again2] == answers
+    for kw, words in (({"regenerate": 2, "regenerate_temperature": 0.0}, "greedy decoding would write the recorded"),
+                      ({"regenerate": -1}, "a whole number >= 0")):
+        with pytest.raises(UserError, match=words):
+            module(**kw)
+    with pytest.raises(UserError, match="it is for data=served"):
+        DistillDataModule(tiny, str(tmp_path / "cache"), mode="shipped", regenerate=2)
+
+
 # -- the real server --------------------------------------------------------------------------------------------------
 
 def _port() -> int:
