@@ -235,8 +235,9 @@ class DistillDataModule(L.LightningDataModule):
         (data/selfdistill.py: generated in shards, cached, resumed after a kill) on the serving domain's prompts."""
         convs = served_conversations(self.source, self.verifier)
         if not convs:
-            raise UserError(f"data.regenerate={self.regenerate}: the served record {self.source} holds no finished chat "
-                            f"request to answer again (completion requests keep no messages). Set data.regenerate=0.")
+            raise UserError(f"data.regenerate={self.regenerate}: the served record {self.source} holds no finished "
+                            f"chat request to answer again (completion requests keep no messages). Set "
+                            f"data.regenerate=0.")
         copies = [Conversation(id=f"{c.id}-r{j}", category=c.category, messages=c.messages)
                   for j in range(self.regenerate) for c in convs]
         print(f"[data] regenerating {len(copies)} answers ({self.regenerate} to each of {len(convs)} recorded chat "
