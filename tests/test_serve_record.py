@@ -334,21 +334,26 @@ def test_a_fine_tuned_drafter_loads_into_the_running_server_in_place(server, tmp
 @pytest.mark.engine
 @pytest.mark.slow
 def test_the_trainer_retrains_from_the_record_as_it_is(server, tmp_path):
-    """`python train.py experiment=retrain_served data.source=DIR` with a replay sample: the served answers and the
-    replayed rows are the training set, and it exports."""
+    """`python train.py experiment=retrain_served data.source=DIR` with a replay sample: the served answers, the
+    verifier's regenerated answers to the recorded prompts and the replayed rows are the training set, and it
+    exports."""
     _, record, _ = server
     if len(_records(record)) < 2:
         for p in PROMPTS[:2]:
             _chat(server[0], p)
-    served = sum(1 for r in _records(record) if r["choices"][0]["finish_reason"] in ("stop", "length"))
+    finished = [r for r in _records(record) if r["choices"][0]["finish_reason"] in ("stop", "length")]
+    served, chats = len(finished), sum(1 for r in finished if r.get("messages"))
     proc = subprocess.run([sys.executable, "train.py", "experiment=retrain_served", f"data.source={record}",
                            "data.shipped=[smollm2-selfdistill-v1@4]", "data.batch_size=2", "data.max_length=256",
+                           "data.regenerate=2", "data.max_new_tokens=8",
                            "data.val_fraction=0.2", "trainer.max_steps=1", "logger=csv",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"served record {record}: {served} answers" in proc.stdout
-    n = served + 4
+    # The recipe has the verifier answer each recorded chat prompt again (data.regenerate), sampled, beside the record.
+    assert f"regenerating {2 * chats} answers (2 to each of {chats} recorded chat prompts" in proc.stdout
+    n = served + 2 * chats + 4
     val = max(1, round(n * 0.2))
     assert f"{n - val} train / {val} val conversations" in proc.stdout
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
