@@ -265,6 +265,30 @@ def test_bounded_frontier_grows_the_same_dynamic_tree(varied, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_chain_drafts_what_the_tree_growth_drafts(varied, kind):
+    """tree=chain (topk 1) takes `_chain`, which skips the tree's bookkeeping: its tokens and tree equal what the
+    general growth (`_expand` without the frontier bound, every candidate list, ancestor matrix and rerank built)
+    drafts from the same root, for chains shorter than, as long as and longer than the depth allows, flat to peaked
+    nets (each call after another's drafted keys were left in the buffers past the cache, as rounds leave them)."""
+    for seed, scale in enumerate([0.3, 1.0, 3.0]):
+        net = random_net(kind, varied, seed=seed)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(scale)
+        drafter = EagleDrafter(net, varied, Chain(4))
+        ids = varied.tokenizer(PROMPTS[seed % len(PROMPTS)], return_tensors="pt").input_ids
+        step = kv.forward(varied.model, kv.new_cache(), ids, hidden_layers=drafter.feature_layers)
+        seq = torch.cat([ids, step.logits[:, -1:].argmax(-1)], dim=1)
+        root_out = drafter._extend(seq, step.hidden)
+        for depth, total in [(1, 1), (2, 2), (4, 4), (4, 2), (6, 6), (3, 5)]:
+            fast = drafter._expand(root_out, depth, 1, total)
+            rows = drafter.rows_fed
+            general = drafter._expand(root_out, depth, 1, total, bound_frontier=False)
+            assert fast[0] == general[0] and torch.equal(fast[1], general[1]), (seed, depth, total)
+            assert fast[0].num_drafts == min(depth, total) == fast[0].max_depth and rows == min(depth, total)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_trial_drafts_like_propose_and_leaves_the_cache(varied, kind):
     """EagleDrafter.trial (what eval.planner.cost.draft_curve times) grows the tree the next propose grows with the same
     features, for any budget, and leaves the drafter's cache as it was, so that decoding continues after it."""

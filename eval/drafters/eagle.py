@@ -120,6 +120,8 @@ class EagleDrafter(VerifierFedDrafter):
         depth), of which only those that can still have a kept child. `worst_case=True` feeds every layer's
         min(topk, total - depth) best nodes whatever their scores (no early stop): the most drafting a round of this
         budget and depth can do, the same work on any prefix (what `trial` times)."""
+        if topk == 1 and bound_frontier and self.fed_class is _Fed:  # a chain: the same drafts, no tree bookkeeping
+            return self._chain(root_out, min(depth, total))
         dev = root_out.device
         fed = self.fed_class(self, root_out)
         self.rows_fed = 1  # drafter (and vocabulary-head) rows this call computes: the root, then each frontier
@@ -167,6 +169,27 @@ class EagleDrafter(VerifierFedDrafter):
         tree = Tree(parents=(-1,) + tuple(node_of[int(parent[c])] for c in keep),
                     ranks=(-1,) + tuple(int(r) for r in rank[keep]))
         return tree, self.to_verifier(tok[keep])
+
+    def _chain(self, root_out: Tensor, drafts: int) -> tuple[Tree, Tensor]:
+        """`_expand` at topk 1 (tree=chain): the same `drafts` tokens and tree, without the tree's bookkeeping. Each
+        depth's one node has a known parent (the node before), position (P - 1 + d), mask (every cached slot and the
+        chain so far) and key slot (P + d - 1), so no ancestor matrix, candidate lists or rerank are built: per depth
+        one drafter forward, one head call and its top-1 (tests/test_eagle_decode.py holds it to `_expand`'s path)."""
+        dev, p = root_out.device, self.cache_length
+        self._kv.adopt(self._k, self._v)
+        self.rows_fed = 1
+        tok = self._logits(root_out).float().log_softmax(-1).topk(1, dim=-1).indices[0]  # (1,), as _expand ranks it
+        toks, carried = [tok], self.net.carry(root_out)  # (1, D): what the root passes to its child
+        mask = torch.ones(1, 1, 1, p + drafts, dtype=torch.bool, device=dev)
+        for d in range(1, drafts):
+            self.rows_fed += 1
+            out = self._forward(carried[None], self.embed(self.to_verifier(tok)[None]),
+                                torch.full((1,), p - 1 + d, device=dev), mask[..., : p + d], p + d - 1)  # (1, 1, D)
+            carried = self.net.carry(out)[0]
+            tok = self._logits(out[0]).float().topk(1, dim=-1).indices[0]
+            toks.append(tok)
+        tree = Tree(parents=(-1,) + tuple(range(len(toks))), ranks=(-1,) + (0,) * len(toks))
+        return tree, self.to_verifier(torch.cat(toks))
 
     def _full_probs(self, out: Tensor) -> Tensor:
         """The drafter's warped distribution over the verifier's vocabulary. (m, D) -> (m, V)"""
