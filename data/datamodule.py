@@ -232,7 +232,8 @@ class DistillDataModule(L.LightningDataModule):
     def regenerated(self) -> datasets.Dataset:
         """`regenerate` more answers to each of the record's chat prompts, the verifier's own, sampled at
         `regenerate_temperature` (each copy of a prompt seeded apart), up to `max_new_tokens`: self-distillation
-        (data/selfdistill.py: generated in shards, cached, resumed after a kill) on the serving domain's prompts."""
+        (data/selfdistill.py: generated in shards, cached, resumed after a kill) on the serving domain's prompts, each
+        at its first user turn (`served_conversations`)."""
         convs = served_conversations(self.source, self.verifier)
         if not convs:
             raise UserError(f"data.regenerate={self.regenerate}: the served record {self.source} holds no finished "

@@ -66,8 +66,9 @@ def load_served(where: str | Path, verifier: Verifier, max_length: int = 1024,
 
 def served_conversations(where: str | Path, verifier: Verifier) -> list[Conversation]:
     """The record's chat requests (those with at least one finished answer) as conversations, in the order served: the
-    messages as the client sent them, which the verifier's chat template renders to the recorded prompt ids. Completion
-    requests (raw text prompts) have no messages and are left out."""
+    messages as the client sent them. Self-distillation answers a conversation's system message and first user turn
+    (data.selfdistill.first_turn): for a one-turn request that is the recorded prompt, ids for ids; a longer one is
+    answered at its first turn. Completion requests (raw text prompts) have no messages and are left out."""
     folder, records, _ = read_record(where, verifier)
     out = []
     for n, record in enumerate(records):
